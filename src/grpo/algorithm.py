@@ -1,0 +1,230 @@
+"""The GRPO family's math, as pure functions of tensors.
+
+Implemented (names follow the papers):
+- group-relative advantages (DeepSeekMath): ``A_i = (r_i - mean(r)) / sqrt(var(r) + eps)`` over each
+  contiguous block of G completions, with the population variance and ``eps`` inside the root;
+  scaling by the batch std (as TRL's ``scale_rewards="batch"``) or no scaling (Dr. GRPO) as options;
+- the KL estimators k1, k2, k3 of Schulman's note, k3 being the seed's
+  ``exp(ref - logp) - (ref - logp) - 1``;
+- the clipped surrogate with separate low/high clip ranges (DAPO), an optional dual clip for negative
+  advantages (Ye et al., 2020), token or sequence-level ratios (GSPO), and optional per-token
+  importance weights for off-policy rollouts (truncated importance sampling);
+- the loss aggregations ``grpo``, ``bnpo``, ``dapo`` and ``dr_grpo`` as small functions in a dict.
+
+Shapes: ``N`` completions, ``T`` completion tokens (right padded). ``loss_mask`` is True where a
+token counts. This module imports only torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# --------------------------------------------------------------------------------------- advantages
+
+
+def _group_view(rewards: Tensor, group_size: int) -> Tensor:
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"rewards must be 1-D with a length divisible by group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    return rewards.view(-1, group_size)  # [P, G]
+
+
+def group_std(rewards: Tensor, group_size: int) -> Tensor:
+    """Population std of each group, without eps: [N] -> [P]."""
+    return _group_view(rewards, group_size).std(dim=1, unbiased=False)
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-8
+) -> Tensor:
+    """Group-relative advantages. rewards: [N] (N = P*G, groups contiguous) -> [N].
+
+    scale: "group" divides by each group's ``sqrt(var + eps)`` (the seed's formula), "batch" by the
+    whole batch's, "none" only centres (Dr. GRPO). A zero-variance group gives exactly 0.
+    """
+    grouped = _group_view(rewards.double(), group_size)  # [P, G]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    if scale == "group":
+        denom = (centred.pow(2).mean(dim=1, keepdim=True) + eps).sqrt()  # [P, 1]
+    elif scale == "batch":
+        flat = rewards.double()
+        denom = ((flat - flat.mean()).pow(2).mean() + eps).sqrt()
+    elif scale == "none":
+        denom = torch.ones((), dtype=torch.float64)
+    else:
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    return (centred / denom).reshape(-1).to(rewards.dtype)
+
+
+# --------------------------------------------------------------------------------------- KL
+
+
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """log(pi/ref): unbiased, can be negative per token."""
+    return logp - ref_logp
+
+
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """0.5 * log(pi/ref)^2: biased, never negative."""
+    return 0.5 * (logp - ref_logp).pow(2)
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """ref/pi - log(ref/pi) - 1 (the seed's estimator): unbiased, never negative, 0 when equal."""
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+}
+
+# --------------------------------------------------------------------------------------- aggregation
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """Counts over the whole optimizer step, so that micro-batch losses sum to the step's loss.
+
+    num_sequences: completions in the step (all micro-batches, all ranks' share for this rank).
+    num_tokens: counted tokens in the step (``dapo``; all-reduced across ranks when distributed).
+    num_micro_batches: micro-batches in the step (``bnpo`` averages their token means).
+    max_new_tokens: the constant length budget of ``dr_grpo``.
+    """
+
+    num_sequences: float
+    num_tokens: float
+    num_micro_batches: int = 1
+    max_new_tokens: int = 1
+
+
+def _seq_mean_then_mean(per_token: Tensor, mask: Tensor, norm: Normalizer) -> Tensor:
+    # the seed's 1/G * 1/|o_i|: mean over each completion's tokens, then over completions
+    lengths = mask.sum(dim=1).clamp(min=1)  # [N]
+    per_seq = (per_token * mask).sum(dim=1) / lengths  # [N]
+    return per_seq.sum() / norm.num_sequences
+
+
+def _micro_batch_token_mean(per_token: Tensor, mask: Tensor, norm: Normalizer) -> Tensor:
+    return (per_token * mask).sum() / mask.sum().clamp(min=1) / norm.num_micro_batches
+
+
+def _step_token_mean(per_token: Tensor, mask: Tensor, norm: Normalizer) -> Tensor:
+    return (per_token * mask).sum() / max(norm.num_tokens, 1.0)
+
+
+def _constant_budget(per_token: Tensor, mask: Tensor, norm: Normalizer) -> Tensor:
+    return (per_token * mask).sum() / (norm.num_sequences * norm.max_new_tokens)
+
+
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, Normalizer], Tensor]] = {
+    "grpo": _seq_mean_then_mean,
+    "bnpo": _micro_batch_token_mean,
+    "dapo": _step_token_mean,
+    "dr_grpo": _constant_budget,
+}
+
+# --------------------------------------------------------------------------------------- ratios
+
+
+def _token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    return logp - old_logp  # [N, T]
+
+
+def _sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    # GSPO: the length-normalised sequence log-ratio, shared by every token of the completion
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
+    seq = ((logp - old_logp) * mask).sum(dim=1, keepdim=True) / lengths  # [N, 1]
+    return seq.expand_as(logp)  # [N, T]
+
+
+LOG_RATIOS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "token": _token_log_ratio,
+    "sequence": _sequence_log_ratio,
+}
+
+# --------------------------------------------------------------------------------------- loss
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    ref_logp: Tensor | None = None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    beta: float = 0.0,
+    loss_type: str = "grpo",
+    ratio_level: str = "token",
+    kl_estimator: str = "k3",
+    dual_clip: float | None = None,
+    importance_weights: Tensor | None = None,
+    normalizer: Normalizer | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate loss with an optional in-loss KL penalty.
+
+    logp, old_logp, ref_logp: [N, T] log-probs of the sampled tokens under the current, the
+    sampling-time and the reference policy. advantages: [N]. loss_mask: [N, T] bool.
+    importance_weights: [N, T] detached per-token weights (truncated importance sampling).
+    normalizer: step-wide counts; by default the batch given is the whole step.
+
+    Per token: ``-min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A) + beta*KL``, aggregated by
+    ``AGGREGATIONS[loss_type]``. Returns the loss and detached statistics over counted tokens.
+    """
+    mask = loss_mask.to(logp.dtype)
+    # masked positions may hold anything (even inf); zero them so they reach neither value nor grad
+    keep = loss_mask.bool()
+    logp = torch.where(keep, logp, torch.zeros_like(logp))
+    old_logp = torch.where(keep, old_logp, torch.zeros_like(old_logp))
+    if normalizer is None:
+        normalizer = Normalizer(num_sequences=logp.shape[0], num_tokens=float(mask.sum()))
+
+    log_ratio = LOG_RATIOS[ratio_level](logp, old_logp, mask)  # [N, T]
+    ratio = torch.exp(log_ratio)  # [N, T]
+    adv = advantages.unsqueeze(1)  # [N, 1]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
+    per_token = -torch.min(unclipped, clipped)  # [N, T]
+    if dual_clip is not None:
+        # for A < 0 the surrogate is unbounded as ratio grows; cap the loss at -dual_clip * A
+        per_token = torch.where(adv < 0, torch.min(per_token, -dual_clip * adv), per_token)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
+
+    kl = None
+    if ref_logp is not None:
+        ref_logp = torch.where(keep, ref_logp, torch.zeros_like(ref_logp))
+        kl = KL_ESTIMATORS[kl_estimator](logp, ref_logp)  # [N, T]
+        if beta:
+            per_token = per_token + beta * kl
+
+    loss = AGGREGATIONS[loss_type](per_token, mask, normalizer)
+
+    with torch.no_grad():
+        low = (ratio < 1 - clip_low) & (adv < 0) & keep
+        high = (ratio > 1 + clip_high) & (adv > 0) & keep
+        counted = ratio[keep] if keep.any() else torch.ones(1, dtype=ratio.dtype)
+        stats = {
+            "clip_frac/low": masked_mean(low.to(mask.dtype), mask),
+            "clip_frac/high": masked_mean(high.to(mask.dtype), mask),
+            "ratio/min": counted.min(),
+            "ratio/mean": counted.mean(),
+            "ratio/max": counted.max(),
+        }
+        if kl is not None:
+            stats["kl"] = masked_mean(kl, mask)
+    return loss, {k: v.detach() for k, v in stats.items()}

@@ -1,0 +1,106 @@
+"""Typed containers passed between the stages of a step.
+
+``N = P * G`` completions, groups of G contiguous. ``S`` prompt tokens (left padded),
+``T`` completion tokens (right padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """What a rollout engine returns.
+
+    prompt_ids: [N, S] left padded; prompt_mask: [N, S] True on real prompt tokens.
+    completion_ids: [N, T] right padded; completion_mask: [N, T] True up to and including EOS.
+    truncated: [N] True when no EOS was produced within max_new_tokens.
+    sampler_logp: [N, T] log-probs the sampler assigned, when the engine reports them.
+    rows: the P dataset rows the prompts came from (one per group).
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    prompts: list[str]
+    completions: list[str]
+    rows: list[dict[str, Any]]
+    group_size: int
+    sampler_logp: Tensor | None = None
+
+    @property
+    def num_completions(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def select_groups(self, groups: list[int]) -> Rollout:
+        """The rollout restricted to the given group indices (in order)."""
+        g = self.group_size
+        idx = torch.tensor([i * g + j for i in groups for j in range(g)], dtype=torch.long)
+        return Rollout(
+            prompt_ids=self.prompt_ids[idx],
+            prompt_mask=self.prompt_mask[idx],
+            completion_ids=self.completion_ids[idx],
+            completion_mask=self.completion_mask[idx],
+            truncated=self.truncated[idx],
+            prompts=[self.prompts[i] for i in idx.tolist()],
+            completions=[self.completions[i] for i in idx.tolist()],
+            rows=[self.rows[i] for i in groups],
+            group_size=g,
+            sampler_logp=None if self.sampler_logp is None else self.sampler_logp[idx],
+        )
+
+
+@dataclass
+class Scored:
+    """A rollout with its rewards.
+
+    per_function: [N, K] score of each reward function (NaN where it returned None).
+    rewards: [N] weighted sum (None counted as 0). advantages: [N].
+    errors: reward function name -> completions that fell back after an error or timeout.
+    """
+
+    rollout: Rollout
+    per_function: Tensor
+    function_names: list[str]
+    rewards: Tensor
+    advantages: Tensor
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+def concat_rollouts(parts: list[Rollout]) -> Rollout:
+    """Join rollouts of the same group size, padding prompts on the left, completions on the right."""
+    if len(parts) == 1:
+        return parts[0]
+    s = max(p.prompt_ids.shape[1] for p in parts)
+    t = max(p.completion_ids.shape[1] for p in parts)
+
+    def pad(x: Tensor, width: int, left: bool, value: float | int) -> Tensor:
+        extra = width - x.shape[1]
+        if extra == 0:
+            return x
+        filler = torch.full((x.shape[0], extra), value, dtype=x.dtype)
+        return torch.cat([filler, x] if left else [x, filler], dim=1)
+
+    pad_id = 0
+    has_logp = all(p.sampler_logp is not None for p in parts)
+    return Rollout(
+        prompt_ids=torch.cat([pad(p.prompt_ids, s, True, pad_id) for p in parts]),
+        prompt_mask=torch.cat([pad(p.prompt_mask, s, True, False) for p in parts]),
+        completion_ids=torch.cat([pad(p.completion_ids, t, False, pad_id) for p in parts]),
+        completion_mask=torch.cat([pad(p.completion_mask, t, False, False) for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]),
+        prompts=[x for p in parts for x in p.prompts],
+        completions=[x for p in parts for x in p.completions],
+        rows=[x for p in parts for x in p.rows],
+        group_size=parts[0].group_size,
+        sampler_logp=torch.cat([pad(p.sampler_logp, t, False, 0.0) for p in parts])
+        if has_logp
+        else None,
+    )

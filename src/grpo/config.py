@@ -1,0 +1,282 @@
+"""One configuration tree: YAML recipes plus dotted command-line overrides.
+
+Every field is documented once, here, in the docstring under it (shown by ``grpo config``).
+Unknown keys are errors. ``load_config`` returns a validated ``Config``; bad input raises
+``ConfigError`` with a one-line message naming the field or file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; the message is one line for the user."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights; the reference is the model with adapters off."""
+    r: int = Field(16, ge=1)
+    """LoRA rank."""
+    alpha: int = Field(32, ge=1)
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input."""
+    target_modules: list[str] | str = "all-linear"
+    """Modules that get adapters: a list of names, or "all-linear"."""
+
+
+class ModelConfig(Section):
+    name: str = "tiny-random"
+    """Built-in alias (see `grpo models`), local HF folder, or hub id (needs network)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weight dtype. float32 on CPU (bf16 matmul is slower there)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    lora: LoraConfig = LoraConfig()
+    """Parameter-efficient training."""
+
+
+class DataConfig(Section):
+    task: str | None = "arithmetic"
+    """Built-in task (see `grpo tasks`); ignored when `path` is set."""
+    path: str | None = None
+    """JSONL, Parquet or CSV file, or a `datasets` folder saved with save_to_disk."""
+    split: str = "train"
+    """Split of a task or of a DatasetDict folder."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages {role, content}."""
+    answer_field: str = "answer"
+    """Column holding the gold answer; passed to rewards as `answer`."""
+    system_prompt: str | None = None
+    """System message put before string prompts (overrides the task's own)."""
+    num_examples: int | None = Field(None, ge=1)
+    """Use only the first N rows (after task generation)."""
+    shuffle: bool = True
+    """Visit rows in a seeded random order, reshuffled every epoch."""
+    task_args: dict[str, Any] = {}
+    """Keyword arguments for the built-in task's generator (size, digit ranges, ...)."""
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: Hugging Face `generate`, or vLLM (GPU, extra `vllm`)."""
+    prompts_per_step: int = Field(4, ge=1)
+    """P: prompts sampled per training step (per rank)."""
+    group_size: int = Field(8, ge=2)
+    """G: completions per prompt. At least 2: a group of one has no relative advantage."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Completion length limit; longer completions are cut and flagged truncated."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; training log-probs use the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off)."""
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """Share of GPU memory the colocated vLLM engine may take."""
+
+
+class RewardSpec(Section):
+    name: str
+    """Built-in reward name, `module:function`, or `path/to/file.py:function`."""
+    weight: float = 1.0
+    """Weight in the total reward."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for a built-in reward's constructor."""
+
+
+class RewardsConfig(Section):
+    functions: list[RewardSpec] = [RewardSpec(name="format"), RewardSpec(name="accuracy")]
+    """Reward functions; the total reward is their weighted sum (None counts as 0)."""
+    fallback: float = 0.0
+    """Score given to a completion when its reward function raises or times out."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Per-call time limit of a reward function."""
+    workers: int = Field(2, ge=1)
+    """Worker threads for reward functions (slow verifiers run concurrently)."""
+
+
+class AlgorithmConfig(Section):
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO)."""
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
+    """Loss aggregation over tokens, see README."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (GRPO) or per sequence (GSPO)."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip range: ratio >= 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """Upper clip range: ratio <= 1 + clip_high."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (off when null)."""
+    beta: float = Field(0.04, ge=0)
+    """KL penalty weight; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator against the reference."""
+    num_iterations: int = Field(1, ge=1)
+    """mu: optimizer steps on each batch of rollouts; >1 needs old log-probs."""
+    adv_eps: float = Field(1e-8, gt=0)
+    """eps inside the square root of the advantage's std."""
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up, in optimizer steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning rate after warm-up."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the gradient's global norm (null = off)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Completions per forward/backward; gradients accumulate over the step."""
+
+
+class TrainConfig(Section):
+    steps: int = Field(20, ge=1)
+    """Training steps (one rollout batch each)."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation; CPU runs repeat exactly."""
+    output_dir: str = "runs"
+    """Folder holding run directories."""
+    run_name: str = "default"
+    """Run directory name: <output_dir>/<run_name>."""
+    resume: str = "auto"
+    """"auto" continues from the run's last good checkpoint; "never" starts over; or a path."""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (0 = only the final one)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept; older ones are deleted."""
+    log_completions: int = Field(4, ge=0)
+    """Completions written per step to completions/ (0 = none)."""
+    eval_every: int = Field(0, ge=0)
+    """Run the held-out evaluation every N steps (0 = off)."""
+    eval_examples: int = Field(50, ge=1)
+    """Held-out examples per evaluation."""
+    sinks: list[str] = ["jsonl", "tensorboard"]
+    """Metric sinks: jsonl (always on), tensorboard, wandb, trackio (offline)."""
+    progress: bool = True
+    """Show a progress bar."""
+    threads: int | None = Field(None, ge=1)
+    """torch intra-op threads (default: torch's choice)."""
+
+
+class Config(Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    rewards: RewardsConfig = RewardsConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Config:
+        if not self.rewards.functions:
+            raise ValueError("rewards.functions: at least one reward function is needed")
+        if self.data.path is None and self.data.task is None:
+            raise ValueError("data: set either data.task or data.path")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.train.output_dir) / self.train.run_name
+
+
+# --------------------------------------------------------------------------------------- loading
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{where}'"
+    return f"config '{where}': {first['msg']}"
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{key}' is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`a.b=value` strings -> nested dict; values are parsed as YAML (numbers, lists, null)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of sections")
+    return tree
+
+
+def build_config(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Recipe (or the default recipe) + dotted overrides -> validated Config."""
+    path = Path(recipe) if recipe is not None else default_recipe_path()
+    tree = read_recipe(path)
+    if "run_name" not in tree.get("train", {}):
+        # a recipe's runs land in runs/<recipe name> unless it says otherwise
+        tree = _merge(tree, {"train": {"run_name": path.stem}})
+    return build_config(_merge(tree, parse_overrides(overrides or [])))
+
+
+def default_recipe_path() -> Path:
+    return Path(__file__).parent / "recipes" / "default.yaml"
+
+
+def dump_config(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,147 @@
+"""Metric sinks and the progress bar.
+
+``metrics.jsonl`` is always written (one JSON object per step); tensorboard by default; wandb and
+trackio when installed, in offline mode. Only the process that owns the run directory logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class Sink(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    def __init__(self, run_dir: Path, keep_through_step: int) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        truncate_jsonl(self.path, keep_through_step)
+        self.file = self.path.open("a")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorboardSink:
+    def __init__(self, run_dir: Path, keep_through_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=keep_through_step + 1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, run_dir: Path, keep_through_step: int) -> None:
+        import wandb
+
+        os.environ.setdefault("WANDB_MODE", "offline")
+        self.run = wandb.init(dir=str(run_dir), name=run_dir.name, resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TrackioSink:
+    def __init__(self, run_dir: Path, keep_through_step: int) -> None:
+        import trackio
+
+        self.trackio = trackio
+        trackio.init(project="grpo", name=run_dir.name, resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.trackio.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+SINKS: dict[str, type] = {
+    "jsonl": JsonlSink,
+    "tensorboard": TensorboardSink,
+    "wandb": WandbSink,
+    "trackio": TrackioSink,
+}
+OPTIONAL_SINKS = {"wandb", "trackio"}
+
+
+def truncate_jsonl(path: Path, keep_through_step: int) -> None:
+    """Drop lines of steps after ``keep_through_step`` (a resumed run rewrites them)."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= keep_through_step]
+    path.write_text("".join(ln + "\n" for ln in kept))
+
+
+class MetricsLogger:
+    """Fans each step's metrics out to the configured sinks."""
+
+    def __init__(self, run_dir: Path, sinks: list[str], keep_through_step: int = 0) -> None:
+        self.sinks: list[Sink] = []
+        for name in dict.fromkeys(["jsonl", *sinks]):
+            if name not in SINKS:
+                raise ValueError(f"train.sinks: unknown sink '{name}' (use {', '.join(SINKS)})")
+            try:
+                self.sinks.append(SINKS[name](run_dir, keep_through_step))
+            except ImportError:
+                if name not in OPTIONAL_SINKS:
+                    raise
+                print(f"metrics sink '{name}' skipped: package not installed")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+class ProgressBar:
+    """Step, reward, KL and ETA on one line; silent when disabled."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.progress = None
+        if enabled:
+            self.progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+            )
+            self.task = self.progress.add_task("train", total=total, completed=start, info="")
+            self.progress.start()
+
+    def update(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.progress is None:
+            return
+        info = f"reward {metrics['reward/mean']:.3f}  kl {metrics.get('kl', 0.0):.4f}"
+        self.progress.update(self.task, completed=step, info=info)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()

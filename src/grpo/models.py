@@ -1,0 +1,190 @@
+"""Model resolution (aliases, local folders, hub ids), LoRA, and the reference policy.
+
+Aliases build or convert their weights once into a cache folder (``$GRPO_CACHE``, default
+``~/.cache/grpo/models``) and load from there afterwards; nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import string
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from grpo.config import ModelConfig
+
+
+class ModelError(ValueError):
+    """A model name that cannot be resolved; one line for the user."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo" / "models"))
+
+
+# --------------------------------------------------------------------------------------- tiny model
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tiny_model(path: Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Path:
+    """A tiny random Llama with a character-level tokenizer and a chat template, saved at path.
+
+    Used by the tests and the smoke recipe: it needs no download and runs in milliseconds.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token=" "
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[2:]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "left"
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=vocab["<pad>"],
+        eos_token_id=vocab["<eos>"],
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _tiny_random(target: Path) -> Path:
+    return build_tiny_model(target)
+
+
+# alias -> builder(target folder) that writes an HF folder there
+ALIASES: dict[str, Callable[[Path], Path]] = {
+    "tiny-random": _tiny_random,
+}
+
+
+def resolve_model_path(name: str) -> str:
+    """An alias (built into the cache on first use), a local folder, or a hub id as given."""
+    if name in ALIASES:
+        target = cache_root() / name
+        if not (target / "config.json").is_file():
+            # build under a temporary name so an interrupted build is never mistaken for a model
+            tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            ALIASES[name](tmp)
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.replace(target)
+        return str(target)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model folder {path} has no config.json")
+        return str(path)
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name  # a hub id; only works with network access
+    raise ModelError(f"model '{name}' is neither an alias ({', '.join(ALIASES)}) nor a folder")
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(config: ModelConfig, path: str) -> nn.Module:
+    """The trainable policy: full weights, or LoRA adapters on a frozen base."""
+    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if config.lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        lora = PeftLoraConfig(
+            r=config.lora.r,
+            lora_alpha=config.lora.alpha,
+            lora_dropout=config.lora.dropout,
+            target_modules=config.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+        if config.gradient_checkpointing:
+            model.enable_input_require_grads()
+    return model
+
+
+def is_lora(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+class Reference:
+    """The frozen reference policy.
+
+    With LoRA it is the policy with its adapters disabled (no second copy of the weights);
+    otherwise a frozen deep copy made at start.
+    """
+
+    def __init__(self, policy: nn.Module) -> None:
+        self.policy = policy
+        self.copy: nn.Module | None = None
+        if not is_lora(policy):
+            self.copy = copy.deepcopy(policy).eval()
+            self.copy.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def model(self) -> Iterator[nn.Module]:
+        if self.copy is not None:
+            yield self.copy
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {} if self.copy is None else self.copy.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.copy is not None and state:
+            self.copy.load_state_dict(state)
+
+
+def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
+    """Save a plain HF folder; a LoRA policy is saved merged so any HF loader can read it."""
+    path.mkdir(parents=True, exist_ok=True)
+    if is_lora(model):
+        merged = copy.deepcopy(model).merge_and_unload()
+        merged.save_pretrained(path)
+        model.save_pretrained(path / "adapter")
+    else:
+        model.save_pretrained(path)
+    tokenizer.save_pretrained(path)

@@ -1,0 +1,74 @@
+"""Rollout engines: turn P prompts into G completions each (a ``Rollout``).
+
+An engine is any object with ``generate(prompts, rows, group_size) -> Rollout`` and
+``sync_weights(model)`` (called after each optimizer step; a no-op for engines that sample from
+the policy itself). ``hf`` samples with Hugging Face ``generate``; ``vllm`` runs a colocated vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from grpo.batch import Rollout
+
+
+class RolloutEngine(Protocol):
+    def generate(
+        self, prompts: list[str], rows: list[dict[str, Any]], group_size: int
+    ) -> Rollout: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]], system: str | None
+) -> str:
+    """A dataset prompt (string or chat messages) as the text the model continues.
+
+    Uses the tokenizer's chat template when it has one; otherwise plain text, the system prompt
+    first.
+    """
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in messages) + "\n"
+
+
+def completion_mask_and_truncation(
+    completion_ids: Tensor, eos_token_ids: list[int]
+) -> tuple[Tensor, Tensor]:
+    """[N, T] ids -> (mask [N, T] True up to and including the first EOS, truncated [N])."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids))  # [N, T]
+    has_eos = is_eos.any(dim=1)  # [N]
+    t = completion_ids.shape[1]
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, t, dtype=torch.long))
+    positions = torch.arange(t).unsqueeze(0)  # [1, T]
+    mask = positions <= first_eos.unsqueeze(1)  # [N, T]
+    return mask & (positions < t), ~has_eos
+
+
+def decode_completions(
+    tokenizer: PreTrainedTokenizerBase, completion_ids: Tensor, mask: Tensor
+) -> list[str]:
+    return [
+        tokenizer.decode(ids[m], skip_special_tokens=True)
+        for ids, m in zip(completion_ids, mask, strict=True)
+    ]
+
+
+def build_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    if name == "hf":
+        from grpo.rollout.hf import HFEngine
+
+        return HFEngine(**kwargs)
+    if name == "vllm":
+        from grpo.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(**kwargs)
+    raise ValueError(f"unknown rollout engine '{name}'")
