@@ -6,7 +6,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedTokenizerBase,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from grpo.batch import Rollout
 from grpo.config import RolloutConfig
@@ -19,6 +27,30 @@ def eos_ids(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> list[int]:
     return sorted({*ids, tokenizer.eos_token_id} - {None})
 
 
+class SeededGroupSampler(LogitsProcessor):
+    """Samples each group's next tokens from its own seeded generator (the Gumbel-max trick).
+
+    ``argmax(scores + Gumbel noise)`` is a draw from ``softmax(scores)``, so running ``generate``
+    greedily after this processor samples exactly as ``do_sample`` would, but the noise of group i
+    comes only from ``seeds[i]``: a prompt's completions do not depend on which other prompts share
+    the batch (or the rank), which keeps multi-process runs equal to one process.
+    scores: [P*G, V], groups contiguous.
+    """
+
+    def __init__(self, seeds: list[int], group_size: int, device: torch.device) -> None:
+        self.group_size = group_size
+        self.device = device
+        self.generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        shape = (self.group_size, scores.shape[-1])
+        noise = torch.cat(
+            [torch.rand(shape, generator=g, device=self.device) for g in self.generators]
+        )  # [N, V] uniform in [0, 1)
+        gumbel = -torch.log(-torch.log(noise.clamp(min=1e-20)))  # -inf scores stay -inf
+        return scores + gumbel.to(scores.dtype)
+
+
 class HFEngine:
     """Samples G completions per prompt from ``model`` (prompts left padded)."""
 
@@ -29,40 +61,56 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.eos = eos_ids(tokenizer, model)
+        # greedy decoding over warped + Gumbel-noised scores = seeded sampling (SeededGroupSampler)
         self.sampling = dict(
-            do_sample=True,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            top_k=config.top_k or None,
+            do_sample=False,
             max_new_tokens=config.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=self.eos,
             use_cache=True,
         )
+        self.warpers = [TemperatureLogitsWarper(config.temperature)]
+        if config.top_k:
+            self.warpers.append(TopKLogitsWarper(config.top_k))
+        if config.top_p < 1:
+            self.warpers.append(TopPLogitsWarper(config.top_p))
 
     def sync_weights(self, model: nn.Module) -> None:
         """Nothing to do: this engine samples from the policy object itself."""
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], rows: list[dict[str, Any]], group_size: int) -> Rollout:
+    def generate(
+        self,
+        prompts: list[str],
+        rows: list[dict[str, Any]],
+        group_size: int,
+        seeds: list[int] | None = None,
+    ) -> Rollout:
+        if seeds is None:
+            seeds = torch.randint(2**62, (len(prompts),)).tolist()
+        sampler = SeededGroupSampler(seeds, group_size, self.model.device)
         enc = self.tokenizer(
-            prompts, return_tensors="pt", padding=True, padding_side="left",
+            prompts,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
             add_special_tokens=False,
         )
         was_training = self.model.training
         self.model.eval()
         try:
+            # each prompt repeated G times, groups contiguous (greedy generate has no
+            # num_return_sequences; the sampler supplies the randomness)
             out = self.model.generate(
-                input_ids=enc.input_ids,
-                attention_mask=enc.attention_mask,
-                generation_config=GenerationConfig(
-                    **self.sampling, num_return_sequences=group_size
-                ),
+                input_ids=enc.input_ids.repeat_interleave(group_size, dim=0),
+                attention_mask=enc.attention_mask.repeat_interleave(group_size, dim=0),
+                generation_config=GenerationConfig(**self.sampling),
+                logits_processor=LogitsProcessorList([*self.warpers, sampler]),
             )
         finally:
             self.model.train(was_training)
         s = enc.input_ids.shape[1]
-        completion_ids = out[:, s:]  # [N, T]; num_return_sequences keeps each group contiguous
+        completion_ids = out[:, s:]  # [N, T]
         mask, truncated = completion_mask_and_truncation(completion_ids, self.eos)
         completion_ids = completion_ids.masked_fill(~mask, self.tokenizer.pad_token_id)
         return Rollout(
