@@ -9,7 +9,11 @@ Implemented (names follow the papers):
 - the clipped surrogate with separate low/high clip ranges (DAPO), an optional dual clip for negative
   advantages (Ye et al., 2020), token or sequence-level ratios (GSPO), and optional per-token
   importance weights for off-policy rollouts (truncated importance sampling);
-- the loss aggregations ``grpo``, ``bnpo``, ``dapo`` and ``dr_grpo`` as small functions in a dict.
+- the loss aggregations ``grpo``, ``bnpo``, ``dapo`` and ``dr_grpo`` as small functions in a dict;
+- the stability controls: zero-variance group detection (DAPO's dynamic sampling), truncated
+  importance weights against the sampler's log-probs (Yao et al., 2025) and the log-prob mismatch,
+  the high-entropy token mask (Wang et al., 2025, "Beyond the 80/20 rule"), and the soft parameter
+  update used to refresh the reference policy.
 
 Shapes: ``N`` completions, ``T`` completion tokens (right padded). ``loss_mask`` is True where a
 token counts. This module imports only torch.
@@ -38,6 +42,14 @@ def _group_view(rewards: Tensor, group_size: int) -> Tensor:
 def group_std(rewards: Tensor, group_size: int) -> Tensor:
     """Population std of each group, without eps: [N] -> [P]."""
     return _group_view(rewards, group_size).std(dim=1, unbiased=False)
+
+
+def zero_std_groups(rewards: Tensor, group_size: int, atol: float = 1e-6) -> Tensor:
+    """Groups whose rewards are all equal (population std <= atol): [N] -> [P] bool.
+
+    Such a group has zero advantage for every completion, so it adds no policy gradient.
+    """
+    return group_std(rewards, group_size) <= atol
 
 
 def group_advantages(
@@ -174,6 +186,7 @@ def policy_loss(
     dual_clip: float | None = None,
     importance_weights: Tensor | None = None,
     normalizer: Normalizer | None = None,
+    pg_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate loss with an optional in-loss KL penalty.
 
@@ -181,6 +194,9 @@ def policy_loss(
     sampling-time and the reference policy. advantages: [N]. loss_mask: [N, T] bool.
     importance_weights: [N, T] detached per-token weights (truncated importance sampling).
     normalizer: step-wide counts; by default the batch given is the whole step.
+    pg_mask: [N, T] bool, tokens whose surrogate term counts (the high-entropy filter); the KL
+    term and the aggregation's token counts still use ``loss_mask``, so filtered tokens count as
+    zeros, as in the paper's objective.
 
     Per token: ``-min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A) + beta*KL``, aggregated by
     ``AGGREGATIONS[loss_type]``. Returns the loss and detached statistics over counted tokens.
@@ -204,6 +220,8 @@ def policy_loss(
         per_token = torch.where(adv < 0, torch.min(per_token, -dual_clip * adv), per_token)
     if importance_weights is not None:
         per_token = per_token * importance_weights
+    if pg_mask is not None:
+        per_token = torch.where(pg_mask.bool(), per_token, torch.zeros_like(per_token))
 
     kl = None
     if ref_logp is not None:
@@ -228,3 +246,62 @@ def policy_loss(
         if kl is not None:
             stats["kl"] = masked_mean(kl, mask)
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+# --------------------------------------------------------------------------------------- off-policy
+
+
+def truncated_importance_weights(old_logp: Tensor, sampler_logp: Tensor, cap: float) -> Tensor:
+    """Truncated importance sampling (TIS): ``min(pi_old / pi_sampler, cap)`` per token.
+
+    old_logp: [N, T] the trainer's log-probs of the sampled tokens under the weights that sampled
+    them; sampler_logp: [N, T] the sampling engine's own log-probs. Returns detached [N, T]
+    weights; only the upper side is truncated (a small weight never explodes the gradient).
+    """
+    log_ratio = (old_logp - sampler_logp).detach()  # [N, T]
+    return torch.exp(log_ratio).clamp(max=cap)
+
+
+def logprob_mismatch(
+    trainer_logp: Tensor, sampler_logp: Tensor, loss_mask: Tensor
+) -> dict[str, Tensor]:
+    """Mean and max of |trainer - sampler| log-prob over counted tokens: [N, T] x2 -> scalars."""
+    keep = loss_mask.bool()
+    diff = (trainer_logp.detach() - sampler_logp)[keep].abs()  # [counted]
+    if diff.numel() == 0:
+        zero = torch.zeros((), dtype=trainer_logp.dtype)
+        return {"mismatch_mean": zero, "mismatch_max": zero}
+    return {"mismatch_mean": diff.mean(), "mismatch_max": diff.max()}
+
+
+# --------------------------------------------------------------------------------------- entropy
+
+
+def top_entropy_mask(entropy: Tensor, loss_mask: Tensor, quantile: float) -> Tensor:
+    """The highest-entropy ``quantile`` share of counted tokens: [N, T] -> [N, T] bool.
+
+    Keeps tokens with entropy >= the (1 - quantile) quantile of the counted tokens' entropies
+    (linear interpolation, as ``torch.quantile``); quantile 1 keeps every counted token.
+    """
+    keep = loss_mask.bool()
+    if quantile >= 1.0 or not keep.any():
+        return keep
+    values = entropy.detach()[keep].float()  # [counted]
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return keep & (entropy.detach() >= threshold.to(entropy.dtype))
+
+
+# --------------------------------------------------------------------------------------- reference
+
+
+@torch.no_grad()
+def soft_update_(targets: list[Tensor], sources: list[Tensor], alpha: float) -> None:
+    """In place ``target <- alpha * source + (1 - alpha) * target``; alpha 1 is an exact copy.
+
+    The reference refresh of iterative GRPO (DeepSeekMath) with TR-DPO's soft mixing.
+    """
+    for target, source in zip(targets, sources, strict=True):
+        if alpha == 1.0 or not target.is_floating_point():
+            target.copy_(source)  # integer buffers (positions, counters) are copied, never mixed
+        else:
+            target.mul_(1.0 - alpha).add_(source.to(target.dtype), alpha=alpha)

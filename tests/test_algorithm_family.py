@@ -1,0 +1,237 @@
+"""Presets of the GRPO family and the stability controls, on hand-computed examples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+
+from grpo.algorithm import (
+    Normalizer,
+    group_advantages,
+    logprob_mismatch,
+    policy_loss,
+    soft_update_,
+    top_entropy_mask,
+    truncated_importance_weights,
+    zero_std_groups,
+)
+from grpo.config import AlgorithmConfig, Config, ConfigError, build_config, dump_config
+from grpo.presets import PRESETS
+
+# ----------------------------------------------------------------------------- presets resolve
+
+
+def test_every_preset_names_the_same_fields() -> None:
+    shapes = {name: {s: sorted(v) for s, v in table.items()} for name, table in PRESETS.items()}
+    assert all(shape == shapes["grpo"] for shape in shapes.values())
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        ("grpo", dict(scale_rewards="group", loss_type="grpo", ratio_level="token", clip_low=0.2, clip_high=0.2, beta=0.04)),
+        ("dapo", dict(scale_rewards="group", loss_type="dapo", ratio_level="token", clip_low=0.2, clip_high=0.28, beta=0.0)),
+        ("dr_grpo", dict(scale_rewards="none", loss_type="dr_grpo", ratio_level="token", clip_low=0.2, clip_high=0.2, beta=0.0)),
+        ("gspo", dict(scale_rewards="group", loss_type="grpo", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, beta=0.0)),
+    ],
+)  # fmt: skip
+def test_preset_sets_its_published_defaults(preset: str, expected: dict) -> None:
+    config = build_config({"algorithm": {"preset": preset}})
+    for key, value in expected.items():
+        assert getattr(config.algorithm, key) == value, key
+    assert config.sampling.dynamic is (preset == "dapo")
+
+
+def test_explicit_fields_win_over_the_preset() -> None:
+    config = build_config(
+        {
+            "algorithm": {"preset": "dapo", "clip_high": 0.3, "beta": 0.01},
+            "sampling": {"dynamic": False},
+        }
+    )
+    assert (config.algorithm.clip_high, config.algorithm.beta) == (0.3, 0.01)
+    assert config.sampling.dynamic is False
+    assert config.algorithm.loss_type == "dapo"  # not set explicitly: the preset's
+
+
+def test_preset_applies_to_python_constructed_configs() -> None:
+    config = Config(algorithm=AlgorithmConfig(preset="gspo", clip_high=1e-3))
+    assert (config.algorithm.ratio_level, config.algorithm.clip_low) == ("sequence", 3e-4)
+    assert config.algorithm.clip_high == 1e-3
+
+
+def test_resolved_config_reloads_identically() -> None:
+    config = build_config({"algorithm": {"preset": "dr_grpo"}})
+    again = build_config(yaml.safe_load(dump_config(config)))
+    assert again == config
+
+
+def test_ref_refresh_without_a_reference_is_an_error() -> None:
+    # dapo has beta 0: no reference model, so there is nothing to refresh
+    with pytest.raises(ConfigError, match="ref_update_every needs beta > 0"):
+        build_config({"algorithm": {"preset": "dapo", "ref_update_every": 5}})
+
+
+def test_soft_mixing_with_lora_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="ref_mix_alpha < 1 needs full weights"):
+        build_config(
+            {
+                "model": {"lora": {"enabled": True}},
+                "algorithm": {"ref_update_every": 2, "ref_mix_alpha": 0.5},
+            }
+        )
+
+
+# ----------------------------------------------------------------------------- presets' formulas
+#
+# One group of G=2: rewards [1, 0]. Completion 0 has 1 token with ratio 1.5; completion 1 has
+# 2 tokens with ratios 0.5 and 1.0. For the grpo preset the reference sits ln 2 below the policy
+# on completion 0's token: k3 = exp(-ln 2) + ln 2 - 1 = 0.5 + 0.693147 - 1 = 0.193147.
+
+REWARDS = torch.tensor([1.0, 0.0])
+MASK = torch.tensor([[True, False], [True, True]])
+LOGP = torch.log(torch.tensor([[0.3, 0.2], [0.4, 0.6]]))
+OLD = LOGP - torch.log(torch.tensor([[1.5, 1.0], [0.5, 1.0]]))
+REF = LOGP - torch.tensor([[math.log(2.0), 0.0], [0.0, 0.0]])
+MAX_NEW_TOKENS = 4
+
+
+def preset_loss(preset: str) -> float:
+    cfg = build_config({"algorithm": {"preset": preset}}).algorithm
+    adv = group_advantages(REWARDS, 2, cfg.scale_rewards, cfg.adv_eps)
+    norm = Normalizer(num_sequences=2, num_tokens=3.0, max_new_tokens=MAX_NEW_TOKENS)
+    loss, _ = policy_loss(
+        LOGP, OLD, adv, MASK, REF if cfg.beta else None,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.beta, loss_type=cfg.loss_type,
+        ratio_level=cfg.ratio_level, kl_estimator=cfg.kl_estimator, normalizer=norm,
+    )  # fmt: skip
+    return float(loss)
+
+
+def test_grpo_preset_formula() -> None:
+    # A = [+1, -1]. Completion 0: -min(1.5, 1.2) + 0.04 * 0.193147 = -1.192274.
+    # Completion 1: -min(-0.5, -0.8) = 0.8 and -min(-1, -1) = 1 -> token mean 0.9.
+    # Mean over the 2 completions of their token means: (-1.192274 + 0.9) / 2 = -0.146137
+    assert preset_loss("grpo") == pytest.approx(-0.146137, abs=1e-6)
+
+
+def test_dapo_preset_formula() -> None:
+    # clip-higher: completion 0 gets -min(1.5, 1.28) = -1.28; completion 1 as above 0.8, 1.
+    # Token mean over the step's 3 tokens: (-1.28 + 0.8 + 1.0) / 3 = 0.173333
+    assert preset_loss("dapo") == pytest.approx(0.52 / 3, abs=1e-6)
+
+
+def test_dr_grpo_preset_formula() -> None:
+    # No std scaling: A = [0.5, -0.5]. Tokens: -min(0.75, 0.6) = -0.6; -min(-0.25, -0.4) = 0.4;
+    # -min(-0.5, -0.5) = 0.5. Sum 0.3 over the budget 2 sequences x 4 tokens: 0.3 / 8 = 0.0375
+    assert preset_loss("dr_grpo") == pytest.approx(0.0375, abs=1e-6)
+
+
+def test_gspo_preset_formula() -> None:
+    # Sequence ratios: s0 = 1.5, s1 = exp((ln 0.5 + 0) / 2) = 0.707107.
+    # Completion 0: -min(1.5, 1.0004) = -1.0004. Completion 1 (A = -1): -min(-0.707107, -0.9997)
+    # = 0.9997 on each token. Mean of per-sequence means: (-1.0004 + 0.9997) / 2 = -0.00035
+    assert preset_loss("gspo") == pytest.approx(-0.00035, abs=1e-6)
+
+
+def test_gspo_gradient_is_shared_by_the_sequence() -> None:
+    # unclipped (ratio 1): loss = -(1/G) sum_i A_i s_i, ds_i/dlogp_t = s_i / |o_i| = 1 / |o_i|,
+    # so every token of completion i gets -A_i / (G |o_i|): [-0.5, 0] and [0.25, 0.25]
+    logp = LOGP.clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0])
+    loss, _ = policy_loss(
+        logp, LOGP, adv, MASK, clip_low=3e-4, clip_high=4e-4, ratio_level="sequence"
+    )
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.5, 0.0], [0.25, 0.25]]), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- stability controls
+
+
+def test_zero_std_groups() -> None:
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0])
+    assert zero_std_groups(rewards, 2).tolist() == [True, False, True, True]
+
+
+def test_truncated_importance_weights_and_cap() -> None:
+    # trainer p = 0.5 vs sampler 0.25 -> ratio 2 capped at 1.5; 0.9 vs 0.9 -> 1; 0.2 vs 0.4 -> 0.5
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.9, 0.4]]))
+    weights = truncated_importance_weights(old, sampler, cap=1.5)
+    assert torch.allclose(weights, torch.tensor([[1.5, 1.0, 0.5]]), atol=1e-6)
+
+
+def test_importance_weights_scale_the_surrogate() -> None:
+    # one token, ratio 1, A = 1 -> surrogate -1; weight 1.5 -> loss -1.5
+    logp = torch.zeros(1, 1)
+    loss, _ = policy_loss(
+        logp, logp, torch.ones(1), torch.ones(1, 1, dtype=torch.bool),
+        importance_weights=torch.full((1, 1), 1.5),
+    )  # fmt: skip
+    assert float(loss) == pytest.approx(-1.5, abs=1e-6)
+
+
+def test_logprob_mismatch() -> None:
+    # |ln 0.5 - ln 0.25| = ln 2 = 0.693147 and 0 on counted tokens; the masked 9.0 is ignored
+    trainer = torch.log(torch.tensor([[0.5, 0.9, 0.1]]))
+    sampler = torch.tensor([[math.log(0.25), math.log(0.9), 9.0]])
+    out = logprob_mismatch(trainer, sampler, torch.tensor([[True, True, False]]))
+    assert float(out["mismatch_mean"]) == pytest.approx(math.log(2) / 2, abs=1e-6)
+    assert float(out["mismatch_max"]) == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_top_entropy_mask_hand_example() -> None:
+    # counted entropies sorted [0.1, 0.3, 0.5, 0.7, 0.9]; quantile 0.4 keeps >= the 0.6 quantile:
+    # position 0.6 * 4 = 2.4 -> 0.5 + 0.4 * (0.7 - 0.5) = 0.58 -> keeps 0.9 and 0.7 only
+    entropy = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    kept = top_entropy_mask(entropy, mask, 0.4)
+    assert kept.tolist() == [[False, False, True], [False, True, False]]
+    assert torch.equal(top_entropy_mask(entropy, mask, 1.0), mask)
+
+
+def test_pg_mask_zeroes_tokens_but_keeps_the_denominator() -> None:
+    # dapo example without completion 1's last token: (-1.28 + 0.8 + 0) / 3 tokens = -0.16
+    adv = torch.tensor([1.0, -1.0])
+    pg_mask = torch.tensor([[True, False], [True, False]])
+    loss, _ = policy_loss(
+        LOGP, OLD, adv, MASK, clip_low=0.2, clip_high=0.28, loss_type="dapo", pg_mask=pg_mask
+    )
+    assert float(loss) == pytest.approx(-0.16, abs=1e-6)
+
+
+def test_pg_mask_gradient() -> None:
+    # ratio 1, dapo: d loss / d logp = -A / (3 tokens) on kept tokens, 0 on the filtered one
+    logp = LOGP.clone().requires_grad_(True)
+    pg_mask = torch.tensor([[True, False], [True, False]])
+    loss, _ = policy_loss(
+        logp, LOGP, torch.tensor([1.0, -1.0]), MASK, loss_type="dapo", pg_mask=pg_mask
+    )
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, 0.0], [1 / 3, 0.0]]), atol=1e-6)
+
+
+def test_pg_mask_keeps_the_kl_term() -> None:
+    # ratio 1, A = 0, ref ln 2 below: the surrogate is 0 and the k3 KL 0.193147 stays, x beta 0.5
+    logp = torch.zeros(1, 1)
+    ref = logp - math.log(2.0)
+    loss, _ = policy_loss(
+        logp, logp, torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), ref, beta=0.5,
+        pg_mask=torch.zeros(1, 1, dtype=torch.bool),
+    )  # fmt: skip
+    assert float(loss) == pytest.approx(0.5 * (0.5 + math.log(2) - 1), abs=1e-6)
+
+
+def test_soft_update() -> None:
+    # alpha 0.25: 0.25 * 8 + 0.75 * 4 = 5; integer buffers are copied, never mixed
+    target, source = torch.full((3,), 4.0), torch.full((3,), 8.0)
+    counter, new_counter = torch.tensor([1]), torch.tensor([7])
+    soft_update_([target, counter], [source, new_counter], alpha=0.25)
+    assert torch.allclose(target, torch.full((3,), 5.0))
+    assert counter.tolist() == [7]
+    soft_update_([target], [source], alpha=1.0)
+    assert torch.equal(target, source)
