@@ -32,8 +32,9 @@ def token_logprobs(
         picked = chunk.gather(-1, targets[rows : rows + chunk_rows].unsqueeze(-1)).squeeze(-1)
         logps.append(picked - lse)
         if with_entropy:
-            probs = torch.softmax(chunk, dim=-1)  # [b, T, V]
-            entropies.append(lse - (probs * chunk).sum(dim=-1))
+            with torch.no_grad():  # logged and used for token selection, never differentiated
+                probs = torch.softmax(chunk, dim=-1)  # [b, T, V]
+                entropies.append(lse - (probs * chunk).sum(dim=-1))
     entropy = torch.cat(entropies) if with_entropy else None
     return torch.cat(logps), entropy
 
