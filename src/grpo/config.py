@@ -127,6 +127,29 @@ class AlgorithmConfig(Section):
     """mu: optimizer steps on each batch of rollouts; >1 needs old log-probs."""
     adv_eps: float = Field(1e-8, gt=0)
     """eps inside the square root of the advantage's std."""
+    preset: Literal["grpo", "dapo", "dr_grpo", "gspo"] = "grpo"
+    """Family member whose published defaults fill every field not set explicitly (README, Algorithms)."""
+    tis_cap: float | None = Field(None, ge=1)
+    """Truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) when the engine reports its log-probs (null = off)."""
+    top_entropy_quantile: float = Field(1.0, gt=0, le=1)
+    """Share of counted tokens, highest entropy first, whose surrogate term counts (1 = all)."""
+    ref_update_every: int = Field(0, ge=0)
+    """Refresh the reference from the policy every N steps (0 = frozen reference); needs beta > 0."""
+    ref_mix_alpha: float = Field(1.0, gt=0, le=1)
+    """Refresh as ref <- alpha * policy + (1 - alpha) * ref; 1 copies (the only choice with LoRA)."""
+
+
+class SamplingConfig(Section):
+    dynamic: bool = False
+    """Dynamic sampling (DAPO): drop groups whose rewards are all equal and roll out more prompts until the step has rollout.prompts_per_step groups."""
+    max_rounds: int = Field(4, ge=1)
+    """Rollout rounds per step at most; a step still short trains on the groups it has (no update when it has none)."""
+    greso: bool = False
+    """Pre-rollout filter (GRESO): maybe skip prompts whose last `greso_history` visits all gave zero-variance groups."""
+    greso_history: int = Field(1, ge=1)
+    """k: consecutive zero-variance visits after which a prompt may be skipped."""
+    greso_skip_prob: float = Field(0.5, ge=0, le=1)
+    """Probability of skipping such a prompt at a visit (seeded by train.seed, prompt and epoch)."""
 
 
 class OptimConfig(Section):
@@ -181,8 +204,32 @@ class Config(Section):
     rollout: RolloutConfig = RolloutConfig()
     rewards: RewardsConfig = RewardsConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    sampling: SamplingConfig = SamplingConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _apply_preset(self) -> Config:
+        from grpo.presets import preset_updates
+
+        for name, updates in preset_updates(self).items():
+            section = getattr(self, name)
+            resolved = type(section).model_validate(
+                {**section.model_dump(exclude_unset=True), **updates}
+            )
+            # plain attribute write: validate_assignment would run this validator again
+            object.__setattr__(self, name, resolved)
+        algo = self.algorithm
+        if algo.ref_update_every and algo.beta == 0:
+            raise ValueError(
+                "algorithm.ref_update_every needs beta > 0 (beta 0 loads no reference)"
+            )
+        if algo.ref_mix_alpha < 1 and self.model.lora.enabled:
+            raise ValueError(
+                "algorithm.ref_mix_alpha < 1 needs full weights "
+                "(mixing LoRA factors does not mix the weights)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Config:
