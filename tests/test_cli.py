@@ -1,0 +1,104 @@
+"""The command line: overrides, and bad input that ends in one line, exit code 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo.cli import main
+from grpo.config import ConfigError, load_config, parse_overrides
+
+
+def _recipe(tmp_path: Path, tiny_model_dir: Path, **extra) -> Path:
+    tree = {
+        "model": {"name": str(tiny_model_dir)},
+        "data": {"task": "arithmetic", "task_args": {"size": 16}},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+        "train": {"steps": 1, "output_dir": str(tmp_path / "runs"), "progress": False,
+                  "sinks": ["jsonl"]},
+    }
+    for key, value in extra.items():
+        tree[key] = {**tree.get(key, {}), **value}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_overrides_are_typed_and_nested() -> None:
+    assert parse_overrides(["rollout.group_size=16", "model.lora.enabled=true", "a.b=x"]) == {
+        "rollout": {"group_size": 16}, "model": {"lora": {"enabled": True}}, "a": {"b": "x"}
+    }
+
+
+def test_recipe_plus_overrides(tmp_path: Path, tiny_model_dir: Path) -> None:
+    config = load_config(_recipe(tmp_path, tiny_model_dir), ["rollout.group_size=16"])
+    assert config.rollout.group_size == 16
+    assert config.train.run_name == "recipe"  # runs land in runs/<recipe name> by default
+
+
+def test_train_writes_the_resolved_config(tmp_path: Path, tiny_model_dir: Path) -> None:
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    assert main(["train", str(recipe), "optim.lr=0.001"]) == 0
+    saved = yaml.safe_load((tmp_path / "runs" / "recipe" / "config.yaml").read_text())
+    assert saved["optim"]["lr"] == 0.001 and saved["rollout"]["group_size"] == 2
+    assert saved["algorithm"]["clip_low"] == 0.2  # defaults are written out too
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.nope=1", "unknown config key 'rollout.nope'"),
+        ("rollout.group_size=abc", "config 'rollout.group_size'"),
+        ("rollout.group_size=1", "config 'rollout.group_size': Input should be greater than or equal to 2"),
+        ("data.path=/no/such/file.jsonl", "data file not found: /no/such/file.jsonl"),
+        ("rewards.functions=[{name: no_such_module:fn}]", "cannot import module 'no_such_module'"),
+        ("rewards.functions=[{name: nope}]", "unknown reward 'nope'"),
+        ("model.name=/no/such/model", "model '/no/such/model' is neither an alias"),
+        ("bogus", "is not of the form key=value"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    tmp_path: Path, tiny_model_dir: Path, capsys, override: str, message: str
+) -> None:
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    run_dir = tmp_path / "runs" / "recipe"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["train", str(recipe), override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+    assert [p.name for p in run_dir.iterdir()] == ["metrics.jsonl"]
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_row_without_prompt_is_named(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n" + json.dumps({"q": "x"}) + "\n")
+    recipe = _recipe(tmp_path, tiny_model_dir, data={"path": str(data)})
+    assert main(["train", str(recipe)]) == 2
+    assert f"{data}: row 2 has no 'prompt' field" in capsys.readouterr().err
+
+
+def test_missing_recipe(capsys) -> None:
+    assert main(["train", "/no/recipe.yaml"]) == 2
+    assert "recipe file not found: /no/recipe.yaml" in capsys.readouterr().err
+
+
+def test_unknown_key_in_recipe_is_a_config_error(tmp_path: Path, tiny_model_dir: Path) -> None:
+    recipe = _recipe(tmp_path, tiny_model_dir, optim={"learning_rate": 1.0})
+    with pytest.raises(ConfigError, match="unknown config key 'optim.learning_rate'"):
+        load_config(recipe)
+
+
+def test_console_script_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    grpo = Path(sys.executable).parent / "grpo"
+    done = subprocess.run([str(grpo), "train", str(recipe)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "runs" / "recipe" / "metrics.jsonl").read_text().count("\n") == 1
