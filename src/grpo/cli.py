@@ -6,18 +6,21 @@ Bad input (config, data, rewards, model names) ends with one line on stderr and 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-from grpo.config import ConfigError, load_config
+from grpo.config import Config, ConfigError, DataConfig, load_config
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from grpo.data import DataError
     from grpo.models import ModelError
+    from grpo.report import ReportError
     from grpo.rewards import RewardError
 
-    return (ConfigError, DataError, ModelError, RewardError, FileNotFoundError)
+    return (ConfigError, DataError, ModelError, RewardError, ReportError, FileNotFoundError)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -33,8 +36,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from grpo.config import dump_config
+    from grpo.config import dump_config, reference_markdown
 
+    if args.reference:
+        print(reference_markdown(), end="")
+        return 0
     print(dump_config(load_config(args.recipe, list(args.overrides))), end="")
     return 0
 
@@ -56,8 +62,72 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_config_of(model: str) -> tuple[str, Path | None]:
+    """(model to load, the config.yaml of the run it came from or None).
+
+    A run directory means its final/ weights; a checkpoint inside a run directory (final/ or
+    checkpoints/step-N/) brings its run's recipe along, so eval uses the same task settings.
+    """
+    path = Path(model)
+    if (path / "config.yaml").is_file() and (path / "final" / "config.json").is_file():
+        return str(path / "final"), path / "config.yaml"
+    if (path / "config.json").is_file():
+        for parent in list(path.parents)[:2]:
+            if (parent / "config.yaml").is_file():
+                return model, parent / "config.yaml"
+    return model, None
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def eval_config(args: argparse.Namespace) -> Config:
+    model, run_recipe = run_config_of(args.model)
+    recipe = args.recipe or run_recipe
+    overrides = [f"model.name={model}", "model.lora.enabled=false", *args.overrides]
+    config = load_config(recipe, overrides)
+    if args.task is not None and args.task != config.data.task:
+        # another task: its own defaults, not the recipe's task settings
+        data = DataConfig(task=args.task, split=config.data.split)
+        config = config.model_copy(update={"data": data})
+    return config
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from grpo.eval import evaluate_config
+
+    config = eval_config(args)
+    metrics = evaluate_config(config, args.samples, args.examples)
+    result = {
+        "model": config.model.name,
+        "task": config.data.task or config.data.path,
+        "task_args": config.data.task_args,
+        "split": "test",
+        "samples": args.samples,
+        "metrics": metrics,
+    }
+    text = json.dumps(result, indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from grpo.report import write_report
+
+    print(f"report written: {write_report(args.run_dir)}")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": cmd_train,
+    "eval": cmd_eval,
+    "report": cmd_report,
     "config": cmd_config,
     "models": cmd_models,
     "tasks": cmd_tasks,
@@ -71,8 +141,30 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", nargs="?", help="YAML recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=16")
     config = sub.add_parser("config", help="print the resolved config")
+    config.add_argument("--reference", action="store_true", help="print the config reference")
     config.add_argument("recipe", nargs="?")
     config.add_argument("overrides", nargs="*")
+    evaluate = sub.add_parser(
+        "eval", help="held-out accuracy, pass@k and maj@k of a model, checkpoint or run directory"
+    )
+    evaluate.add_argument("model", help="alias, HF folder, checkpoint, or run directory")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
+    evaluate.add_argument("--task", help="built-in task (default: the recipe's)")
+    evaluate.add_argument(
+        "--samples",
+        type=positive_int,
+        default=1,
+        help="sampled completions per problem for pass@k/maj@k",
+    )
+    evaluate.add_argument(
+        "--examples", type=positive_int, default=None, help="first N held-out problems"
+    )
+    evaluate.add_argument(
+        "--recipe", help="recipe for task settings (default: the run's, else the default recipe)"
+    )
+    evaluate.add_argument("--output", help="also write the JSON result to this file")
+    report = sub.add_parser("report", help="write report.html for a run directory")
+    report.add_argument("run_dir")
     sub.add_parser("models", help="list model aliases and whether each is cached")
     sub.add_parser("tasks", help="list built-in tasks")
     return parser

@@ -8,7 +8,7 @@ Unknown keys are errors. ``load_config`` returns a validated ``Config``; bad inp
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -40,6 +40,8 @@ class ModelConfig(Section):
     """Built-in alias (see `grpo models`), local HF folder, or hub id (needs network)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weight dtype. float32 on CPU (bf16 matmul is slower there)."""
+    autocast: bool = False
+    """bf16 autocast for forwards over float32 weights (mixed precision, for GPUs); log-probs stay float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     lora: LoraConfig = LoraConfig()
@@ -71,7 +73,7 @@ class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: Hugging Face `generate`, or vLLM (GPU, extra `vllm`)."""
     prompts_per_step: int = Field(4, ge=1)
-    """P: prompts sampled per training step (per rank)."""
+    """P: prompts sampled per training step, over all ranks (each rank takes P / world_size)."""
     group_size: int = Field(8, ge=2)
     """G: completions per prompt. At least 2: a group of one has no relative advantage."""
     max_new_tokens: int = Field(64, ge=1)
@@ -84,6 +86,10 @@ class RolloutConfig(Section):
     """Top-k sampling (0 = off)."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Share of GPU memory the colocated vLLM engine may take."""
+    vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weight dtype inside vLLM ("auto": the checkpoint's); pushed weights are cast to it."""
+    vllm_max_model_len: int | None = Field(None, ge=1)
+    """vLLM context length (prompt + completion); null: the model's own limit."""
 
 
 class RewardSpec(Section):
@@ -190,12 +196,16 @@ class TrainConfig(Section):
     """Run the held-out evaluation every N steps (0 = off)."""
     eval_examples: int = Field(50, ge=1)
     """Held-out examples per evaluation."""
+    eval_samples: int = Field(1, ge=1)
+    """Sampled completions per held-out problem for pass@k and maj@k (1 = greedy accuracy only)."""
     sinks: list[str] = ["jsonl", "tensorboard"]
     """Metric sinks: jsonl (always on), tensorboard, wandb, trackio (offline)."""
     progress: bool = True
     """Show a progress bar."""
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads (default: torch's choice)."""
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    """Under torchrun: DDP (a full copy per rank) or FSDP2 `fully_shard` (weights, gradients and optimizer state sharded)."""
 
 
 class Config(Section):
@@ -237,6 +247,8 @@ class Config(Section):
             raise ValueError("rewards.functions: at least one reward function is needed")
         if self.data.path is None and self.data.task is None:
             raise ValueError("data: set either data.task or data.path")
+        if self.train.distributed == "fsdp" and self.model.lora.enabled:
+            raise ValueError("train.distributed=fsdp does not shard LoRA runs: use ddp")
         return self
 
     @property
@@ -327,3 +339,31 @@ def default_recipe_path() -> Path:
 
 def dump_config(config: Config) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """The config reference as Markdown tables, one per section, from the field docstrings."""
+
+    def type_name(annotation: Any) -> str:
+        if get_origin(annotation) is Literal:
+            return " \\| ".join(f"`{v}`" for v in get_args(annotation))
+        text = getattr(annotation, "__name__", None) or str(annotation)
+        return text.replace("typing.", "").replace("NoneType", "None").replace("|", "\\|")
+
+    def rows(model: type[BaseModel], prefix: str) -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, Section):
+                out += rows(annotation, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            default = default.model_dump() if isinstance(default, BaseModel) else default
+            if isinstance(default, list):
+                default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
+            doc = (field.description or "").replace("\n", " ").replace("|", "\\|")
+            out.append(f"| `{prefix}{name}` | {type_name(annotation)} | `{default!r}` | {doc} |")
+        return out
+
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    return "\n".join(lines + rows(Config, "")) + "\n"
