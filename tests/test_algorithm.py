@@ -123,8 +123,12 @@ def test_asymmetric_clip_high() -> None:
     # DAPO clip-higher: ratio 1.25 with A=1 is inside 1+0.28, so it is not clipped
     logp = torch.tensor([[math.log(1.25)]])
     loss, stats = policy_loss(
-        logp, torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1, dtype=torch.bool),
-        clip_low=0.2, clip_high=0.28,
+        logp,
+        torch.zeros(1, 1),
+        torch.ones(1),
+        torch.ones(1, 1, dtype=torch.bool),
+        clip_low=0.2,
+        clip_high=0.28,
     )
     assert torch.allclose(loss, torch.tensor(-1.25), atol=1e-6)
     assert stats["clip_frac/high"] == 0
@@ -133,8 +137,12 @@ def test_asymmetric_clip_high() -> None:
 def test_kl_penalty_in_loss() -> None:
     # one token, A=0: loss = beta * k3 = 0.04 * 0.367879
     loss, stats = policy_loss(
-        torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.zeros(1),
-        torch.ones(1, 1, dtype=torch.bool), torch.tensor([[-2.0]]), beta=0.04,
+        torch.tensor([[-1.0]]),
+        torch.tensor([[-1.0]]),
+        torch.zeros(1),
+        torch.ones(1, 1, dtype=torch.bool),
+        torch.tensor([[-2.0]]),
+        beta=0.04,
     )
     assert torch.allclose(loss, torch.tensor(0.04 * 0.367879), atol=1e-6)
     assert torch.allclose(stats["kl"], torch.tensor(0.367879), atol=1e-6)
@@ -163,7 +171,9 @@ def test_gradient_is_minus_advantage_over_length_and_group() -> None:
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
-def test_masked_positions_change_neither_loss_nor_gradient(loss_type: str, ratio_level: str) -> None:
+def test_masked_positions_change_neither_loss_nor_gradient(
+    loss_type: str, ratio_level: str
+) -> None:
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(2, 3, generator=gen) * 0.1
     old = torch.randn(2, 3, generator=gen) * 0.1
@@ -176,7 +186,13 @@ def test_masked_positions_change_neither_loss_nor_gradient(loss_type: str, ratio
         old_filled = old.clone()
         old_filled[~MASK] = -fill
         loss, _ = policy_loss(
-            logp, old_filled, ADV, MASK, ref, beta=0.1, loss_type=loss_type,
+            logp,
+            old_filled,
+            ADV,
+            MASK,
+            ref,
+            beta=0.1,
+            loss_type=loss_type,
             ratio_level=ratio_level,
             normalizer=Normalizer(num_sequences=2, num_tokens=5.0, max_new_tokens=4),
         )
@@ -198,15 +214,18 @@ def test_micro_batches_sum_to_the_full_batch(loss_type: str) -> None:
     mask = torch.rand(4, 5, generator=gen) > 0.3
     mask[:, 0] = True
     full = policy_loss(logp, old, adv, mask, loss_type=loss_type)[0]
-    norm = Normalizer(num_sequences=4, num_tokens=float(mask.sum()), num_micro_batches=2,
-                      max_new_tokens=1)
+    norm = Normalizer(
+        num_sequences=4, num_tokens=float(mask.sum()), num_micro_batches=2, max_new_tokens=1
+    )
     parts = sum(
         policy_loss(logp[s], old[s], adv[s], mask[s], loss_type=loss_type, normalizer=norm)[0]
         for s in (slice(0, 2), slice(2, 4))
     )
     if loss_type == "bnpo":
         # bnpo is by definition the mean of the micro-batches' token means
-        halves = [policy_loss(logp[s], old[s], adv[s], mask[s], loss_type="bnpo")[0]
-                  for s in (slice(0, 2), slice(2, 4))]
+        halves = [
+            policy_loss(logp[s], old[s], adv[s], mask[s], loss_type="bnpo")[0]
+            for s in (slice(0, 2), slice(2, 4))
+        ]
         full = (halves[0] + halves[1]) / 2
     assert torch.allclose(parts, full, atol=1e-5)

@@ -72,7 +72,11 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
     try:
         ids = torch.ones(3, 7, dtype=torch.long)
         completion_logprobs(
-            model, ids, torch.ones(3, 7, dtype=torch.bool), ids[:, :4], torch.ones(3, 4, dtype=torch.bool)
+            model,
+            ids,
+            torch.ones(3, 7, dtype=torch.bool),
+            ids[:, :4],
+            torch.ones(3, 4, dtype=torch.bool),
         )
     finally:
         del model.forward

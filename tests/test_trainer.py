@@ -44,10 +44,25 @@ def test_short_run_writes_metrics_completions_and_a_loadable_checkpoint(tiny_con
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     for name in (
-        "reward/mean", "reward/std", "reward/format/mean", "reward/accuracy/mean", "frac_zero_std",
-        "advantage/abs_mean", "kl", "entropy", "clip_frac/low", "clip_frac/high",
-        "completion_len/mean", "truncated_frac", "loss", "grad_norm", "lr", "time/rollout_s",
-        "time/reward_s", "time/train_s", "tokens_per_s",
+        "reward/mean",
+        "reward/std",
+        "reward/format/mean",
+        "reward/accuracy/mean",
+        "frac_zero_std",
+        "advantage/abs_mean",
+        "kl",
+        "entropy",
+        "clip_frac/low",
+        "clip_frac/high",
+        "completion_len/mean",
+        "truncated_frac",
+        "loss",
+        "grad_norm",
+        "lr",
+        "time/rollout_s",
+        "time/reward_s",
+        "time/train_s",
+        "tokens_per_s",
     ):
         assert name in metrics[0], name
     lines = (run_dir / "completions" / "step-000002.jsonl").read_text().splitlines()
@@ -90,8 +105,10 @@ def test_resume_matches_an_uninterrupted_run(tiny_config) -> None:
         assert torch.equal(a[key], b[key]), key
 
     def strip(ms: list[dict]) -> list[dict]:
-        return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"}
-                for m in ms]
+        return [
+            {k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"}
+            for m in ms
+        ]
 
     assert strip(_metrics(straight_dir)) == strip(_metrics(resumed_dir))
 
@@ -129,7 +146,8 @@ def _spy_policy_loss(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_several_policy_iterations_use_old_logprobs(tiny_config, toy_reward, monkeypatch) -> None:
     config = tiny_config(
         rewards=toy_reward,
-        algorithm={"num_iterations": 2, "beta": 0.0}, optim={"lr": 1e-2, "micro_batch_size": 8}
+        algorithm={"num_iterations": 2, "beta": 0.0},
+        optim={"lr": 1e-2, "micro_batch_size": 8},
     )
     trainer = Trainer(config)
     scored = trainer.score(trainer.rollout())

@@ -18,7 +18,10 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 def token_logprobs(
-    logits: Tensor, targets: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
     chunk_rows: int = 4,
 ) -> tuple[Tensor, Tensor | None]:
     """logits: [B, T, V], targets: [B, T] -> log p(target) [B, T] float32, entropy [B, T] or None.
