@@ -1,4 +1,10 @@
-"""Built-in rule-based rewards: format and accuracy."""
+"""Format rewards: the strict seed format and a partial-credit tag count.
+
+(The other built-ins live in their own modules: accuracy in ``accuracy``, countdown in
+``countdown``, code in ``code``, length and repetition in ``length``, the reward model in
+``reward_model``. ``extract_answer`` and ``answers_match`` are re-exported for callers that
+imported them from here.)
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,18 @@ import re
 from typing import Any
 
 from grpo.rewards import RewardFn, register
+from grpo.rewards.accuracy import answers_match, extract_answer
+
+__all__ = ["answers_match", "extract_answer", "format_reward", "tag_count_reward"]
 
 FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
 @register("format")
 def format_reward(reward: float = 1.0, penalty: float = 0.0) -> RewardFn:
-    """`reward` when the completion is exactly <think>...</think><answer>...</answer>, else `penalty`."""
+    """`reward` when the completion is exactly <think>...</think><answer>...</answer>, else
+    `penalty` (the seed's strict format; -1 and 0 are common choices for the penalty)."""
 
     def score(completions: list[str], **_: Any) -> list[float | None]:
         return [reward if FORMAT_RE.match(c) else penalty for c in completions]
@@ -21,42 +31,26 @@ def format_reward(reward: float = 1.0, penalty: float = 0.0) -> RewardFn:
     return score
 
 
-def extract_answer(text: str) -> str | None:
-    """The content of the last <answer> tag, or None."""
-    found = ANSWER_RE.findall(text)
-    return found[-1].strip() if found else None
+def tag_credit(text: str) -> float:
+    """Share of the four tags present exactly once, in order <think></think><answer></answer>.
+
+    A tag that appears more than once, or out of order, earns nothing.
+    """
+    positions = [text.find(tag) if text.count(tag) == 1 else -1 for tag in TAGS]
+    earned, last = 0, -1
+    for pos in positions:
+        if pos > last:
+            earned += 1
+            last = pos
+    return earned / len(TAGS)
 
 
-def answers_match(prediction: str, gold: str) -> bool:
-    """Exact string, numeric, or math-verify equivalence (\\frac{1}{2} == 0.5)."""
-    if prediction.strip() == gold.strip():
-        return True
-    try:
-        return abs(float(prediction.replace(",", "")) - float(gold.replace(",", ""))) < 1e-9
-    except ValueError:
-        pass
-    from math_verify import parse, verify
+@register("tag_count")
+def tag_count_reward(reward: float = 1.0) -> RewardFn:
+    """Partial credit: `reward` x (share of the four tags present once and in order), so a model
+    that never produces the full format still sees a gradient towards it."""
 
-    # timeouts are signal based in math-verify and only work on the main thread; the runner's
-    # per-call timeout bounds the check instead
-    gold_parsed = parse(f"${gold}$", parsing_timeout=None)
-    pred_parsed = parse(f"${prediction}$", parsing_timeout=None)
-    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
-
-
-@register("accuracy")
-def accuracy_reward(answer_field: str = "answer") -> RewardFn:
-    """1 when the <answer> matches the row's gold answer, 0 otherwise; None without a gold answer."""
-
-    def score(completions: list[str], **columns: Any) -> list[float | None]:
-        golds = columns.get(answer_field) or [None] * len(completions)
-        out: list[float | None] = []
-        for completion, gold in zip(completions, golds, strict=True):
-            if gold is None:
-                out.append(None)
-                continue
-            predicted = extract_answer(completion)
-            out.append(float(predicted is not None and answers_match(predicted, str(gold))))
-        return out
+    def score(completions: list[str], **_: Any) -> list[float | None]:
+        return [reward * tag_credit(c) for c in completions]
 
     return score
