@@ -1,0 +1,199 @@
+"""Reward functions and the runner: values on hand-made completions, fallbacks, time limits."""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.config import RewardsConfig, RewardSpec
+from grpo.rewards import REGISTRY, RewardError, RewardRunner, resolve_reward
+from grpo.rewards.builtin import tag_credit
+from grpo.rewards.countdown import countdown_correct, evaluate_expression
+from grpo.rewards.length import repeated_fraction, soft_overlong
+
+
+def _runner(*specs: RewardSpec, **config) -> RewardRunner:
+    return RewardRunner(RewardsConfig(functions=list(specs), **config))
+
+
+def test_format_strict_and_configurable_values():
+    fn = resolve_reward(RewardSpec(name="format", args={"reward": 1.0, "penalty": -1.0}))
+    texts = ["<think>a</think>\n<answer>1</answer>", "<answer>1</answer>", "<think>a</think><answer>1</answer> extra"]
+    assert fn(texts) == [1.0, -1.0, -1.0]
+
+
+@pytest.mark.parametrize(
+    ("text", "credit"),
+    [
+        ("<think>a</think><answer>1</answer>", 1.0),
+        ("<think>a</think> 1", 0.5),  # two of four tags
+        ("</think><answer>1</answer>", 0.75),  # <think> missing
+        ("<think><think>a</think><answer>1</answer>", 0.75),  # doubled <think> earns nothing
+        ("<answer>1</answer><think>a</think>", 0.5),  # the later pair is out of order
+        ("plain", 0.0),
+    ],
+)
+def test_tag_credit(text: str, credit: float):
+    assert tag_credit(text) == credit
+
+
+@pytest.mark.parametrize(
+    ("answer", "numbers", "target", "ok"),
+    [
+        ("(3 + 5) * 2", [2, 3, 5], 16, True),
+        ("3 + 5 * 2", [2, 3, 5], 16, False),  # 13
+        ("(3 + 5) * 2 = 16", [2, 3, 5], 16, True),
+        ("(3 + 3) * 2", [2, 3, 5], 12, False),  # 3 used twice, 5 unused
+        ("8 * 2", [2, 3, 5], 16, False),  # 8 not given
+        ("6 / (1 - 3/4)", [6, 1, 3, 4], 24, True),  # exact fractions: 6 / (1/4) = 24
+        ("__import__('os').system('true')", [1], 1, False),
+        ("2 ** 3", [2, 3], 8, False),  # power is not allowed
+        ("5 / (3 - 3)", [5, 3, 3], 0, False),  # division by zero
+    ],
+)
+def test_countdown(answer: str, numbers: list[int], target: int, ok: bool):
+    assert countdown_correct(answer, numbers, target) is ok
+
+
+def test_countdown_subset_option_and_evaluation():
+    assert countdown_correct("3 * 5", [2, 3, 5], 15, use_all=False)
+    assert not countdown_correct("3 * 5", [2, 3, 5], 15, use_all=True)
+    value, used = evaluate_expression("(7 - 1) / 4")
+    assert value == 1.5 and used == [7, 1, 4]
+    fn = resolve_reward(RewardSpec(name="countdown"))
+    assert fn(["<answer>2*(3+5)</answer>", "16"], numbers=[[2, 3, 5]] * 2, target=[16, 16]) == [1.0, 0.0]
+
+
+def test_soft_overlong_matches_dapo():
+    # max 10, buffer 4: free up to 6; 8 tokens -> (6 - 8) / 4 = -0.5; 10 -> -1; 11 -> -1
+    assert [soft_overlong(n, 10, 4) for n in (6, 8, 10, 11)] == [0.0, -0.5, -1.0, -1.0]
+    fn = resolve_reward(RewardSpec(name="overlong", args={"max_length": 10, "buffer": 4}))
+    assert fn(["a", "b"], completion_ids=[[1] * 5, [1] * 7]) == [0.0, -0.25]
+    with pytest.raises(RewardError):
+        resolve_reward(RewardSpec(name="overlong", args={"max_length": 10, "buffer": 0}))
+    with pytest.raises(RewardError, match="bad args"):
+        resolve_reward(RewardSpec(name="overlong"))
+
+
+def test_token_budget():
+    fn = resolve_reward(RewardSpec(name="token_budget", args={"budget": 4, "per_token": 0.1, "max_penalty": 0.5}))
+    # 3 tokens: 0; 6 tokens: 2 over -> -0.2; 20 tokens: 16 over -> -1.6 floored at -0.5
+    assert fn(["", "", ""], completion_ids=[[1] * 3, [1] * 6, [1] * 20]) == pytest.approx([0.0, -0.2, -0.5])
+
+
+def test_repetition():
+    # "a b a b a b" trigrams: aba, bab, aba, bab -> 2 distinct of 4 -> 0.5 repeated
+    assert repeated_fraction("a b a b a b".split(), 3) == 0.5
+    assert repeated_fraction([1, 2, 3, 4], 2) == 0.0
+    assert repeated_fraction([1], 3) == 0.0
+    fn = resolve_reward(RewardSpec(name="repetition", args={"n": 3, "max_penalty": -2.0}))
+    assert fn(["a b a b a b", "one two three four"], completion_ids=[[], []]) == [-1.0, 0.0]
+
+
+def test_runner_weights_none_and_errors(tmp_path: Path):
+    module = tmp_path / "user_rewards.py"
+    module.write_text(
+        "def flaky(completions, **kw):\n"
+        "    if completions[0] == 'boom':\n"
+        "        raise ValueError('bad')\n"
+        "    return [None if completions[0] == 'skip' else 0.25]\n"
+        "def wrong_length(completions, **kw):\n"
+        "    return [1.0, 2.0]\n"
+    )
+    runner = _runner(
+        RewardSpec(name="format", weight=2.0),
+        RewardSpec(name=f"{module}:flaky"),
+        RewardSpec(name=f"{module}:wrong_length"),
+        fallback=-0.5,
+    )
+    try:
+        out = runner(["<think>x</think><answer>1</answer>", "boom", "skip"], ["p"] * 3, {}, [[1]] * 3)
+    finally:
+        runner.close()
+    assert out.names == ["format", "flaky", "wrong_length"]
+    # row 0: format 1 * 2 + flaky 0.25 + fallback -0.5 = 1.75
+    # row 1: format 0 + flaky raised -> -0.5, wrong_length -> -0.5 = -1.0
+    # row 2: format 0 + None (as 0) + -0.5 = -0.5
+    assert torch.allclose(out.total, torch.tensor([1.75, -1.0, -0.5]))
+    assert math.isnan(out.per_function[2, 1])
+    assert out.errors == {"format": 0, "flaky": 1, "wrong_length": 3}
+
+
+def test_runner_time_limit_falls_back_and_keeps_working(tmp_path: Path):
+    module = tmp_path / "slow_rewards.py"
+    release = threading.Event()
+    module.write_text(
+        "def slow(completions, *, release, **kw):\n"
+        "    if completions[0] == 'hang':\n"
+        "        release[0].wait(30)\n"
+        "    return [1.0]\n"
+    )
+    runner = _runner(RewardSpec(name=f"{module}:slow"), timeout_s=0.3, workers=2)
+    try:
+        out = runner(["hang", "ok", "ok"], ["p"] * 3, {"release": [release] * 3}, [[1]] * 3)
+        assert out.per_function[:, 0].tolist() == [0.0, 1.0, 1.0]
+        assert out.errors == {"slow": 1}
+        # the stuck thread does not block the next step: the pool was replaced
+        out = runner(["ok", "ok"], ["p"] * 2, {"release": [release] * 2}, [[1]] * 2)
+        assert out.per_function[:, 0].tolist() == [1.0, 1.0] and out.errors == {"slow": 0}
+    finally:
+        release.set()
+        runner.close()
+
+
+def test_runner_overlaps_slow_calls(tmp_path: Path):
+    module = tmp_path / "sleepy_rewards.py"
+    module.write_text(
+        "import threading\n"
+        "active, peak, lock = [0], [0], threading.Lock()\n"
+        "def sleepy(completions, **kw):\n"
+        "    import time\n"
+        "    with lock:\n"
+        "        active[0] += 1\n"
+        "        peak[0] = max(peak[0], active[0])\n"
+        "    time.sleep(0.05)\n"
+        "    with lock:\n"
+        "        active[0] -= 1\n"
+        "    return [1.0]\n"
+    )
+    runner = _runner(RewardSpec(name=f"{module}:sleepy"), workers=4)
+    try:
+        runner(["x"] * 8, ["p"] * 8, {}, [[1]] * 8)
+        peak = runner.functions[0].__globals__["peak"]
+        assert peak[0] > 1  # calls ran concurrently, not one after another
+    finally:
+        runner.close()
+
+
+def test_builtins_registered():
+    resolve_reward(RewardSpec(name="format"))
+    assert {"format", "tag_count", "accuracy", "code", "countdown", "overlong", "token_budget", "repetition", "reward_model"} <= set(REGISTRY)
+
+
+def test_unknown_reward_and_bad_args():
+    with pytest.raises(RewardError, match="unknown reward"):
+        resolve_reward(RewardSpec(name="nope"))
+    with pytest.raises(RewardError, match="unknown extract"):
+        resolve_reward(RewardSpec(name="accuracy", args={"extract": ["tea_leaves"]}))
+    with pytest.raises(RewardError, match="mode"):
+        resolve_reward(RewardSpec(name="code", args={"mode": "sometimes"}))
+
+
+def test_accuracy_and_code_through_the_runner():
+    runner = _runner(RewardSpec(name="accuracy"), RewardSpec(name="code", args={"cpu_s": 2, "wall_s": 4}), workers=4)
+    try:
+        out = runner(
+            ["<answer>\\frac{1}{2}</answer>", "```python\ndef f():\n    return 1\n```"],
+            ["p", "p"],
+            {"answer": ["0.5", None], "tests": [None, ["assert f() == 1"]]},
+            [[1], [1]],
+        )
+    finally:
+        runner.close()
+    # NaN where not applicable (None): accuracy has no gold for row 1, code no tests for row 0
+    assert out.per_function[0, 0] == 1.0 and out.per_function[1, 1] == 1.0
+    assert math.isnan(out.per_function[0, 1]) and math.isnan(out.per_function[1, 0])
