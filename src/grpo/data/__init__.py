@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from grpo.config import DataConfig
 from grpo.data.tasks import TASKS, Task
+
+
+logger = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -73,36 +77,91 @@ def read_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
 
 
 def _valid_messages(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    ) and len(value) > 0
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
+
+
+def _as_prompt(value: Any) -> str | list[dict[str, str]] | None:
+    """A string prompt, chat messages, or None. CSV cells holding messages as JSON are decoded."""
+    if isinstance(value, str) and value.lstrip().startswith("[{"):
+        try:
+            decoded = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        return decoded if _valid_messages(decoded) else value
+    if isinstance(value, str) or _valid_messages(value):
+        return value
+    return None
+
+
+def parse_gold(value: Any) -> str | None:
+    """A gold answer as a string, or None when it cannot be used (missing, empty, a container).
+    GSM8K-style solutions ("... #### 18") give the text after the last '####'."""
+    if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
+        return None
+    text = str(value).strip()
+    if "####" in text:
+        text = text.rpartition("####")[2].strip()
+    return text or None
+
+
+class Rows(list):
+    """Loaded rows (a list of dicts); ``skipped`` counts rows dropped for an unusable gold answer."""
+
+    skipped: int = 0
 
 
 def normalise_rows(
     rows: list[dict[str, Any]], prompt_field: str, answer_field: str, source: str
-) -> list[dict[str, Any]]:
-    """Map the configured fields to ``prompt``/``answer``; a bad row is an error naming it."""
-    out = []
+) -> Rows:
+    """Map the configured fields to ``prompt``/``answer``; a malformed row is an error naming it.
+
+    When the data has a gold-answer column, a row whose gold answer cannot be parsed is skipped
+    and counted (``Rows.skipped``, and a warning) instead of failing the run.
+    """
+    has_answers = any(answer_field in row for row in rows)
+    out = Rows()
+    skipped_rows: list[int] = []
     for i, row in enumerate(rows, start=1):
-        prompt = row.get(prompt_field)
-        if prompt is None or prompt == "":
+        if not isinstance(row, dict):
+            raise DataError(f"{source}: row {i} is not a mapping of fields")
+        raw = row.get(prompt_field)
+        if raw is None or raw == "":
             raise DataError(f"{source}: row {i} has no '{prompt_field}' field")
-        if not isinstance(prompt, str) and not _valid_messages(prompt):
+        prompt = _as_prompt(raw)
+        if prompt is None:
             raise DataError(
-                f"{source}: row {i} field '{prompt_field}' must be a string or chat messages"
+                f"{source}: row {i} field '{prompt_field}' must be a string or chat messages "
+                "[{role, content}, ...]"
             )
         new = dict(row)
         new["prompt"] = prompt
-        if answer_field in row:
-            new["answer"] = row[answer_field]
+        if has_answers:
+            gold = parse_gold(row.get(answer_field))
+            if gold is None:
+                skipped_rows.append(i)
+                continue
+            new["answer"] = gold
         out.append(new)
+    out.skipped = len(skipped_rows)
+    if skipped_rows:
+        shown = ", ".join(map(str, skipped_rows[:10])) + (" ..." if len(skipped_rows) > 10 else "")
+        logger.warning(
+            "%s: skipped %d of %d rows whose gold answer '%s' cannot be parsed (rows %s)",
+            source, len(skipped_rows), len(rows), answer_field, shown,
+        )
     if not out:
-        raise DataError(f"{source}: no rows")
+        raise DataError(f"{source}: no usable rows")
     return out
 
 
-def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -> list[dict[str, Any]]:
+def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -> Rows:
     """The rows a run trains (or evaluates) on."""
     split = split or config.split
     if config.path is not None:
@@ -110,11 +169,16 @@ def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -
         source = config.path
     else:
         task = get_task(config.task)
-        rows = task.rows(split, seed, **config.task_args)
+        if split not in task.splits:
+            raise DataError(f"task '{config.task}' has splits {', '.join(task.splits)}, not '{split}'")
+        try:
+            rows = task.rows(split, seed, **config.task_args)
+        except TypeError as err:
+            raise DataError(f"task '{config.task}': bad data.task_args {config.task_args}: {err}") from None
         source = f"task '{config.task}'"
     rows = normalise_rows(rows, config.prompt_field, config.answer_field, source)
     if config.num_examples is not None:
-        rows = rows[: config.num_examples]
+        del rows[config.num_examples :]
     return rows
 
 

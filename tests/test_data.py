@@ -1,0 +1,90 @@
+"""User data: formats, chat-message prompts, malformed rows, unparseable gold answers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from grpo.config import DataConfig
+from grpo.data import DataError, load_dataset_rows, parse_gold
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_chat_messages_and_plain_prompts(tmp_path: Path):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": 2}, {"prompt": messages, "answer": "4"}])
+    rows = load_dataset_rows(DataConfig(path=str(path)), seed=0)
+    assert [r["prompt"] for r in rows] == ["1+1?", messages]
+    assert [r["answer"] for r in rows] == ["2", "4"]
+
+
+def test_csv_messages_as_json(tmp_path: Path):
+    path = tmp_path / "d.csv"
+    path.write_text('question,gold\n"[{""role"": ""user"", ""content"": ""hi""}]",5\n')
+    rows = load_dataset_rows(DataConfig(path=str(path), prompt_field="question", answer_field="gold"), seed=0)
+    assert rows[0]["prompt"] == [{"role": "user", "content": "hi"}] and rows[0]["answer"] == "5"
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"question": "x"}, "row 2 has no 'prompt'"),
+        ({"prompt": [{"role": "user"}]}, "row 2 field 'prompt' must be a string or chat messages"),
+        ({"prompt": 7}, "row 2 field 'prompt'"),
+    ],
+)
+def test_malformed_row_names_file_and_row(tmp_path: Path, row: dict, message: str):
+    path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok", "answer": "1"}, row])
+    with pytest.raises(DataError, match=message) as err:
+        load_dataset_rows(DataConfig(path=str(path)), seed=0)
+    assert str(path) in str(err.value)
+
+
+def test_invalid_json_line(tmp_path: Path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a"}\n{not json\n')
+    with pytest.raises(DataError, match="row 2 is not valid JSON"):
+        load_dataset_rows(DataConfig(path=str(path)), seed=0)
+
+
+def test_unparseable_gold_rows_are_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    rows = [
+        {"prompt": "a", "answer": "1"},
+        {"prompt": "b", "answer": ""},
+        {"prompt": "c"},
+        {"prompt": "d", "answer": [1, 2]},
+        {"prompt": "e", "answer": "work\n#### 42"},
+    ]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="grpo.data"):
+        loaded = load_dataset_rows(DataConfig(path=str(path)), seed=0)
+    assert [r["prompt"] for r in loaded] == ["a", "e"]
+    assert loaded[1]["answer"] == "42"
+    assert loaded.skipped == 3
+    assert "skipped 3 of 5 rows" in caplog.text and "rows 2, 3, 4" in caplog.text
+
+
+def test_no_answer_column_means_no_skipping(tmp_path: Path):
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    assert len(load_dataset_rows(DataConfig(path=str(path)), seed=0)) == 2
+
+
+def test_parse_gold():
+    assert parse_gold(3) == "3" and parse_gold(" 7 ") == "7"
+    assert parse_gold(None) is None and parse_gold({"a": 1}) is None and parse_gold(True) is None
+
+
+def test_task_split_and_args_errors():
+    with pytest.raises(DataError, match="splits test, not 'train'"):
+        load_dataset_rows(DataConfig(task="math500"), seed=0)
+    with pytest.raises(DataError, match="bad data.task_args"):
+        load_dataset_rows(DataConfig(task="countdown", task_args={"colour": "red"}), seed=0)
+    rows = load_dataset_rows(DataConfig(task="countdown", task_args={"size": 3}), seed=0)
+    assert len(rows) == 3 and rows.skipped == 0

