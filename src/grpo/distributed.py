@@ -267,3 +267,39 @@ def as_float(value: Tensor | float) -> float:
     if hasattr(value, "full_tensor"):
         value = value.full_tensor()
     return float(value)
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> Any:
+    """Load a complete state dict (every rank holds it) into a plain or FSDP2 model, not strict.
+
+    Returns the (missing, unexpected) keys as ``load_state_dict`` does.
+    """
+    if not is_fsdp(model):
+        return model.load_state_dict(state, strict=False)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    return set_model_state_dict(model, state, options=options)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's complete state (gathered from the shards under FSDP2: a collective)."""
+    if not is_fsdp(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Inverse of ``optimizer_state``: each FSDP2 rank keeps its own shard of the full state."""
+    if not is_fsdp(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)

@@ -1,0 +1,164 @@
+"""Multi-process training: sharding helpers, seeded sampling, and torchrun (gloo) == one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from grpo import distributed
+from grpo.config import ConfigError, dump_config
+from grpo.models import load_tokenizer
+from grpo.rollout.hf import HFEngine, SeededGroupSampler
+from grpo.trainer import Trainer, sampling_seed, train
+
+DIGITS_REWARD = """
+def digits(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+"""
+
+
+def test_shard_bounds_split_whole_groups_evenly() -> None:
+    # 4 prompts over 2 ranks: rank 0 takes prompts 0-1, rank 1 prompts 2-3
+    assert distributed.shard_bounds(4, 0, 2) == (0, 2)
+    assert distributed.shard_bounds(4, 1, 2) == (2, 4)
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        distributed.shard_bounds(5, 0, 2)
+
+
+def test_single_process_collectives_are_identities() -> None:
+    t = torch.arange(6.0).view(3, 2)
+    assert distributed.all_gather_rows(t) is t
+    assert distributed.rank_slice(3) == slice(0, 3)
+    assert distributed.all_reduce(2.5) == 2.5
+    assert distributed.local_share_of_global(7.0) == 7.0
+    assert distributed.all_gather_list(["a"]) == ["a"]
+
+
+def test_sampling_seeds_differ_per_position_and_run_seed() -> None:
+    seeds = {sampling_seed(s, p) for s in range(3) for p in range(1000)}
+    assert len(seeds) == 3000
+
+
+def test_gumbel_sampler_draws_from_the_softmax() -> None:
+    # probabilities 0.5, 0.3, 0.2 and a -inf token that must never be drawn; 5 groups of 800
+    # rows = 4000 draws: frequencies within 0.025 (binomial std <= sqrt(0.25/4000) = 0.008)
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    scores = probs.log().expand(4000, 4).clone()
+    sampler = SeededGroupSampler([1, 2, 3, 4, 5], group_size=800, device=torch.device("cpu"))
+    picks = sampler(None, scores).argmax(dim=-1)  # [4000]
+    freq = torch.bincount(picks, minlength=4).float() / 4000
+    assert freq[3] == 0
+    assert torch.allclose(freq, probs, atol=0.025)
+
+
+def test_a_groups_samples_do_not_depend_on_its_batch(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from grpo.config import RolloutConfig
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = HFEngine(model, tok, RolloutConfig(max_new_tokens=8))
+    prompts = ["1+1?", "a much longer prompt, 2+2?"]
+    rows = [{"prompt": p} for p in prompts]
+    both = engine.generate(prompts, rows, 3, seeds=[11, 22])
+    alone = engine.generate(prompts[1:], rows[1:], 3, seeds=[22])
+    # the second group alone (other padding, other batch) draws the same completions
+    assert both.completions[3:] == alone.completions
+    other = engine.generate(prompts[1:], rows[1:], 3, seeds=[23])
+    assert other.completions != alone.completions
+
+
+# --------------------------------------------------------------------------------------- torchrun
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in folder.glob("*.safetensors"):
+        out.update(load_file(file))
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _torchrun(recipe: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", "-m", "grpo.cli", "train", str(recipe), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture
+def distributed_run(tiny_config, tmp_path: Path):
+    """A factory: (algorithm section) -> (single-process run dir, 2-rank run dir, config)."""
+    reward = tmp_path / "digits_reward.py"
+    reward.write_text(DIGITS_REWARD)
+
+    def run(algorithm: dict, strategy: str = "ddp"):
+        config = tiny_config(
+            rewards={"functions": [{"name": f"{reward}:digits"}]},
+            rollout={"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12},
+            optim={"lr": 1e-3, "micro_batch_size": 4},
+            algorithm=algorithm,
+            train={"steps": 3, "run_name": "one", "threads": 1, "distributed": strategy},
+        )
+        one = train(config)
+        recipe = tmp_path / "recipe.yaml"
+        tree = yaml.safe_load(dump_config(config))
+        tree["train"]["run_name"] = "two"
+        recipe.write_text(yaml.safe_dump(tree))
+        proc = _torchrun(recipe)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return one, one.parent / "two", config
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        # dapo's global token count, the batch std and a reference model (beta 0.04): ~20 s
+        {"loss_type": "dapo", "scale_rewards": "batch"},
+        pytest.param({"loss_type": "grpo", "beta": 0.0}, marks=pytest.mark.slow),
+    ],
+    ids=["dapo-batch-std", "grpo"],
+)
+def test_two_gloo_ranks_match_one_process(
+    distributed_run, tiny_model_dir: Path, algorithm: dict
+) -> None:
+    # one process with P=4 prompts vs two ranks with 2 prompts each, same seed, 3 steps
+    one, two, config = distributed_run(algorithm)
+    a, b, start = _weights(one / "final"), _weights(two / "final"), _weights(tiny_model_dir)
+    assert a.keys() == b.keys()
+    # training moved the weights by far more than the tolerance of the comparison
+    assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-3
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5, rtol=0), key
+    m1, m2 = _metrics(one), _metrics(two)
+    assert [m["step"] for m in m2] == [1, 2, 3]  # only rank 0 wrote, once per step
+    for r1, r2 in zip(m1, m2, strict=True):
+        for key in ("reward/mean", "reward/std", "advantage/abs_mean", "completion_len/mean"):
+            assert r1[key] == pytest.approx(r2[key], abs=1e-6), key
+        for key in ("loss", "grad_norm", "entropy"):
+            assert r1[key] == pytest.approx(r2[key], abs=1e-5), key
+    # the same completions were sampled and written, in the same global order
+    c1 = (one / "completions" / "step-000003.jsonl").read_text()
+    c2 = (two / "completions" / "step-000003.jsonl").read_text()
+    assert c1 == c2
+
+    # a checkpoint written by 2 ranks cannot be resumed by 1 process
+    resume = config.model_copy(
+        update={"train": config.train.model_copy(update={"run_name": "two", "steps": 4})}
+    )
+    with pytest.raises(ConfigError, match="written by 2 process"):
+        Trainer(resume).train()
