@@ -8,10 +8,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+# Self-check phrases: the "aha moment" behaviour the GRPO papers report emerging with training.
+REFLECTION_RE = re.compile(
+    r"\b(wait|let me (re-?)?check|let me verify|double[- ]check|let me re-?calculate|"
+    r"on second thought|hmm)\b",
+    re.IGNORECASE,
+)
+
+
+def reflection_rate(completions: Sequence[str]) -> float:
+    """Share of completions with at least one self-check phrase ("wait", "let me check", ...)."""
+    if not completions:
+        return 0.0
+    return sum(bool(REFLECTION_RE.search(c)) for c in completions) / len(completions)
 
 
 class Sink(Protocol):

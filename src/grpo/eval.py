@@ -1,0 +1,195 @@
+"""Held-out evaluation: greedy accuracy, pass@k and maj@k on a task's test split.
+
+- ``accuracy``: one greedy completion per problem, correct when its final answer (the last
+  <answer> tag, judged like the ``accuracy`` reward) matches the gold answer.
+- ``pass@k``: from n sampled completions with c correct, the unbiased estimator of Chen et al.
+  (2021), ``1 - C(n-c, k) / C(n, k)``, averaged over problems; reported for k = 1, 2, 4, ... n.
+- ``maj@k``: the most frequent extracted answer among the k samples (ties: the one seen first;
+  completions without an answer do not vote) is judged against the gold answer.
+- ``answer_rate``: share of greedy completions that contain an <answer> tag at all.
+
+``grpo eval`` prints the result as JSON; the trainer calls ``evaluate`` every
+``train.eval_every`` steps and logs each value as ``eval/<name>``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from grpo.config import Config
+from grpo.data import DataError, load_dataset_rows, system_prompt_for
+from grpo.rewards.builtin import answers_match, extract_answer
+from grpo.rollout import render_prompt
+from grpo.rollout.hf import eos_ids
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k completions drawn without replacement from n (c of
+    them correct) is correct: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0  # every k-subset holds a correct completion
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_answer(answers: Sequence[str | None]) -> str | None:
+    """The most common non-None answer (whitespace-stripped); ties go to the one seen first."""
+    votes = Counter(a.strip() for a in answers if a is not None)
+    if not votes:
+        return None
+    best = max(votes.values())
+    return next(a.strip() for a in answers if a is not None and votes[a.strip()] == best)
+
+
+def is_correct(completion: str, gold: Any) -> bool:
+    predicted = extract_answer(completion)
+    return predicted is not None and answers_match(predicted, str(gold))
+
+
+def k_values(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself."""
+    ks = [2**i for i in range(n.bit_length()) if 2**i <= n]
+    return ks if ks[-1] == n else [*ks, n]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How to generate: ``samples`` > 1 adds sampled completions for pass@k and maj@k."""
+
+    samples: int = 1
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    batch_size: int = 32
+
+
+@torch.no_grad()
+def _generate(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    settings: EvalSettings,
+    num: int,
+    greedy: bool,
+) -> list[list[str]]:
+    """[len(prompts)][num] completion texts, generated in batches of prompts."""
+    eos = eos_ids(tokenizer, model)
+    sampling = (
+        {"do_sample": False}
+        if greedy
+        else {"do_sample": True, "temperature": settings.temperature, "top_k": None, "top_p": 1.0}
+    )
+    out: list[list[str]] = []
+    per_batch = max(1, settings.batch_size // num)
+    for start in range(0, len(prompts), per_batch):
+        chunk = prompts[start : start + per_batch]
+        enc = tokenizer(
+            chunk, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+        )
+        ids = model.generate(
+            input_ids=enc.input_ids,
+            attention_mask=enc.attention_mask,
+            max_new_tokens=settings.max_new_tokens,
+            num_return_sequences=num,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos,
+            **sampling,
+        )
+        texts = tokenizer.batch_decode(ids[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+        out.extend(texts[i * num : (i + 1) * num] for i in range(len(chunk)))
+    return out
+
+
+def score_samples(samples: list[list[str]], golds: list[Any]) -> dict[str, float]:
+    """pass@k for k = 1, 2, 4, ... n and maj@n from n samples per problem."""
+    n = len(samples[0])
+    out: dict[str, float] = {}
+    correct = [
+        sum(is_correct(s, g) for s in group) for group, g in zip(samples, golds, strict=True)
+    ]
+    for k in k_values(n):
+        out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(golds)
+    votes = [majority_answer([extract_answer(s) for s in group]) for group in samples]
+    out[f"maj@{n}"] = sum(
+        v is not None and answers_match(v, str(g)) for v, g in zip(votes, golds, strict=True)
+    ) / len(golds)
+    return out
+
+
+def evaluate(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    system_prompt: str | None,
+    settings: EvalSettings = EvalSettings(),
+) -> dict[str, float]:
+    """Greedy accuracy (and pass@k / maj@k when settings.samples > 1) over ``rows``."""
+    prompts = [render_prompt(tokenizer, r["prompt"], system_prompt) for r in rows]
+    golds = [r.get("answer") for r in rows]
+    if any(g is None for g in golds):
+        raise DataError("evaluation rows need an 'answer' column")
+    was_training = model.training
+    model.eval()
+    try:
+        greedy = [group[0] for group in _generate(model, tokenizer, prompts, settings, 1, True)]
+        sampled = (
+            _generate(model, tokenizer, prompts, settings, settings.samples, False)
+            if settings.samples > 1
+            else None
+        )
+    finally:
+        model.train(was_training)
+    out = {
+        "accuracy": sum(is_correct(c, g) for c, g in zip(greedy, golds, strict=True)) / len(rows),
+        "answer_rate": sum(extract_answer(c) is not None for c in greedy) / len(rows),
+        "completion_len": sum(len(tokenizer(c).input_ids) for c in greedy) / len(rows),
+        "examples": float(len(rows)),
+    }
+    if sampled is not None:
+        out.update(score_samples(sampled, golds))
+    return out
+
+
+def heldout_rows(config: Config, examples: int | None) -> list[dict[str, Any]]:
+    """The first ``examples`` rows of the held-out split: a task's test split, or the 'test'
+    split of a `datasets` folder. A single data file has no held-out split."""
+    data = config.data
+    if data.path is not None and not Path(data.path).is_dir():
+        raise DataError(
+            f"data.path {data.path}: a single file has no held-out split for evaluation "
+            "(use a built-in task or a datasets folder with a 'test' split)"
+        )
+    rows = load_dataset_rows(
+        data.model_copy(update={"num_examples": None}), config.train.seed, "test"
+    )
+    return rows[:examples] if examples else rows
+
+
+def settings_for(config: Config, samples: int) -> EvalSettings:
+    return EvalSettings(
+        samples=samples,
+        max_new_tokens=config.rollout.max_new_tokens,
+        temperature=config.rollout.temperature,
+    )
+
+
+def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[str, float]:
+    """Load ``config.model.name`` (full weights, no adapters) and evaluate it on the held-out
+    split of ``config.data`` with the rollout's token limit and temperature."""
+    from grpo.config import ModelConfig
+    from grpo.models import load_policy, load_tokenizer, resolve_model_path
+
+    rows = heldout_rows(config, examples)
+    path = resolve_model_path(config.model.name)
+    model = load_policy(ModelConfig(name=path, dtype=config.model.dtype), path)
+    settings = settings_for(config, samples)
+    return evaluate(model, load_tokenizer(path), rows, system_prompt_for(config.data), settings)

@@ -1,0 +1,211 @@
+"""pass@k / maj@k arithmetic, the evaluation pipeline with a scripted model, the trainer's
+eval hook, and `grpo eval`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import decoders
+from torch import nn
+
+from grpo.cli import main
+from grpo.eval import (
+    EvalSettings,
+    evaluate,
+    k_values,
+    majority_answer,
+    pass_at_k,
+    score_samples,
+)
+from grpo.models import load_tokenizer
+from grpo.trainer import train
+
+# ------------------------------------------------------------------------------------ pass@k
+
+
+def test_pass_at_k_hand_examples() -> None:
+    # n=4, c=1, k=1: 1 - C(3,1)/C(4,1) = 1 - 3/4
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25, abs=1e-12)
+    # n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5, abs=1e-12)
+    # n=10, c=3, k=5: 1 - C(7,5)/C(10,5) = 1 - 21/252
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252, abs=1e-12)
+    # n=4, c=2, k=3: only two wrong ones, so every 3-subset has a correct one
+    assert pass_at_k(4, 2, 3) == 1.0
+    assert pass_at_k(5, 0, 3) == 0.0
+
+
+def test_pass_at_k_matches_enumeration_of_subsets() -> None:
+    # the estimator is exactly the share of k-subsets (without replacement) holding a correct one
+    for n in range(1, 7):
+        for c in range(n + 1):
+            outcomes = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                expected = sum(any(s) for s in subsets) / len(subsets)
+                assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_rejects_impossible_counts() -> None:
+    with pytest.raises(ValueError, match="c <= n"):
+        pass_at_k(3, 4, 1)
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(3, 1, 4)
+
+
+def test_majority_answer() -> None:
+    assert majority_answer(["3", "4", " 4", None]) == "4"  # 4 has two votes after stripping
+    assert majority_answer(["5", "6"]) == "5"  # tie: the first seen wins
+    assert majority_answer([None, "7", None]) == "7"  # no answer casts no vote
+    assert majority_answer([None, None]) is None
+
+
+def test_k_values() -> None:
+    assert k_values(1) == [1]
+    assert k_values(8) == [1, 2, 4, 8]
+    assert k_values(6) == [1, 2, 4, 6]
+
+
+def test_score_samples_by_hand() -> None:
+    samples = [
+        # gold 5: one correct of three; the majority (4, twice) is wrong
+        ["<answer>4</answer>", "<answer>5</answer>", "<answer>4</answer>"],
+        # gold 9: two correct of three, one without an answer tag; majority 9 is right
+        ["<answer>9</answer>", "nine", "<answer> 9 </answer>"],
+    ]
+    out = score_samples(samples, ["5", "9"])
+    # pass@1 = mean(c/n) = (1/3 + 2/3) / 2 = 0.5
+    assert out["pass@1"] == pytest.approx(0.5, abs=1e-12)
+    # pass@2: problem 1: 1 - C(2,2)/C(3,2) = 2/3; problem 2: n-c = 1 < 2 -> 1; mean 5/6
+    assert out["pass@2"] == pytest.approx(5 / 6, abs=1e-12)
+    assert out["pass@3"] == pytest.approx(1.0, abs=1e-12)
+    assert out["maj@3"] == pytest.approx(0.5, abs=1e-12)
+
+
+# ------------------------------------------------------------------------- scripted model
+
+# spaces optional: the tiny tokenizer's unknown token is " ", dropped by skip_special_tokens
+PROBLEM_RE = re.compile(r"What ?is ?(\d+) ?([-+*]) ?(\d+)\?")
+
+
+class ScriptedModel(nn.Module):
+    """Answers "What is a op b?" prompts with a fixed policy, through the real tokenizer.
+
+    Greedy: right answers for problems whose first operand is even, wrong ones otherwise.
+    Sampled: the i-th of the k samples answers right when i is even (so c = ceil(k/2)).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.generation_config = type("GC", (), {"eos_token_id": tokenizer.eos_token_id})()
+        self.dummy = nn.Parameter(torch.zeros(1))
+
+    def _answer(self, prompt_ids: torch.Tensor, right: bool) -> str:
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        a, op, b = PROBLEM_RE.findall(text)[-1]
+        value = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        return f"<think>x</think><answer>{value if right else value + 1}</answer>"
+
+    def generate(self, input_ids, attention_mask, num_return_sequences, do_sample, **_):
+        outs = []
+        for row in input_ids:
+            a = int(PROBLEM_RE.findall(self.tokenizer.decode(row))[-1][0])
+            for i in range(num_return_sequences):
+                right = (i % 2 == 0) if do_sample else (a % 2 == 0)
+                ids = self.tokenizer(self._answer(row, right), add_special_tokens=False).input_ids
+                outs.append(torch.cat([row, torch.tensor(ids + [self.tokenizer.eos_token_id])]))
+        width = max(len(o) for o in outs)
+        pad = self.tokenizer.pad_token_id
+        return torch.stack(
+            [torch.nn.functional.pad(o, (0, width - len(o)), value=pad) for o in outs]
+        )
+
+
+def test_evaluate_with_scripted_model(tiny_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    # the tiny character tokenizer decodes with spaces between tokens; join them back instead
+    tokenizer.backend_tokenizer.decoder = decoders.Fuse()
+    model = ScriptedModel(tokenizer).train()
+    rows = [
+        {"prompt": "What is 2 + 3?", "answer": "5"},  # even first operand: greedy right
+        {"prompt": "What is 7 - 1?", "answer": "6"},  # odd: greedy answers 7, wrong
+        {"prompt": "What is 4 * 4?", "answer": "16"},  # even: right
+    ]
+    settings = EvalSettings(samples=3, max_new_tokens=32, batch_size=4)
+    out = evaluate(model, tokenizer, rows, "sys", settings)
+    assert out["accuracy"] == pytest.approx(2 / 3, abs=1e-12)
+    assert out["answer_rate"] == 1.0
+    # samples 0 and 2 of 3 are right on every problem: c = 2, n = 3
+    assert out["pass@1"] == pytest.approx(2 / 3, abs=1e-12)
+    assert out["pass@2"] == pytest.approx(1.0, abs=1e-12)  # n - c = 1 < 2
+    assert out["maj@3"] == pytest.approx(1.0, abs=1e-12)  # the right answer has 2 of 3 votes
+    assert out["examples"] == 3
+    assert model.training  # evaluation restores the training mode
+
+
+# ------------------------------------------------------------------------- trainer and CLI
+
+
+def test_trainer_logs_eval_and_reflection(tiny_config) -> None:
+    config = tiny_config(train={"steps": 3, "eval_every": 2, "eval_examples": 3})
+    run_dir = train(config)
+    lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {line["step"]: line for line in lines}
+    assert sorted(by_step) == [0, 1, 2, 3]
+    # a baseline at step 0, then every eval_every steps and at the last step
+    assert {s for s, line in by_step.items() if "eval/accuracy" in line} == {0, 2, 3}
+    for step in (0, 2, 3):
+        assert 0.0 <= by_step[step]["eval/accuracy"] <= 1.0
+        assert by_step[step]["eval/examples"] == 3
+    for step in (1, 2, 3):
+        assert 0.0 <= by_step[step]["reflection_rate"] <= 1.0
+
+
+def test_cli_eval_json(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    out_file = tmp_path / "eval.json"
+    code = main(
+        [
+            "eval",
+            str(tiny_model_dir),
+            "rollout.max_new_tokens=8",
+            "--examples",
+            "3",
+            "--samples",
+            "2",
+            "--output",
+            str(out_file),
+        ]
+    )
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out_file.read_text())
+    metrics = printed["metrics"]
+    assert set(metrics) >= {"accuracy", "answer_rate", "pass@1", "pass@2", "maj@2"}
+    assert metrics["examples"] == 3
+    assert metrics["pass@1"] <= metrics["pass@2"] + 1e-12  # more tries never hurt
+    assert printed["task"] == "arithmetic"
+
+
+def test_cli_eval_of_a_run_dir_uses_its_recipe(tiny_config, capsys) -> None:
+    run_dir = train(
+        tiny_config(data={"task": "arithmetic", "task_args": {"size": 64, "max_value": 9}})
+    )
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "rollout.max_new_tokens=4", "--examples", "2"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["model"] == str(run_dir / "final")
+    assert printed["task_args"] == {"size": 64, "max_value": 9}
+
+
+def test_cli_eval_bad_input_is_one_line(tiny_model_dir: Path, capsys) -> None:
+    assert main(["eval", str(tiny_model_dir), "--task", "no-such-task"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown task 'no-such-task'" in err and "\n" not in err
+    with pytest.raises(SystemExit):
+        main(["eval", str(tiny_model_dir), "--samples", "0"])
