@@ -19,7 +19,9 @@ def _jsonl(path: Path, rows: list) -> Path:
 
 def test_chat_messages_and_plain_prompts(tmp_path: Path):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
-    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": 2}, {"prompt": messages, "answer": "4"}])
+    path = _jsonl(
+        tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": 2}, {"prompt": messages, "answer": "4"}]
+    )
     rows = load_dataset_rows(DataConfig(path=str(path)), seed=0)
     assert [r["prompt"] for r in rows] == ["1+1?", messages]
     assert [r["answer"] for r in rows] == ["2", "4"]
@@ -28,7 +30,9 @@ def test_chat_messages_and_plain_prompts(tmp_path: Path):
 def test_csv_messages_as_json(tmp_path: Path):
     path = tmp_path / "d.csv"
     path.write_text('question,gold\n"[{""role"": ""user"", ""content"": ""hi""}]",5\n')
-    rows = load_dataset_rows(DataConfig(path=str(path), prompt_field="question", answer_field="gold"), seed=0)
+    rows = load_dataset_rows(
+        DataConfig(path=str(path), prompt_field="question", answer_field="gold"), seed=0
+    )
     assert rows[0]["prompt"] == [{"role": "user", "content": "hi"}] and rows[0]["answer"] == "5"
 
 
@@ -54,7 +58,9 @@ def test_invalid_json_line(tmp_path: Path):
         load_dataset_rows(DataConfig(path=str(path)), seed=0)
 
 
-def test_unparseable_gold_rows_are_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+def test_unparseable_gold_rows_are_skipped_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
     rows = [
         {"prompt": "a", "answer": "1"},
         {"prompt": "b", "answer": ""},
@@ -84,7 +90,7 @@ def test_parse_gold():
 def test_task_split_and_args_errors():
     with pytest.raises(DataError, match="splits test, not 'train'"):
         load_dataset_rows(DataConfig(task="math500"), seed=0)
-    with pytest.raises(DataError, match="bad data.task_args"):
+    with pytest.raises(DataError, match=r"bad data\.task_args"):
         load_dataset_rows(DataConfig(task="countdown", task_args={"colour": "red"}), seed=0)
     rows = load_dataset_rows(DataConfig(task="countdown", task_args={"size": 3}), seed=0)
     assert len(rows) == 3 and rows.skipped == 0

@@ -22,7 +22,11 @@ def _runner(*specs: RewardSpec, **config) -> RewardRunner:
 
 def test_format_strict_and_configurable_values():
     fn = resolve_reward(RewardSpec(name="format", args={"reward": 1.0, "penalty": -1.0}))
-    texts = ["<think>a</think>\n<answer>1</answer>", "<answer>1</answer>", "<think>a</think><answer>1</answer> extra"]
+    texts = [
+        "<think>a</think>\n<answer>1</answer>",
+        "<answer>1</answer>",
+        "<think>a</think><answer>1</answer> extra",
+    ]
     assert fn(texts) == [1.0, -1.0, -1.0]
 
 
@@ -65,7 +69,10 @@ def test_countdown_subset_option_and_evaluation():
     value, used = evaluate_expression("(7 - 1) / 4")
     assert value == 1.5 and used == [7, 1, 4]
     fn = resolve_reward(RewardSpec(name="countdown"))
-    assert fn(["<answer>2*(3+5)</answer>", "16"], numbers=[[2, 3, 5]] * 2, target=[16, 16]) == [1.0, 0.0]
+    assert fn(["<answer>2*(3+5)</answer>", "16"], numbers=[[2, 3, 5]] * 2, target=[16, 16]) == [
+        1.0,
+        0.0,
+    ]
 
 
 def test_soft_overlong_matches_dapo():
@@ -80,14 +87,18 @@ def test_soft_overlong_matches_dapo():
 
 
 def test_token_budget():
-    fn = resolve_reward(RewardSpec(name="token_budget", args={"budget": 4, "per_token": 0.1, "max_penalty": 0.5}))
+    fn = resolve_reward(
+        RewardSpec(name="token_budget", args={"budget": 4, "per_token": 0.1, "max_penalty": 0.5})
+    )
     # 3 tokens: 0; 6 tokens: 2 over -> -0.2; 20 tokens: 16 over -> -1.6 floored at -0.5
-    assert fn(["", "", ""], completion_ids=[[1] * 3, [1] * 6, [1] * 20]) == pytest.approx([0.0, -0.2, -0.5])
+    assert fn(["", "", ""], completion_ids=[[1] * 3, [1] * 6, [1] * 20]) == pytest.approx(
+        [0.0, -0.2, -0.5]
+    )
 
 
 def test_repetition():
     # "a b a b a b" trigrams: aba, bab, aba, bab -> 2 distinct of 4 -> 0.5 repeated
-    assert repeated_fraction("a b a b a b".split(), 3) == 0.5
+    assert repeated_fraction(["a", "b", "a", "b", "a", "b"], 3) == 0.5
     assert repeated_fraction([1, 2, 3, 4], 2) == 0.0
     assert repeated_fraction([1], 3) == 0.0
     fn = resolve_reward(RewardSpec(name="repetition", args={"n": 3, "max_penalty": -2.0}))
@@ -111,7 +122,9 @@ def test_runner_weights_none_and_errors(tmp_path: Path):
         fallback=-0.5,
     )
     try:
-        out = runner(["<think>x</think><answer>1</answer>", "boom", "skip"], ["p"] * 3, {}, [[1]] * 3)
+        out = runner(
+            ["<think>x</think><answer>1</answer>", "boom", "skip"], ["p"] * 3, {}, [[1]] * 3
+        )
     finally:
         runner.close()
     assert out.names == ["format", "flaky", "wrong_length"]
@@ -171,7 +184,17 @@ def test_runner_overlaps_slow_calls(tmp_path: Path):
 
 def test_builtins_registered():
     resolve_reward(RewardSpec(name="format"))
-    assert {"format", "tag_count", "accuracy", "code", "countdown", "overlong", "token_budget", "repetition", "reward_model"} <= set(REGISTRY)
+    assert {
+        "format",
+        "tag_count",
+        "accuracy",
+        "code",
+        "countdown",
+        "overlong",
+        "token_budget",
+        "repetition",
+        "reward_model",
+    } <= set(REGISTRY)
 
 
 def test_unknown_reward_and_bad_args():
@@ -184,7 +207,11 @@ def test_unknown_reward_and_bad_args():
 
 
 def test_accuracy_and_code_through_the_runner():
-    runner = _runner(RewardSpec(name="accuracy"), RewardSpec(name="code", args={"cpu_s": 2, "wall_s": 4}), workers=4)
+    runner = _runner(
+        RewardSpec(name="accuracy"),
+        RewardSpec(name="code", args={"cpu_s": 2, "wall_s": 4}),
+        workers=4,
+    )
     try:
         out = runner(
             ["<answer>\\frac{1}{2}</answer>", "```python\ndef f():\n    return 1\n```"],

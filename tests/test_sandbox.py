@@ -3,6 +3,7 @@ untouched, and no process of the run left alive."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -34,7 +35,9 @@ def _sandbox_uid_processes() -> list[int]:
 
 
 def _score(program: str, tests: list[str] = TESTS, mode: str = "binary") -> float:
-    fn = code_reward(mode=mode, cpu_s=FAST.cpu_s, wall_s=FAST.wall_s, memory_mb=FAST.memory_mb, max_procs=16)
+    fn = code_reward(
+        mode=mode, cpu_s=FAST.cpu_s, wall_s=FAST.wall_s, memory_mb=FAST.memory_mb, max_procs=16
+    )
     return fn([f"```python\n{program}\n```"], tests=[tests])[0]
 
 
@@ -91,10 +94,8 @@ def test_socket_cannot_reach_a_listening_server():
     server.settimeout(3)
 
     def accept() -> None:
-        try:
+        with contextlib.suppress(OSError):
             accepted.append(server.accept())
-        except OSError:
-            pass
 
     thread = threading.Thread(target=accept)
     thread.start()
@@ -110,8 +111,7 @@ def test_secret_in_trainer_environment_is_invisible(monkeypatch: pytest.MonkeyPa
     program = (
         "import os\n"
         "assert 'GRPO_TEST_SECRET' not in os.environ\n"
-        f"environ = open('/proc/{os.getpid()}/environ', 'rb').read()\n"  # must raise
-        + GOOD
+        f"environ = open('/proc/{os.getpid()}/environ', 'rb').read()\n" + GOOD  # must raise
     )
     assert _score(program) == 0.0
     # the environment check alone passes: the variable is not there

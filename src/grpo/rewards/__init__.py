@@ -15,9 +15,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import sys
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,7 +205,9 @@ class RewardRunner:
                 values = self._result(call, errors)
                 self._store(scores, call, values)
             for future, call in list(waiting.items()):
-                late = now >= step_deadline or (call.started is not None and now - call.started >= limit)
+                late = now >= step_deadline or (
+                    call.started is not None and now - call.started >= limit
+                )
                 if late:
                     future.cancel()
                     del waiting[future]

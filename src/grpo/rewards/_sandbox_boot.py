@@ -67,13 +67,19 @@ def isolate_network(uid: int, gid: int) -> str:
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
         return ""
     # map our own ids into the new user namespace so files keep their owners
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+    for name, text in (
+        ("setgroups", "deny"),
+        ("uid_map", f"{uid} {uid} 1"),
+        ("gid_map", f"{gid} {gid} 1"),
+    ):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
     return "userns+netns"
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+def _mount(
+    source: str | None, target: str, fstype: str | None, flags: int, data: str | None
+) -> None:
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     if libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
         raise OSError(ctypes.get_errno(), f"mount {target}")
@@ -123,21 +129,34 @@ def drop_privileges(uid: int, gid: int) -> str:
 
 def landlock(workdir: str) -> tuple[str, bool]:
     """Restrict writes to ``workdir`` (and /dev/null); returns (label, network_blocked)."""
-    abi = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), LANDLOCK_CREATE_RULESET_VERSION)
+    abi = libc.syscall(
+        SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), LANDLOCK_CREATE_RULESET_VERSION
+    )
     if abi < 1:
         return "", False
     fs = sum(rights for level, rights in FS_WRITE_RIGHTS.items() if abi >= level)
-    attr = RulesetAttr(fs, NET_BIND_CONNECT_TCP if abi >= 4 else 0, SCOPE_ABSTRACT_UNIX_AND_SIGNAL if abi >= 6 else 0)
+    attr = RulesetAttr(
+        fs,
+        NET_BIND_CONNECT_TCP if abi >= 4 else 0,
+        SCOPE_ABSTRACT_UNIX_AND_SIGNAL if abi >= 6 else 0,
+    )
     size = ctypes.sizeof(RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
-    ruleset = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), 0)
+    ruleset = libc.syscall(
+        SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), 0
+    )
     if ruleset < 0:
         return "", False
     for path, rights in ((workdir, fs), ("/dev/null", FS_WRITE_FILE)):
         fd = os.open(path, os.O_PATH)
         rule = PathBeneathAttr(rights, fd)
-        libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
+        libc.syscall(
+            SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0
+        )
         os.close(fd)
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0:
+    if (
+        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+        or libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0
+    ):
         return "", False
     os.close(ruleset)
     return f"landlock-v{abi}", abi >= 4

@@ -72,7 +72,9 @@ EXTRACTORS: dict[str, Callable[[str], str | None]] = {
 }
 
 
-def extract_answer(text: str, strategies: tuple[str, ...] = ("answer", "boxed", "hashes")) -> str | None:
+def extract_answer(
+    text: str, strategies: tuple[str, ...] = ("answer", "boxed", "hashes")
+) -> str | None:
     """The answer in a completion by the first strategy that finds one, stripped; or None."""
     for name in strategies:
         found = EXTRACTORS[name](text)
@@ -114,7 +116,9 @@ class MathVerifier:
     check) and are killed and replaced when a check overruns.
     """
 
-    def __init__(self, processes: int = 2, timeout_s: float = 5.0, startup_s: float = 120.0) -> None:
+    def __init__(
+        self, processes: int = 2, timeout_s: float = 5.0, startup_s: float = 120.0
+    ) -> None:
         self.processes = processes
         self.timeout_s = timeout_s
         self.startup_s = startup_s
@@ -203,7 +207,9 @@ def equivalent_in_process(gold: str, prediction: str, timeout_s: int = 5) -> boo
     limit = timeout_s if on_main else None
     gold_parsed = parse(_as_latex(gold), parsing_timeout=limit)
     pred_parsed = parse(_as_latex(prediction), parsing_timeout=limit)
-    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=limit))
+    return bool(
+        gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=limit)
+    )
 
 
 Equivalence = Callable[[str, str], bool]
@@ -239,9 +245,13 @@ class AccuracyReward:
     ) -> None:
         unknown = [name for name in extract if name not in EXTRACTORS]
         if unknown:
-            raise RewardError(f"reward 'accuracy': unknown extract {unknown} (known: {', '.join(EXTRACTORS)})")
+            raise RewardError(
+                f"reward 'accuracy': unknown extract {unknown} (known: {', '.join(EXTRACTORS)})"
+            )
         self.answer_field = answer_field
-        self.strategies = tuple(extract) + (("last_number",) if last_number and "last_number" not in extract else ())
+        self.strategies = tuple(extract) + (
+            ("last_number",) if last_number and "last_number" not in extract else ()
+        )
         self.verifier = MathVerifier(processes, timeout_s) if math_verify else None
 
     def __call__(self, completions: list[str], **columns: Any) -> list[float | None]:

@@ -14,7 +14,7 @@ import re
 import secrets
 from typing import Any
 
-from grpo.rewards import RewardFn, RewardError, register
+from grpo.rewards import RewardError, RewardFn, register
 from grpo.rewards.sandbox import Limits, run_python
 
 FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -57,7 +57,11 @@ def extract_code(text: str) -> str:
 def with_prefix(program: str, prefix: str | None, entry_point: str | None) -> str:
     """HumanEval style rows give the signature in the prompt: a completion that only writes the
     body is appended to it; one that defines the function itself runs as it is."""
-    if not prefix or not entry_point or re.search(rf"\bdef\s+{re.escape(entry_point)}\s*\(", program):
+    if (
+        not prefix
+        or not entry_point
+        or re.search(rf"\bdef\s+{re.escape(entry_point)}\s*\(", program)
+    ):
         return program
     return prefix + program
 
@@ -102,7 +106,9 @@ def code_reward(
     without tests."""
     if mode not in SCORES:
         raise RewardError(f"reward 'code': mode must be one of {', '.join(SCORES)}, got '{mode}'")
-    limits = Limits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb, file_mb=file_mb, max_procs=max_procs)
+    limits = Limits(
+        cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb, file_mb=file_mb, max_procs=max_procs
+    )
 
     def score(completions: list[str], **columns: Any) -> list[float | None]:
         n = len(completions)
@@ -110,7 +116,9 @@ def code_reward(
         prefixes = columns.get(prefix_field) or [None] * n
         entry_points = columns.get("entry_point") or [None] * n
         out: list[float | None] = []
-        for text, tests, prefix, entry in zip(completions, tests_column, prefixes, entry_points, strict=True):
+        for text, tests, prefix, entry in zip(
+            completions, tests_column, prefixes, entry_points, strict=True
+        ):
             tests = [] if tests is None else _as_tests(tests)
             if not tests:
                 out.append(None)

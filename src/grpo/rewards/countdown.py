@@ -16,7 +16,12 @@ from grpo.rewards import RewardFn, register
 from grpo.rewards.accuracy import extract_answer
 
 MAX_EXPRESSION_CHARS = 200
-OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 
 
 class InvalidExpression(ValueError):
@@ -67,7 +72,9 @@ def countdown_correct(answer: str, numbers: list[int], target: int, use_all: boo
 
 
 @register("countdown")
-def countdown_reward(use_all: bool = True, numbers_field: str = "numbers", target_field: str = "target") -> RewardFn:
+def countdown_reward(
+    use_all: bool = True, numbers_field: str = "numbers", target_field: str = "target"
+) -> RewardFn:
     """1 when the <answer> expression reaches the target with the row's numbers, else 0."""
 
     def score(completions: list[str], **columns: Any) -> list[float | None]:
@@ -80,7 +87,11 @@ def countdown_reward(use_all: bool = True, numbers_field: str = "numbers", targe
                 out.append(None)
                 continue
             answer = extract_answer(text, ("answer",))
-            out.append(float(answer is not None and countdown_correct(answer, numbers, int(target), use_all)))
+            out.append(
+                float(
+                    answer is not None and countdown_correct(answer, numbers, int(target), use_all)
+                )
+            )
         return out
 
     return score

@@ -22,9 +22,13 @@ def soft_overlong(length: int, max_length: int, buffer: int) -> float:
 def overlong_reward(max_length: int, buffer: int) -> RewardFn:
     """DAPO soft overlong punishment; usually max_length = rollout.max_new_tokens."""
     if not 0 < buffer <= max_length:
-        raise RewardError(f"reward 'overlong': need 0 < buffer <= max_length, got {buffer}, {max_length}")
+        raise RewardError(
+            f"reward 'overlong': need 0 < buffer <= max_length, got {buffer}, {max_length}"
+        )
 
-    def score(completions: list[str], *, completion_ids: list[list[int]], **_: Any) -> list[float | None]:
+    def score(
+        completions: list[str], *, completion_ids: list[list[int]], **_: Any
+    ) -> list[float | None]:
         return [soft_overlong(len(ids), max_length, buffer) for ids in completion_ids]
 
     return score
@@ -36,7 +40,9 @@ def token_budget_reward(budget: int, per_token: float = 0.01, max_penalty: float
     if budget < 0 or per_token < 0 or max_penalty < 0:
         raise RewardError("reward 'token_budget': budget, per_token and max_penalty must be >= 0")
 
-    def score(completions: list[str], *, completion_ids: list[list[int]], **_: Any) -> list[float | None]:
+    def score(
+        completions: list[str], *, completion_ids: list[list[int]], **_: Any
+    ) -> list[float | None]:
         return [-min(max_penalty, per_token * max(0, len(ids) - budget)) for ids in completion_ids]
 
     return score
@@ -63,7 +69,9 @@ def repetition_reward(n: int = 3, max_penalty: float = -1.0, unit: str = "words"
         )
     split = UNITS[unit]
 
-    def score(completions: list[str], *, completion_ids: list[list[int]], **_: Any) -> list[float | None]:
+    def score(
+        completions: list[str], *, completion_ids: list[list[int]], **_: Any
+    ) -> list[float | None]:
         return [
             max_penalty * repeated_fraction(split(text, ids), n)
             for text, ids in zip(completions, completion_ids, strict=True)

@@ -23,14 +23,18 @@ class RewardModel:
 
     batched = True
 
-    def __init__(self, path: str, batch_size: int = 8, max_length: int = 1024, device: str | None = None) -> None:
+    def __init__(
+        self, path: str, batch_size: int = 8, max_length: int = 1024, device: str | None = None
+    ) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.model = AutoModelForSequenceClassification.from_pretrained(path)
         except OSError as err:
-            raise RewardError(f"reward 'reward_model': cannot load {path}: {str(err).splitlines()[0]}") from None
+            raise RewardError(
+                f"reward 'reward_model': cannot load {path}: {str(err).splitlines()[0]}"
+            ) from None
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -48,7 +52,9 @@ class RewardModel:
         return f"{prompt}{completion}"
 
     @torch.no_grad()
-    def __call__(self, completions: list[str], *, prompts: list[Any], **_: Any) -> list[float | None]:
+    def __call__(
+        self, completions: list[str], *, prompts: list[Any], **_: Any
+    ) -> list[float | None]:
         texts = [self._text(p, c) for p, c in zip(prompts, completions, strict=True)]
         scores: list[float | None] = []
         for start in range(0, len(texts), self.batch_size):

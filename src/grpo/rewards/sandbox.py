@@ -14,6 +14,7 @@ A fork bomb therefore meets RLIMIT_NPROC (bound to the run's own uid) and then t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -33,7 +34,11 @@ STATUS_PREFIX = b"grpo-sandbox: "
 # per-run uids (root only): far above the ids of real accounts, 64 slots per trainer process
 UID_BASE = 1_000_000
 SLOTS_PER_PROCESS = 64
-SCRUBBED_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+SCRUBBED_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+}
 
 
 @dataclass(frozen=True)
@@ -146,18 +151,14 @@ def run_processes(session: int, uid: int | None) -> list[int]:
 def kill_run(session: int, uid: int | None, attempts: int = 200) -> None:
     """SIGKILL every process of a run until none is left (forks racing the sweep are caught)."""
     for _ in range(attempts):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(session, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         victims = run_processes(session, uid)
         if not victims:
             return
         for pid in victims:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     raise RuntimeError(f"sandbox: processes of session {session} survived {attempts} kill sweeps")
 
 
@@ -177,7 +178,11 @@ def _collect(proc: subprocess.Popen, limits: Limits, on_exit) -> tuple[bytes, by
             while sel.get_map():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), True
+                    return (
+                        bytes(buffers[proc.stdout.fileno()]),
+                        bytes(buffers[proc.stderr.fileno()]),
+                        True,
+                    )
                 for key, _ in sel.select(remaining):
                     if key.fd == pidfd:
                         sel.unregister(pidfd)
