@@ -141,6 +141,8 @@ class AlgorithmConfig(Section):
     """Truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) when the engine reports its log-probs (null = off)."""
     top_entropy_quantile: float = Field(1.0, gt=0, le=1)
     """Share of counted tokens, highest entropy first, whose surrogate term counts (1 = all)."""
+    mask_truncated_completions: bool = False
+    """Drop completions cut at max_new_tokens from the loss (their tokens count nowhere; DAPO)."""
     ref_update_every: int = Field(0, ge=0)
     """Refresh the reference from the policy every N steps (0 = frozen reference); needs beta > 0."""
     ref_mix_alpha: float = Field(1.0, gt=0, le=1)
