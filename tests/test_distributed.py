@@ -130,14 +130,17 @@ def distributed_run(tiny_config, tmp_path: Path):
         # dapo's global token count, the batch std and a reference model (beta 0.04): ~20 s
         {"loss_type": "dapo", "scale_rewards": "batch"},
         pytest.param({"loss_type": "grpo", "beta": 0.0}, marks=pytest.mark.slow),
+        pytest.param({"_strategy": "fsdp"}, marks=pytest.mark.slow),
     ],
-    ids=["dapo-batch-std", "grpo"],
+    ids=["dapo-batch-std", "grpo", "fsdp2"],
 )
 def test_two_gloo_ranks_match_one_process(
     distributed_run, tiny_model_dir: Path, algorithm: dict
 ) -> None:
     # one process with P=4 prompts vs two ranks with 2 prompts each, same seed, 3 steps
-    one, two, config = distributed_run(algorithm)
+    algorithm = dict(algorithm)
+    strategy = algorithm.pop("_strategy", "ddp")
+    one, two, config = distributed_run(algorithm, strategy)
     a, b, start = _weights(one / "final"), _weights(two / "final"), _weights(tiny_model_dir)
     assert a.keys() == b.keys()
     # training moved the weights by far more than the tolerance of the comparison

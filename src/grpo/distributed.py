@@ -254,12 +254,22 @@ def full_parameters(model: nn.Module) -> Iterator[None]:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The complete, unsharded state dict on every rank (a collective under FSDP2)."""
+    """The complete, unsharded state dict on every rank (a collective under FSDP2).
+
+    Tied parameters (input embedding = LM head) map to one tensor, as in the module itself, so
+    ``save_pretrained`` writes them once.
+    """
     if not is_fsdp(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first and name in state:
+            state[name] = state[first[id(param)]]
+        first.setdefault(id(param), name)
+    return state
 
 
 def as_float(value: Tensor | float) -> float:
