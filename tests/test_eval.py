@@ -119,7 +119,7 @@ class ScriptedModel(nn.Module):
             for i in range(num_return_sequences):
                 right = (i % 2 == 0) if do_sample else (a % 2 == 0)
                 ids = self.tokenizer(self._answer(row, right), add_special_tokens=False).input_ids
-                outs.append(torch.cat([row, torch.tensor(ids + [self.tokenizer.eos_token_id])]))
+                outs.append(torch.cat([row, torch.tensor([*ids, self.tokenizer.eos_token_id])]))
         width = max(len(o) for o in outs)
         pad = self.tokenizer.pad_token_id
         return torch.stack(
