@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from grpo.algorithm import soft_update_
 from grpo.config import ModelConfig
 
 
@@ -196,33 +197,79 @@ def is_lora(model: nn.Module) -> bool:
 
 
 class Reference:
-    """The frozen reference policy.
+    """The reference policy, frozen between refreshes.
 
-    With LoRA it is the policy with its adapters disabled (no second copy of the weights);
-    otherwise a frozen deep copy made at start.
+    Full weights: a frozen deep copy made at start. LoRA: the policy with its adapters disabled
+    (no second copy of the weights) until the first ``refresh``; from then on the base with a
+    frozen snapshot of the trainable (adapter) weights, swapped in for the reference forward.
     """
 
     def __init__(self, policy: nn.Module) -> None:
         self.policy = policy
         self.copy: nn.Module | None = None
+        self.adapter: dict[str, torch.Tensor] | None = None  # LoRA snapshot, None = adapters off
+        self.refreshes = 0
         if not is_lora(policy):
             self.copy = copy.deepcopy(policy).eval()
             self.copy.requires_grad_(False)
+
+    def _trainable(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
+
+    @contextlib.contextmanager
+    def _swapped_adapter(self) -> Iterator[nn.Module]:
+        live = self._trainable()
+        saved = {n: p.detach().clone() for n, p in live.items()}
+        try:
+            with torch.no_grad():
+                for n, p in live.items():
+                    p.copy_(self.adapter[n])
+            yield self.policy
+        finally:
+            with torch.no_grad():
+                for n, p in live.items():
+                    p.copy_(saved[n])
 
     @contextlib.contextmanager
     def model(self) -> Iterator[nn.Module]:
         if self.copy is not None:
             yield self.copy
-        else:
+        elif self.adapter is None:
             with self.policy.disable_adapter():
                 yield self.policy
+        else:
+            with self._swapped_adapter() as model:
+                yield model
+
+    def refresh(self, alpha: float = 1.0) -> None:
+        """ref <- alpha * policy + (1 - alpha) * ref (iterative GRPO; alpha 1 copies exactly).
+
+        With LoRA only alpha 1 is defined: mixing the factors A and B does not mix B @ A.
+        """
+        if self.copy is None:
+            if alpha != 1.0:
+                raise ValueError("a LoRA reference can only be refreshed by copying (alpha 1)")
+            self.adapter = {n: p.detach().clone() for n, p in self._trainable().items()}
+        else:
+            ref = dict(self.copy.state_dict(keep_vars=True))
+            pol = dict(self.policy.state_dict(keep_vars=True))
+            soft_update_([ref[k] for k in ref], [pol[k] for k in ref], alpha)
+        self.refreshes += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self.copy is None else self.copy.state_dict()
+        """What a checkpoint must carry: nothing until the first refresh (the start weights)."""
+        if self.refreshes == 0:
+            return {}
+        return dict(self.adapter) if self.copy is None else self.copy.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.copy is not None and state:
+        if not state:
+            return
+        if self.copy is None:
+            self.adapter = {n: t.clone() for n, t in state.items()}
+        else:
             self.copy.load_state_dict(state)
+        self.refreshes = max(self.refreshes, 1)
 
 
 def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
