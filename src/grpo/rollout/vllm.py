@@ -1,0 +1,203 @@
+"""Rollouts with a colocated vLLM engine (GPU; the optional extra ``vllm``).
+
+Each training process owns one ``vllm.LLM`` on its own GPU, sharing the device with the policy
+(``rollout.vllm_gpu_memory_utilization`` caps vLLM's share), as TRL's "colocate" mode does. One
+request per prompt asks for G samples (``SamplingParams(n=G, seed=...)``), so a prompt's group
+depends only on its seed, never on the batch or the rank. With ``logprobs=0`` vLLM reports the
+log-prob of every sampled token; they come back as ``Rollout.sampler_logp`` for the truncated
+importance-sampling correction (vLLM's kernels and dtype differ from the trainer's forward).
+
+After every optimizer step ``sync_weights`` pushes the policy's weights into the engine through
+``LLM.apply_model`` and the model's own ``load_weights``; a LoRA policy is pushed merged
+(W + scale * B @ A computed aside: the adapters and the frozen base stay as they are), an FSDP2
+policy is gathered first. vLLM is imported only when this engine is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedTokenizerBase
+
+from grpo import distributed
+from grpo.batch import Rollout
+from grpo.config import ConfigError, RolloutConfig
+from grpo.models import is_lora
+from grpo.rollout import completion_mask_and_truncation, decode_completions
+from grpo.rollout.hf import eos_ids
+
+MISSING = "rollout.engine=vllm needs the vllm package (GPU only): pip install 'grpo[vllm]'"
+
+
+def create_llm(model: nn.Module, config: RolloutConfig) -> tuple[Any, Callable[..., Any]]:
+    """A colocated ``vllm.LLM`` for ``model``'s checkpoint, and vLLM's ``SamplingParams``."""
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError(MISSING) from None
+    # the engine core runs in this process, so weights can be loaded into it without copies
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    kwargs: dict[str, Any] = dict(
+        model=model.name_or_path,
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        dtype=config.vllm_dtype,
+        max_model_len=config.vllm_max_model_len,
+        enable_prefix_caching=True,
+        # log-probs of the distribution sampled from (after temperature), like the trainer's
+        logprobs_mode="processed_logprobs",
+    )
+    if distributed.active():
+        # one engine per torchrun process, on that process's GPU (TRL's colocate set-up)
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    return vllm.LLM(**kwargs), vllm.SamplingParams
+
+
+def merged_weights(model: nn.Module) -> dict[str, Tensor]:
+    """The weights the engine should sample from, under the plain HF names.
+
+    LoRA: ``base + delta`` for each adapted layer (``get_delta_weight`` of the active adapters),
+    the adapter tensors left out, PEFT's ``base_layer`` level removed from the names. The policy is
+    not modified. Otherwise the full state dict (gathered across ranks under FSDP2).
+    """
+    if not is_lora(model):
+        return distributed.full_state_dict(model)
+    base = model.get_base_model()
+    deltas: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight"):
+                active = [a for a in module.active_adapters if a in module.lora_A]
+                if active:
+                    deltas[f"{name}.base_layer.weight"] = sum(
+                        module.get_delta_weight(a) for a in active
+                    )
+        out = {}
+        for name, tensor in base.state_dict().items():
+            if "lora_" in name or ".original_module." in name:
+                continue
+            if name in deltas:
+                tensor = tensor + deltas[name].to(tensor.dtype)
+            clean = name.replace(".base_layer", "").replace(".modules_to_save.default", "")
+            out[clean] = tensor
+    return out
+
+
+def _load_weights(weights: list[tuple[str, Tensor]], model: nn.Module) -> None:
+    # runs inside the engine's worker; vLLM models map HF names onto their fused layers
+    model.load_weights(weights)
+
+
+class VLLMEngine:
+    """Samples G completions per prompt with a colocated vLLM engine.
+
+    ``llm`` and ``sampling_params`` default to a new ``vllm.LLM`` for ``model``'s checkpoint and
+    ``vllm.SamplingParams``; tests pass stand-ins with the same interface.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        config: RolloutConfig,
+        llm: Any = None,
+        sampling_params: Callable[..., Any] | None = None,
+    ) -> None:
+        if llm is None:
+            llm, sampling_params = create_llm(model, config)
+        self.llm = llm
+        self.sampling_params = sampling_params
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos = eos_ids(tokenizer, model)
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Push the policy's current weights into the engine (after every optimizer step)."""
+        weights = list(merged_weights(model).items())
+        self.llm.apply_model(functools.partial(_load_weights, weights))
+        # cached prompt KV was computed with the old weights
+        self.llm.reset_prefix_cache()
+
+    def _params(self, group_size: int, seed: int) -> Any:
+        cfg = self.config
+        return self.sampling_params(
+            n=group_size,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k or -1,  # vLLM: -1 considers every token
+            max_tokens=cfg.max_new_tokens,
+            stop_token_ids=self.eos,
+            logprobs=0,  # the sampled token's log-prob only
+            seed=seed,
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        rows: list[dict[str, Any]],
+        group_size: int,
+        seeds: list[int] | None = None,
+    ) -> Rollout:
+        if seeds is None:
+            seeds = torch.randint(2**62, (len(prompts),)).tolist()
+        prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        params = [self._params(group_size, seed) for seed in seeds]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        samples = [
+            sorted(out.outputs, key=lambda c: c.index) for out in outputs
+        ]  # P lists of G completions
+        pad = self.tokenizer.pad_token_id
+        prompt_ids_t, prompt_mask = _left_pad(prompt_ids, pad)  # [P, S]
+        flat = [c for group in samples for c in group]  # N = P*G, groups contiguous
+        # padded with -1 first: the pad id may equal EOS (SmolLM2), which would fake a stop
+        completion_ids, present = _right_pad([list(c.token_ids) for c in flat], -1)  # [N, T]
+        sampler_logp = torch.zeros(completion_ids.shape, dtype=torch.float32)
+        for i, c in enumerate(flat):
+            values = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)]
+            sampler_logp[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        mask, truncated = completion_mask_and_truncation(completion_ids, self.eos)
+        mask &= present
+        completion_ids = completion_ids.masked_fill(~mask, pad)
+        return Rollout(
+            prompt_ids=prompt_ids_t.repeat_interleave(group_size, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(group_size, dim=0),
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            truncated=truncated,
+            prompts=[p for p in prompts for _ in range(group_size)],
+            completions=decode_completions(self.tokenizer, completion_ids, mask),
+            rows=list(rows),
+            group_size=group_size,
+            sampler_logp=sampler_logp.masked_fill(~mask, 0.0),
+        )
+
+
+def _left_pad(seqs: Iterable[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """Token lists -> ids [B, L] and mask [B, L], padded on the left."""
+    seqs = list(seqs)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s)
+            mask[i, width - len(s) :] = True
+    return ids, mask
+
+
+def _right_pad(seqs: Iterable[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """Token lists -> ids [B, L] and mask [B, L], padded on the right (L >= 1)."""
+    seqs = list(seqs)
+    width = max(1, *(len(s) for s in seqs))
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = True
+    return ids, mask
