@@ -1,8 +1,10 @@
 """Rollout engines: turn P prompts into G completions each (a ``Rollout``).
 
-An engine is any object with ``generate(prompts, rows, group_size) -> Rollout`` and
+An engine is any object with ``generate(prompts, rows, group_size, seeds=None) -> Rollout`` and
 ``sync_weights(model)`` (called after each optimizer step; a no-op for engines that sample from
-the policy itself). ``hf`` samples with Hugging Face ``generate``; ``vllm`` runs a colocated vLLM.
+the policy itself). ``seeds`` holds one seed per prompt: a prompt's G completions must depend only
+on the prompt, the weights and its seed, never on the other prompts of the batch.
+``hf`` samples with Hugging Face ``generate``; ``vllm`` runs a colocated vLLM.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from grpo.batch import Rollout
 
 class RolloutEngine(Protocol):
     def generate(
-        self, prompts: list[str], rows: list[dict[str, Any]], group_size: int
+        self,
+        prompts: list[str],
+        rows: list[dict[str, Any]],
+        group_size: int,
+        seeds: list[int] | None = None,
     ) -> Rollout: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
