@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import (
-    GenerationConfig,
+    DynamicCache,
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedTokenizerBase,
@@ -18,6 +18,7 @@ from transformers import (
 
 from grpo.batch import Rollout
 from grpo.config import RolloutConfig
+from grpo.logprobs import position_ids_from_mask
 from grpo.rollout import completion_mask_and_truncation, decode_completions
 
 
@@ -51,6 +52,60 @@ class SeededGroupSampler(LogitsProcessor):
         return scores + gumbel.to(scores.dtype)
 
 
+def sample_groups(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    group_size: int,
+    choose: LogitsProcessorList,
+    max_new_tokens: int,
+    eos: list[int],
+    pad_id: int,
+) -> torch.Tensor:
+    """[P, S] left-padded prompts -> [P*G, T] completion ids (T <= max_new_tokens), groups contiguous.
+
+    Each prompt is prefilled once and its KV cache repeated G times, instead of prefilling G copies
+    (what ``generate(num_return_sequences=G)`` does): the prompt costs P, not P*G, forwards. Tokens
+    are ``argmax(choose(scores))`` (the seeded Gumbel sampler makes that a sample); rows that
+    emitted EOS get ``pad_id``; the loop stops when every row has finished.
+    """
+    cache = DynamicCache(config=model.config)
+    positions = position_ids_from_mask(attention_mask)  # [P, S]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache.batch_repeat_interleave(group_size)
+    logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)  # [N, V]
+    mask = attention_mask.repeat_interleave(group_size, dim=0)  # [N, S + t]
+    position = positions[:, -1:].repeat_interleave(group_size, dim=0)  # [N, 1]
+    eos_t = torch.tensor(eos, device=input_ids.device)
+    done = torch.zeros(mask.shape[0], dtype=torch.bool, device=input_ids.device)
+    tokens: list[torch.Tensor] = []
+    for step in range(max_new_tokens):
+        # the warpers and the sampler read only the scores, so no token history is built
+        nxt = choose(None, logits).argmax(dim=-1).masked_fill(done, pad_id)  # [N]
+        tokens.append(nxt)
+        done |= torch.isin(nxt, eos_t)
+        if step == max_new_tokens - 1 or bool(done.all()):
+            break
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        position = position + 1
+        out = model(
+            input_ids=nxt[:, None],
+            attention_mask=mask,
+            position_ids=position,
+            cache=cache,
+            use_cache=True,
+        )
+        logits = out.logits[:, -1].float()
+    return torch.stack(tokens, dim=1)
+
+
 class HFEngine:
     """Samples G completions per prompt from ``model`` (prompts left padded)."""
 
@@ -61,14 +116,7 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.eos = eos_ids(tokenizer, model)
-        # greedy decoding over warped + Gumbel-noised scores = seeded sampling (SeededGroupSampler)
-        self.sampling = dict(
-            do_sample=False,
-            max_new_tokens=config.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=self.eos,
-            use_cache=True,
-        )
+        # argmax over warped + Gumbel-noised scores = seeded sampling (SeededGroupSampler)
         self.warpers = [TemperatureLogitsWarper(config.temperature)]
         if config.top_k:
             self.warpers.append(TopKLogitsWarper(config.top_k))
@@ -101,16 +149,18 @@ class HFEngine:
         try:
             # each prompt repeated G times, groups contiguous (greedy generate has no
             # num_return_sequences; the sampler supplies the randomness)
-            out = self.model.generate(
-                input_ids=enc.input_ids.repeat_interleave(group_size, dim=0),
-                attention_mask=enc.attention_mask.repeat_interleave(group_size, dim=0),
-                generation_config=GenerationConfig(**self.sampling),
-                logits_processor=LogitsProcessorList([*self.warpers, sampler]),
+            completion_ids = sample_groups(  # [N, T]
+                self.model,
+                enc.input_ids,
+                enc.attention_mask,
+                group_size,
+                LogitsProcessorList([*self.warpers, sampler]),
+                self.config.max_new_tokens,
+                self.eos,
+                self.tokenizer.pad_token_id,
             )
         finally:
             self.model.train(was_training)
-        s = enc.input_ids.shape[1]
-        completion_ids = out[:, s:]  # [N, T]
         mask, truncated = completion_mask_and_truncation(completion_ids, self.eos)
         completion_ids = completion_ids.masked_fill(~mask, self.tokenizer.pad_token_id)
         return Rollout(

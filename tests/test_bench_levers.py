@@ -1,0 +1,70 @@
+"""Speed levers must not change results: each fast path against the plain one it replaces."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
+
+from grpo.config import RolloutConfig
+from grpo.models import load_tokenizer
+from grpo.rollout import completion_mask_and_truncation
+from grpo.rollout.hf import HFEngine, SeededGroupSampler, sample_groups
+
+
+def test_prefill_once_samples_what_generate_samples(tiny_model_dir) -> None:
+    # the prompt is prefilled once per group and its cache repeated G times; with the same seeded
+    # sampler, every token must equal what generate() draws from G separate prefills
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    engine = HFEngine(model, tok, RolloutConfig(max_new_tokens=16, temperature=0.7, top_k=20))
+    enc = tok(["a", "a much longer prompt", "mid prompt"], return_tensors="pt", padding=True)
+    g, seeds = 4, [11, 12, 13]
+
+    def processors() -> LogitsProcessorList:
+        return LogitsProcessorList([*engine.warpers, SeededGroupSampler(seeds, g, model.device)])
+
+    with torch.no_grad():
+        plain = model.generate(
+            input_ids=enc.input_ids.repeat_interleave(g, dim=0),
+            attention_mask=enc.attention_mask.repeat_interleave(g, dim=0),
+            generation_config=GenerationConfig(
+                do_sample=False,
+                max_new_tokens=16,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=engine.eos,
+            ),
+            logits_processor=processors(),
+        )[:, enc.input_ids.shape[1] :]
+        fast = sample_groups(
+            model,
+            enc.input_ids,
+            enc.attention_mask,
+            g,
+            processors(),
+            16,
+            engine.eos,
+            tok.pad_token_id,
+        )
+    mask, _ = completion_mask_and_truncation(plain, engine.eos)
+    plain = plain.masked_fill(~mask, tok.pad_token_id)
+    assert fast.shape == plain.shape == (12, plain.shape[1])
+    assert torch.equal(fast, plain)
+
+
+def test_sample_groups_stops_when_every_row_has_finished(tiny_model_dir) -> None:
+    # a processor that forces EOS at the 3rd token: the loop must stop after 3 tokens, not 16
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    eos = tok.eos_token_id
+    calls = []
+
+    def eos_on_third(_: object, scores: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        forced = torch.full_like(scores, -1e9)
+        forced[:, 7 if len(calls) < 3 else eos] = 0.0
+        return forced
+
+    enc = tok(["ab", "abc"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = sample_groups(model, enc.input_ids, enc.attention_mask, 2, eos_on_third, 16, [eos], 0)
+    assert out.tolist() == [[7, 7, eos]] * 4
