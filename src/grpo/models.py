@@ -251,9 +251,12 @@ class Reference:
                 raise ValueError("a LoRA reference can only be refreshed by copying (alpha 1)")
             self.adapter = {n: p.detach().clone() for n, p in self._trainable().items()}
         else:
-            ref = dict(self.copy.state_dict(keep_vars=True))
-            pol = dict(self.policy.state_dict(keep_vars=True))
-            soft_update_([ref[k] for k in ref], [pol[k] for k in ref], alpha)
+            ref = self.copy.state_dict(keep_vars=True)
+            pol = self.policy.state_dict(keep_vars=True)
+            # tied weights (embeddings = LM head) appear under two names: mix each tensor once
+            unique = {id(t): k for k, t in reversed(list(ref.items()))}
+            keys = sorted(unique.values())
+            soft_update_([ref[k] for k in keys], [pol[k] for k in keys], alpha)
         self.refreshes += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,163 @@
+"""Reference refresh: exact copies, soft mixing, the LoRA adapter snapshot, and resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from grpo.config import ModelConfig
+from grpo.models import Reference, load_policy
+from grpo.trainer import Trainer
+
+IDS = torch.tensor([[10, 11, 12, 13, 14, 15]])
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def perturb(model: torch.nn.Module, trainable_only: bool = False, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad or not trainable_only:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def test_full_refresh_copies_weights_exactly(tiny_model_dir: Path) -> None:
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    reference = Reference(policy)
+    perturb(policy)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(reference.copy.state_dict()[name], policy.state_dict()[name])
+    reference.refresh(1.0)
+    ref_state, pol_state = reference.copy.state_dict(), policy.state_dict()
+    assert ref_state.keys() == pol_state.keys()
+    for key in pol_state:
+        assert torch.equal(ref_state[key], pol_state[key]), key
+    assert not any(p.requires_grad for p in reference.copy.parameters())  # still frozen
+    assert reference.refreshes == 1
+
+
+def test_soft_refresh_mixes(tiny_model_dir: Path) -> None:
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    reference = Reference(policy)
+    before = {k: v.clone() for k, v in reference.copy.state_dict().items()}
+    perturb(policy)
+    reference.refresh(0.25)
+    # ref <- 0.25 * policy + 0.75 * ref, parameter by parameter
+    for key, value in policy.state_dict().items():
+        expected = 0.25 * value + 0.75 * before[key]
+        assert torch.allclose(reference.copy.state_dict()[key], expected, atol=1e-6), key
+
+
+def test_reference_state_is_empty_until_refreshed(tiny_model_dir: Path) -> None:
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    reference = Reference(policy)
+    assert reference.state_dict() == {}  # a checkpoint need not carry the start weights
+    reference.refresh()
+    other = Reference(policy)
+    perturb(policy)
+    other.load_state_dict(reference.state_dict())
+    assert torch.equal(logits(other.copy), logits(reference.copy))
+
+
+@pytest.fixture
+def lora_policy(tiny_model_dir: Path) -> torch.nn.Module:
+    config = ModelConfig(name=str(tiny_model_dir), lora={"enabled": True, "r": 4})
+    policy = load_policy(config, str(tiny_model_dir))
+    perturb(policy, trainable_only=True)  # lora_B starts at 0: give the adapter an effect
+    return policy
+
+
+def test_lora_refresh_snapshots_the_adapter(lora_policy: torch.nn.Module) -> None:
+    reference = Reference(lora_policy)
+    assert reference.copy is None
+    with lora_policy.disable_adapter():
+        base = logits(lora_policy)
+    with reference.model() as model:
+        assert torch.equal(logits(model), base)  # before a refresh: the adapter-disabled base
+    at_refresh = logits(lora_policy)
+    assert not torch.allclose(at_refresh, base, atol=1e-4)
+    reference.refresh(1.0)
+    perturb(lora_policy, trainable_only=True, seed=2)  # a training step moves the adapter
+    live = {n: p.detach().clone() for n, p in lora_policy.named_parameters() if p.requires_grad}
+    with reference.model() as model:
+        assert torch.equal(logits(model), at_refresh)  # base + the adapter snapshot
+    # the live adapter is back, bit for bit, and still trainable
+    for n, p in lora_policy.named_parameters():
+        if n in live:
+            assert torch.equal(p, live[n]) and p.requires_grad, n
+    assert not torch.allclose(logits(lora_policy), at_refresh, atol=1e-4)
+
+
+def test_lora_refresh_state_round_trip_and_no_mixing(lora_policy: torch.nn.Module) -> None:
+    reference = Reference(lora_policy)
+    reference.refresh()
+    with reference.model() as model:
+        expected = logits(model)
+    restored = Reference(lora_policy)
+    restored.load_state_dict(reference.state_dict())
+    perturb(lora_policy, trainable_only=True, seed=3)
+    with restored.model() as model:
+        assert torch.equal(logits(model), expected)
+    with pytest.raises(ValueError, match="alpha 1"):
+        reference.refresh(0.5)
+
+
+# ----------------------------------------------------------------------------- in the trainer
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_trainer_refreshes_every_n_steps(tiny_config) -> None:
+    config = tiny_config(algorithm={"beta": 0.1, "ref_update_every": 2}, train={"steps": 3})
+    trainer = Trainer(config)
+    run_dir = trainer.train()
+    assert [m["ref/refreshes"] for m in _metrics(run_dir)] == [0.0, 1.0, 1.0]
+
+
+def test_trainer_reference_equals_policy_right_after_a_refresh(tiny_config) -> None:
+    config = tiny_config(algorithm={"beta": 0.1, "ref_update_every": 1}, train={"steps": 2})
+    trainer = Trainer(config)
+    trainer.train()
+    ref, pol = trainer.reference.copy.state_dict(), trainer.policy.state_dict()
+    for key in pol:
+        assert torch.equal(ref[key], pol[key]), key
+
+
+def test_resume_restores_the_refreshed_reference(tiny_config) -> None:
+    # refreshed at step 2, so step 3 starts with policy == reference (kl 0, and k3 has no
+    # gradient there); step 4's kl measures the distance to it: a resume from step 2 that lost
+    # the refreshed reference would log a different kl and end with different weights
+    def config(steps: int, name: str):
+        return tiny_config(
+            algorithm={"beta": 0.5, "ref_update_every": 2},
+            optim={"lr": 1e-2},
+            train={"steps": steps, "run_name": name},
+        )
+
+    straight = Trainer(config(4, "a")).train()
+    Trainer(config(2, "b")).train()
+    resumed = Trainer(config(4, "b")).train()
+
+    def strip(ms: list[dict]) -> list[dict]:
+        return [{k: v for k, v in m.items() if "time" not in k and "per_s" not in k} for m in ms]
+
+    assert strip(_metrics(straight)) == strip(_metrics(resumed))
+    kls = [m["kl"] for m in _metrics(resumed)]
+    assert kls[2] == 0.0 and kls[3] > 1e-6
+    a, b = (
+        load_file(straight / "final" / "model.safetensors"),
+        load_file(resumed / "final" / "model.safetensors"),
+    )
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
