@@ -25,8 +25,21 @@ from grpo.presets import PRESETS
 
 
 def test_every_preset_names_the_same_fields() -> None:
-    shapes = {name: {s: sorted(v) for s, v in table.items()} for name, table in PRESETS.items()}
-    assert all(shape == shapes["grpo"] for shape in shapes.values())
+    def shape(table: dict) -> dict:
+        return {s: sorted(table[s]) for s in ("algorithm", "sampling")}
+
+    assert all(shape(table) == shape(PRESETS["grpo"]) for table in PRESETS.values())
+
+
+def test_dapo_adds_the_overlong_punishment_to_default_rewards() -> None:
+    config = build_config({"algorithm": {"preset": "dapo"}, "rollout": {"max_new_tokens": 50}})
+    names = [spec.name for spec in config.rewards.functions]
+    assert names == ["format", "accuracy", "overlong"]
+    assert config.rewards.functions[-1].args == {"max_length": 50, "buffer": 10}
+    own = build_config(
+        {"algorithm": {"preset": "dapo"}, "rewards": {"functions": [{"name": "format"}]}}
+    )
+    assert [spec.name for spec in own.rewards.functions] == ["format"]  # explicit rewards win
 
 
 @pytest.mark.parametrize(
