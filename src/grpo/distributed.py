@@ -172,12 +172,24 @@ def wrap_model(model: nn.Module, strategy: Strategy, info: DistInfo) -> nn.Modul
     if not info.enabled:
         return model
     if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         ids = [info.device.index] if info.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        return TransparentDDP(model, device_ids=ids)
     fully_shard_model(model, info)
     return model
+
+
+class TransparentDDP(nn.parallel.DistributedDataParallel):
+    """DDP that reads attributes it lacks (``config``, checkpointing flags) from the wrapped model.
+
+    Code that takes "a model" (log-prob functions building a KV cache from ``model.config``) then
+    works on the wrapper as on the HF model, while its forwards still go through DDP's hooks.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
