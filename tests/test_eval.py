@@ -15,8 +15,11 @@ from torch import nn
 
 from grpo.cli import main
 from grpo.eval import (
+    DEFAULT_EXTRACT,
     EvalSettings,
     evaluate,
+    extract_of,
+    is_correct,
     k_values,
     majority_answer,
     pass_at_k,
@@ -209,3 +212,17 @@ def test_cli_eval_bad_input_is_one_line(tiny_model_dir: Path, capsys) -> None:
     assert "unknown task 'no-such-task'" in err and "\n" not in err
     with pytest.raises(SystemExit):
         main(["eval", str(tiny_model_dir), "--samples", "0"])
+
+
+def test_eval_judges_answers_like_the_recipes_accuracy_reward(tiny_config) -> None:
+    spec = {"name": "accuracy", "args": {"extract": ["answer"], "last_number": True}}
+    config = tiny_config(rewards={"functions": [spec]})
+    assert extract_of(config) == ("answer", "last_number")
+    assert extract_of(tiny_config()) == DEFAULT_EXTRACT  # built-in accuracy, default arguments
+    # with last_number the final number counts; the default needs a tag
+    assert is_correct("so 3 + 4 = 7.", "7", extract_of(config))
+    assert not is_correct("so 3 + 4 = 7.", "7")
+    # a tag wins over the last number when both are there
+    assert not is_correct("<answer>8</answer> or 7", "7", extract_of(config))
+    scored = score_samples([["3 + 4 = 7", "<answer>7</answer>"]], ["7"], extract_of(config))
+    assert scored["pass@1"] == 1.0 and scored["maj@2"] == 1.0

@@ -1,12 +1,14 @@
 """Held-out evaluation: greedy accuracy, pass@k and maj@k on a task's test split.
 
-- ``accuracy``: one greedy completion per problem, correct when its final answer (the last
-  <answer> tag, judged like the ``accuracy`` reward) matches the gold answer.
+- ``accuracy``: one greedy completion per problem, correct when its extracted answer matches the
+  gold answer. Extraction and matching are those of the recipe's ``accuracy`` reward (its
+  ``extract`` / ``last_number`` arguments), so eval and training judge answers the same way.
 - ``pass@k``: from n sampled completions with c correct, the unbiased estimator of Chen et al.
   (2021), ``1 - C(n-c, k) / C(n, k)``, averaged over problems; reported for k = 1, 2, 4, ... n.
 - ``maj@k``: the most frequent extracted answer among the k samples (ties: the one seen first;
   completions without an answer do not vote) is judged against the gold answer.
 - ``answer_rate``: share of greedy completions that contain an <answer> tag at all.
+- ``completion_len``: mean length of the greedy completions, in tokens.
 
 ``grpo eval`` prints the result as JSON; the trainer calls ``evaluate`` every
 ``train.eval_every`` steps and logs each value as ``eval/<name>``.
@@ -27,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config
 from grpo.data import DataError, load_dataset_rows, system_prompt_for
-from grpo.rewards.builtin import answers_match, extract_answer
+from grpo.rewards.accuracy import AccuracyReward, answers_match, extract_answer
 from grpo.rollout import render_prompt
 from grpo.rollout.hf import eos_ids
 
@@ -51,8 +53,11 @@ def majority_answer(answers: Sequence[str | None]) -> str | None:
     return next(a.strip() for a in answers if a is not None and votes[a.strip()] == best)
 
 
-def is_correct(completion: str, gold: Any) -> bool:
-    predicted = extract_answer(completion)
+DEFAULT_EXTRACT = ("answer", "boxed", "hashes")
+
+
+def is_correct(completion: str, gold: Any, extract: tuple[str, ...] = DEFAULT_EXTRACT) -> bool:
+    predicted = extract_answer(completion, extract)
     return predicted is not None and answers_match(predicted, str(gold))
 
 
@@ -64,12 +69,14 @@ def k_values(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """How to generate: ``samples`` > 1 adds sampled completions for pass@k and maj@k."""
+    """How to generate and judge: ``samples`` > 1 adds sampled completions for pass@k and
+    maj@k; ``extract`` lists the answer extraction strategies, tried in order."""
 
     samples: int = 1
     max_new_tokens: int = 64
     temperature: float = 1.0
     batch_size: int = 32
+    extract: tuple[str, ...] = DEFAULT_EXTRACT
 
 
 @torch.no_grad()
@@ -109,16 +116,19 @@ def _generate(
     return out
 
 
-def score_samples(samples: list[list[str]], golds: list[Any]) -> dict[str, float]:
+def score_samples(
+    samples: list[list[str]], golds: list[Any], extract: tuple[str, ...] = DEFAULT_EXTRACT
+) -> dict[str, float]:
     """pass@k for k = 1, 2, 4, ... n and maj@n from n samples per problem."""
     n = len(samples[0])
     out: dict[str, float] = {}
     correct = [
-        sum(is_correct(s, g) for s in group) for group, g in zip(samples, golds, strict=True)
+        sum(is_correct(s, g, extract) for s in group)
+        for group, g in zip(samples, golds, strict=True)
     ]
     for k in k_values(n):
         out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(golds)
-    votes = [majority_answer([extract_answer(s) for s in group]) for group in samples]
+    votes = [majority_answer([extract_answer(s, extract) for s in group]) for group in samples]
     out[f"maj@{n}"] = sum(
         v is not None and answers_match(v, str(g)) for v, g in zip(votes, golds, strict=True)
     ) / len(golds)
@@ -149,13 +159,16 @@ def evaluate(
     finally:
         model.train(was_training)
     out = {
-        "accuracy": sum(is_correct(c, g) for c, g in zip(greedy, golds, strict=True)) / len(rows),
-        "answer_rate": sum(extract_answer(c) is not None for c in greedy) / len(rows),
+        "accuracy": sum(
+            is_correct(c, g, settings.extract) for c, g in zip(greedy, golds, strict=True)
+        )
+        / len(rows),
+        "answer_rate": sum(extract_answer(c, ("answer",)) is not None for c in greedy) / len(rows),
         "completion_len": sum(len(tokenizer(c).input_ids) for c in greedy) / len(rows),
         "examples": float(len(rows)),
     }
     if sampled is not None:
-        out.update(score_samples(sampled, golds))
+        out.update(score_samples(sampled, golds, settings.extract))
     return out
 
 
@@ -174,11 +187,20 @@ def heldout_rows(config: Config, examples: int | None) -> list[dict[str, Any]]:
     return rows[:examples] if examples else rows
 
 
+def extract_of(config: Config) -> tuple[str, ...]:
+    """The answer extraction of the recipe's ``accuracy`` reward (the default without one)."""
+    for spec in config.rewards.functions:
+        if spec.name == "accuracy":
+            return AccuracyReward(**{**spec.args, "math_verify": False}).strategies
+    return DEFAULT_EXTRACT
+
+
 def settings_for(config: Config, samples: int) -> EvalSettings:
     return EvalSettings(
         samples=samples,
         max_new_tokens=config.rollout.max_new_tokens,
         temperature=config.rollout.temperature,
+        extract=extract_of(config),
     )
 
 
