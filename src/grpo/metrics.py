@@ -66,11 +66,19 @@ class TensorboardSink:
 
 
 class WandbSink:
+    """Weights & Biases in offline mode (sync later with `wandb sync`) unless WANDB_MODE says
+    otherwise; files under <run_dir>/wandb. Resuming a run continues the same wandb run."""
+
     def __init__(self, run_dir: Path, keep_through_step: int) -> None:
         import wandb
 
-        os.environ.setdefault("WANDB_MODE", "offline")
-        self.run = wandb.init(dir=str(run_dir), name=run_dir.name, resume="allow")
+        self.run = wandb.init(
+            dir=str(run_dir),
+            name=run_dir.name,
+            id=wandb_run_id(run_dir),
+            resume="allow",
+            mode=os.environ.get("WANDB_MODE", "offline"),
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -79,8 +87,19 @@ class WandbSink:
         self.run.finish()
 
 
+def wandb_run_id(run_dir: Path) -> str:
+    """A stable id per run directory, so a resumed run appends to the same wandb run."""
+    import hashlib
+
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+
+
 class TrackioSink:
+    """Trackio, local only (a SQLite database under TRACKIO_DIR, default <run_dir>/trackio; no
+    Space is created), project "grpo", one trackio run per run directory."""
+
     def __init__(self, run_dir: Path, keep_through_step: int) -> None:
+        os.environ.setdefault("TRACKIO_DIR", str(run_dir / "trackio"))
         import trackio
 
         self.trackio = trackio
