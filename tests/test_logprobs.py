@@ -70,7 +70,7 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
 
     model.forward = spy
     try:
-        ids = torch.ones(3, 7, dtype=torch.long)
+        ids = torch.arange(1, 22).view(3, 7)  # distinct prompts: the full-sequence path
         completion_logprobs(
             model,
             ids,
