@@ -16,6 +16,11 @@ TOY_REWARD = '''
 def share_of_a(completions, **kwargs):
     """Share of completion characters that are the letter 'a'."""
     return [c.count("a") / max(len(c), 1) for c in completions]
+
+
+def noisy(completions, **kwargs):
+    """A reward that almost surely differs within a group, so every group has a gradient."""
+    return [float(sum(map(ord, c)) % 7) for c in completions]
 '''
 
 
@@ -25,6 +30,12 @@ def toy_reward(tmp_path: Path) -> dict:
     reward_file = tmp_path / "toy_reward.py"
     reward_file.write_text(TOY_REWARD)
     return {"functions": [{"name": f"{reward_file}:share_of_a"}]}
+
+
+@pytest.fixture
+def noisy_reward(toy_reward: dict) -> dict:
+    path = toy_reward["functions"][0]["name"].rpartition(":")[0]
+    return {"functions": [{"name": f"{path}:noisy"}]}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -143,9 +154,9 @@ def _spy_policy_loss(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return calls
 
 
-def test_several_policy_iterations_use_old_logprobs(tiny_config, toy_reward, monkeypatch) -> None:
+def test_several_policy_iterations_use_old_logprobs(tiny_config, noisy_reward, monkeypatch) -> None:
     config = tiny_config(
-        rewards=toy_reward,
+        rewards=noisy_reward,
         algorithm={"num_iterations": 2, "beta": 0.0},
         optim={"lr": 1e-2, "micro_batch_size": 8},
     )
