@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
 
@@ -11,17 +12,23 @@ from grpo.rollout import completion_mask_and_truncation
 from grpo.rollout.hf import HFEngine, SeededGroupSampler, sample_groups
 
 
-def test_prefill_once_samples_what_generate_samples(tiny_model_dir) -> None:
-    # the prompt is prefilled once per group and its cache repeated G times; with the same seeded
-    # sampler, every token must equal what generate() draws from G separate prefills
+@pytest.mark.parametrize("eos_bias", [0.0, 2.0])
+def test_prefill_once_samples_what_generate_samples(tiny_model_dir, eos_bias: float) -> None:
+    # the prompt is prefilled once per group and its cache repeated G times, and finished rows
+    # leave the batch; with the same seeded sampler, every token must equal what generate() draws
+    # from G separate prefills. A bias on EOS makes rows finish at different steps.
     tok = load_tokenizer(str(tiny_model_dir))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     engine = HFEngine(model, tok, RolloutConfig(max_new_tokens=16, temperature=0.7, top_k=20))
     enc = tok(["a", "a much longer prompt", "mid prompt"], return_tensors="pt", padding=True)
     g, seeds = 4, [11, 12, 13]
 
+    def bias_eos(_: object, scores: torch.Tensor) -> torch.Tensor:
+        return scores + eos_bias * (torch.arange(scores.shape[1]) == tok.eos_token_id)
+
     def processors() -> LogitsProcessorList:
-        return LogitsProcessorList([*engine.warpers, SeededGroupSampler(seeds, g, model.device)])
+        sampler = SeededGroupSampler(seeds, g, model.device)
+        return LogitsProcessorList([bias_eos, *engine.warpers, sampler])
 
     with torch.no_grad():
         plain = model.generate(
@@ -49,6 +56,9 @@ def test_prefill_once_samples_what_generate_samples(tiny_model_dir) -> None:
     plain = plain.masked_fill(~mask, tok.pad_token_id)
     assert fast.shape == plain.shape == (12, plain.shape[1])
     assert torch.equal(fast, plain)
+    if eos_bias:  # rows really did finish apart, so the batch shrank along the way
+        lengths = mask.sum(dim=1)
+        assert int((lengths < lengths.max() // 2).sum()) >= 3
 
 
 def test_sample_groups_stops_when_every_row_has_finished(tiny_model_dir) -> None:

@@ -67,7 +67,7 @@ def sample_groups(
     Each prompt is prefilled once and its KV cache repeated G times, instead of prefilling G copies
     (what ``generate(num_return_sequences=G)`` does): the prompt costs P, not P*G, forwards. Tokens
     are ``argmax(choose(scores))`` (the seeded Gumbel sampler makes that a sample); rows that
-    emitted EOS get ``pad_id``; the loop stops when every row has finished.
+    emitted EOS get ``pad_id`` and leave the batch; the loop stops when every row has finished.
     """
     cache = DynamicCache(config=model.config)
     positions = position_ids_from_mask(attention_mask)  # [P, S]
@@ -84,16 +84,28 @@ def sample_groups(
     mask = attention_mask.repeat_interleave(group_size, dim=0)  # [N, S + t]
     position = positions[:, -1:].repeat_interleave(group_size, dim=0)  # [N, 1]
     eos_t = torch.tensor(eos, device=input_ids.device)
-    done = torch.zeros(mask.shape[0], dtype=torch.bool, device=input_ids.device)
-    tokens: list[torch.Tensor] = []
+    n, vocab = logits.shape
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=input_ids.device)
+    rows = torch.arange(n, device=input_ids.device)  # batch row -> completion it extends
+    done = torch.zeros(n, dtype=torch.bool, device=input_ids.device)  # per batch row
     for step in range(max_new_tokens):
-        # the warpers and the sampler read only the scores, so no token history is built
-        nxt = choose(None, logits).argmax(dim=-1).masked_fill(done, pad_id)  # [N]
-        tokens.append(nxt)
+        # the sampler draws noise for all N rows at every step, so what a row samples does not
+        # depend on which other rows are still running; the warpers and the sampler read only
+        # the scores, so no token history is passed
+        scores = (
+            logits if len(rows) == n else logits.new_zeros(n, vocab).index_copy_(0, rows, logits)
+        )
+        nxt = choose(None, scores).argmax(dim=-1)[rows].masked_fill(done, pad_id)  # [b]
+        tokens[rows, step] = nxt
         done |= torch.isin(nxt, eos_t)
         if step == max_new_tokens - 1 or bool(done.all()):
-            break
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            return tokens[:, : step + 1]
+        if 4 * int(done.sum()) >= len(rows):
+            # finished rows leave the batch once they are a quarter of it (each drop copies the cache)
+            keep = (~done).nonzero()[:, 0]
+            cache.batch_select_indices(keep)
+            rows, mask, position, nxt, done = (x[keep] for x in (rows, mask, position, nxt, done))
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
         position = position + 1
         out = model(
             input_ids=nxt[:, None],
@@ -103,7 +115,7 @@ def sample_groups(
             use_cache=True,
         )
         logits = out.logits[:, -1].float()
-    return torch.stack(tokens, dim=1)
+    return tokens
 
 
 class HFEngine:
