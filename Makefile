@@ -33,7 +33,8 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PIP) install -q -e '.[dev,bench]'
-	$(PY) benchmarks/step.py
+	$(PY) -m benchmarks.vs_trl --setup tiny --rounds 2
+	$(PY) -m benchmarks.vs_trl --setup smollm2 --rounds 2
 
 clean:
 	rm -rf .venv runs

@@ -1,0 +1,128 @@
+"""Shared pieces of the benchmarks: the two benchmark set-ups, their rewards, and the arithmetic
+of throughput and model-FLOPs utilisation (MFU).
+
+MFU here is the usual "model FLOPs" estimate, not a hardware counter:
+- a forward pass costs ``2 * P`` FLOPs per token and forward + backward ``6 * P``, where ``P``
+  counts the parameters that take part in matrix products (the input embedding is a lookup, the
+  LM head is a product; with tied embeddings they are one tensor, counted once);
+- the update is charged for every real token of every trained sequence (prompt + completion), as
+  if each sequence were computed on its own: work the engine saves (a prompt computed once for
+  its whole group) shows up as a higher MFU, which is the point of measuring it;
+- rollout is charged ``2 * P`` per generated (unmasked) completion token.
+The peak is a float32 matrix product measured in the same process, at the same moment, so a
+machine shared with other jobs is measured against what it could give at that time.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+# ------------------------------------------------------------------------------------ set-ups
+
+SYSTEM = (
+    "You are a helpful assistant. Think step by step inside <think> </think>, then give only the "
+    "final answer inside <answer> </answer>. Example: <think>2 + 3 = 5</think><answer>5</answer>"
+)
+
+# Shared by both trainers. The rewards give credit the model can reach from where it starts
+# (see FACTS: the strict format reward is never sampled by SmolLM2-135M at first).
+SETUPS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model": "tiny-random",
+        "prompts_per_step": 4,
+        "group_size": 8,
+        "max_new_tokens": 32,
+        "lr": 1e-4,
+        "beta": 0.04,
+        "loss_type": "grpo",
+        "micro_batch_size": 8,
+        "steps": 12,
+    },
+    "smollm2": {
+        "model": "smollm2-135m-instruct",
+        "prompts_per_step": 4,
+        "group_size": 8,
+        "max_new_tokens": 64,
+        "lr": 2e-5,
+        "beta": 0.04,
+        "loss_type": "grpo",
+        "micro_batch_size": 8,
+        "steps": 8,
+    },
+}
+
+INT_RE = re.compile(r"-?\d+")
+
+
+def last_integer(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    """1.0 when the last integer in the completion equals the gold answer."""
+    found = [INT_RE.findall(c) for c in completions]
+    return [float(bool(f) and f[-1] == str(a)) for f, a in zip(found, answer, strict=True)]
+
+
+def answer_tag(completions: list[str], **_: Any) -> list[float]:
+    """0.5 when the completion contains an <answer>...</answer> tag."""
+    return [0.5 if re.search(r"<answer>.*?</answer>", c, re.DOTALL) else 0.0 for c in completions]
+
+
+# ------------------------------------------------------------------------------------ arithmetic
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters used in matrix products: all of them except an untied input embedding."""
+    seen = {id(p): p.numel() for p in model.parameters()}
+    total = sum(seen.values())
+    inp = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight is inp
+    return total if tied else total - inp.numel()
+
+
+def mfu(flops_per_token: float, tokens: float, seconds: float, peak_flops: float) -> float:
+    """Achieved model FLOP/s over the peak: (flops_per_token * tokens / seconds) / peak."""
+    if seconds <= 0 or peak_flops <= 0:
+        return float("nan")
+    return flops_per_token * tokens / seconds / peak_flops
+
+
+def update_flops_per_token(params: int) -> float:
+    """Forward + backward: 2 FLOPs per parameter forward, 4 backward."""
+    return 6.0 * params
+
+
+def rollout_flops_per_token(params: int) -> float:
+    """One forward per generated token."""
+    return 2.0 * params
+
+
+def matmul_peak_flops(n: int = 1024, seconds: float = 1.0) -> float:
+    """float32 FLOP/s of an n x n x n matrix product, best of repeated timings."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up: thread pool and kernels
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def ratio(ours: float, theirs: float) -> float:
+    return ours / theirs if theirs else float("nan")

@@ -1,0 +1,195 @@
+"""Time N training steps of a set-up and write one JSON file.
+
+    .venv/bin/python -m benchmarks.step --setup smollm2 --steps 8 --out benchmarks/results/step_smollm2.json
+    .venv/bin/python -m benchmarks.step --setup tiny model.gradient_checkpointing=true
+
+Each step is split into rollout, reward, frozen log-probs (reference and old policy; only the
+forwards the math needs run at all) and the policy update; the JSON also has generated and
+trained tokens per second, peak RSS and an MFU estimate (see ``benchmarks/common.py``).
+Dotted ``key=value`` overrides go to the grpo config, as on the ``grpo train`` command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import common
+from grpo.config import Config, build_config, parse_overrides
+from grpo.config import _merge as merge_trees
+from grpo.trainer import Trainer
+
+REWARDS_FILE = Path(common.__file__).resolve()
+
+
+def config_tree(setup: dict[str, Any], steps: int, seed: int, output_dir: str) -> dict[str, Any]:
+    """The grpo config of a benchmark set-up (the same knobs ``vs_trl`` gives TRL)."""
+    return {
+        "model": {"name": setup["model"]},
+        "data": {"task": "arithmetic"},
+        "rollout": {
+            "prompts_per_step": setup["prompts_per_step"],
+            "group_size": setup["group_size"],
+            "max_new_tokens": setup["max_new_tokens"],
+        },
+        "rewards": {
+            "functions": [
+                {"name": f"{REWARDS_FILE}:last_integer"},
+                {"name": f"{REWARDS_FILE}:answer_tag"},
+            ]
+        },
+        "algorithm": {"beta": setup["beta"], "loss_type": setup["loss_type"]},
+        "optim": {"lr": setup["lr"], "micro_batch_size": setup["micro_batch_size"]},
+        "train": {
+            "steps": steps,
+            "seed": seed,
+            "output_dir": output_dir,
+            "run_name": "bench",
+            "resume": "never",
+            "log_completions": 0,
+            "sinks": ["jsonl"],
+            "progress": False,
+        },
+    }
+
+
+class StepClock:
+    """Wraps a trainer's stages to record the rollout and the frozen log-prob time of a step."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.frozen_s = 0.0
+        self.scored = None
+        frozen, score = trainer.frozen_logprobs, trainer.score
+
+        def timed_frozen(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return frozen(*args, **kwargs)
+            finally:
+                self.frozen_s += time.perf_counter() - t0
+
+        def keep_scored(*args: Any, **kwargs: Any) -> Any:
+            self.scored = score(*args, **kwargs)
+            return self.scored
+
+        trainer.frozen_logprobs = timed_frozen
+        trainer.score = keep_scored
+
+    def reset(self) -> None:
+        self.frozen_s, self.scored = 0.0, None
+
+
+def module_mb(model: torch.nn.Module | None) -> float:
+    if model is None:
+        return 0.0
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+
+
+def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
+    """Build a trainer, time ``config.train.steps`` steps; everything the JSON holds."""
+    peak_before = common.matmul_peak_flops(seconds=warmup_peak_s)
+    t_load = time.perf_counter()
+    trainer = Trainer(config)
+    load_s = time.perf_counter() - t_load
+    clock = StepClock(trainer)
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    steps = []
+    while trainer.step < config.train.steps:
+        trainer.step += 1
+        clock.reset()
+        t0 = time.perf_counter()
+        metrics = trainer.train_step(run_dir)
+        step_s = time.perf_counter() - t0
+        rollout = clock.scored.rollout
+        completion_tokens = int(rollout.completion_mask.sum())
+        steps.append(
+            {
+                "step": trainer.step,
+                "step_s": step_s,
+                "rollout_s": metrics["time/rollout_s"],
+                "reward_s": metrics["time/reward_s"],
+                "logprobs_s": clock.frozen_s,
+                "update_s": metrics["time/train_s"] - clock.frozen_s,
+                "generated_tokens": completion_tokens,
+                "trained_tokens": completion_tokens + int(rollout.prompt_mask.sum()),
+                "reward": metrics["reward/mean"],
+                "kl": metrics.get("kl", 0.0),
+                "completion_len": metrics["completion_len/mean"],
+            }
+        )
+    peak_after = common.matmul_peak_flops(seconds=warmup_peak_s)
+    trainer.rewards.close()
+    return summarize(steps, trainer, peak_before, peak_after, load_s)
+
+
+def summarize(
+    steps: list[dict[str, Any]],
+    trainer: Trainer,
+    peak_before: float,
+    peak_after: float,
+    load_s: float,
+) -> dict[str, Any]:
+    params = common.matmul_params(trainer.policy)
+    peak = (peak_before + peak_after) / 2
+    total = {k: sum(s[k] for s in steps) for k in steps[0] if k != "step"}
+    reference = trainer.reference.copy if trainer.reference is not None else None
+    return {
+        "engine": "grpo",
+        "params": params,
+        "threads": torch.get_num_threads(),
+        "load_s": load_s,
+        "matmul_peak_gflops": {"before": peak_before / 1e9, "after": peak_after / 1e9},
+        "median_step_s": common.median([s["step_s"] for s in steps]),
+        "median_split_s": {
+            k: common.median([s[k] for s in steps])
+            for k in ("rollout_s", "reward_s", "logprobs_s", "update_s")
+        },
+        "generated_tokens_per_s": total["generated_tokens"] / total["rollout_s"],
+        "trained_tokens_per_s": total["trained_tokens"] / total["update_s"],
+        "mfu_rollout": common.mfu(
+            common.rollout_flops_per_token(params),
+            total["generated_tokens"],
+            total["rollout_s"],
+            peak,
+        ),
+        "mfu_update": common.mfu(
+            common.update_flops_per_token(params), total["trained_tokens"], total["update_s"], peak
+        ),
+        "reference_mb": module_mb(reference),
+        "peak_rss_mb": common.peak_rss_mb(),
+        "rewards": [s["reward"] for s in steps],
+        "steps": steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setup", choices=sorted(common.SETUPS), default="tiny")
+    parser.add_argument("--steps", type=int, help="steps to time (default: the set-up's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="JSON file to write (default: stdout only)")
+    parser.add_argument("overrides", nargs="*", help="dotted grpo config overrides key=value")
+    args = parser.parse_args(argv)
+    setup = common.SETUPS[args.setup]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = config_tree(setup, args.steps or setup["steps"], args.seed, tmp)
+        config = build_config(merge_trees(tree, parse_overrides(args.overrides)))
+        result = {"setup": args.setup, "overrides": args.overrides, **run(config)}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    summary = {k: v for k, v in result.items() if k not in ("steps", "rewards")}
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

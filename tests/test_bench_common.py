@@ -1,0 +1,79 @@
+"""Benchmark arithmetic: MFU, the parameter count it uses, and the shared rewards."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from benchmarks import common
+
+
+def test_mfu_is_achieved_flops_over_peak() -> None:
+    # 6 * 1e6 params = 6e6 FLOPs per token; 1000 tokens in 2 s = 3e9 FLOP/s; peak 1e10 -> 0.3
+    assert common.mfu(common.update_flops_per_token(1_000_000), 1000, 2.0, 1e10) == pytest.approx(
+        0.3
+    )
+    # rollout: 2 * 1e6 per token; 500 tokens in 1 s = 1e9 FLOP/s; peak 1e10 -> 0.1
+    assert common.mfu(common.rollout_flops_per_token(1_000_000), 500, 1.0, 1e10) == pytest.approx(
+        0.1
+    )
+    assert math.isnan(common.mfu(1.0, 1, 0.0, 1e10))  # no time measured: no estimate
+
+
+def test_matmul_params_counts_a_tied_embedding_once(tiny_model_dir) -> None:
+    tied = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    total = sum(p.numel() for p in tied.parameters())  # parameters() yields a tied tensor once
+    assert common.matmul_params(tied) == total  # the one tensor is the LM head's product
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    untied = LlamaForCausalLM(config)
+    # the input embedding (50 x 16 = 800) is a lookup, not a product
+    assert common.matmul_params(untied) == sum(p.numel() for p in untied.parameters()) - 800
+
+
+def test_rewards_shared_by_both_trainers() -> None:
+    completions = ["<answer>12</answer>", "it is 7 or 12", "twelve", "<answer>1</answer>2"]
+    # the last integer must equal the answer: 12, 12, none, 2
+    assert common.last_integer(completions, answer=["12"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert common.answer_tag(completions) == [0.5, 0.0, 0.0, 0.5]
+
+
+def test_ratio_and_median() -> None:
+    assert common.ratio(3.0, 6.0) == 0.5
+    assert math.isnan(common.ratio(1.0, 0.0))
+    assert common.median([3.0, 1.0, 2.0]) == 2.0
+
+
+def test_compare_reports_grpo_over_trl() -> None:
+    from benchmarks.vs_trl import compare
+
+    def run(engine: str, steps: list[float], rss: float, rewards: list[float]) -> dict:
+        return {
+            "engine": engine,
+            "steps": [{"step_s": s} for s in steps],
+            "peak_rss_mb": rss,
+            "rewards": rewards,
+        }
+
+    runs = [
+        run("trl", [4.0, 6.0], 1000.0, [0.0, 0.5]),
+        run("grpo", [1.0, 3.0], 700.0, [0.5, 0.5]),
+        run("trl", [8.0, 5.0], 1100.0, [0.5, 1.0]),
+        run("grpo", [2.0, 2.0], 800.0, [0.0, 1.0]),
+    ]
+    out = compare(runs)
+    # medians over all steps: TRL (4, 5, 6, 8) -> 5.5, grpo (1, 2, 2, 3) -> 2.0
+    assert out["step_time_ratio"] == pytest.approx(2.0 / 5.5)
+    # the larger peak of each engine's runs: 800 / 1100
+    assert out["peak_rss_ratio"] == pytest.approx(800 / 1100)
+    # per-step median across runs: TRL (0.25, 0.75), grpo (0.25, 0.75)
+    assert out["reward_curve"] == {"trl": [0.25, 0.75], "grpo": [0.25, 0.75]}
