@@ -30,7 +30,9 @@ def token_logprobs(
     """
     logps, entropies = [], []
     for rows in range(0, logits.shape[0], chunk_rows):
-        chunk = logits[rows : rows + chunk_rows].float() / temperature  # [b, T, V]
+        chunk = logits[rows : rows + chunk_rows].float()  # [b, T, V]; a view when float32
+        if temperature != 1.0:  # dividing by 1 would still copy [b, T, V] and keep it for backward
+            chunk = chunk / temperature
         lse = torch.logsumexp(chunk, dim=-1)  # [b, T]
         picked = chunk.gather(-1, targets[rows : rows + chunk_rows].unsqueeze(-1)).squeeze(-1)
         logps.append(picked - lse)
