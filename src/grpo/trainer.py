@@ -7,6 +7,8 @@ over length-sorted micro-batches -> metrics, sampled completions, checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -20,12 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo import algorithm
+from grpo import algorithm, distributed
 from grpo.batch import Rollout, Scored
-from grpo.config import Config, dump_config
+from grpo.config import Config, ConfigError, dump_config
 from grpo.data import load_dataset_rows, system_prompt_for
+from grpo.eval import evaluate, heldout_rows, settings_for
 from grpo.logprobs import completion_logprobs
-from grpo.metrics import MetricsLogger, ProgressBar, truncate_jsonl
+from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate, truncate_jsonl
 from grpo.models import (
     Reference,
     is_lora,
@@ -36,6 +39,7 @@ from grpo.models import (
 )
 from grpo.rewards import RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, render_prompt
+from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
 
@@ -64,13 +68,23 @@ class PromptStream:
             self._orders = {epoch: order}
         return self._orders[epoch]
 
+    def next_draw(self) -> Draw:
+        """The next row: its index in ``rows``, its epoch and its position in the stream."""
+        epoch, pos = divmod(self.consumed, len(self.rows))
+        self.consumed += 1
+        return Draw(self._order(epoch)[pos], epoch, self.consumed - 1)
+
     def take(self, n: int) -> list[dict[str, Any]]:
-        out = []
-        for _ in range(n):
-            epoch, pos = divmod(self.consumed, len(self.rows))
-            out.append(self.rows[self._order(epoch)[pos]])
-            self.consumed += 1
-        return out
+        return [self.rows[self.next_draw().index] for _ in range(n)]
+
+
+def sampling_seed(seed: int, position: int) -> int:
+    """Seed of the G samples of the prompt drawn at stream ``position`` (unique over a run).
+
+    Depends on neither the rank nor the batch the prompt lands in, so W ranks sample exactly what
+    one process with the same global batch samples, and a resumed run what an uninterrupted one does.
+    """
+    return (seed << 40) ^ position
 
 
 # --------------------------------------------------------------------------------------- batches
@@ -86,6 +100,9 @@ class MicroBatch:
     completion_ids: Tensor
     completion_mask: Tensor
     advantages: Tensor
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
 def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[MicroBatch]:
@@ -175,6 +192,15 @@ class Trainer:
 
     def __init__(self, config: Config, engine: RolloutEngine | None = None) -> None:
         self.config = config
+        self.dist = distributed.init_from_env()
+        if config.rollout.prompts_per_step % self.dist.world_size:
+            raise ConfigError(
+                f"rollout.prompts_per_step={config.rollout.prompts_per_step} must be divisible "
+                f"by the number of processes ({self.dist.world_size}): each rank takes whole groups"
+            )
+        if config.sampling.dynamic and self.dist.world_size > 1:
+            # kept groups would be spread unevenly over the ranks' fixed shares
+            raise ConfigError("sampling.dynamic runs in one process for now (torchrun: set it off)")
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
         torch.manual_seed(config.train.seed)
@@ -182,13 +208,22 @@ class Trainer:
         # everything that can fail on bad input happens before the run directory is touched
         self.rows = load_dataset_rows(config.data, config.train.seed)
         self.system_prompt = system_prompt_for(config.data)
+        self.eval_rows = (
+            heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
+        )
         self.rewards = RewardRunner(config.rewards)
         self.resume_from = resolve_resume(config)
         model_path = resolve_model_path(config.model.name)
         self.tokenizer = load_tokenizer(model_path)
-        self.policy = load_policy(config.model, model_path)
+        self.policy = load_policy(config.model, model_path).to(self.dist.device)
         self.policy.train()
         self.reference = Reference(self.policy) if config.algorithm.beta > 0 else None
+        # training forwards go through the DDP wrapper / the FSDP2-sharded policy; generation and
+        # saving use self.policy (the same module, and the same object under FSDP2)
+        self.train_model = distributed.wrap_model(self.policy, config.train.distributed, self.dist)
+        frozen_copy = self.reference.copy if self.reference is not None else None
+        if self.dist.enabled and config.train.distributed == "fsdp" and frozen_copy is not None:
+            distributed.fully_shard_model(frozen_copy, self.dist)
         self.engine = engine or build_engine(
             config.rollout.engine, model=self.policy, tokenizer=self.tokenizer, config=config.rollout
         )
@@ -205,14 +240,32 @@ class Trainer:
             lr_lambda(config.optim.warmup_steps, total, config.optim.schedule),
         )
         self.stream = PromptStream(self.rows, config.train.seed, config.data.shuffle)
+        sampling = config.sampling
+        self.prompt_filter = (
+            PromptFilter(sampling.greso_history, sampling.greso_skip_prob, config.train.seed)
+            if sampling.greso
+            else None
+        )
         self.step = 0
 
     # ----------------------------------------------------------------------------- stages
 
-    def rollout(self) -> Rollout:
-        rows = self.stream.take(self.config.rollout.prompts_per_step)
+    def rollout(self, draws: list[Draw] | None = None) -> Rollout:
+        """Roll out the drawn prompts (default: the next prompts_per_step of the stream)."""
+        # every rank draws the same global batch and keeps its own slice of whole groups
+        if draws is None:
+            draws = [self.stream.next_draw() for _ in range(self.config.rollout.prompts_per_step)]
+        start, stop = distributed.shard_bounds(len(draws), self.dist.rank, self.dist.world_size)
+        rows = [self.rows[d.index] for d in draws[start:stop]]
+        seeds = [sampling_seed(self.config.train.seed, d.position) for d in draws[start:stop]]
         prompts = [render_prompt(self.tokenizer, r["prompt"], self.system_prompt) for r in rows]
-        return self.engine.generate(prompts, rows, self.config.rollout.group_size)
+        # HF generate on an FSDP2 policy needs whole weights: ranks stop decoding at different steps
+        gather = self.config.rollout.engine == "hf"
+        params = distributed.full_parameters(self.policy) if gather else contextlib.nullcontext()
+        with params, self._autocast():
+            return self.engine.generate(
+                prompts, rows, self.config.rollout.group_size, seeds=seeds
+            )
 
     def score(self, rollout: Rollout) -> Scored:
         g = rollout.group_size
@@ -227,33 +280,86 @@ class Trainer:
         prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
         out = self.rewards(rollout.completions, prompts, columns, ids)
         total = out.total
+        # on every rank's rewards, so that scale_rewards=batch uses the global batch std; the
+        # groups are whole on each rank, so group statistics are unchanged
+        mine = distributed.rank_slice(len(total))
         advantages = algorithm.group_advantages(
-            total, g, self.config.algorithm.scale_rewards, self.config.algorithm.adv_eps
-        )
+            distributed.all_gather_rows(total),
+            g,
+            self.config.algorithm.scale_rewards,
+            self.config.algorithm.adv_eps,
+        )[mine]
         return Scored(rollout, out.per_function, out.names, total, advantages, out.errors)
 
-    def _logprobs(self, model: nn.Module, mb: MicroBatch, entropy: bool = False):
-        return completion_logprobs(
-            model,
-            mb.prompt_ids,
-            mb.prompt_mask,
-            mb.completion_ids,
-            mb.completion_mask,
-            self.config.rollout.temperature,
-            with_entropy=entropy,
+    def sample(self, n: int, clock: dict[str, float]) -> Scored:
+        """Draw n prompts past the GRESO filter, roll them out and score them.
+
+        ``clock`` accumulates the step's rollout and reward seconds and the prompts skipped.
+        """
+        t0 = time.perf_counter()
+        draws, skipped = draw_prompts(
+            self.stream.next_draw, n, self.prompt_filter, max_skips=len(self.rows)
         )
+        rollout = self.rollout(draws)
+        t1 = time.perf_counter()
+        scored = self.score(rollout)
+        clock["rollout"] += t1 - t0
+        clock["reward"] += time.perf_counter() - t1
+        clock["skipped"] += skipped
+        if self.prompt_filter is not None:
+            # global rewards, so every rank keeps the same history and skips the same prompts
+            rewards = distributed.all_gather_rows(scored.rewards)
+            flags = algorithm.zero_std_groups(rewards, rollout.group_size).tolist()
+            for draw, zero_variance in zip(draws, flags, strict=True):
+                self.prompt_filter.record(draw.index, zero_variance)
+        return scored
+
+    def collect(self, clock: dict[str, float]) -> Collected:
+        """This step's groups: one round, or dynamic sampling's rounds (see grpo.sampling)."""
+        cfg = self.config
+
+        def advantages(rewards: Tensor) -> Tensor:
+            return algorithm.group_advantages(
+                rewards, cfg.rollout.group_size, cfg.algorithm.scale_rewards, cfg.algorithm.adv_eps
+            )
+
+        return collect(
+            lambda n: self.sample(n, clock),
+            cfg.rollout.prompts_per_step,
+            dynamic=cfg.sampling.dynamic,
+            max_rounds=cfg.sampling.max_rounds,
+            advantages=advantages,
+        )
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast over float32 weights when model.autocast is on (log-probs stay float32)."""
+        return torch.autocast(
+            self.dist.device.type, dtype=torch.bfloat16, enabled=self.config.model.autocast
+        )
+
+    def _logprobs(self, model: nn.Module, mb: MicroBatch, entropy: bool = False):
+        with self._autocast():
+            return completion_logprobs(
+                model,
+                mb.prompt_ids,
+                mb.prompt_mask,
+                mb.completion_ids,
+                mb.completion_mask,
+                self.config.rollout.temperature,
+                with_entropy=entropy,
+            )
 
     @torch.no_grad()
     def frozen_logprobs(self, batches: list[MicroBatch], shape: tuple[int, int]):
         """Reference log-probs (beta > 0) and old log-probs (mu > 1): [N, T] each, or None."""
         ref = old = None
         if self.reference is not None:
-            ref = torch.zeros(shape)
+            ref = torch.zeros(shape, device=self.dist.device)
             with self.reference.model() as model:
                 for mb in batches:
                     _scatter(ref, mb, self._logprobs(model, mb)[0])
         if self.config.algorithm.num_iterations > 1:
-            old = torch.zeros(shape)
+            old = torch.zeros(shape, device=self.dist.device)
             for mb in batches:
                 _scatter(old, mb, self._logprobs(self.policy, mb)[0])
         return ref, old
@@ -262,60 +368,100 @@ class Trainer:
         cfg = self.config.algorithm
         rollout = scored.rollout
         batches = micro_batches(rollout, scored.advantages, self.config.optim.micro_batch_size)
+        batches = [mb.to(self.dist.device) for mb in batches]
+        if distributed.all_reduce(len(batches), "max") != len(batches):
+            # DDP/FSDP reduce once per backward: every rank must run the same number of them
+            raise RuntimeError("ranks disagree on the number of micro-batches in this step")
         shape = tuple(rollout.completion_ids.shape)
         ref_all, old_all = self.frozen_logprobs(batches, shape)
-        mask_all = rollout.completion_mask
+        # mask_truncated_completions: a cut-off completion contributes no token to the loss
+        keep = ~rollout.truncated if cfg.mask_truncated_completions else torch.ones_like(rollout.truncated)
+        mask_all = rollout.completion_mask & keep[:, None]
+        keep = keep.to(self.dist.device)
         normalizer = algorithm.Normalizer(
             num_sequences=rollout.num_completions,
-            num_tokens=float(mask_all.sum()),
+            num_tokens=distributed.local_share_of_global(float(mask_all.sum())),
             num_micro_batches=len(batches),
             max_new_tokens=self.config.rollout.max_new_tokens,
         )
+        sampler_all = rollout.sampler_logp
+        if sampler_all is not None:
+            sampler_all = sampler_all.to(self.dist.device)
+        pg_masks: dict[int, Tensor] = {}  # micro-batch -> high-entropy tokens, fixed at iteration 0
         sums: dict[str, float] = {}
-        ratio_min, ratio_max = math.inf, -math.inf
+        ratio_min, ratio_max, mismatch_max = math.inf, -math.inf, 0.0
         for iteration in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
-            for mb in batches:
-                t = mb.completion_ids.shape[1]
-                logp, entropy = self._logprobs(self.policy, mb, entropy=iteration == 0)
-                old = logp.detach() if old_all is None else old_all[mb.index, :t]
-                ref = None if ref_all is None else ref_all[mb.index, :t]
-                loss, stats = algorithm.policy_loss(
-                    logp,
-                    old,
-                    mb.advantages,
-                    mb.completion_mask,
-                    ref,
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    beta=cfg.beta,
-                    loss_type=cfg.loss_type,
-                    ratio_level=cfg.ratio_level,
-                    kl_estimator=cfg.kl_estimator,
-                    dual_clip=cfg.dual_clip,
-                    normalizer=normalizer,
-                )
-                loss.backward()
-                loss_total += float(loss.detach())
-                if iteration == 0:
-                    tokens = float(mb.completion_mask.sum())
-                    for key in ("clip_frac/low", "clip_frac/high", "kl", "ratio/mean"):
-                        if key in stats:
-                            sums[key] = sums.get(key, 0.0) + float(stats[key]) * tokens
-                    sums["entropy"] = sums.get("entropy", 0.0) + float(
-                        (entropy * mb.completion_mask).sum()
+            for k, mb in enumerate(batches):
+                # gradients cross ranks once per optimizer step, with the last micro-batch
+                last = k == len(batches) - 1
+                with distributed.gradient_sync(self.train_model, enabled=last):
+                    t = mb.completion_ids.shape[1]
+                    logp, entropy = self._logprobs(self.train_model, mb, entropy=iteration == 0)
+                    old = logp.detach() if old_all is None else old_all[mb.index, :t]
+                    ref = None if ref_all is None else ref_all[mb.index, :t]
+                    sampler = None if sampler_all is None else sampler_all[mb.index, :t]
+                    loss_mask = mb.completion_mask & keep[mb.index, None]
+                    weights = None
+                    if sampler is not None and cfg.tis_cap is not None:
+                        weights = algorithm.truncated_importance_weights(old, sampler, cfg.tis_cap)
+                    if iteration == 0 and cfg.top_entropy_quantile < 1:
+                        pg_masks[k] = algorithm.top_entropy_mask(
+                            entropy, loss_mask, cfg.top_entropy_quantile
+                        )
+                    loss, stats = algorithm.policy_loss(
+                        logp,
+                        old,
+                        mb.advantages,
+                        loss_mask,
+                        ref,
+                        clip_low=cfg.clip_low,
+                        clip_high=cfg.clip_high,
+                        beta=cfg.beta,
+                        loss_type=cfg.loss_type,
+                        ratio_level=cfg.ratio_level,
+                        kl_estimator=cfg.kl_estimator,
+                        dual_clip=cfg.dual_clip,
+                        normalizer=normalizer,
+                        importance_weights=weights,
+                        pg_mask=pg_masks.get(k),
                     )
-                    ratio_min = min(ratio_min, float(stats["ratio/min"]))
-                    ratio_max = max(ratio_max, float(stats["ratio/max"]))
+                    loss.backward()
+                    loss_total += float(loss.detach())
+                    if iteration == 0:
+                        tokens = float(mb.completion_mask.sum())
+                        for key in ("clip_frac/low", "clip_frac/high", "kl", "ratio/mean"):
+                            if key in stats:
+                                sums[key] = sums.get(key, 0.0) + float(stats[key]) * tokens
+                        sums["entropy"] = sums.get("entropy", 0.0) + float(
+                            (entropy * mb.completion_mask).sum()
+                        )
+                        ratio_min = min(ratio_min, float(stats["ratio/min"]))
+                        ratio_max = max(ratio_max, float(stats["ratio/max"]))
+                        if k in pg_masks:
+                            kept = float(pg_masks[k].sum())
+                            sums["entropy/kept_frac"] = sums.get("entropy/kept_frac", 0.0) + kept
+                        if sampler is not None:
+                            gap = algorithm.logprob_mismatch(old, sampler, mb.completion_mask)
+                            sums["tis/mismatch_mean"] = (
+                                sums.get("tis/mismatch_mean", 0.0)
+                                + float(gap["mismatch_mean"]) * tokens
+                            )
+                            mismatch_max = max(mismatch_max, float(gap["mismatch_max"]))
             grad_norm = self._clip_and_step()
             if iteration == 0:
                 first_loss, first_norm = loss_total, grad_norm
         self.engine.sync_weights(self.policy)
-        tokens_all = max(float(mask_all.sum()), 1.0)
-        out = {key: value / tokens_all for key, value in sums.items()}
-        out.update({"ratio/min": ratio_min, "ratio/max": ratio_max})
-        out.update({"loss": first_loss, "grad_norm": first_norm})
+        # token-weighted means over all ranks' tokens; the loss is the mean of the ranks' shares
+        tokens_all = max(distributed.all_reduce(float(mask_all.sum())), 1.0)
+        out = {key: distributed.all_reduce(sums[key]) / tokens_all for key in sorted(sums)}
+        out["ratio/min"] = distributed.all_reduce(ratio_min, "min")
+        out["ratio/max"] = distributed.all_reduce(ratio_max, "max")
+        if sampler_all is not None:
+            out["tis/mismatch_max"] = distributed.all_reduce(mismatch_max, "max")
+        out["loss"] = distributed.all_reduce(first_loss) / self.dist.world_size
+        out["grad_norm"] = first_norm
         return out
 
     def _clip_and_step(self) -> float:
@@ -324,7 +470,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.optimizer.step()
         self.scheduler.step()
-        return float(norm)
+        return distributed.as_float(norm)
 
     # ----------------------------------------------------------------------------- bookkeeping
 
@@ -338,6 +484,7 @@ class Trainer:
             "advantage/abs_mean": float(scored.advantages.abs().mean()),
             "completion_len/mean": float(rollout.completion_mask.sum(dim=1).float().mean()),
             "truncated_frac": float(rollout.truncated.float().mean()),
+            "reflection_rate": reflection_rate(rollout.completions),
         }
         for k, name in enumerate(scored.function_names):
             column = scored.per_function[:, k]
@@ -377,14 +524,27 @@ class Trainer:
         folder = run_dir / "checkpoints"
         final = folder / f"step-{self.step}"
         tmp = folder / f".tmp-step-{self.step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_hf(self.policy, self.tokenizer, tmp)
+        main = self.dist.is_main
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.save_model(tmp)
+        optimizer = distributed.optimizer_state(self.policy, self.optimizer)  # all ranks (FSDP2)
+        if not main:
+            # ranks > 0 only add their RNG state; rank 0 writes everything else
+            distributed.barrier()
+            torch.save({"rng": capture_rng()}, tmp / f"rng-rank{self.dist.rank}.pt")
+            distributed.barrier()
+            distributed.barrier()
+            return final
         state = {
             "step": self.step,
             "consumed": self.stream.consumed,
-            "optimizer": self.optimizer.state_dict(),
+            "world_size": self.dist.world_size,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rng(),
+            "greso": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
+            "reference": None if self.reference is None else self.reference.state_dict(),
             "trainable": {
                 k: v for k, v in self.policy.state_dict().items() if _is_trainable(self.policy, k)
             }
@@ -392,6 +552,8 @@ class Trainer:
             else None,
         }
         torch.save(state, tmp / "trainer_state.pt")
+        distributed.barrier()  # tmp exists: the other ranks write their RNG files
+        distributed.barrier()
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # atomic: a crash leaves either the old set or the complete new one
         kept = sorted(
@@ -399,24 +561,49 @@ class Trainer:
         )
         for _, old in kept[: -self.config.train.keep_last]:
             shutil.rmtree(old)
+        distributed.barrier()
         return final
+
+    def save_model(self, path: Path) -> None:
+        """Rank 0 writes the HF folder; under FSDP2 every rank first helps gather the weights."""
+        if distributed.is_fsdp(self.policy):
+            state = distributed.full_state_dict(self.policy)
+            if self.dist.is_main:
+                path.mkdir(parents=True, exist_ok=True)
+                self.policy.save_pretrained(path, state_dict=state)
+                self.tokenizer.save_pretrained(path)
+        elif self.dist.is_main:
+            save_hf(self.policy, self.tokenizer, path)
 
     def load_checkpoint(self, path: Path) -> None:
         from safetensors.torch import load_file
 
         state = torch.load(path / "trainer_state.pt", weights_only=False)
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.dist.world_size:
+            raise ConfigError(
+                f"checkpoint {path} was written by {saved_world} process(es); resume it with "
+                f"the same number (this run has {self.dist.world_size})"
+            )
         if state["trainable"] is not None:
             self.policy.load_state_dict(state["trainable"], strict=False)
         else:
             weights: dict[str, Tensor] = {}
             for file in sorted(path.glob("*.safetensors")):
                 weights.update(load_file(file))
-            missing, unexpected = self.policy.load_state_dict(weights, strict=False)
+            _missing, unexpected = distributed.load_full_state_dict(self.policy, weights)
             if unexpected:
                 raise ValueError(f"checkpoint {path} does not match the model: {unexpected[:3]}")
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        restore_rng(state["rng"])
+        if self.dist.is_main:
+            restore_rng(state["rng"])
+        else:
+            restore_rng(torch.load(path / f"rng-rank{self.dist.rank}.pt", weights_only=False)["rng"])
+        if self.prompt_filter is not None and state.get("greso"):
+            self.prompt_filter.load_state_dict(state["greso"])
+        if self.reference is not None and state.get("reference"):
+            self.reference.load_state_dict(state["reference"])
         self.stream.consumed = state["consumed"]
         self.step = state["step"]
 
@@ -427,60 +614,136 @@ class Trainer:
         run_dir = self.config.run_dir
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
-        elif run_dir.exists():
+        main = self.dist.is_main  # only rank 0 touches the run directory
+        if main and self.resume_from is None and run_dir.exists():
             # a fresh start replaces the previous run's outputs instead of mixing with them
             for name in ("metrics.jsonl", "completions", "checkpoints", "final", "tensorboard"):
                 target = run_dir / name
                 shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(self.config))
-        truncate_jsonl(run_dir / "metrics.jsonl", self.step)
-        for stale in (run_dir / "completions").glob("step-*.jsonl"):
-            if int(stale.stem.split("-")[1]) > self.step:
-                stale.unlink()
-        logger = MetricsLogger(run_dir, cfg.sinks, keep_through_step=self.step)
-        bar = ProgressBar(cfg.steps, self.step, cfg.progress)
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(dump_config(self.config))
+            truncate_jsonl(run_dir / "metrics.jsonl", self.step)
+            for stale in (run_dir / "completions").glob("step-*.jsonl"):
+                if int(stale.stem.split("-")[1]) > self.step:
+                    stale.unlink()
+        logger = MetricsLogger(run_dir, cfg.sinks, self.step) if main else None
+        bar = ProgressBar(cfg.steps, self.step, cfg.progress and main)
         try:
+            if cfg.eval_every and self.step == 0:
+                baseline = self.held_out_eval()  # the baseline every later eval compares to
+                if logger:
+                    logger.log(0, baseline)
             while self.step < cfg.steps:
                 self.step += 1
                 metrics = self.train_step(run_dir)
-                logger.log(self.step, metrics)
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    metrics.update(self.held_out_eval())
+                if logger:
+                    logger.log(self.step, metrics)
                 bar.update(self.step, metrics)
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                     self.save_checkpoint(run_dir)
             self.save_checkpoint(run_dir)
             final = run_dir / "final"
-            shutil.rmtree(final, ignore_errors=True)
-            save_hf(self.policy, self.tokenizer, final)
+            if main:
+                shutil.rmtree(final, ignore_errors=True)
+            self.save_model(final)
+            distributed.barrier()  # the run is complete on disk before any rank returns
         finally:
             bar.close()
-            logger.close()
+            if logger:
+                logger.close()
             self.rewards.close()
         return run_dir
 
+    def held_out_eval(self) -> dict[str, float]:
+        """``eval/*`` metrics of the current policy on the held-out rows (see grpo.eval)."""
+        t0 = time.perf_counter()
+        settings = settings_for(self.config, self.config.train.eval_samples)
+        result = evaluate(self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings)
+        out = {f"eval/{key}": value for key, value in result.items()}
+        out["time/eval_s"] = time.perf_counter() - t0
+        return out
+
+    def refresh_reference(self) -> dict[str, float]:
+        """Every ``ref_update_every`` steps the reference takes the policy's weights."""
+        every = self.config.algorithm.ref_update_every
+        if not every or self.reference is None:
+            return {}
+        if self.step % every == 0:
+            self.reference.refresh(self.config.algorithm.ref_mix_alpha)
+        return {"ref/refreshes": float(self.reference.refreshes)}
+
+    def sampling_metrics(self, batch: Collected, clock: dict[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.config.sampling.dynamic:
+            out["sampling/prompts_drawn"] = float(batch.prompts_drawn)
+            out["sampling/prompts_kept"] = float(batch.prompts_kept)
+            out["sampling/rounds"] = float(batch.rounds)
+        if self.prompt_filter is not None:
+            out["greso/skipped"] = clock["skipped"]
+            out["greso/rollouts_saved"] = clock["skipped"] * self.config.rollout.group_size
+        return out
+
     def train_step(self, run_dir: Path) -> dict[str, float]:
         t0 = time.perf_counter()
-        rollout = self.rollout()
-        t1 = time.perf_counter()
-        scored = self.score(rollout)
+        clock = {"rollout": 0.0, "reward": 0.0, "skipped": 0.0}
+        batch = self.collect(clock)
         t2 = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        update = self.optimize(scored)
+        # dynamic sampling may end a step without one informative group: then nothing to learn
+        update = self.optimize(batch.train) if batch.train is not None else {}
+        metrics = self.refresh_reference()
         t3 = time.perf_counter()
-        metrics = self.step_metrics(scored)
+        # metrics over every group rolled out (all ranks, global order): the kept ones are biased
+        everyone = gather_scored(batch.seen)
+        metrics.update(self.step_metrics(everyone))
         metrics.update(update)
-        tokens = float(rollout.completion_mask.sum())
+        metrics.update(self.sampling_metrics(batch, clock))
+        tokens = float(everyone.rollout.completion_mask.sum())
         metrics.update(
             {
                 "lr": lr,
-                "time/rollout_s": t1 - t0,
-                "time/reward_s": t2 - t1,
+                "time/rollout_s": clock["rollout"],
+                "time/reward_s": clock["reward"],
                 "time/train_s": t3 - t2,
                 "tokens_per_s": tokens / max(t3 - t0, 1e-9),
             }
         )
-        self.write_completions(scored, run_dir)
+        if self.dist.is_main:
+            trained = batch.train if batch.train is not None else batch.seen
+            self.write_completions(everyone if trained is batch.seen else trained, run_dir)
         return metrics
+
+
+def gather_scored(scored: Scored) -> Scored:
+    """Every rank's scored groups concatenated in rank order (itself on one process).
+
+    Row-aligned tensors and lists are gathered; reward function error counts are summed.
+    """
+    if not distributed.active():
+        return scored
+
+    def gather(obj: Any, skip: set[str]) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.name in skip or value is None:
+                continue
+            if isinstance(value, Tensor):
+                out[f.name] = distributed.all_gather_rows(value)
+            elif isinstance(value, list):
+                out[f.name] = distributed.all_gather_list(value)
+        return out
+
+    rollout = dataclasses.replace(scored.rollout, **gather(scored.rollout, set()))
+    errors = {
+        name: int(distributed.all_reduce(scored.errors.get(name, 0)))
+        for name in scored.function_names
+    }
+    fields = gather(scored, {"rollout", "function_names"})
+    return dataclasses.replace(scored, rollout=rollout, errors=errors, **fields)
 
 
 def _is_trainable(model: nn.Module, key: str) -> bool:
@@ -488,5 +751,11 @@ def _is_trainable(model: nn.Module, key: str) -> bool:
 
 
 def train(config: Config, engine: RolloutEngine | None = None) -> Path:
-    """Train with ``config``; returns the run directory."""
-    return Trainer(config, engine).train()
+    """Train with ``config``; returns the run directory.
+
+    Under ``torchrun`` every process calls this; the process group is closed at the end.
+    """
+    try:
+        return Trainer(config, engine).train()
+    finally:
+        distributed.shutdown()
