@@ -105,10 +105,46 @@ class MicroBatch:
         return MicroBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
+def forward_tokens(
+    order: Tensor, prompt_len: Tensor, completion_len: Tensor, group_size: int, size: int
+) -> int:
+    """Tokens the micro-batches of ``order`` compute: each pays its longest completion for every
+    row and its longest prompt once per distinct group (rows sharing a prompt compute it once,
+    see ``logprobs.shared_prompt_logprobs``). order, prompt_len, completion_len: [N]."""
+    total = 0
+    for start in range(0, len(order), size):
+        idx = order[start : start + size]
+        groups = len(torch.unique(idx // group_size))
+        total += groups * int(prompt_len[idx].max()) + len(idx) * int(completion_len[idx].max())
+    return total
+
+
+def micro_batch_order(
+    prompt_len: Tensor, completion_len: Tensor, group_size: int, size: int
+) -> Tensor:
+    """Row order for micro-batches of ``size``: longest first, or whole groups together (longest
+    group first), whichever computes fewer tokens. Sorting by length cuts completion padding;
+    keeping a group together cuts prompt work. [N] lengths, groups contiguous -> [N] order."""
+    total = prompt_len + completion_len
+    by_length = torch.argsort(total, descending=True, stable=True)
+    group_total = total.view(-1, group_size).max(dim=1).values  # [P]
+    group_rank = torch.argsort(torch.argsort(group_total, descending=True, stable=True))  # [P]
+    key = group_rank.repeat_interleave(group_size) * (int(total.max()) + 1) - completion_len
+    by_group = torch.argsort(key, stable=True)
+    return min(
+        (by_length, by_group),
+        key=lambda order: forward_tokens(order, prompt_len, completion_len, group_size, size),
+    )
+
+
 def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[MicroBatch]:
-    """Split into micro-batches of similar completion length, each trimmed of pure padding."""
-    lengths = rollout.completion_mask.sum(dim=1) + rollout.prompt_mask.sum(dim=1)
-    order = torch.argsort(lengths, descending=True, stable=True)
+    """Split into micro-batches (see ``micro_batch_order``), each trimmed of pure padding."""
+    order = micro_batch_order(
+        rollout.prompt_mask.sum(dim=1),
+        rollout.completion_mask.sum(dim=1),
+        rollout.group_size,
+        size,
+    )
     out = []
     for start in range(0, len(order), size):
         idx = order[start : start + size]
@@ -225,7 +261,10 @@ class Trainer:
         if self.dist.enabled and config.train.distributed == "fsdp" and frozen_copy is not None:
             distributed.fully_shard_model(frozen_copy, self.dist)
         self.engine = engine or build_engine(
-            config.rollout.engine, model=self.policy, tokenizer=self.tokenizer, config=config.rollout
+            config.rollout.engine,
+            model=self.policy,
+            tokenizer=self.tokenizer,
+            config=config.rollout,
         )
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -263,9 +302,7 @@ class Trainer:
         gather = self.config.rollout.engine == "hf"
         params = distributed.full_parameters(self.policy) if gather else contextlib.nullcontext()
         with params, self._autocast():
-            return self.engine.generate(
-                prompts, rows, self.config.rollout.group_size, seeds=seeds
-            )
+            return self.engine.generate(prompts, rows, self.config.rollout.group_size, seeds=seeds)
 
     def score(self, rollout: Rollout) -> Scored:
         g = rollout.group_size
@@ -375,7 +412,11 @@ class Trainer:
         shape = tuple(rollout.completion_ids.shape)
         ref_all, old_all = self.frozen_logprobs(batches, shape)
         # mask_truncated_completions: a cut-off completion contributes no token to the loss
-        keep = ~rollout.truncated if cfg.mask_truncated_completions else torch.ones_like(rollout.truncated)
+        keep = (
+            ~rollout.truncated
+            if cfg.mask_truncated_completions
+            else torch.ones_like(rollout.truncated)
+        )
         mask_all = rollout.completion_mask & keep[:, None]
         keep = keep.to(self.dist.device)
         normalizer = algorithm.Normalizer(
@@ -599,7 +640,9 @@ class Trainer:
         if self.dist.is_main:
             restore_rng(state["rng"])
         else:
-            restore_rng(torch.load(path / f"rng-rank{self.dist.rank}.pt", weights_only=False)["rng"])
+            restore_rng(
+                torch.load(path / f"rng-rank{self.dist.rank}.pt", weights_only=False)["rng"]
+            )
         if self.prompt_filter is not None and state.get("greso"):
             self.prompt_filter.load_state_dict(state["greso"])
         if self.reference is not None and state.get("reference"):
@@ -661,7 +704,11 @@ class Trainer:
         """``eval/*`` metrics of the current policy on the held-out rows (see grpo.eval)."""
         t0 = time.perf_counter()
         settings = settings_for(self.config, self.config.train.eval_samples)
-        result = evaluate(self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings)
+        # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
+        with distributed.full_parameters(self.policy):
+            result = evaluate(
+                self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings
+            )
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
         return out
