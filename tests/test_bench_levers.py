@@ -78,3 +78,18 @@ def test_sample_groups_stops_when_every_row_has_finished(tiny_model_dir) -> None
     with torch.no_grad():
         out = sample_groups(model, enc.input_ids, enc.attention_mask, 2, eos_on_third, 16, [eos], 0)
     assert out.tolist() == [[7, 7, eos]] * 4
+
+
+def test_micro_batch_order_takes_the_cheaper_of_length_and_group_order() -> None:
+    from grpo.trainer import forward_tokens, micro_batch_order
+
+    # 2 groups of 2, micro-batches of 2; completions 1, 9 (group 0) and 2, 8 (group 1)
+    completion = torch.tensor([1, 9, 2, 8])
+    long_prompt = torch.full((4,), 10)
+    # longest first: {9, 8} pays 2 prompts + 2 x 9 = 38, {2, 1} pays 2 x 10 + 2 x 2 = 24 -> 62
+    assert forward_tokens(torch.tensor([1, 3, 2, 0]), long_prompt, completion, 2, 2) == 62
+    # by group: {9, 1} pays 10 + 2 x 9 = 28, {8, 2} pays 10 + 2 x 8 = 26 -> 54: groups win
+    assert micro_batch_order(long_prompt, completion, 2, 2).tolist() == [1, 0, 3, 2]
+    # with 1-token prompts: longest first 2 + 18 + 2 + 4 = 26 beats groups 19 + 17 = 36
+    short_prompt = torch.ones(4, dtype=torch.long)
+    assert micro_batch_order(short_prompt, completion, 2, 2).tolist() == [1, 3, 2, 0]
