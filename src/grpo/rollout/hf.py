@@ -161,16 +161,17 @@ class HFEngine:
         try:
             # each prompt repeated G times, groups contiguous (greedy generate has no
             # num_return_sequences; the sampler supplies the randomness)
+            device = self.model.device  # rollouts come back on the CPU, as from vLLM
             completion_ids = sample_groups(  # [N, T]
                 self.model,
-                enc.input_ids,
-                enc.attention_mask,
+                enc.input_ids.to(device),
+                enc.attention_mask.to(device),
                 group_size,
                 LogitsProcessorList([*self.warpers, sampler]),
                 self.config.max_new_tokens,
                 self.eos,
                 self.tokenizer.pad_token_id,
-            )
+            ).cpu()
         finally:
             self.model.train(was_training)
         mask, truncated = completion_mask_and_truncation(completion_ids, self.eos)
