@@ -171,13 +171,23 @@ def test_several_policy_iterations_use_old_logprobs(tiny_config, noisy_reward, m
     assert (logp2 - old2)[mask].abs().max() > 1e-4  # the second pass sees a moved policy
 
 
-def test_one_iteration_needs_no_extra_forward(tiny_config) -> None:
+def test_one_iteration_needs_no_extra_forward(tiny_config, monkeypatch) -> None:
+    import grpo.trainer
+
     trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 4}))
     scored = trainer.score(trainer.rollout())
-    forwards = []
-    trainer.policy.register_forward_hook(lambda *args: forwards.append(1))
+    calls = []
+    original = grpo.trainer.completion_logprobs
+
+    def counting(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(grpo.trainer, "completion_logprobs", counting)
     trainer.optimize(scored)
-    assert len(forwards) == 2  # 8 completions / micro-batch 4: the gradient passes only
+    # 8 completions / micro-batch 4: two log-prob passes, both the gradient passes; no reference
+    # (beta 0) and no old log-probs (mu 1) forward
+    assert calls == [True, True]
 
 
 def test_micro_batches_are_length_sorted_and_trimmed(tiny_config) -> None:
