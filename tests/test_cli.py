@@ -114,3 +114,24 @@ def test_console_script_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "runs" / "recipe" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_a_task_brings_its_default_rewards() -> None:
+    from grpo.config import build_config
+
+    humaneval = build_config({"data": {"task": "humaneval", "split": "test"}})
+    assert [f.name for f in humaneval.rewards.functions] == ["code"]
+    # a preset extends the task's defaults; the resolved config reloads to the same config
+    dapo = build_config({"data": {"task": "countdown"}, "algorithm": {"preset": "dapo"}})
+    assert [f.name for f in dapo.rewards.functions] == ["format", "countdown", "overlong"]
+    assert build_config(dapo.model_dump(mode="json")) == dapo
+    # rewards a recipe names win
+    own = build_config(
+        {"data": {"task": "countdown"}, "rewards": {"functions": [{"name": "format"}]}}
+    )
+    assert [f.name for f in own.rewards.functions] == ["format"]
+
+
+def test_config_command_accepts_overrides_without_a_recipe(capsys) -> None:
+    assert main(["config", "rollout.group_size=3"]) == 0
+    assert "group_size: 3" in capsys.readouterr().out

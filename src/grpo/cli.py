@@ -23,13 +23,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, DataError, ModelError, RewardError, ReportError, FileNotFoundError)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from grpo.trainer import train
-
+def _config_from_args(args: argparse.Namespace) -> Config:
+    """`[RECIPE] [key=value ...]`: a first argument with '=' is an override, not a recipe."""
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:
         recipe, overrides = None, [recipe, *overrides]
-    config = load_config(recipe, overrides)
+    return load_config(recipe, overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from grpo.trainer import train
+
+    config = _config_from_args(args)
     run_dir = train(config)
     print(f"run finished: {run_dir}")
     return 0
@@ -41,7 +46,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.reference:
         print(reference_markdown(), end="")
         return 0
-    print(dump_config(load_config(args.recipe, list(args.overrides))), end="")
+    print(dump_config(_config_from_args(args)), end="")
     return 0
 
 

@@ -223,6 +223,24 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
 
     @model_validator(mode="after")
+    def _task_default_rewards(self) -> Config:
+        # a built-in task brings its own rewards (humaneval: code) unless the recipe names some
+        from grpo.data.tasks import TASKS
+
+        task = TASKS.get(self.data.task) if self.data.path is None else None
+        if task is not None and "functions" not in self.rewards.model_fields_set:
+            resolved = RewardsConfig.model_validate(
+                {
+                    **self.rewards.model_dump(exclude_unset=True),
+                    "functions": [{"name": name} for name in task.default_rewards],
+                }
+            )
+            # still a default, not the user's choice: a preset may extend it (dapo adds overlong)
+            resolved.__pydantic_fields_set__.discard("functions")
+            object.__setattr__(self, "rewards", resolved)
+        return self
+
+    @model_validator(mode="after")
     def _apply_preset(self) -> Config:
         from grpo.presets import preset_updates
 
