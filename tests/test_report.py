@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import main
-from grpo.report import ReportError, summary, write_report
+from grpo.report import ReportError, running_mean, summary, write_report
 from grpo.trainer import train
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -100,3 +100,9 @@ def test_report_errors(tmp_path: Path, capsys) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     with pytest.raises(ReportError, match="line 2 is not valid JSON"):
         write_report(tmp_path)
+
+
+def test_running_mean_by_hand() -> None:
+    # trailing windows of 2: [1], [1, 2], [2, 3], [3, 4]
+    assert running_mean([1.0, 2.0, 3.0, 4.0], window=2) == [1.0, 1.5, 2.5, 3.5]
+    assert running_mean([], window=3) == []

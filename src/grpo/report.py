@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 SUMMARY_WINDOW = 10  # steps averaged at the start and at the end of the run
+SMOOTH_FROM = 10  # series this long get a running mean drawn over the raw values
+SMOOTH_WINDOW = 5
 
 
 class ReportError(ValueError):
@@ -58,6 +60,14 @@ def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]
         if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])
     ]
     return [s for s, _ in points], [v for _, v in points]
+
+
+def running_mean(values: list[float], window: int = SMOOTH_WINDOW) -> list[float]:
+    """Trailing mean over up to ``window`` values: [1, 2, 3] with window 2 -> [1, 1.5, 2.5]."""
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
+        for i in range(len(values))
+    ]
 
 
 def window_mean(values: list[float], first: bool, size: int = SUMMARY_WINDOW) -> float:
@@ -119,7 +129,13 @@ def render_plot(plot: Plot, rows: list[dict[str, Any]]) -> bytes | None:
     fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=100)
     try:
         for key, steps, values in lines:
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
+            if len(values) < SMOOTH_FROM:
+                ax.plot(steps, values, marker="o", markersize=3, label=key)
+                continue
+            # per-step values are noisy (a handful of prompts each): faint raw, bold running mean
+            (raw,) = ax.plot(steps, values, alpha=0.3, linewidth=1)
+            label = f"{key} ({SMOOTH_WINDOW}-step mean)"
+            ax.plot(steps, running_mean(values), color=raw.get_color(), linewidth=2, label=label)
         ax.set_title(plot.title)
         ax.set_xlabel("step")
         ax.set_ylabel(plot.ylabel)
