@@ -134,12 +134,20 @@ def test_trainer_reference_equals_policy_right_after_a_refresh(tiny_config) -> N
         assert torch.equal(ref[key], pol[key]), key
 
 
-def test_resume_restores_the_refreshed_reference(tiny_config) -> None:
+def test_resume_restores_the_refreshed_reference(tiny_config, tmp_path) -> None:
     # refreshed at step 2, so step 3 starts with policy == reference (kl 0, and k3 has no
     # gradient there); step 4's kl measures the distance to it: a resume from step 2 that lost
-    # the refreshed reference would log a different kl and end with different weights
+    # the refreshed reference would log a different kl and end with different weights.
+    # The reward varies within every group, so step 3's update moves the policy.
+    reward = tmp_path / "noisy.py"
+    reward.write_text(
+        "def noisy(completions, **kw):\n"
+        "    return [float(sum(map(ord, c)) % 7) for c in completions]\n"
+    )
+
     def config(steps: int, name: str):
         return tiny_config(
+            rewards={"functions": [{"name": f"{reward}:noisy"}]},
             algorithm={"beta": 0.5, "ref_update_every": 2},
             optim={"lr": 1e-2},
             train={"steps": steps, "run_name": name},
