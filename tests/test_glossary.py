@@ -1,0 +1,48 @@
+"""Every metric a run logs is explained in the README's glossary (honest, documented logging)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from grpo.trainer import train
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def documented_metrics() -> set[str]:
+    section = README.read_text().split("## Metric glossary", 1)[1].split("\n## ", 1)[0]
+    names = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            names |= set(re.findall(r"`([^`]+)`", line.split("|")[1]))
+    return names
+
+
+def _as_documented(key: str, functions: set[str]) -> str:
+    parts = key.split("/")
+    if parts[0] == "reward" and len(parts) == 3 and parts[1] in functions:
+        return f"reward/<fn>/{parts[2]}"
+    return key
+
+
+def test_every_logged_metric_is_in_the_glossary(tiny_config, tmp_path: Path) -> None:
+    reward = tmp_path / "noisy.py"  # varies within groups, so dynamic sampling keeps them
+    reward.write_text(
+        "def noisy(completions, **kw):\n"
+        "    return [float(sum(map(ord, c)) % 7) for c in completions]\n"
+    )
+    config = tiny_config(
+        rewards={"functions": [{"name": "format"}, {"name": f"{reward}:noisy"}]},
+        algorithm={"beta": 0.1, "ref_update_every": 1, "top_entropy_quantile": 0.5},
+        sampling={"dynamic": True, "max_rounds": 2, "greso": True},
+        train={"steps": 2, "eval_every": 1, "eval_examples": 2},
+    )
+    run_dir = train(config)
+    functions = {spec.name.rpartition(":")[2] for spec in config.rewards.functions}
+    logged = set()
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        logged |= {_as_documented(k, functions) for k in json.loads(line) if k != "step"}
+    missing = logged - documented_metrics()
+    assert not missing, f"metrics missing from the README glossary: {sorted(missing)}"
