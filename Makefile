@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: train test test-slow lint format bench clean
+.PHONY: train test test-slow lint format docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -30,6 +30,10 @@ lint: $(STAMP)
 format: $(STAMP)
 	.venv/bin/ruff check --fix src tests benchmarks
 	.venv/bin/ruff format src tests benchmarks
+
+# regenerate the README's config reference from the field docstrings in src/grpo/config.py
+docs: $(STAMP)
+	$(PY) -c "import pathlib; from grpo.config import reference_markdown as r; p = pathlib.Path('README.md'); s = p.read_text(); a, b = '<!-- config-reference:start -->\n', '<!-- config-reference:end -->'; p.write_text(s.split(a)[0] + a + r() + b + s.split(b)[1])"
 
 bench: $(STAMP)
 	$(PIP) install -q -e '.[dev,bench]'

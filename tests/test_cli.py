@@ -135,3 +135,12 @@ def test_a_task_brings_its_default_rewards() -> None:
 def test_config_command_accepts_overrides_without_a_recipe(capsys) -> None:
     assert main(["config", "rollout.group_size=3"]) == 0
     assert "group_size: 3" in capsys.readouterr().out
+
+
+def test_readme_config_reference_is_current() -> None:
+    from grpo.config import reference_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- config-reference:start -->\n", 1)[1]
+    block = block.split("<!-- config-reference:end -->", 1)[0]
+    assert block == reference_markdown(), "regenerate with: make docs"
