@@ -168,6 +168,59 @@ def _scatter(dest: Tensor, mb: MicroBatch, values: Tensor) -> None:
     dest[mb.index, : values.shape[1]] = values
 
 
+class UpdateStats:
+    """Per-micro-batch statistics of an update, combined over micro-batches and ranks.
+
+    Means are token-weighted (each micro-batch's mean times its token count, divided by the
+    step's tokens over all ranks); minima and maxima stay minima and maxima.
+    """
+
+    MEANS = ("clip_frac/low", "clip_frac/high", "kl", "ratio/mean")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.extremes: dict[str, tuple[str, float]] = {}
+
+    def _add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def _extreme(self, key: str, op: str, value: float) -> None:
+        old = self.extremes.get(key, (op, value))[1]
+        self.extremes[key] = (op, min(old, value) if op == "min" else max(old, value))
+
+    def add_micro_batch(
+        self,
+        loss_stats: dict[str, Tensor],
+        entropy: Tensor,
+        mask: Tensor,
+        pg_mask: Tensor | None,
+        logp: Tensor,
+        sampler_logp: Tensor | None,
+    ) -> None:
+        """entropy, mask, pg_mask, logp, sampler_logp: [b, T] of one micro-batch."""
+        tokens = float(mask.sum())
+        for key in self.MEANS:
+            if key in loss_stats:
+                self._add(key, float(loss_stats[key]) * tokens)
+        self._add("entropy", float((entropy * mask).sum()))
+        self._extreme("ratio/min", "min", float(loss_stats["ratio/min"]))
+        self._extreme("ratio/max", "max", float(loss_stats["ratio/max"]))
+        if pg_mask is not None:
+            self._add("entropy/kept_frac", float(pg_mask.sum()))
+        if sampler_logp is not None:
+            gap = algorithm.logprob_mismatch(logp, sampler_logp, mask)
+            self._add("tis/mismatch_mean", float(gap["mismatch_mean"]) * tokens)
+            self._extreme("tis/mismatch_max", "max", float(gap["mismatch_max"]))
+
+    def reduce(self, counted_tokens: float) -> dict[str, float]:
+        """Metrics over every rank; counted_tokens: this rank's tokens in the step."""
+        tokens_all = max(distributed.all_reduce(counted_tokens), 1.0)
+        out = {key: distributed.all_reduce(value) / tokens_all for key, value in self.sums.items()}
+        for key, (op, value) in self.extremes.items():
+            out[key] = distributed.all_reduce(value, op)
+        return dict(sorted(out.items()))
+
+
 # --------------------------------------------------------------------------------------- schedule
 
 
@@ -402,6 +455,7 @@ class Trainer:
         return ref, old
 
     def optimize(self, scored: Scored) -> dict[str, float]:
+        """``num_iterations`` optimizer steps on one scored batch; returns the update's metrics."""
         cfg = self.config.algorithm
         rollout = scored.rollout
         batches = micro_batches(rollout, scored.advantages, self.config.optim.micro_batch_size)
@@ -409,19 +463,18 @@ class Trainer:
         if distributed.all_reduce(len(batches), "max") != len(batches):
             # DDP/FSDP reduce once per backward: every rank must run the same number of them
             raise RuntimeError("ranks disagree on the number of micro-batches in this step")
-        shape = tuple(rollout.completion_ids.shape)
-        ref_all, old_all = self.frozen_logprobs(batches, shape)
+        ref_all, old_all = self.frozen_logprobs(batches, tuple(rollout.completion_ids.shape))
         # mask_truncated_completions: a cut-off completion contributes no token to the loss
         keep = (
             ~rollout.truncated
             if cfg.mask_truncated_completions
             else torch.ones_like(rollout.truncated)
         )
-        mask_all = rollout.completion_mask & keep[:, None]
+        counted = rollout.completion_mask & keep[:, None]
         keep = keep.to(self.dist.device)
         normalizer = algorithm.Normalizer(
             num_sequences=rollout.num_completions,
-            num_tokens=distributed.local_share_of_global(float(mask_all.sum())),
+            num_tokens=distributed.local_share_of_global(float(counted.sum())),
             num_micro_batches=len(batches),
             max_new_tokens=self.config.rollout.max_new_tokens,
         )
@@ -429,15 +482,13 @@ class Trainer:
         if sampler_all is not None:
             sampler_all = sampler_all.to(self.dist.device)
         pg_masks: dict[int, Tensor] = {}  # micro-batch -> high-entropy tokens, fixed at iteration 0
-        sums: dict[str, float] = {}
-        ratio_min, ratio_max, mismatch_max = math.inf, -math.inf, 0.0
+        stats = UpdateStats()
         for iteration in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
             for k, mb in enumerate(batches):
                 # gradients cross ranks once per optimizer step, with the last micro-batch
-                last = k == len(batches) - 1
-                with distributed.gradient_sync(self.train_model, enabled=last):
+                with distributed.gradient_sync(self.train_model, enabled=k == len(batches) - 1):
                     t = mb.completion_ids.shape[1]
                     logp, entropy = self._logprobs(self.train_model, mb, entropy=iteration == 0)
                     old = logp.detach() if old_all is None else old_all[mb.index, :t]
@@ -451,7 +502,7 @@ class Trainer:
                         pg_masks[k] = algorithm.top_entropy_mask(
                             entropy, loss_mask, cfg.top_entropy_quantile
                         )
-                    loss, stats = algorithm.policy_loss(
+                    loss, loss_stats = algorithm.policy_loss(
                         logp,
                         old,
                         mb.advantages,
@@ -470,37 +521,16 @@ class Trainer:
                     )
                     loss.backward()
                     loss_total += float(loss.detach())
-                    if iteration == 0:
-                        tokens = float(mb.completion_mask.sum())
-                        for key in ("clip_frac/low", "clip_frac/high", "kl", "ratio/mean"):
-                            if key in stats:
-                                sums[key] = sums.get(key, 0.0) + float(stats[key]) * tokens
-                        sums["entropy"] = sums.get("entropy", 0.0) + float(
-                            (entropy * mb.completion_mask).sum()
-                        )
-                        ratio_min = min(ratio_min, float(stats["ratio/min"]))
-                        ratio_max = max(ratio_max, float(stats["ratio/max"]))
-                        if k in pg_masks:
-                            kept = float(pg_masks[k].sum())
-                            sums["entropy/kept_frac"] = sums.get("entropy/kept_frac", 0.0) + kept
-                        if sampler is not None:
-                            gap = algorithm.logprob_mismatch(old, sampler, mb.completion_mask)
-                            sums["tis/mismatch_mean"] = (
-                                sums.get("tis/mismatch_mean", 0.0)
-                                + float(gap["mismatch_mean"]) * tokens
-                            )
-                            mismatch_max = max(mismatch_max, float(gap["mismatch_max"]))
+                if iteration == 0:  # metrics describe the on-policy pass
+                    stats.add_micro_batch(
+                        loss_stats, entropy, mb.completion_mask, pg_masks.get(k), old, sampler
+                    )
             grad_norm = self._clip_and_step()
             if iteration == 0:
                 first_loss, first_norm = loss_total, grad_norm
         self.engine.sync_weights(self.policy)
-        # token-weighted means over all ranks' tokens; the loss is the mean of the ranks' shares
-        tokens_all = max(distributed.all_reduce(float(mask_all.sum())), 1.0)
-        out = {key: distributed.all_reduce(sums[key]) / tokens_all for key in sorted(sums)}
-        out["ratio/min"] = distributed.all_reduce(ratio_min, "min")
-        out["ratio/max"] = distributed.all_reduce(ratio_max, "max")
-        if sampler_all is not None:
-            out["tis/mismatch_max"] = distributed.all_reduce(mismatch_max, "max")
+        out = stats.reduce(counted_tokens=float(counted.sum()))
+        # the loss is the sum of the ranks' shares of the step's mean loss
         out["loss"] = distributed.all_reduce(first_loss) / self.dist.world_size
         out["grad_norm"] = first_norm
         return out
