@@ -77,3 +77,33 @@ def test_compare_reports_grpo_over_trl() -> None:
     assert out["peak_rss_ratio"] == pytest.approx(800 / 1100)
     # per-step median across runs: TRL (0.25, 0.75), grpo (0.25, 0.75)
     assert out["reward_curve"] == {"trl": [0.25, 0.75], "grpo": [0.25, 0.75]}
+
+
+FREE_AND_MEASURE = """
+import resource, sys, torch
+from grpo.memory import return_freed_memory
+if sys.argv[1] == "fixed":
+    assert return_freed_memory()
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+warm = torch.ones(2 << 20)  # an 8 MiB block, freed: glibc raises its mmap threshold to 8 MiB
+del warm
+blocks = [torch.ones(1 << 20) for _ in range(64)]  # 64 x 4 MiB
+held = resident_mib()
+del blocks[:-1]  # the last block stays, so a heap could not shrink past it
+print(held - resident_mib())
+"""
+
+
+@pytest.mark.parametrize(("mode", "released"), [("default", (0, 50)), ("fixed", (200, 300))])
+def test_freed_memory_goes_back_to_the_os(mode: str, released: tuple[int, int]) -> None:
+    import subprocess
+    import sys
+
+    # a fresh process each: the setting is process-wide and cannot be undone
+    out = subprocess.run(
+        [sys.executable, "-c", FREE_AND_MEASURE, mode], capture_output=True, text=True, check=True
+    )
+    low, high = released
+    # 63 freed blocks = 252 MiB: kept in glibc's heap by default, returned with the fixed threshold
+    assert low <= float(out.stdout) <= high

@@ -28,6 +28,7 @@ from grpo.config import Config, ConfigError, dump_config
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.eval import evaluate, heldout_rows, settings_for
 from grpo.logprobs import completion_logprobs
+from grpo.memory import return_freed_memory
 from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate, truncate_jsonl
 from grpo.models import (
     Reference,
@@ -280,6 +281,7 @@ class Trainer:
     """Builds everything from a Config (validating before writing anything), then trains."""
 
     def __init__(self, config: Config, engine: RolloutEngine | None = None) -> None:
+        return_freed_memory()  # peak RSS counts live tensors, not freed heap (grpo/memory.py)
         self.config = config
         self.dist = distributed.init_from_env()
         if config.rollout.prompts_per_step % self.dist.world_size:
