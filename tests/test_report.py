@@ -82,7 +82,7 @@ def test_summary_numbers_by_hand(tmp_path: Path) -> None:
 
 
 def test_report_of_a_real_tiny_run(tiny_config, capsys) -> None:
-    run_dir = train(tiny_config(train={"steps": 2, "eval_every": 1, "eval_examples": 2}))
+    run_dir = train(tiny_config(train={"steps": 2, "eval_every": 2, "eval_examples": 2}))
     assert main(["report", str(run_dir)]) == 0
     assert "report.html" in capsys.readouterr().out
     text = (run_dir / "report.html").read_text()
