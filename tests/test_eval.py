@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import decoders
 from torch import nn
 
 from grpo.cli import main
@@ -92,8 +91,7 @@ def test_score_samples_by_hand() -> None:
 
 # ------------------------------------------------------------------------- scripted model
 
-# spaces optional: the tiny tokenizer's unknown token is " ", dropped by skip_special_tokens
-PROBLEM_RE = re.compile(r"What ?is ?(\d+) ?([-+*]) ?(\d+)\?")
+PROBLEM_RE = re.compile(r"What is (\d+) ([-+*]) (\d+)\?")
 
 
 class ScriptedModel(nn.Module):
@@ -132,8 +130,6 @@ class ScriptedModel(nn.Module):
 
 def test_evaluate_with_scripted_model(tiny_model_dir: Path) -> None:
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    # the tiny character tokenizer decodes with spaces between tokens; join them back instead
-    tokenizer.backend_tokenizer.decoder = decoders.Fuse()
     model = ScriptedModel(tokenizer).train()
     rows = [
         {"prompt": "What is 2 + 3?", "answer": "5"},  # even first operand: greedy right

@@ -190,7 +190,7 @@ def test_select_and_concat() -> None:
 MIXED_REWARD = """
 def plus_is_hopeless(completions, prompts, **kwargs):
     return [
-        0.0 if "+" in p else float(sum(map(ord, c)) % 2) for c, p in zip(completions, prompts)
+        0.0 if "+" in p else float(sum(map(ord, c)) % 7) for c, p in zip(completions, prompts)
     ]
 """
 
@@ -265,9 +265,9 @@ def test_greso_skips_hopeless_prompts_after_one_epoch(tiny_config, mixed_reward)
 
 
 def test_greso_resume_is_exact(tiny_config, mixed_reward) -> None:
-    straight = Trainer(greso_config(tiny_config, mixed_reward, steps=6, run_name="a")).train()
+    straight = Trainer(greso_config(tiny_config, mixed_reward, steps=8, run_name="a")).train()
     Trainer(greso_config(tiny_config, mixed_reward, steps=5, run_name="b")).train()
-    resumed = Trainer(greso_config(tiny_config, mixed_reward, steps=6, run_name="b")).train()
+    resumed = Trainer(greso_config(tiny_config, mixed_reward, steps=8, run_name="b")).train()
 
     def strip(ms: list[dict]) -> list[dict]:
         return [{k: v for k, v in m.items() if "time" not in k and "per_s" not in k} for m in ms]

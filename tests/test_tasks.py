@@ -71,3 +71,15 @@ def test_humaneval_canonical_solution_passes_and_a_wrong_one_fails():
     wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
     columns = {key: [row[key]] * 2 for key in ("tests", "code_prefix", "entry_point")}
     assert score([body, wrong], **columns) == [1.0, 0.0]
+
+
+def test_arithmetic_asking_for_more_problems_than_exist_is_an_error() -> None:
+    from grpo.config import DataConfig
+    from grpo.data import DataError, load_dataset_rows
+
+    # values 1..5 with '+' give 25 distinct problems: 20 train + 20 test cannot be drawn
+    config = DataConfig(
+        task="arithmetic", task_args={"size": 20, "max_value": 5, "operations": "+"}
+    )
+    with pytest.raises(DataError, match="needs 40 distinct problems for train \\+ test"):
+        load_dataset_rows(config, seed=0)

@@ -44,18 +44,19 @@ def build_tiny_model(path: Path, seed: int = 0, hidden_size: int = 64, num_layer
 
     Used by the tests and the smoke recipe: it needs no download and runs in milliseconds.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    specials = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=" "))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join back without spaces
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token=" "
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": specials[2:]})
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[3:]})
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.padding_side = "left"
 

@@ -50,6 +50,13 @@ def arithmetic_rows(
 ) -> list[dict[str, Any]]:
     """Seeded "What is a + b?" problems; train and test draw from disjoint random streams and
     test excludes any (a, op, b) seen in train."""
+    distinct = (max_value - min_value + 1) ** 2 * len(set(operations))
+    if 2 * size > distinct:
+        # train and test must both fit among the distinct problems, or drawing never ends
+        raise TypeError(
+            f"size={size} needs {2 * size} distinct problems for train + test, but values "
+            f"{min_value}..{max_value} with '{operations}' give only {distinct}"
+        )
 
     def draw(rng: random.Random, n: int, exclude: set) -> list[tuple[int, str, int]]:
         seen, out = set(exclude), []

@@ -53,7 +53,9 @@ def completion_mask_and_truncation(
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids))  # [N, T]
     has_eos = is_eos.any(dim=1)  # [N]
     t = completion_ids.shape[1]
-    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, t, dtype=torch.long))
+    first_eos = torch.where(
+        has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, t, dtype=torch.long)
+    )
     positions = torch.arange(t).unsqueeze(0)  # [1, T]
     mask = positions <= first_eos.unsqueeze(1)  # [N, T]
     return mask & (positions < t), ~has_eos
