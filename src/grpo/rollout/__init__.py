@@ -70,6 +70,40 @@ def decode_completions(
     ]
 
 
+def grouped_rollout(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    truncated: Tensor,
+    prompts: list[str],
+    rows: list[dict[str, Any]],
+    group_size: int,
+    sampler_logp: Tensor | None = None,
+) -> Rollout:
+    """A Rollout from P prompts ([P, S], left padded) and their N = P*G completions ([N, T]).
+
+    Prompts are repeated G times so groups stay contiguous; masked completion positions hold
+    the pad id (and sampler log-prob 0), and the text is decoded from the counted tokens.
+    """
+    completion_ids = completion_ids.masked_fill(~completion_mask, tokenizer.pad_token_id)
+    return Rollout(
+        prompt_ids=prompt_ids.repeat_interleave(group_size, dim=0),
+        prompt_mask=prompt_mask.bool().repeat_interleave(group_size, dim=0),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=truncated,
+        prompts=[p for p in prompts for _ in range(group_size)],
+        completions=decode_completions(tokenizer, completion_ids, completion_mask),
+        rows=list(rows),
+        group_size=group_size,
+        sampler_logp=None
+        if sampler_logp is None
+        else sampler_logp.masked_fill(~completion_mask, 0.0),
+    )
+
+
 def build_engine(name: str, **kwargs: Any) -> RolloutEngine:
     if name == "hf":
         from grpo.rollout.hf import HFEngine

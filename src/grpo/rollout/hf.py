@@ -19,7 +19,7 @@ from transformers import (
 from grpo.batch import Rollout
 from grpo.config import RolloutConfig
 from grpo.logprobs import position_ids_from_mask
-from grpo.rollout import completion_mask_and_truncation, decode_completions
+from grpo.rollout import completion_mask_and_truncation, grouped_rollout
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> list[int]:
@@ -175,15 +175,14 @@ class HFEngine:
         finally:
             self.model.train(was_training)
         mask, truncated = completion_mask_and_truncation(completion_ids, self.eos)
-        completion_ids = completion_ids.masked_fill(~mask, self.tokenizer.pad_token_id)
-        return Rollout(
-            prompt_ids=enc.input_ids.repeat_interleave(group_size, dim=0),
-            prompt_mask=enc.attention_mask.bool().repeat_interleave(group_size, dim=0),
-            completion_ids=completion_ids,
-            completion_mask=mask,
-            truncated=truncated,
-            prompts=[p for p in prompts for _ in range(group_size)],
-            completions=decode_completions(self.tokenizer, completion_ids, mask),
-            rows=list(rows),
-            group_size=group_size,
+        return grouped_rollout(
+            self.tokenizer,
+            enc.input_ids,
+            enc.attention_mask,
+            completion_ids,
+            mask,
+            truncated,
+            prompts,
+            rows,
+            group_size,
         )

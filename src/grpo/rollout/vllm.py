@@ -28,7 +28,7 @@ from grpo import distributed
 from grpo.batch import Rollout
 from grpo.config import ConfigError, RolloutConfig
 from grpo.models import is_lora
-from grpo.rollout import completion_mask_and_truncation, decode_completions
+from grpo.rollout import completion_mask_and_truncation, grouped_rollout
 from grpo.rollout.hf import eos_ids
 
 MISSING = "rollout.engine=vllm needs the vllm package (GPU only): pip install 'grpo[vllm]'"
@@ -163,18 +163,17 @@ class VLLMEngine:
             sampler_logp[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
         mask, truncated = completion_mask_and_truncation(completion_ids, self.eos)
         mask &= present
-        completion_ids = completion_ids.masked_fill(~mask, pad)
-        return Rollout(
-            prompt_ids=prompt_ids_t.repeat_interleave(group_size, dim=0),
-            prompt_mask=prompt_mask.repeat_interleave(group_size, dim=0),
-            completion_ids=completion_ids,
-            completion_mask=mask,
-            truncated=truncated,
-            prompts=[p for p in prompts for _ in range(group_size)],
-            completions=decode_completions(self.tokenizer, completion_ids, mask),
-            rows=list(rows),
-            group_size=group_size,
-            sampler_logp=sampler_logp.masked_fill(~mask, 0.0),
+        return grouped_rollout(
+            self.tokenizer,
+            prompt_ids_t,
+            prompt_mask,
+            completion_ids,
+            mask,
+            truncated,
+            prompts,
+            rows,
+            group_size,
+            sampler_logp,
         )
 
 
