@@ -791,8 +791,9 @@ class Trainer:
             }
         )
         if self.dist.is_main:
-            trained = batch.train if batch.train is not None else batch.seen
-            self.write_completions(everyone if trained is batch.seen else trained, run_dir)
+            # the groups trained on when dynamic sampling kept a subset, else all rolled out
+            subset = batch.train is not None and batch.train is not batch.seen
+            self.write_completions(batch.train if subset else everyone, run_dir)
         return metrics
 
 

@@ -2,8 +2,7 @@
 
 (The other built-ins live in their own modules: accuracy in ``accuracy``, countdown in
 ``countdown``, code in ``code``, length and repetition in ``length``, the reward model in
-``reward_model``. ``extract_answer`` and ``answers_match`` are re-exported for callers that
-imported them from here.)
+``reward_model``.)
 """
 
 from __future__ import annotations
@@ -12,9 +11,6 @@ import re
 from typing import Any
 
 from grpo.rewards import RewardFn, register
-from grpo.rewards.accuracy import answers_match, extract_answer
-
-__all__ = ["answers_match", "extract_answer", "format_reward", "tag_count_reward"]
 
 FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
