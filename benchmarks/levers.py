@@ -17,14 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
 from benchmarks import common
 from grpo.config import RolloutConfig
 from grpo.data import load_dataset_rows, system_prompt_for
-from grpo.logprobs import full_sequence_logprobs, shared_prompt_logprobs
+from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
 from grpo.models import load_tokenizer, resolve_model_path
-from grpo.rollout import render_prompt
+from grpo.rollout import hf, render_prompt
 from grpo.rollout.hf import HFEngine, SeededGroupSampler, sample_groups
 from grpo.trainer import micro_batches
 
@@ -48,13 +54,29 @@ def alternate(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
     }
 
 
+class GumbelSampler(LogitsProcessor):
+    """The sampler ``SeededGroupSampler`` replaced: seeded Gumbel-max, one noise value per
+    vocabulary entry per row per token (``argmax`` after it is a sample, as after the new one)."""
+
+    def __init__(self, seeds: list[int], group_size: int) -> None:
+        self.group_size = group_size
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: Any, scores: torch.Tensor) -> torch.Tensor:
+        shape = (self.group_size, scores.shape[-1])
+        noise = torch.cat([torch.rand(shape, generator=g) for g in self.generators])
+        return scores + -torch.log(-torch.log(noise.clamp(min=1e-20)))
+
+
 def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int) -> dict:
-    """generate() on P*G copies of the prompts against one prefill per prompt (same sampler)."""
+    """One prefill per prompt against generate() on P*G copies; inference mode; the reserved KV
+    cache against concatenation; the inverse-CDF sampler against Gumbel-max."""
     seeds = list(range(enc.input_ids.shape[0]))
     t = engine.config.max_new_tokens
 
-    def processors() -> LogitsProcessorList:
-        return LogitsProcessorList([*engine.warpers, SeededGroupSampler(seeds, g, model.device)])
+    def processors(sampler: type = SeededGroupSampler) -> LogitsProcessorList:
+        args = (seeds, g, model.device) if sampler is SeededGroupSampler else (seeds, g)
+        return LogitsProcessorList([*engine.warpers, sampler(*args)])
 
     @torch.no_grad()
     def plain() -> None:
@@ -70,71 +92,59 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
             logits_processor=processors(),
         )
 
-    def shared(mode: Callable[[], Any]) -> Callable[[], None]:
+    def shared(
+        mode: Callable[[], Any] = torch.no_grad,
+        sampler: type = SeededGroupSampler,
+        cache: Callable[[Any, int], Any] = hf.reserved_cache,
+    ) -> Callable[[], None]:
         def run() -> None:
-            with mode():
-                sample_groups(
-                    model,
-                    enc.input_ids,
-                    enc.attention_mask,
-                    g,
-                    processors(),
-                    t,
-                    engine.eos,
-                    tokenizer.pad_token_id,
-                )
+            reserved, hf.reserved_cache = hf.reserved_cache, cache
+            try:
+                with mode():
+                    sample_groups(
+                        model,
+                        enc.input_ids,
+                        enc.attention_mask,
+                        g,
+                        processors(sampler),
+                        t,
+                        engine.eos,
+                        tokenizer.pad_token_id,
+                    )
+            finally:
+                hf.reserved_cache = reserved
 
         return run
 
+    def dynamic_cache(model: Any, capacity: int) -> DynamicCache:
+        return DynamicCache(config=model.config)
+
     return {
-        "prefill_once": alternate(
-            {"generate": plain, "prefill_once": shared(torch.no_grad)}, repeats
-        ),
+        "prefill_once": alternate({"generate": plain, "prefill_once": shared()}, repeats),
         "inference_mode": alternate(
-            {"no_grad": shared(torch.no_grad), "inference_mode": shared(torch.inference_mode)},
-            repeats,
+            {"no_grad": shared(), "inference_mode": shared(torch.inference_mode)}, repeats
+        ),
+        "reserved_kv_cache": alternate(
+            {"concatenate": shared(cache=dynamic_cache), "reserved": shared()}, repeats
+        ),
+        "inverse_cdf_sampler": alternate(
+            {"gumbel": shared(sampler=GumbelSampler), "inverse_cdf": shared()}, repeats
         ),
     }
 
 
 def logprob_levers(model, rollout, micro_batch_size: int, repeats: int) -> dict:
-    """Forward (+ backward) over the step's micro-batches: full sequences vs shared prompts,
-    length-sorted vs group-ordered micro-batches."""
-    zeros = torch.zeros(rollout.num_completions)
-    sorted_batches = micro_batches(rollout, zeros, micro_batch_size)
-    # whole groups per micro-batch (needs a size that is a multiple of G), trimmed alike
-    g = rollout.group_size
-    k = max(micro_batch_size // g, 1)
-    p = rollout.num_completions // g
-    grouped = [
-        micro_batches(rollout.select_groups(list(range(i, min(i + k, p)))), zeros, k * g)[0]
-        for i in range(0, p, k)
-    ]
+    """Forward (reference) and forward + backward (update) over the step's micro-batches: one
+    full sequence per row against rows packed by prompt (``logprobs.pack``)."""
+    batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
 
-    def run(shared: bool, grad: bool, batches) -> Callable[[], None]:
+    def run(logprobs: Callable[..., Any], grad: bool) -> Callable[[], None]:
         def go() -> None:
             for mb in batches:
                 with torch.set_grad_enabled(grad):
-                    if shared:
-                        key = torch.cat([mb.prompt_ids, mb.prompt_mask.long()], dim=1)
-                        unique, inverse = torch.unique(key, dim=0, return_inverse=True)
-                        s = mb.prompt_ids.shape[1]
-                        logp, _ = shared_prompt_logprobs(
-                            model,
-                            unique[:, :s],
-                            unique[:, s:].bool(),
-                            inverse,
-                            mb.completion_ids,
-                            mb.completion_mask,
-                        )
-                    else:
-                        logp, _ = full_sequence_logprobs(
-                            model,
-                            mb.prompt_ids,
-                            mb.prompt_mask,
-                            mb.completion_ids,
-                            mb.completion_mask,
-                        )
+                    logp, _ = logprobs(
+                        model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask
+                    )
                     if grad:
                         (logp * mb.completion_mask).sum().backward()
             model.zero_grad(set_to_none=True)
@@ -142,26 +152,21 @@ def logprob_levers(model, rollout, micro_batch_size: int, repeats: int) -> dict:
         return go
 
     model.train()
+    full, packed = full_sequence_logprobs, completion_logprobs
     return {
-        "reference_forward_shared_prompt": alternate(
-            {"full": run(False, False, sorted_batches), "shared": run(True, False, sorted_batches)},
-            repeats,
+        "reference_forward_packed": alternate(
+            {"full": run(full, False), "packed": run(packed, False)}, repeats
         ),
-        "update_shared_prompt": alternate(
-            {"full": run(False, True, sorted_batches), "shared": run(True, True, sorted_batches)},
-            repeats,
-        ),
-        "update_group_ordered_micro_batches": alternate(
-            {"sorted": run(True, True, sorted_batches), "grouped": run(True, True, grouped)},
-            repeats,
-        ),
-        "distinct_prompts_per_micro_batch": [
-            len(torch.unique(mb.prompt_ids, dim=0)) for mb in sorted_batches
-        ],
-        "padded_tokens": {
-            "sorted": sum(mb.completion_mask.numel() for mb in sorted_batches),
-            "grouped": sum(mb.completion_mask.numel() for mb in grouped),
-            "real": int(rollout.completion_mask.sum()),
+        "update_packed": alternate({"full": run(full, True), "packed": run(packed, True)}, repeats),
+        "positions": {
+            "full": sum(mb.prompt_ids.numel() + mb.completion_ids.numel() for mb in batches),
+            "packed": sum(
+                pack(
+                    mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask
+                ).input_ids.numel()
+                for mb in batches
+            ),
+            "real": int(rollout.prompt_mask.sum() + rollout.completion_mask.sum()),
         },
     }
 

@@ -1,7 +1,7 @@
 """Time N training steps of a set-up and write one JSON file.
 
     .venv/bin/python -m benchmarks.step --setup smollm2 --steps 8 --out benchmarks/results/step_smollm2.json
-    .venv/bin/python -m benchmarks.step --setup tiny model.gradient_checkpointing=true
+    .venv/bin/python -m benchmarks.step --setup tiny model.gradient_checkpointing=false train.malloc=return
 
 Each step is split into rollout, reward, frozen log-probs (reference and old policy; only the
 forwards the math needs run at all) and the policy update; the JSON also has generated and
@@ -31,7 +31,10 @@ REWARDS_FILE = Path(common.__file__).resolve()
 def config_tree(setup: dict[str, Any], steps: int, seed: int, output_dir: str) -> dict[str, Any]:
     """The grpo config of a benchmark set-up (the same knobs ``vs_trl`` gives TRL)."""
     return {
-        "model": {"name": setup["model"]},
+        "model": {
+            "name": setup["model"],
+            "gradient_checkpointing": setup["gradient_checkpointing"],
+        },
         "data": {"task": "arithmetic"},
         "rollout": {
             "prompts_per_step": setup["prompts_per_step"],

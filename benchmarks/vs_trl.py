@@ -7,9 +7,9 @@ Runs alternate A B A B (TRL, grpo, TRL, grpo, ...), each in its own process so p
 run, and round r uses seed r for both. Both trainers see the same prompts in the same order
 (TRL's sampler is fed grpo's seeded prompt stream with shuffling off), the same chat template and
 system prompt, the same reward functions, G, prompts per step, max new tokens, learning rate
-(constant), AdamW betas, gradient clipping, beta, loss aggregation and micro-batch size, in
-float32. Writes the per-run JSON and a summary: ratios of median step time and of peak RSS
-(grpo / TRL), and both reward curves.
+(constant), AdamW betas, gradient clipping, beta, loss aggregation, micro-batch size and gradient
+checkpointing (on: TRL's default), in float32. Writes the per-run JSON and a summary: ratios of
+median step time and of peak RSS (grpo / TRL), and both reward curves.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ def run_trl(setup: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:
             adam_beta2=0.99,
             weight_decay=0.0,
             max_grad_norm=1.0,
+            gradient_checkpointing=setup["gradient_checkpointing"],
             beta=setup["beta"],
             loss_type=setup["loss_type"],
             scale_rewards="group",

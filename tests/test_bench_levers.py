@@ -80,16 +80,35 @@ def test_sample_groups_stops_when_every_row_has_finished(tiny_model_dir) -> None
     assert out.tolist() == [[7, 7, eos]] * 4
 
 
-def test_micro_batch_order_takes_the_cheaper_of_length_and_group_order() -> None:
-    from grpo.trainer import forward_tokens, micro_batch_order
+def test_micro_batch_order_keeps_groups_whole_longest_first() -> None:
+    from grpo.trainer import micro_batch_order
 
-    # 2 groups of 2, micro-batches of 2; completions 1, 9 (group 0) and 2, 8 (group 1)
-    completion = torch.tensor([1, 9, 2, 8])
-    long_prompt = torch.full((4,), 10)
-    # longest first: {9, 8} pays 2 prompts + 2 x 9 = 38, {2, 1} pays 2 x 10 + 2 x 2 = 24 -> 62
-    assert forward_tokens(torch.tensor([1, 3, 2, 0]), long_prompt, completion, 2, 2) == 62
-    # by group: {9, 1} pays 10 + 2 x 9 = 28, {8, 2} pays 10 + 2 x 8 = 26 -> 54: groups win
-    assert micro_batch_order(long_prompt, completion, 2, 2).tolist() == [1, 0, 3, 2]
-    # with 1-token prompts: longest first 2 + 18 + 2 + 4 = 26 beats groups 19 + 17 = 36
-    short_prompt = torch.ones(4, dtype=torch.long)
-    assert micro_batch_order(short_prompt, completion, 2, 2).tolist() == [1, 3, 2, 0]
+    # 3 groups of 2: packed lengths 10 + (1 + 9) = 20, 4 + (2 + 2) = 8, 10 + (8 + 8) = 26
+    prompt = torch.tensor([10, 10, 4, 4, 10, 10])
+    completion = torch.tensor([1, 9, 2, 2, 8, 8])
+    assert micro_batch_order(prompt, completion, 2).tolist() == [4, 5, 0, 1, 2, 3]
+
+
+def test_reserved_cache_layer_returns_what_concatenation_returns() -> None:
+    from transformers import DynamicLayer
+
+    from grpo.rollout.hf import ReservedLayer
+
+    gen = torch.Generator().manual_seed(0)
+    reserved, plain = ReservedLayer(capacity=3), DynamicLayer()
+
+    def update(batch: int, n: int) -> None:
+        k, v = (torch.randn(batch, 2, n, 5, generator=gen) for _ in range(2))
+        got, want = reserved.update(k, v), plain.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert reserved.get_seq_length() == plain.get_seq_length()
+
+    update(4, 2)  # prefill
+    update(4, 1)  # fills the reservation
+    update(4, 2)  # grows past it
+    for layer in (reserved, plain):
+        layer.batch_select_indices(torch.tensor([3, 1]))
+    update(2, 1)
+    for layer in (reserved, plain):
+        layer.batch_repeat_interleave(3)
+    update(6, 1)

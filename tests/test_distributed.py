@@ -47,7 +47,7 @@ def test_sampling_seeds_differ_per_position_and_run_seed() -> None:
     assert len(seeds) == 3000
 
 
-def test_gumbel_sampler_draws_from_the_softmax() -> None:
+def test_seeded_sampler_draws_from_the_softmax() -> None:
     # probabilities 0.5, 0.3, 0.2 and a -inf token that must never be drawn; 5 groups of 800
     # rows = 4000 draws: frequencies within 0.025 (binomial std <= sqrt(0.25/4000) = 0.008)
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])

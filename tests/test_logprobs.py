@@ -51,11 +51,12 @@ def test_matches_naive_log_softmax_with_padding(model, temperature: float) -> No
 
 def test_token_logprobs_chunking_is_exact() -> None:
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 3, 11, generator=gen)
+    logits = torch.randn(15, 11, generator=gen)
     targets = torch.randint(0, 11, (5, 3), generator=gen)
-    want = torch.log_softmax(logits / 0.5, dim=-1).gather(-1, targets[..., None])[..., 0]
-    for chunk in (1, 2, 8):
-        got, _ = token_logprobs(logits, targets, temperature=0.5, chunk_rows=chunk)
+    at = torch.randperm(15, generator=gen).view(5, 3)
+    want = torch.log_softmax(logits / 0.5, dim=-1)[at, targets]
+    for chunk in (1, 2, 8, 64):
+        got, _ = token_logprobs(logits, at, targets, temperature=0.5, chunk=chunk)
         assert torch.allclose(got, want, atol=1e-6)
 
 
@@ -70,7 +71,7 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
 
     model.forward = spy
     try:
-        ids = torch.arange(1, 22).view(3, 7)  # distinct prompts: the full-sequence path
+        ids = torch.arange(1, 22).view(3, 7)
         completion_logprobs(
             model,
             ids,
@@ -80,5 +81,6 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
         )
     finally:
         del model.forward
-    # 4 completion tokens need 4 predicting positions (+1 kept and dropped), not 11
-    assert seen["logits"][:2] == (3, 5)
+    # each sequence packs 7 prompt + 3 completion tokens (the last predicts nothing); 4 completion
+    # tokens need 4 predicting positions, not 10
+    assert seen["logits"][:2] == (3, 4)

@@ -1,15 +1,24 @@
 """Per-token log-probs (and entropy) of completion tokens only.
 
-The LM head runs only on the positions that predict completion tokens (``logits_to_keep``), and
-the log-softmax is taken a few rows at a time through ``logsumexp``, so no float32
-[batch, seq, vocab] log-softmax is ever materialised. Logits are divided by the sampling
-temperature, so the log-probs are those of the distribution the tokens were sampled from.
+Completions that share a prompt (a group's G samples) are packed into one sequence: the prompt
+once, then each completion, with an attention mask that lets every completion see the prompt and
+its own earlier tokens, nothing else. A group then costs one prompt forward (and backward) instead
+of G, and no position is spent on padding. The LM head runs only on the positions that predict
+completion tokens (``logits_to_keep``), and the log-softmax is taken a few positions at a time
+through ``logsumexp``, so no float32 [positions, vocab] log-softmax is ever materialised. Logits
+are divided by the sampling temperature, so the log-probs are those of the distribution the
+tokens were sampled from.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
+
+# attention implementations that take a custom 4D mask (others get one full sequence per row)
+PACKABLE = {"sdpa": torch.bool, "eager": None}
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -19,29 +28,33 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 def token_logprobs(
     logits: Tensor,
+    at: Tensor,
     targets: Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    chunk_rows: int = 4,
+    chunk: int = 64,
 ) -> tuple[Tensor, Tensor | None]:
-    """logits: [B, T, V], targets: [B, T] -> log p(target) [B, T] float32, entropy [B, T] or None.
+    """logits: [M, V] positions; at: [B, T] the position whose logits predict targets [B, T]
+    -> log p(target) [B, T] float32, entropy [B, T] or None.
 
-    Works ``chunk_rows`` sequences at a time so the float32 temporaries stay small.
+    The log-normaliser of each position is taken ``chunk`` positions at a time, so the float32
+    temporaries stay small; a position shared by several targets (a prompt's last token predicts
+    every completion's first) is normalised once.
     """
-    logps, entropies = [], []
-    for rows in range(0, logits.shape[0], chunk_rows):
-        chunk = logits[rows : rows + chunk_rows].float()  # [b, T, V]; a view when float32
-        if temperature != 1.0:  # dividing by 1 would still copy [b, T, V] and keep it for backward
-            chunk = chunk / temperature
-        lse = torch.logsumexp(chunk, dim=-1)  # [b, T]
-        picked = chunk.gather(-1, targets[rows : rows + chunk_rows].unsqueeze(-1)).squeeze(-1)
-        logps.append(picked - lse)
+    lse, entropies = [], []
+    for start in range(0, logits.shape[0], chunk):
+        part = logits[start : start + chunk].float()  # a view when float32
+        if temperature != 1.0:  # dividing by 1 would still copy [chunk, V] and keep it for backward
+            part = part / temperature
+        lse.append(torch.logsumexp(part, dim=-1))
         if with_entropy:
             with torch.no_grad():  # logged and used for token selection, never differentiated
-                probs = torch.softmax(chunk, dim=-1)  # [b, T, V]
-                entropies.append(lse - (probs * chunk).sum(dim=-1))
-    entropy = torch.cat(entropies) if with_entropy else None
-    return torch.cat(logps), entropy
+                probs = torch.softmax(part, dim=-1)
+                entropies.append(lse[-1] - (probs * part).sum(dim=-1))
+    picked = logits[at, targets].float() / temperature  # [B, T]
+    logp = picked - torch.cat(lse)[at]
+    entropy = torch.cat(entropies)[at] if with_entropy else None
+    return logp, entropy
 
 
 def completion_logprobs(
@@ -57,34 +70,112 @@ def completion_logprobs(
 
     prompt_ids/mask: [B, S] left padded; completion_ids/mask: [B, T] right padded.
     Returns logp [B, T] (and entropy [B, T]); values at masked positions are meaningless.
-    Rows that share a prompt (a group's completions) compute it once: see ``shared_prompt_logprobs``.
+    Rows are packed by prompt (``pack``) when the model's attention takes a custom mask.
     """
-    unique, inverse = torch.unique(
-        torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True
-    )
-    # gradient checkpointing turns the KV cache off, which the shared path needs
-    if len(unique) < len(prompt_ids) and not _checkpointing(model):
-        s = prompt_ids.shape[1]
-        return shared_prompt_logprobs(
+    implementation = getattr(_config(model), "_attn_implementation", None)
+    if implementation not in PACKABLE:
+        return full_sequence_logprobs(
             model,
-            unique[:, :s],
-            unique[:, s:].bool(),
-            inverse,
+            prompt_ids,
+            prompt_mask,
             completion_ids,
             completion_mask,
             temperature,
             with_entropy,
         )
-    return full_sequence_logprobs(
-        model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy
+    packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    dtype = PACKABLE[implementation] or next(model.parameters()).dtype
+    out = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask(dtype),
+        position_ids=packed.position_ids,
+        logits_to_keep=packed.keep,
+        use_cache=False,
     )
+    logits = out.logits.reshape(-1, out.logits.shape[-1])  # [U * keep, V]
+    return token_logprobs(logits, packed.at, completion_ids, temperature, with_entropy)
 
 
-def _checkpointing(model: nn.Module) -> bool:
-    # transformers 5 renamed the flag; the old name warns
-    if hasattr(model, "is_activation_checkpointing"):
-        return bool(model.is_activation_checkpointing)
-    return bool(getattr(model, "is_gradient_checkpointing", False))
+def _config(model: nn.Module):
+    return getattr(getattr(model, "module", model), "config", None)  # DDP keeps it on .module
+
+
+@dataclass
+class Packed:
+    """Rows of a micro-batch packed by prompt: U sequences of L tokens, left padded.
+
+    Sequence u is its prompt followed by the completions that share it, each without its last
+    token (nothing after it is predicted). ``segment`` is 0 on the prompt, k on the k-th
+    completion and -1 on padding.
+    """
+
+    input_ids: Tensor  # [U, L]
+    position_ids: Tensor  # [U, L] a completion's tokens continue its prompt's positions
+    segment: Tensor  # [U, L]
+    keep: int  # the last ``keep`` positions of every sequence hold all predicting positions
+    at: Tensor  # [B, T] index into the [U * keep] kept positions predicting completion token j
+
+    def attention_mask(self, dtype: torch.dtype) -> Tensor:
+        """[U, 1, L, L]: a token sees earlier tokens of its own segment and the whole prompt.
+
+        Boolean (True = attend) for SDPA, additive (0 / most negative) for eager attention.
+        Padding sees earlier padding, so no row of the softmax is empty.
+        """
+        n = self.segment.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.segment.device).tril()
+        query, key = self.segment[:, :, None], self.segment[:, None, :]
+        allowed = (causal & ((key == 0) | (key == query)))[:, None]
+        if dtype == torch.bool:
+            return allowed
+        zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return zeros.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def pack(
+    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor
+) -> Packed:
+    """Pack rows that share a prompt (see ``Packed``). Shapes as in ``completion_logprobs``."""
+    s, device = prompt_ids.shape[1], prompt_ids.device
+    distinct, prompt_of_row = torch.unique(
+        torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True
+    )
+    lengths = completion_mask.sum(dim=1).tolist()  # completions are right padded
+    sequences = []  # (ids, positions, segments, first index of each row's completion)
+    for u, key in enumerate(distinct):
+        prompt = key[:s][key[s:].bool()]
+        ids, segments, starts = [prompt], [torch.zeros_like(prompt)], {}
+        offset = len(prompt)
+        rows = (prompt_of_row == u).nonzero()[:, 0].tolist()
+        for k, row in enumerate(rows, start=1):
+            body = completion_ids[row, : max(lengths[row] - 1, 0)]
+            starts[row] = offset
+            ids.append(body)
+            segments.append(torch.full_like(body, k))
+            offset += len(body)
+        positions = [torch.arange(len(body), device=device) for body in ids]
+        positions[1:] = [len(prompt) + pos for pos in positions[1:]]
+        sequences.append((torch.cat(ids), torch.cat(positions), torch.cat(segments), starts))
+    longest = max(len(seq[0]) for seq in sequences)
+    prompt_len = [int(m.sum()) for m in distinct[:, s:]]
+    keep = max(len(seq[0]) - p + 1 for seq, p in zip(sequences, prompt_len, strict=True))
+
+    def left_pad(x: Tensor, value: int) -> Tensor:
+        return torch.cat([x.new_full((longest - len(x),), value), x])
+
+    at = torch.zeros(completion_ids.shape, dtype=torch.long)
+    for u, ((ids, _, _, starts), p) in enumerate(zip(sequences, prompt_len, strict=True)):
+        base = u * keep + keep - len(ids)  # kept index of position 0 of sequence u
+        for row, start in starts.items():
+            at[row] = base + p - 1  # the prompt's last token predicts token 0; padding too
+            n = max(lengths[row] - 1, 0)
+            at[row, 1 : 1 + n] = base + start + torch.arange(n)
+    return Packed(
+        input_ids=torch.stack([left_pad(seq[0], 0) for seq in sequences]),
+        position_ids=torch.stack([left_pad(seq[1], 0) for seq in sequences]),
+        segment=torch.stack([left_pad(seq[2], -1) for seq in sequences]),
+        keep=keep,
+        at=at.to(completion_ids.device),
+    )
 
 
 def full_sequence_logprobs(
@@ -99,7 +190,7 @@ def full_sequence_logprobs(
     """``completion_logprobs`` as one forward over prompt + completion of every row."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, S+T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-    t = completion_ids.shape[1]
+    b, t = completion_ids.shape
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -107,55 +198,6 @@ def full_sequence_logprobs(
         logits_to_keep=t + 1,  # positions S-1 .. S+T-1; the last one predicts past the end
         use_cache=False,
     )
-    logits = out.logits[:, :-1]  # [B, T, V]: position S-1+j predicts completion token j
-    return token_logprobs(logits, completion_ids, temperature, with_entropy)
-
-
-def shared_prompt_logprobs(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    prompt_of_row: Tensor,
-    completion_ids: Tensor,
-    completion_mask: Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """``completion_logprobs`` with each distinct prompt computed once.
-
-    prompt_ids/mask: [U, S] distinct left-padded prompts; prompt_of_row: [B] index into them;
-    completion_ids/mask: [B, T]. The U prompts run through the model once, their KV cache is
-    gathered to the B rows, and the completions run on top of it: a group of G completions costs
-    one prompt forward (and backward: the gathered cache carries gradients back to it) instead of
-    G. Same values as the plain path up to float rounding.
-    """
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    positions = position_ids_from_mask(prompt_mask)  # [U, S]
-    out = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask.long(),
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,  # the last prompt position predicts completion token 0
-    )
-    first = out.logits[:, -1:].index_select(0, prompt_of_row)  # [B, 1, V]
-    cache.batch_select_indices(prompt_of_row)
-    logp0, ent0 = token_logprobs(first, completion_ids[:, :1], temperature, with_entropy)
-    if completion_ids.shape[1] == 1:
-        return logp0, ent0
-    inputs = completion_ids[:, :-1]  # [B, T-1]: token j predicts token j+1
-    mask = torch.cat([prompt_mask[prompt_of_row], completion_mask[:, :-1]], dim=1).long()
-    start = positions[prompt_of_row, -1:] + 1  # [B, 1]
-    out = model(
-        input_ids=inputs,
-        attention_mask=mask,
-        position_ids=start + torch.arange(inputs.shape[1]),
-        cache=cache,
-        use_cache=True,
-    )
-    logp, ent = token_logprobs(out.logits, completion_ids[:, 1:], temperature, with_entropy)
-    entropy = torch.cat([ent0, ent], dim=1) if with_entropy else None
-    return torch.cat([logp0, logp], dim=1), entropy
+    logits = out.logits[:, :-1].reshape(b * t, -1)  # position S-1+j predicts completion token j
+    at = torch.arange(b * t, device=logits.device).view(b, t)
+    return token_logprobs(logits, at, completion_ids, temperature, with_entropy)

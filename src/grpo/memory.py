@@ -1,23 +1,42 @@
-"""Host memory: give freed tensor memory back to the operating system.
+"""Host memory: how glibc's malloc treats the tensor memory a step frees.
 
-glibc serves an allocation from its heap unless it is larger than an mmap threshold, and it
-raises that threshold (up to 32 MiB) each time a large block is freed. Training frees and
-reallocates activation-sized blocks (a few MiB each) every micro-batch, so after the first
-step they live in the heap, where freed memory stays counted in the process's resident size.
-A fixed threshold keeps them mmapped: a freed activation leaves the process. Measured on
-SmolLM2-135M (README, Performance): about 10 % lower peak RSS, no measurable slowdown.
+glibc hands large freed blocks back to the operating system: blocks above its mmap threshold
+are unmapped, and free memory at the top of the heap above its trim threshold is released.
+Training frees and reallocates the same activation-, gradient- and logits-sized blocks every
+micro-batch, so each comes back as fresh pages that the kernel must fault in and zero. Two
+policies (measured on SmolLM2-135M in README, Performance):
+
+- ``keep`` (default): blocks under 16 MiB (activations, gradients, attention and logits
+  chunks) stay in the heap and are reused; larger ones (a micro-batch's full logits, the
+  embedding gradient) are still unmapped, so the heap does not grow around them as their sizes
+  change from step to step. Page faults per step drop from about 5 million to a few hundred
+  thousand, and peak RSS stays near the live peak.
+- ``return``: a 128 KiB mmap threshold, so every freed tensor leaves the process at once and
+  comes back as fresh pages. Lowest peak RSS, slowest steps.
+- ``default``: glibc's own adaptive thresholds, untouched.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Literal
 
-M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
+MallocPolicy = Literal["keep", "return", "default"]
+
+# mallopt parameter numbers in glibc's malloc.h
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+POLICIES: dict[str, dict[int, int]] = {
+    "keep": {M_MMAP_THRESHOLD: 16 << 20, M_TRIM_THRESHOLD: (1 << 31) - 1},
+    "return": {M_MMAP_THRESHOLD: 1 << 17},
+    "default": {},
+}
 
 
-def return_freed_memory(threshold_bytes: int = 1 << 17) -> bool:
-    """Serve allocations of ``threshold_bytes`` or more with mmap; False where libc is not glibc."""
+def set_malloc_policy(policy: MallocPolicy) -> bool:
+    """Apply ``policy`` to this process; False where libc is not glibc (nothing changes)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False
@@ -25,4 +44,4 @@ def return_freed_memory(threshold_bytes: int = 1 << 17) -> bool:
         mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold_bytes))
+    return all(bool(mallopt(param, value)) for param, value in POLICIES[policy].items())

@@ -176,7 +176,12 @@ def load_policy(config: ModelConfig, path: str) -> nn.Module:
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         model.config.use_cache = False
     if config.lora.enabled:
         from peft import LoraConfig as PeftLoraConfig

@@ -28,7 +28,7 @@ from grpo.config import Config, ConfigError, dump_config
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.eval import evaluate, heldout_rows, settings_for
 from grpo.logprobs import completion_logprobs
-from grpo.memory import return_freed_memory
+from grpo.memory import set_malloc_policy
 from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate, truncate_jsonl
 from grpo.models import (
     Reference,
@@ -106,45 +106,19 @@ class MicroBatch:
         return MicroBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
-def forward_tokens(
-    order: Tensor, prompt_len: Tensor, completion_len: Tensor, group_size: int, size: int
-) -> int:
-    """Tokens the micro-batches of ``order`` compute: each pays its longest completion for every
-    row and its longest prompt once per distinct group (rows sharing a prompt compute it once,
-    see ``logprobs.shared_prompt_logprobs``). order, prompt_len, completion_len: [N]."""
-    total = 0
-    for start in range(0, len(order), size):
-        idx = order[start : start + size]
-        groups = len(torch.unique(idx // group_size))
-        total += groups * int(prompt_len[idx].max()) + len(idx) * int(completion_len[idx].max())
-    return total
-
-
-def micro_batch_order(
-    prompt_len: Tensor, completion_len: Tensor, group_size: int, size: int
-) -> Tensor:
-    """Row order for micro-batches of ``size``: longest first, or whole groups together (longest
-    group first), whichever computes fewer tokens. Sorting by length cuts completion padding;
-    keeping a group together cuts prompt work. [N] lengths, groups contiguous -> [N] order."""
-    total = prompt_len + completion_len
-    by_length = torch.argsort(total, descending=True, stable=True)
-    group_total = total.view(-1, group_size).max(dim=1).values  # [P]
-    group_rank = torch.argsort(torch.argsort(group_total, descending=True, stable=True))  # [P]
-    key = group_rank.repeat_interleave(group_size) * (int(total.max()) + 1) - completion_len
-    by_group = torch.argsort(key, stable=True)
-    return min(
-        (by_length, by_group),
-        key=lambda order: forward_tokens(order, prompt_len, completion_len, group_size, size),
-    )
+def micro_batch_order(prompt_len: Tensor, completion_len: Tensor, group_size: int) -> Tensor:
+    """Row order for micro-batches: whole groups, longest group first. A group's completions pack
+    behind one copy of its prompt (``logprobs.pack``), and groups of similar length share a
+    micro-batch, so little is padded. [N] lengths, groups contiguous -> [N] order."""
+    packed = prompt_len.view(-1, group_size)[:, 0] + completion_len.view(-1, group_size).sum(dim=1)
+    groups = torch.argsort(packed, descending=True, stable=True)  # [P]
+    return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
 
 
 def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[MicroBatch]:
     """Split into micro-batches (see ``micro_batch_order``), each trimmed of pure padding."""
     order = micro_batch_order(
-        rollout.prompt_mask.sum(dim=1),
-        rollout.completion_mask.sum(dim=1),
-        rollout.group_size,
-        size,
+        rollout.prompt_mask.sum(dim=1), rollout.completion_mask.sum(dim=1), rollout.group_size
     )
     out = []
     for start in range(0, len(order), size):
@@ -281,7 +255,7 @@ class Trainer:
     """Builds everything from a Config (validating before writing anything), then trains."""
 
     def __init__(self, config: Config, engine: RolloutEngine | None = None) -> None:
-        return_freed_memory()  # peak RSS counts live tensors, not freed heap (grpo/memory.py)
+        set_malloc_policy(config.train.malloc)  # see grpo/memory.py
         self.config = config
         self.dist = distributed.init_from_env()
         if config.rollout.prompts_per_step % self.dist.world_size:
@@ -327,6 +301,9 @@ class Trainer:
             lr=config.optim.lr,
             betas=config.optim.betas,
             weight_decay=config.optim.weight_decay,
+            # one pass per parameter without the foreach path's parameter-sized temporaries (the
+            # step's memory peak otherwise); FSDP2's sharded parameters take the default path
+            fused=not (self.dist.enabled and config.train.distributed == "fsdp"),
         )
         total = config.train.steps * config.algorithm.num_iterations
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
