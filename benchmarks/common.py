@@ -26,17 +26,13 @@ from torch import nn
 
 # ------------------------------------------------------------------------------------ set-ups
 
-SYSTEM = (
-    "You are a helpful assistant. Think step by step inside <think> </think>, then give only the "
-    "final answer inside <answer> </answer>. Example: <think>2 + 3 = 5</think><answer>5</answer>"
-)
-
 # Shared by both trainers. The rewards give credit the model can reach from where it starts
 # (see FACTS: the strict format reward is never sampled by SmolLM2-135M at first). Gradient
 # checkpointing is on for both: TRL's GRPOConfig turns it on by default.
 SETUPS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model": "tiny-random",
+        "data": {"task": "arithmetic"},
         "prompts_per_step": 4,
         "group_size": 8,
         "max_new_tokens": 32,
@@ -49,6 +45,16 @@ SETUPS: dict[str, dict[str, Any]] = {
     },
     "smollm2": {
         "model": "smollm2-135m-instruct",
+        # the default recipe's problems and system prompt, where the model starts right about a
+        # quarter of the time, so reward curves can move within a few steps
+        "data": {
+            "task": "arithmetic",
+            "task_args": {"size": 400, "min_value": 1, "max_value": 30, "operations": "+"},
+            "system_prompt": (
+                "Solve the arithmetic problem. Write the final answer as a number inside "
+                "<answer></answer> tags."
+            ),
+        },
         "prompts_per_step": 4,
         "group_size": 8,
         "max_new_tokens": 64,

@@ -35,7 +35,7 @@ def config_tree(setup: dict[str, Any], steps: int, seed: int, output_dir: str) -
             "name": setup["model"],
             "gradient_checkpointing": setup["gradient_checkpointing"],
         },
-        "data": {"task": "arithmetic"},
+        "data": setup["data"],
         "rollout": {
             "prompts_per_step": setup["prompts_per_step"],
             "group_size": setup["group_size"],
