@@ -171,6 +171,19 @@ def logprob_levers(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     }
 
 
+def optimizer_lever(model, repeats: int) -> dict:
+    """One AdamW step over every parameter: the foreach implementation against the fused one."""
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizers = {
+        impl: torch.optim.AdamW(model.parameters(), lr=1e-9, **{impl: True})
+        for impl in ("foreach", "fused")
+    }
+    result = alternate({impl: opt.step for impl, opt in optimizers.items()}, repeats)
+    model.zero_grad(set_to_none=True)
+    return result
+
+
 def threads_lever(fn: Callable[[], Any], repeats: int) -> dict:
     """The same work with 1 thread and with torch's default."""
     default = torch.get_num_threads()
@@ -223,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     result.update(rollout_levers(model, tokenizer, enc, engine, g, args.repeats))
     result.update(logprob_levers(model, rollout, setup["micro_batch_size"], args.repeats))
+    result["adamw_fused"] = optimizer_lever(model, args.repeats)
     result["threads_update"] = threads_lever(
         lambda: logprob_levers(model, rollout, setup["micro_batch_size"], 1), args.repeats
     )

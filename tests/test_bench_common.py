@@ -113,3 +113,24 @@ def test_malloc_policy_decides_what_freed_memory_leaves(policy: str, released: t
     # keeps the 4 MiB ones (below its raised threshold) and unmaps the rest; "return" gives back
     # everything; "keep" keeps all but the block above its 16 MiB threshold
     assert low <= float(out.stdout) <= high
+
+
+def test_options_summary_is_relative_to_the_first_variant() -> None:
+    from benchmarks.options import summarize
+
+    def run(variant: str, steps: list[float], rss: float) -> dict:
+        return {
+            "variant": variant,
+            "steps": [{"step_s": s, "completion_len": 10.0} for s in steps],
+            "peak_rss_mb": rss,
+        }
+
+    variants = {"base": [], "lean": ["train.malloc=return"]}
+    runs = [run("base", [2.0, 4.0], 1000.0), run("lean", [5.0, 7.0], 600.0)]
+    runs += [run("base", [3.0, 3.0], 1200.0), run("lean", [6.0, 6.0], 500.0)]
+    out = summarize(variants, runs)
+    assert out["base"]["step_time_ratio"] == 1.0
+    # medians over all steps: base (2, 3, 3, 4) -> 3, lean (5, 6, 6, 7) -> 6; peaks 1200 and 600
+    assert out["lean"]["step_time_ratio"] == pytest.approx(2.0)
+    assert out["lean"]["peak_rss_ratio"] == pytest.approx(0.5)
+    assert out["lean"]["overrides"] == ["train.malloc=return"]

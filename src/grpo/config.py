@@ -45,7 +45,7 @@ class ModelConfig(Section):
     autocast: bool = False
     """bf16 autocast for forwards over float32 weights (mixed precision, for GPUs); log-probs stay float32."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    """Recompute activations in the backward pass: less memory, more compute (README, Performance)."""
     lora: LoraConfig = LoraConfig()
     """Parameter-efficient training."""
 
