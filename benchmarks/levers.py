@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -30,7 +29,7 @@ from grpo.config import RolloutConfig
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
 from grpo.models import load_tokenizer, resolve_model_path
-from grpo.rollout import hf, render_prompt
+from grpo.rollout import render_prompt
 from grpo.rollout.hf import HFEngine, SeededGroupSampler, sample_groups
 from grpo.trainer import micro_batches
 
@@ -69,8 +68,8 @@ class GumbelSampler(LogitsProcessor):
 
 
 def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int) -> dict:
-    """One prefill per prompt against generate() on P*G copies; inference mode; the reserved KV
-    cache against concatenation; the inverse-CDF sampler against Gumbel-max."""
+    """One prefill per prompt against generate() on P*G copies; inference mode; the inverse-CDF
+    sampler against Gumbel-max."""
     seeds = list(range(enc.input_ids.shape[0]))
     t = engine.config.max_new_tokens
 
@@ -93,39 +92,27 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
         )
 
     def shared(
-        mode: Callable[[], Any] = torch.no_grad,
-        sampler: type = SeededGroupSampler,
-        cache: Callable[[Any, int], Any] = hf.reserved_cache,
+        mode: Callable[[], Any] = torch.no_grad, sampler: type = SeededGroupSampler
     ) -> Callable[[], None]:
         def run() -> None:
-            reserved, hf.reserved_cache = hf.reserved_cache, cache
-            try:
-                with mode():
-                    sample_groups(
-                        model,
-                        enc.input_ids,
-                        enc.attention_mask,
-                        g,
-                        processors(sampler),
-                        t,
-                        engine.eos,
-                        tokenizer.pad_token_id,
-                    )
-            finally:
-                hf.reserved_cache = reserved
+            with mode():
+                sample_groups(
+                    model,
+                    enc.input_ids,
+                    enc.attention_mask,
+                    g,
+                    processors(sampler),
+                    t,
+                    engine.eos,
+                    tokenizer.pad_token_id,
+                )
 
         return run
-
-    def dynamic_cache(model: Any, capacity: int) -> DynamicCache:
-        return DynamicCache(config=model.config)
 
     return {
         "prefill_once": alternate({"generate": plain, "prefill_once": shared()}, repeats),
         "inference_mode": alternate(
             {"no_grad": shared(), "inference_mode": shared(torch.inference_mode)}, repeats
-        ),
-        "reserved_kv_cache": alternate(
-            {"concatenate": shared(cache=dynamic_cache), "reserved": shared()}, repeats
         ),
         "inverse_cdf_sampler": alternate(
             {"gumbel": shared(sampler=GumbelSampler), "inverse_cdf": shared()}, repeats
@@ -221,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     from grpo.config import DataConfig
 
-    data = DataConfig(task="arithmetic")
+    data = DataConfig(**setup["data"])
     rows = load_dataset_rows(data, 0)[: config.prompts_per_step]
     prompts = [render_prompt(tokenizer, r["prompt"], system_prompt_for(data)) for r in rows]
     engine = HFEngine(model, tokenizer, config)

@@ -87,28 +87,3 @@ def test_micro_batch_order_keeps_groups_whole_longest_first() -> None:
     prompt = torch.tensor([10, 10, 4, 4, 10, 10])
     completion = torch.tensor([1, 9, 2, 2, 8, 8])
     assert micro_batch_order(prompt, completion, 2).tolist() == [4, 5, 0, 1, 2, 3]
-
-
-def test_reserved_cache_layer_returns_what_concatenation_returns() -> None:
-    from transformers import DynamicLayer
-
-    from grpo.rollout.hf import ReservedLayer
-
-    gen = torch.Generator().manual_seed(0)
-    reserved, plain = ReservedLayer(capacity=3), DynamicLayer()
-
-    def update(batch: int, n: int) -> None:
-        k, v = (torch.randn(batch, 2, n, 5, generator=gen) for _ in range(2))
-        got, want = reserved.update(k, v), plain.update(k, v)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        assert reserved.get_seq_length() == plain.get_seq_length()
-
-    update(4, 2)  # prefill
-    update(4, 1)  # fills the reservation
-    update(4, 2)  # grows past it
-    for layer in (reserved, plain):
-        layer.batch_select_indices(torch.tensor([3, 1]))
-    update(2, 1)
-    for layer in (reserved, plain):
-        layer.batch_repeat_interleave(3)
-    update(6, 1)

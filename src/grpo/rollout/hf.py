@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from transformers import (
     DynamicCache,
-    DynamicLayer,
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedTokenizerBase,
@@ -61,72 +60,6 @@ class SeededGroupSampler(LogitsProcessor):
         return torch.full_like(scores, -math.inf).scatter_(-1, picked, 0.0)
 
 
-class ReservedLayer(DynamicLayer):
-    """A ``DynamicLayer`` that writes new keys and values into a buffer reserved up front.
-
-    ``DynamicLayer`` concatenates at every token, copying the layer's whole cache each time (a
-    fifth of decoding time on SmolLM2); here each token writes only itself and attention reads a
-    view of the filled part. Holds ``capacity`` positions; beyond that it grows by concatenation.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
-        self.length = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        b, h, _, _ = key_states.shape
-        self.key_buffer = key_states.new_empty(b, h, self.capacity, key_states.shape[-1])
-        self.value_buffer = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.key_buffer.shape[-2]:
-            grow = end - self.key_buffer.shape[-2]
-            self.key_buffer = _pad_time(self.key_buffer, grow)
-            self.value_buffer = _pad_time(self.value_buffer, grow)
-        self.key_buffer[:, :, self.length : end] = key_states
-        self.value_buffer[:, :, self.length : end] = value_states
-        self.length = end
-        self._view()
-        return self.keys, self.values
-
-    def _view(self) -> None:
-        self.keys = self.key_buffer[:, :, : self.length]
-        self.values = self.value_buffer[:, :, : self.length]
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.length:
-            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
-            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
-            self._view()
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.length:
-            self.key_buffer = self.key_buffer[indices]
-            self.value_buffer = self.value_buffer[indices]
-            self._view()
-
-
-def _pad_time(buffer: torch.Tensor, extra: int) -> torch.Tensor:
-    return torch.cat([buffer, buffer.new_empty(*buffer.shape[:2], extra, buffer.shape[-1])], dim=2)
-
-
-def reserved_cache(model: nn.Module, capacity: int) -> DynamicCache:
-    """The model's ``DynamicCache`` with every full-attention layer reserving ``capacity``
-    positions (sliding-window and other special layers keep their own behaviour)."""
-    cache = DynamicCache(config=model.config)
-    cache.layers = [
-        ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
-    ]
-    return cache
-
-
 def sample_groups(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -144,7 +77,7 @@ def sample_groups(
     are ``argmax(choose(scores))`` (the seeded sampler makes that a sample); rows that
     emitted EOS get ``pad_id`` and leave the batch; the loop stops when every row has finished.
     """
-    cache = reserved_cache(model, input_ids.shape[1] + max_new_tokens)
+    cache = DynamicCache(config=model.config)
     positions = position_ids_from_mask(attention_mask)  # [P, S]
     out = model(
         input_ids=input_ids,
