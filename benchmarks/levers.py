@@ -171,6 +171,21 @@ def optimizer_lever(model, repeats: int) -> dict:
     return result
 
 
+def compile_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: int) -> dict:
+    """A rollout eager, then two with ``torch.compile(model.forward, dynamic=True)``: the first
+    pays the compilation, the second shows what compiled decoding gives."""
+    seeds = list(range(len(prompts)))
+    times = {}
+    for name in ("eager", "compiled_first", "compiled_second"):
+        if name == "compiled_first":
+            engine.model.forward = torch.compile(engine.model.forward, dynamic=True)
+        t0 = time.perf_counter()
+        engine.generate(prompts, rows, g, seeds=seeds)
+        times[name] = time.perf_counter() - t0
+    del engine.model.forward  # back to the class's eager forward
+    return {"times_s": times, "ratio": common.ratio(times["compiled_second"], times["eager"])}
+
+
 def threads_lever(fn: Callable[[], Any], repeats: int) -> dict:
     """The same work with 1 thread and with torch's default."""
     default = torch.get_num_threads()
@@ -195,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setup", choices=sorted(common.SETUPS), default="tiny")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--compile", action="store_true", help="only the torch.compile lever (minutes to compile)"
+    )
     args = parser.parse_args(argv)
     setup = common.SETUPS[args.setup]
     torch.manual_seed(0)
@@ -221,6 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         "completion_tokens_mean": float(rollout.completion_mask.sum(dim=1).float().mean()),
         "threads": torch.get_num_threads(),
     }
+    if args.compile:
+        result["compile_rollout"] = compile_lever(engine, prompts, rows, g)
+        out = args.out or RESULTS / f"levers_compile_{args.setup}.json"
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result, indent=1))
+        return
     result.update(rollout_levers(model, tokenizer, enc, engine, g, args.repeats))
     result.update(logprob_levers(model, rollout, setup["micro_batch_size"], args.repeats))
     result["adamw_fused"] = optimizer_lever(model, args.repeats)
