@@ -74,7 +74,9 @@ def test_pack_computes_each_prompt_once_and_no_completion_padding() -> None:
     assert not mask[seq, 3, 4:].any()  # the prompt is causal
 
 
-def test_models_without_a_custom_mask_get_full_sequences(tiny_model_dir, monkeypatch) -> None:
+def test_windowed_models_and_attention_without_custom_masks_get_full_sequences(
+    tiny_model_dir, monkeypatch
+) -> None:
     import grpo.logprobs as logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -85,6 +87,10 @@ def test_models_without_a_custom_mask_get_full_sequences(tiny_model_dir, monkeyp
     with torch.no_grad():
         completion_logprobs(model, *_batch())
         assert calls == []
-        model.config._attn_implementation = "flash_attention_2"
+        model.config.sliding_window = 4  # the packed mask would ignore the window
         completion_logprobs(model, *_batch())
         assert calls == [1]
+        model.config.sliding_window = None
+        model.config._attn_implementation = "flash_attention_2"
+        completion_logprobs(model, *_batch())
+        assert calls == [1, 1]

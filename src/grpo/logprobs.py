@@ -70,10 +70,17 @@ def completion_logprobs(
 
     prompt_ids/mask: [B, S] left padded; completion_ids/mask: [B, T] right padded.
     Returns logp [B, T] (and entropy [B, T]); values at masked positions are meaningless.
-    Rows are packed by prompt (``pack``) when the model's attention takes a custom mask.
+    Rows are packed by prompt (``pack``) when the model's attention takes a custom mask and has
+    no sliding window.
     """
-    implementation = getattr(_config(model), "_attn_implementation", None)
-    if implementation not in PACKABLE:
+    config = _config(model)
+    implementation = getattr(config, "_attn_implementation", None)
+    # the custom mask replaces the model's own, a sliding window included: such models (and
+    # attention without custom masks) get one full sequence per row
+    windowed = getattr(config, "sliding_window", None) and getattr(
+        config, "use_sliding_window", True
+    )
+    if implementation not in PACKABLE or windowed:
         return full_sequence_logprobs(
             model,
             prompt_ids,
