@@ -146,43 +146,34 @@ def pack(
     distinct, prompt_of_row = torch.unique(
         torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True
     )
-    lengths = completion_mask.sum(dim=1).tolist()  # completions are right padded
-    sequences = []  # (ids, positions, segments, first index of each row's completion)
-    for u, key in enumerate(distinct):
-        prompt = key[:s][key[s:].bool()]
-        ids, segments, starts = [prompt], [torch.zeros_like(prompt)], {}
-        offset = len(prompt)
-        rows = (prompt_of_row == u).nonzero()[:, 0].tolist()
+    # completions are right padded; a completion's last token predicts nothing, so it is left out
+    body = [max(n - 1, 0) for n in completion_mask.sum(dim=1).tolist()]
+    prompt_len = distinct[:, s:].sum(dim=1).tolist()
+    rows_of = [(prompt_of_row == u).nonzero()[:, 0].tolist() for u in range(len(distinct))]
+    size = [p + sum(body[r] for r in rows) for p, rows in zip(prompt_len, rows_of, strict=True)]
+    longest = max(size)
+    keep = max(n - p + 1 for n, p in zip(size, prompt_len, strict=True))
+    shape = (len(distinct), longest)
+    input_ids = torch.zeros(shape, dtype=torch.long, device=device)
+    position_ids = torch.zeros(shape, dtype=torch.long, device=device)
+    segment = torch.full(shape, -1, dtype=torch.long, device=device)
+    at = torch.zeros(completion_ids.shape, dtype=torch.long, device=device)
+    for u, (p, rows) in enumerate(zip(prompt_len, rows_of, strict=True)):
+        start = longest - size[u]  # left padding
+        kept = u * keep - (longest - keep)  # + a padded position = its index among kept ones
+        input_ids[u, start : start + p] = distinct[u, :s][distinct[u, s:].bool()]
+        position_ids[u, start : start + p] = torch.arange(p, device=device)
+        segment[u, start : start + p] = 0
+        start += p
         for k, row in enumerate(rows, start=1):
-            body = completion_ids[row, : max(lengths[row] - 1, 0)]
-            starts[row] = offset
-            ids.append(body)
-            segments.append(torch.full_like(body, k))
-            offset += len(body)
-        positions = [torch.arange(len(body), device=device) for body in ids]
-        positions[1:] = [len(prompt) + pos for pos in positions[1:]]
-        sequences.append((torch.cat(ids), torch.cat(positions), torch.cat(segments), starts))
-    longest = max(len(seq[0]) for seq in sequences)
-    prompt_len = [int(m.sum()) for m in distinct[:, s:]]
-    keep = max(len(seq[0]) - p + 1 for seq, p in zip(sequences, prompt_len, strict=True))
-
-    def left_pad(x: Tensor, value: int) -> Tensor:
-        return torch.cat([x.new_full((longest - len(x),), value), x])
-
-    at = torch.zeros(completion_ids.shape, dtype=torch.long)
-    for u, ((ids, _, _, starts), p) in enumerate(zip(sequences, prompt_len, strict=True)):
-        base = u * keep + keep - len(ids)  # kept index of position 0 of sequence u
-        for row, start in starts.items():
-            at[row] = base + p - 1  # the prompt's last token predicts token 0; padding too
-            n = max(lengths[row] - 1, 0)
-            at[row, 1 : 1 + n] = base + start + torch.arange(n)
-    return Packed(
-        input_ids=torch.stack([left_pad(seq[0], 0) for seq in sequences]),
-        position_ids=torch.stack([left_pad(seq[1], 0) for seq in sequences]),
-        segment=torch.stack([left_pad(seq[2], -1) for seq in sequences]),
-        keep=keep,
-        at=at.to(completion_ids.device),
-    )
+            n, span = body[row], slice(start, start + body[row])
+            input_ids[u, span] = completion_ids[row, :n]
+            position_ids[u, span] = p + torch.arange(n, device=device)
+            segment[u, span] = k
+            at[row] = kept + longest - size[u] + p - 1  # the prompt's last token predicts token 0
+            at[row, 1 : 1 + n] = kept + start + torch.arange(n, device=device)
+            start += n
+    return Packed(input_ids, position_ids, segment, keep, at)
 
 
 def full_sequence_logprobs(

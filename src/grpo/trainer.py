@@ -301,8 +301,8 @@ class Trainer:
             lr=config.optim.lr,
             betas=config.optim.betas,
             weight_decay=config.optim.weight_decay,
-            # one pass per parameter without the foreach path's parameter-sized temporaries (the
-            # step's memory peak otherwise); FSDP2's sharded parameters take the default path
+            # no parameter-sized temporaries: 0.19x the foreach step's time on SmolLM2 (README,
+            # Levers); FSDP2's sharded parameters take the default path
             fused=not (self.dist.enabled and config.train.distributed == "fsdp"),
         )
         total = config.train.steps * config.algorithm.num_iterations

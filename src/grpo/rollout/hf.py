@@ -137,7 +137,7 @@ class HFEngine:
         self.config = config
         self.eos = eos_ids(tokenizer, model)
         # argmax after the seeded sampler = seeded sampling (SeededGroupSampler)
-        self.warpers = []
+        self.warpers: list[LogitsProcessor] = []
         if config.temperature != 1.0:  # dividing by 1 would still cost a pass over [N, V]
             self.warpers.append(TemperatureLogitsWarper(config.temperature))
         if config.top_k:
