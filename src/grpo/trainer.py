@@ -39,7 +39,7 @@ from grpo.models import (
     resolve_model_path,
     save_hf,
 )
-from grpo.rewards import RewardRunner
+from grpo.rewards import ErrorWatch, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, render_prompt
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts
 
@@ -310,6 +310,9 @@ class Trainer:
             heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
         )
         self.rewards = RewardRunner(config.rewards)
+        self.reward_errors = ErrorWatch(
+            config.rewards.max_error_frac, config.rewards.error_patience
+        )
         self.resume_from = resolve_resume(config)
         model_path = resolve_model_path(config.model.name)
         self.tokenizer = load_tokenizer(model_path)
@@ -786,6 +789,10 @@ class Trainer:
         t3 = time.perf_counter()
         # metrics over every group rolled out (all ranks, global order): the kept ones are biased
         everyone = gather_scored(batch.seen)
+        # every rank sees the same gathered counts, so every rank stops at the same step
+        self.reward_errors.observe(
+            self.step, everyone.errors, everyone.rewards.numel(), announce=self.dist.is_main
+        )
         metrics.update(self.step_metrics(everyone))
         metrics.update(update)
         metrics.update(self.sampling_metrics(batch, clock))
