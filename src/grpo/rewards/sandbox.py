@@ -56,6 +56,9 @@ TEMP_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
 SYSTEM_FOLDERS = ("/usr", "/etc", "/bin", "/lib", "/lib64", "/sbin", "/proc", "/sys", "/dev")
 MAX_FILES = 64
 VERDICT_BYTES = 1 << 20
+# setting a run up takes milliseconds; on a machine under heavy load it may take seconds, which
+# do not count against the program's wall-clock limit
+STARTUP_TIMEOUT_S = 60.0
 
 
 class SandboxUnavailable(RuntimeError):
@@ -434,7 +437,7 @@ def _start(role: str, source: str, stdin: str, limits: Limits, fds: dict[str, in
                 os.close(fd)
             theirs.detach()
         data = json.dumps(spec).encode()
-        ours.settimeout(limits.wall_s)
+        ours.settimeout(STARTUP_TIMEOUT_S)
         with contextlib.suppress(OSError):  # a keeper that failed says why below
             ours.sendall(len(data).to_bytes(8, "big") + data)
         started = process.ctl.message()
@@ -530,8 +533,8 @@ def _result(
 
 def run_limited(source: str, stdin: str, limits: Limits) -> SandboxResult:
     """:func:`run_python` with every limit of :class:`Limits`."""
-    deadline = time.monotonic() + limits.wall_s
     process = _start("script", source, stdin, limits, {})
+    deadline = time.monotonic() + limits.wall_s
     try:
         streams = {process.stdout: bytearray(), process.stderr: bytearray()}
         caps = dict.fromkeys(streams, limits.output_bytes)
@@ -581,7 +584,6 @@ def judge_calls(
     ``prefix`` is trusted code run in the judge before the tests (HumanEval's prompt, whose
     helpers some checks use); ``entry_point`` always names the candidate's function there.
     """
-    deadline = time.monotonic() + limits.wall_s
     calls_r, calls_w = os.pipe()  # judge -> candidate
     replies_r, replies_w = os.pipe()  # candidate -> judge
     verdict_r, verdict_w = os.pipe()  # judge -> trainer
@@ -596,6 +598,7 @@ def judge_calls(
         for fd in (calls_r, calls_w, replies_r, replies_w, verdict_w):
             os.close(fd)
         calls_r = calls_w = replies_r = replies_w = verdict_w = -1
+        deadline = time.monotonic() + limits.wall_s
         candidate, judge = started
         caps = {
             candidate.stdout: limits.output_bytes,
