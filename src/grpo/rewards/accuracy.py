@@ -128,9 +128,10 @@ EXTRACTORS: dict[str, Callable[[str], str | None]] = {
 }
 
 
-def extract_answer(
-    text: str, strategies: tuple[str, ...] = ("answer", "boxed", "hashes", "sentence")
-) -> str | None:
+DEFAULT_EXTRACT = ("answer", "boxed", "hashes", "sentence")
+
+
+def extract_answer(text: str, strategies: tuple[str, ...] = DEFAULT_EXTRACT) -> str | None:
     """The answer in a completion by the first strategy that finds one, stripped; or None."""
     for name in strategies:
         found = EXTRACTORS[name](text)
@@ -329,7 +330,7 @@ class AccuracyReward:
     def __init__(
         self,
         answer_field: str = "answer",
-        extract: list[str] | tuple[str, ...] = ("answer", "boxed", "hashes", "sentence"),
+        extract: list[str] | tuple[str, ...] = DEFAULT_EXTRACT,
         last_number: bool = False,
         math_verify: bool = True,
         timeout_s: float = 5.0,
