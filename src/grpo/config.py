@@ -46,6 +46,8 @@ class ModelConfig(Section):
     """bf16 autocast for forwards over float32 weights (mixed precision, for GPUs); log-probs stay float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute (README, Performance)."""
+    disable_dropout: bool = True
+    """Zero every dropout of the policy (as TRL does), so current, old and reference log-probs come from one deterministic network."""
     lora: LoraConfig = LoraConfig()
     """Parameter-efficient training."""
 
@@ -279,6 +281,11 @@ class Config(Section):
             raise ValueError("data: set either data.task or data.path")
         if self.train.distributed == "fsdp" and self.model.lora.enabled:
             raise ValueError("train.distributed=fsdp does not shard LoRA runs: use ddp")
+        if self.model.disable_dropout and self.model.lora.enabled and self.model.lora.dropout:
+            raise ValueError(
+                "model.lora.dropout has no effect while model.disable_dropout is true: "
+                "set one of them"
+            )
         return self
 
     @property
