@@ -122,14 +122,71 @@ def micro_batch_order(prompt_len: Tensor, completion_len: Tensor, group_size: in
     return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
 
 
-def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[MicroBatch]:
-    """Split into micro-batches (see ``micro_batch_order``), each trimmed of pure padding."""
-    order = micro_batch_order(
-        rollout.prompt_mask.sum(dim=1), rollout.completion_mask.sum(dim=1), rollout.group_size
+def cut_micro_batches(
+    prompt_len: list[int],
+    completion_len: list[int],
+    order: list[int],
+    group_size: int,
+    size: int,
+    max_tokens: int | None = None,
+    count: int = 1,
+) -> list[list[int]]:
+    """Cut rows (taken in ``order``) into micro-batches of at most ``size`` rows and, with
+    ``max_tokens``, at most that many packed positions (a group's prompt once per micro-batch,
+    plus its completions; a row larger than the budget goes alone). Then, while there are fewer
+    than ``count`` micro-batches, the one with most positions is halved (ranks must run the same
+    number of backward passes). Returns row indices per micro-batch."""
+    budget = max_tokens or math.inf
+    cuts: list[list[int]] = []
+    tokens: list[int] = []
+    groups: set[int] = set()
+    for row in order:
+        group = row // group_size
+        cost = completion_len[row] + (0 if group in groups else prompt_len[row])
+        if not cuts or len(cuts[-1]) == size or tokens[-1] + cost > budget:
+            cuts.append([])
+            tokens.append(0)
+            groups = set()
+            cost = completion_len[row] + prompt_len[row]
+        cuts[-1].append(row)
+        tokens[-1] += cost
+        groups.add(group)
+    while len(cuts) < count:
+        splittable = [k for k, rows in enumerate(cuts) if len(rows) > 1]
+        if not splittable:
+            raise RuntimeError(f"{len(order)} rows cannot make the {count} micro-batches of a rank")
+        k = max(splittable, key=lambda k: tokens[k])
+        rows, half = cuts[k], len(cuts[k]) // 2
+        cuts[k : k + 1] = [rows[:half], rows[half:]]
+        share = tokens[k] * half // len(rows)  # an estimate is enough to pick the next to halve
+        tokens[k : k + 1] = [share, tokens[k] - share]
+    return cuts
+
+
+def micro_batches(
+    rollout: Rollout,
+    advantages: Tensor,
+    size: int,
+    max_tokens: int | None = None,
+    count: int = 1,
+) -> list[MicroBatch]:
+    """Split into micro-batches (see ``micro_batch_order`` and ``cut_micro_batches``), each
+    trimmed of pure padding."""
+    prompt_len = rollout.prompt_mask.sum(dim=1)
+    completion_len = rollout.completion_mask.sum(dim=1)
+    order = micro_batch_order(prompt_len, completion_len, rollout.group_size)
+    cuts = cut_micro_batches(
+        prompt_len.tolist(),
+        completion_len.tolist(),
+        order.tolist(),
+        rollout.group_size,
+        size,
+        max_tokens,
+        count,
     )
     out = []
-    for start in range(0, len(order), size):
-        idx = order[start : start + size]
+    for rows in cuts:
+        idx = torch.tensor(rows, dtype=torch.long)
         pm, cm = rollout.prompt_mask[idx], rollout.completion_mask[idx]
         s_keep = int(pm.sum(dim=1).max())  # prompts are left padded: keep the last columns
         t_keep = max(int(cm.sum(dim=1).max()), 1)  # completions right padded: keep the first
@@ -480,11 +537,15 @@ class Trainer:
         """``num_iterations`` optimizer steps on one scored batch; returns the update's metrics."""
         cfg = self.config.algorithm
         rollout = scored.rollout
-        batches = micro_batches(rollout, scored.advantages, self.config.optim.micro_batch_size)
+        optim = self.config.optim
+        size, budget = optim.micro_batch_size, optim.micro_batch_tokens
+        batches = micro_batches(rollout, scored.advantages, size, budget)
+        most = int(distributed.all_reduce(len(batches), "max"))
+        if most != len(batches):
+            # DDP/FSDP reduce once per backward: every rank runs the same number of them (token
+            # budgets cut each rank's rows differently)
+            batches = micro_batches(rollout, scored.advantages, size, budget, count=most)
         batches = [mb.to(self.dist.device) for mb in batches]
-        if distributed.all_reduce(len(batches), "max") != len(batches):
-            # DDP/FSDP reduce once per backward: every rank must run the same number of them
-            raise RuntimeError("ranks disagree on the number of micro-batches in this step")
         ref_all, old_all = self.frozen_logprobs(batches, tuple(rollout.completion_ids.shape))
         # mask_truncated_completions: a cut-off completion contributes no token to the loss
         keep = (
