@@ -84,3 +84,102 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
     # each sequence packs 7 prompt + 3 completion tokens (the last predicts nothing); 4 completion
     # tokens need 4 predicting positions, not 10
     assert seen["logits"][:2] == (3, 4)
+
+
+def test_packing_pays_by_hand() -> None:
+    from grpo.logprobs import ScoringCost
+
+    cost = ScoringCost(position=1.0, pair=1.0)
+    # prompt 10, two completions of 2: packed 10 + 1 + 1 = 12 -> 12 + 144 = 156;
+    # rows 2 x (12 + 12^2 / 2) = 168: packing pays
+    assert cost.packing_pays(10, [2, 2])
+    # prompt 4, two completions of 3: packed 4 + 2 + 2 = 8 -> 8 + 64 = 72;
+    # rows 2 x (7 + 49 / 2) = 63: one row per completion
+    assert not cost.packing_pays(4, [3, 3])
+
+
+def _batch(prompts, completions, s: int, t: int):
+    b = len(prompts)
+    prompt_ids = torch.zeros(b, s, dtype=torch.long)
+    prompt_mask = torch.zeros(b, s, dtype=torch.bool)
+    completion_ids = torch.zeros(b, t, dtype=torch.long)
+    completion_mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        prompt_ids[i, s - len(p) :] = torch.tensor(p)
+        prompt_mask[i, s - len(p) :] = True
+        completion_ids[i, : len(c)] = torch.tensor(c)
+        completion_mask[i, : len(c)] = True
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch) -> None:
+    # group A (prompt of 5) is packed, group B (prompt of 3) scored one row per completion:
+    # values and gradients equal one padded sequence per row
+    from grpo import logprobs
+
+    monkeypatch.setattr(
+        logprobs.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
+    )
+    a, b = [10, 11, 12, 13, 14], [20, 21, 22]
+    prompts = [a, b, a, b]
+    completions = [[30, 31, 1], [40, 41, 42, 43], [32], [44, 45]]
+    batch = _batch(prompts, completions, s=5, t=4)
+    mask = batch[3]
+    model.zero_grad()
+    mixed, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=True)
+    (mixed * mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    padded, want_entropy = logprobs.full_sequence_logprobs(model, *batch, 0.7, True)
+    (padded * mask).sum().backward()
+    assert torch.allclose(mixed[mask], padded[mask], atol=1e-5)
+    assert torch.allclose(entropy[mask], want_entropy[mask], atol=1e-5)
+    for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    model.zero_grad()
+
+
+def test_long_completions_build_no_square_mask(model, monkeypatch) -> None:
+    # two completions of 200 after a 5-token prompt: the rule gives each its own row, and the
+    # model is called without any attention mask (plain causal attention, linear memory)
+    from grpo.logprobs import ScoringCost
+
+    with torch.no_grad():
+        want, _ = _naive(model, [10, 11, 12, 13, 14], [31] * 150, 1.0)
+    calls = []
+    original = model.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("attention_mask"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    assert not ScoringCost.of(model.config).packing_pays(5, [200, 200])
+    batch = _batch([[10, 11, 12, 13, 14]] * 2, [[30] * 200, [31] * 150], s=5, t=200)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, *batch)
+    assert calls == [None]
+    assert torch.allclose(logp[1, :150], want, atol=1e-5)
+
+
+def test_scoring_path_says_why() -> None:
+    from types import SimpleNamespace
+
+    from grpo.logprobs import scoring_path
+
+    def model(**config):
+        return SimpleNamespace(config=SimpleNamespace(**config))
+
+    assert scoring_path(model(_attn_implementation="sdpa"))[0] == "packed"
+    path, why = scoring_path(model(_attn_implementation="flash_attention_2"))
+    assert (path, why) == ("rows", "flash_attention_2 attention takes no custom mask")
+    path, why = scoring_path(model(_attn_implementation="sdpa", sliding_window=4096))
+    assert path == "rows" and "sliding window" in why
+
+
+def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:
+    from grpo.trainer import Trainer
+
+    Trainer(tiny_config())
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("scoring")]
+    assert len(lines) == 1 and lines[0].startswith("scoring log-probs: packed (sdpa attention")

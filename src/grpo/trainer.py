@@ -28,7 +28,7 @@ from grpo.batch import Rollout, Scored
 from grpo.config import Config, ConfigError, dump_config
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.eval import evaluate, heldout_rows, settings_for
-from grpo.logprobs import completion_logprobs
+from grpo.logprobs import completion_logprobs, scoring_path
 from grpo.memory import set_malloc_policy
 from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate, truncate_jsonl
 from grpo.models import (
@@ -372,6 +372,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(model_path)
         self.policy = load_policy(config.model, model_path).to(self.dist.device)
         self.policy.train()
+        if self.dist.is_main:
+            path, why = scoring_path(self.policy)
+            print(f"scoring log-probs: {path} ({why})")
         self.reference = Reference(self.policy) if config.algorithm.beta > 0 else None
         # training forwards go through the DDP wrapper / the FSDP2-sharded policy; generation and
         # saving use self.policy (the same module, and the same object under FSDP2)
