@@ -14,6 +14,7 @@ import math
 import random
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +39,17 @@ from grpo.models import (
     resolve_model_path,
     save_hf,
 )
-from grpo.rewards import RewardRunner
+from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, render_prompt
-from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts
+from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
+# the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
+# is zero: in the loss, k1 does not pull the policy towards the reference
+K1_WARNING = (
+    "warning: algorithm.kl_estimator=k1 in the loss adds only zero-mean noise to the gradient "
+    "(it does not pull towards the reference); use k3 (default) or k2"
+)
 
 
 # --------------------------------------------------------------------------------------- prompts
@@ -143,56 +150,76 @@ def _scatter(dest: Tensor, mb: MicroBatch, values: Tensor) -> None:
     dest[mb.index, : values.shape[1]] = values
 
 
-class UpdateStats:
-    """Per-micro-batch statistics of an update, combined over micro-batches and ranks.
+_EMPTY = (math.inf, -math.inf)  # the identities of min and max
 
-    Means are token-weighted (each micro-batch's mean times its token count, divided by the
-    step's tokens over all ranks); minima and maxima stay minima and maxima.
+
+class UpdateStats:
+    """Statistics of an update, combined over micro-batches, passes and ranks.
+
+    Means are weighted by the tokens they are over (the loss's counted tokens): a sum of
+    value x tokens and a sum of tokens per metric, both summed over ranks, then divided, so a
+    metric never divides a masked sum by tokens it did not count. Minima and maxima stay minima
+    and maxima. The loss's statistics (clip fractions, ratio, KL) are recorded on every one of
+    the ``num_iterations`` passes (the first pass's ratio is 1 by construction); entropy and the
+    sampler mismatch describe the rollout and are recorded on the first pass.
     """
 
-    MEANS = ("clip_frac/low", "clip_frac/high", "kl", "ratio/mean")
+    LOSS_MEANS = ("clip_frac/low", "clip_frac/high", "kl", "ratio/mean")
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, list[float]] = {}  # key -> [sum of value x tokens, tokens]
         self.extremes: dict[str, tuple[str, float]] = {}
 
-    def _add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
+    def _add(self, key: str, weighted: float, tokens: float) -> None:
+        total = self.sums.setdefault(key, [0.0, 0.0])
+        total[0] += weighted
+        total[1] += tokens
 
     def _extreme(self, key: str, op: str, value: float) -> None:
         old = self.extremes.get(key, (op, value))[1]
         self.extremes[key] = (op, min(old, value) if op == "min" else max(old, value))
 
-    def add_micro_batch(
+    def add_pass(self, loss_stats: dict[str, Tensor], loss_mask: Tensor) -> None:
+        """One micro-batch of any pass: ``policy_loss``'s statistics over loss_mask [b, T]."""
+        tokens = float(loss_mask.sum())
+        for key in self.LOSS_MEANS:
+            if key in loss_stats:
+                self._add(key, float(loss_stats[key]) * tokens, tokens)
+        # with no counted token policy_loss's extremes are placeholders: record the identities
+        # (every rank must reduce the same keys)
+        low, high = (loss_stats["ratio/min"], loss_stats["ratio/max"]) if tokens else _EMPTY
+        self._extreme("ratio/min", "min", float(low))
+        self._extreme("ratio/max", "max", float(high))
+
+    def add_rollout(
         self,
-        loss_stats: dict[str, Tensor],
         entropy: Tensor,
-        mask: Tensor,
+        loss_mask: Tensor,
         pg_mask: Tensor | None,
         logp: Tensor,
         sampler_logp: Tensor | None,
     ) -> None:
-        """entropy, mask, pg_mask, logp, sampler_logp: [b, T] of one micro-batch."""
+        """One micro-batch of the first pass; entropy, masks, logp, sampler_logp: [b, T]."""
+        mask = loss_mask.bool()
         tokens = float(mask.sum())
-        for key in self.MEANS:
-            if key in loss_stats:
-                self._add(key, float(loss_stats[key]) * tokens)
-        self._add("entropy", float((entropy * mask).sum()))
-        self._extreme("ratio/min", "min", float(loss_stats["ratio/min"]))
-        self._extreme("ratio/max", "max", float(loss_stats["ratio/max"]))
+        self._add("entropy", float(entropy[mask].sum()), tokens)
         if pg_mask is not None:
-            self._add("entropy/kept_frac", float(pg_mask.sum()))
+            self._add("entropy/kept_frac", float(pg_mask.sum()), tokens)
         if sampler_logp is not None:
             gap = algorithm.logprob_mismatch(logp, sampler_logp, mask)
-            self._add("tis/mismatch_mean", float(gap["mismatch_mean"]) * tokens)
-            self._extreme("tis/mismatch_max", "max", float(gap["mismatch_max"]))
+            self._add("tis/mismatch_mean", float(gap["mismatch_mean"]) * tokens, tokens)
+            high = gap["mismatch_max"] if tokens else _EMPTY[1]
+            self._extreme("tis/mismatch_max", "max", float(high))
 
-    def reduce(self, counted_tokens: float) -> dict[str, float]:
-        """Metrics over every rank; counted_tokens: this rank's tokens in the step."""
-        tokens_all = max(distributed.all_reduce(counted_tokens), 1.0)
-        out = {key: distributed.all_reduce(value) / tokens_all for key, value in self.sums.items()}
+    def reduce(self) -> dict[str, float]:
+        """Metrics over every rank (NaN for a mean over no counted token)."""
+        out = {}
+        for key, (weighted, tokens) in self.sums.items():
+            tokens_all = distributed.all_reduce(tokens)
+            out[key] = distributed.all_reduce(weighted) / tokens_all if tokens_all else math.nan
         for key, (op, value) in self.extremes.items():
-            out[key] = distributed.all_reduce(value, op)
+            value = distributed.all_reduce(value, op)
+            out[key] = value if math.isfinite(value) else math.nan
         return dict(sorted(out.items()))
 
 
@@ -263,9 +290,12 @@ class Trainer:
                 f"rollout.prompts_per_step={config.rollout.prompts_per_step} must be divisible "
                 f"by the number of processes ({self.dist.world_size}): each rank takes whole groups"
             )
-        if config.sampling.dynamic and self.dist.world_size > 1:
-            # kept groups would be spread unevenly over the ranks' fixed shares
-            raise ConfigError("sampling.dynamic runs in one process for now (torchrun: set it off)")
+        if (
+            config.algorithm.beta > 0
+            and config.algorithm.kl_estimator == "k1"
+            and self.dist.is_main
+        ):
+            print(K1_WARNING, file=sys.stderr)
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
         torch.manual_seed(config.train.seed)
@@ -277,6 +307,9 @@ class Trainer:
             heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
         )
         self.rewards = RewardRunner(config.rewards)
+        self.reward_errors = ErrorWatch(
+            config.rewards.max_error_frac, config.rewards.error_patience
+        )
         self.resume_from = resolve_resume(config)
         model_path = resolve_model_path(config.model.name)
         self.tokenizer = load_tokenizer(model_path)
@@ -327,6 +360,8 @@ class Trainer:
         if draws is None:
             draws = [self.stream.next_draw() for _ in range(self.config.rollout.prompts_per_step)]
         start, stop = distributed.shard_bounds(len(draws), self.dist.rank, self.dist.world_size)
+        if start == stop:  # a dynamic-sampling round with fewer prompts than ranks
+            return empty_rollout(self.config.rollout.group_size)
         rows = [self.rows[d.index] for d in draws[start:stop]]
         seeds = [sampling_seed(self.config.train.seed, d.position) for d in draws[start:stop]]
         prompts = [render_prompt(self.tokenizer, r["prompt"], self.system_prompt) for r in rows]
@@ -339,7 +374,7 @@ class Trainer:
     def score(self, rollout: Rollout) -> Scored:
         g = rollout.group_size
         columns: dict[str, list[Any]] = {}
-        for key in rollout.rows[0]:
+        for key in rollout.rows[0] if rollout.rows else {}:
             if key != "prompt":
                 columns[key] = [row.get(key) for row in rollout.rows for _ in range(g)]
         ids = [
@@ -347,7 +382,11 @@ class Trainer:
             for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
         ]
         prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
-        out = self.rewards(rollout.completions, prompts, columns, ids)
+        if rollout.rows:
+            out = self.rewards(rollout.completions, prompts, columns, ids)
+        else:  # this rank has no prompt this round; it still joins the collectives below
+            names = self.rewards.names
+            out = RewardOutput(torch.zeros(0, len(names)), names, torch.zeros(len(names)), {})
         total = out.total
         # on every rank's rewards, so that scale_rewards=batch uses the global batch std; the
         # groups are whole on each rank, so group statistics are unchanged
@@ -381,6 +420,9 @@ class Trainer:
             flags = algorithm.zero_std_groups(rewards, rollout.group_size).tolist()
             for draw, zero_variance in zip(draws, flags, strict=True):
                 self.prompt_filter.record(draw.index, zero_variance)
+        if self.config.sampling.dynamic:
+            # every rank keeps the global groups: all make the same choices (see grpo.sampling)
+            return gather_scored(scored)
         return scored
 
     def collect(self, clock: dict[str, float]) -> Collected:
@@ -398,6 +440,7 @@ class Trainer:
             dynamic=cfg.sampling.dynamic,
             max_rounds=cfg.sampling.max_rounds,
             advantages=advantages,
+            multiple_of=self.dist.world_size,
         )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -500,15 +543,14 @@ class Trainer:
                     )
                     loss.backward()
                     loss_total += float(loss.detach())
-                if iteration == 0:  # metrics describe the on-policy pass
-                    stats.add_micro_batch(
-                        loss_stats, entropy, mb.completion_mask, pg_masks.get(k), old, sampler
-                    )
+                stats.add_pass(loss_stats, loss_mask)
+                if iteration == 0:
+                    stats.add_rollout(entropy, loss_mask, pg_masks.get(k), old, sampler)
             grad_norm = self._clip_and_step()
             if iteration == 0:
                 first_loss, first_norm = loss_total, grad_norm
         self.engine.sync_weights(self.policy)
-        out = stats.reduce(counted_tokens=float(counted.sum()))
+        out = stats.reduce()
         # the loss is the sum of the ranks' shares of the step's mean loss
         out["loss"] = distributed.all_reduce(first_loss) / self.dist.world_size
         out["grad_norm"] = first_norm
@@ -748,12 +790,20 @@ class Trainer:
         batch = self.collect(clock)
         t2 = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        # dynamic sampling may end a step without one informative group: then nothing to learn
-        update = self.optimize(batch.train) if batch.train is not None else {}
+        # dynamic sampling may end a step without one informative group: then nothing to learn;
+        # its groups are global (every rank holds all): each rank trains on its equal share
+        train = batch.train
+        if train is not None and self.config.sampling.dynamic:
+            train = rank_groups(train, self.dist.rank, self.dist.world_size)
+        update = self.optimize(train) if train is not None else {}
         metrics = self.refresh_reference()
         t3 = time.perf_counter()
         # metrics over every group rolled out (all ranks, global order): the kept ones are biased
-        everyone = gather_scored(batch.seen)
+        everyone = batch.seen if self.config.sampling.dynamic else gather_scored(batch.seen)
+        # every rank sees the same gathered counts, so every rank stops at the same step
+        self.reward_errors.observe(
+            self.step, everyone.errors, everyone.rewards.numel(), announce=self.dist.is_main
+        )
         metrics.update(self.step_metrics(everyone))
         metrics.update(update)
         metrics.update(self.sampling_metrics(batch, clock))
@@ -774,10 +824,18 @@ class Trainer:
         return metrics
 
 
+def empty_rollout(group_size: int) -> Rollout:
+    """A rollout of no prompts (a rank's share of a round smaller than the number of ranks)."""
+    ids, mask = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.bool)
+    return Rollout(ids, mask, ids, mask, torch.zeros(0, dtype=torch.bool), [], [], [], group_size)
+
+
 def gather_scored(scored: Scored) -> Scored:
     """Every rank's scored groups concatenated in rank order (itself on one process).
 
     Row-aligned tensors and lists are gathered; reward function error counts are summed.
+    Prompts stay left padded (to the widest rank's width), completions right padded, so the
+    result can be trained on.
     """
     if not distributed.active():
         return scored
@@ -786,8 +844,14 @@ def gather_scored(scored: Scored) -> Scored:
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            if f.name in skip or value is None:
+            # a rank without prompts this round has no sampler log-probs; the others decide
+            if f.name in skip or not distributed.all_reduce(value is not None, "max"):
                 continue
+            if value is None:
+                value = torch.zeros(0, 1)
+            if f.name in ("prompt_ids", "prompt_mask"):
+                width = int(distributed.all_reduce(value.shape[1], "max"))
+                value = torch.nn.functional.pad(value, (width - value.shape[1], 0))
             if isinstance(value, Tensor):
                 out[f.name] = distributed.all_gather_rows(value)
             elif isinstance(value, list):
