@@ -469,8 +469,8 @@ def _why_unavailable(status: dict, process: _Process) -> str:
     reason = status.get("error") or (stderr[-1] if stderr else "the bootstrap exited")
     return (
         f"the code sandbox cannot start here ({reason}); it needs root or unprivileged user "
-        "namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
-        "kernel.apparmor_restrict_unprivileged_userns=0)"
+        "namespaces (sysctls user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1 "
+        "where it exists, and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0)"
     )
 
 
