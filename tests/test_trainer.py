@@ -39,7 +39,9 @@ def noisy_reward(toy_reward: dict) -> dict:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """Each step's metrics (without event rows, such as where a resume continued)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "event" not in row]
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
