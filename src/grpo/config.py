@@ -323,7 +323,9 @@ def suggest_key(loc: tuple[Any, ...]) -> str | None:
 
 
 def _format_validation_error(err: ValidationError) -> str:
-    first = err.errors()[0]
+    errors = err.errors()
+    # a misspelt key also leaves its field "missing": name the misspelling
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     where = ".".join(str(p) for p in first["loc"]) or "config"
     if first["type"] == "extra_forbidden":
         suggestion = suggest_key(tuple(first["loc"]))
