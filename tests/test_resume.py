@@ -1,7 +1,7 @@
 """Runs that survive anything: kill -9 at random points, damaged checkpoints, signals, a full disk,
 a second run on the same directory, a changed config. Each run that can continue must end with
-the weights of an uninterrupted run, bit for bit; the weights move in every one of them (a reward
-the tiny random model earns with variance: the share of digits in a completion)."""
+the weights of an uninterrupted run, bit for bit; the weights move in every one of them (the
+trainable reward of tests/toy_rewards.py, which the tiny random model earns with variance)."""
 
 from __future__ import annotations
 
@@ -24,21 +24,16 @@ from grpo.run_dir import RunDirError, verify
 from grpo.trainer import Trainer, TrainingStopped, train
 
 STEPS = 4
-DIGITS_REWARD = """
-def digits(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-"""
+TRAINABLE_REWARD = f"{Path(__file__).with_name('toy_rewards.py')}:lowercase_share"
 
 
 @pytest.fixture(scope="module")
 def tree(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A 4-step run whose weights move at every step (digits reward, lr 1e-2), as a config tree."""
-    reward = tmp_path_factory.mktemp("reward") / "digits.py"
-    reward.write_text(DIGITS_REWARD)
+    """A 4-step run whose weights move at every step (trainable reward, lr 1e-2), as a tree."""
     return {
         "model": {"name": str(tiny_model_dir)},
         "data": {"task": "arithmetic", "task_args": {"size": 32}},
-        "rewards": {"functions": [{"name": f"{reward}:digits"}]},
+        "rewards": {"functions": [{"name": TRAINABLE_REWARD}]},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
         "algorithm": {"beta": 0.0},
         "optim": {"lr": 1e-2, "micro_batch_size": 8},
@@ -221,14 +216,8 @@ def test_a_second_sigint_stops_at_once(tree: dict, straight: Path, monkeypatch) 
 def test_cli_stop_and_a_second_run_on_the_same_directory(
     tree: dict, straight: Path, tmp_path: Path, capsys
 ) -> None:
-    # the same reward, slowed down so the run is still going when the second one starts
-    slow = tmp_path / "slow.py"
-    slow.write_text(
-        "import time\n" + DIGITS_REWARD.replace("    return", "    time.sleep(0.5)\n    return")
-    )
-    config = make({**tree, "rewards": {"functions": [{"name": f"{slow}:digits"}]}}, "cli")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    recipe.write_text(yaml.safe_dump(make(tree, "cli").model_dump(mode="json")))
     run_dir = Path(tree["train"]["output_dir"]) / "cli"
     grpo = Path(sys.executable).parent / "grpo"
     proc = subprocess.Popen(
@@ -237,12 +226,14 @@ def test_cli_stop_and_a_second_run_on_the_same_directory(
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGSTOP)  # frozen in its first steps, holding the directory
         # a second run on the same directory stops before its model loads, naming the first
         assert main(["train", str(recipe)]) == 2
         err = capsys.readouterr().err.strip()
         assert f"in use by pid {proc.pid}" in err and "\n" not in err, err
         proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)
         _, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
