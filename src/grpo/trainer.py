@@ -38,6 +38,7 @@ from grpo.models import (
     resolve_model_path,
     save_hf,
 )
+from grpo.processors import Sampling
 from grpo.rewards import RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, render_prompt
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts
@@ -101,9 +102,11 @@ class MicroBatch:
     completion_ids: Tensor
     completion_mask: Tensor
     advantages: Tensor
+    sampling: Sampling  # the controls the rollout was sampled under: the log-probs' distribution
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+        tensors = [getattr(self, f.name).to(device) for f in dataclasses.fields(self)[:-1]]
+        return MicroBatch(*tensors, self.sampling)
 
 
 def micro_batch_order(prompt_len: Tensor, completion_len: Tensor, group_size: int) -> Tensor:
@@ -134,6 +137,7 @@ def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[Micro
                 completion_ids=rollout.completion_ids[idx, :t_keep],
                 completion_mask=cm[:, :t_keep],
                 advantages=advantages[idx],
+                sampling=rollout.sampling,
             )
         )
     return out
@@ -414,7 +418,7 @@ class Trainer:
                 mb.prompt_mask,
                 mb.completion_ids,
                 mb.completion_mask,
-                self.config.rollout.temperature,
+                mb.sampling,
                 with_entropy=entropy,
             )
 
@@ -666,6 +670,8 @@ class Trainer:
         run_dir = self.config.run_dir
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
+            # an engine with its own copy of the weights would otherwise sample from the base model
+            self.engine.sync_weights(self.policy)
         main = self.dist.is_main  # only rank 0 touches the run directory
         if main and self.resume_from is None and run_dir.exists():
             # a fresh start replaces the previous run's outputs instead of mixing with them
