@@ -7,6 +7,7 @@ Unknown keys are errors. ``load_config`` returns a validated ``Config``; bad inp
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -46,6 +47,8 @@ class ModelConfig(Section):
     """bf16 autocast for forwards over float32 weights (mixed precision, for GPUs); log-probs stay float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute (README, Performance)."""
+    disable_dropout: bool = True
+    """Zero every dropout of the policy (as TRL does), so current, old and reference log-probs come from one deterministic network."""
     lora: LoraConfig = LoraConfig()
     """Parameter-efficient training."""
 
@@ -117,11 +120,17 @@ class RewardsConfig(Section):
     functions: list[RewardSpec] = [RewardSpec(name="format"), RewardSpec(name="accuracy")]
     """Reward functions; the total reward is their weighted sum (None counts as 0)."""
     fallback: float = 0.0
-    """Score given to a completion when its reward function raises or times out."""
+    """Score given to a completion when its reward function fails (raises, returns a malformed value, times out)."""
     timeout_s: float = Field(10.0, gt=0)
-    """Per-call time limit of a reward function."""
+    """Time limit of a step's calls to user reward functions, from the start of the step's reward phase: a call still running then is stopped (its worker process killed and replaced), calls not started get the fallback."""
     workers: int = Field(2, ge=1)
-    """Worker threads for reward functions (slow verifiers run concurrently)."""
+    """Worker processes for user reward functions, and threads for built-ins (calls run concurrently)."""
+    max_worker_rss_mb: float = Field(2048.0, gt=0)
+    """Resident memory (MiB) past which a user-reward worker process is killed and replaced (during a call, that call fails)."""
+    max_error_frac: float = Field(0.5, ge=0, le=1)
+    """Stop the run when one reward function fails on more than this share of a step's completions for `error_patience` steps in a row (1 = never stop)."""
+    error_patience: int = Field(3, ge=1)
+    """Consecutive steps over `max_error_frac` after which the run stops."""
 
 
 class AlgorithmConfig(Section):
@@ -199,7 +208,7 @@ class TrainConfig(Section):
     run_name: str = "default"
     """Run directory name: <output_dir>/<run_name>."""
     resume: str = "auto"
-    """"auto" continues from the run's last good checkpoint; "never" starts over; or a path."""
+    """"auto" continues from the run's newest complete checkpoint, refusing a config that changes the math; "force" does too and applies the changed keys; "never" starts over; or a checkpoint folder."""
     save_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0 = only the final one)."""
     keep_last: int = Field(2, ge=1)
@@ -283,6 +292,11 @@ class Config(Section):
             raise ValueError("data: set either data.task or data.path")
         if self.train.distributed == "fsdp" and self.model.lora.enabled:
             raise ValueError("train.distributed=fsdp does not shard LoRA runs: use ddp")
+        if self.model.disable_dropout and self.model.lora.enabled and self.model.lora.dropout:
+            raise ValueError(
+                "model.lora.dropout has no effect while model.disable_dropout is true: "
+                "set one of them"
+            )
         return self
 
     @property
@@ -293,11 +307,53 @@ class Config(Section):
 # --------------------------------------------------------------------------------------- loading
 
 
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the config section at ``loc`` (a list index steps into the item type)."""
+    model: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        types = [field.annotation, *get_args(field.annotation)]
+        model = next((t for t in types if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _all_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config tree."""
+    out = []
+    for name, field in (model or Config).model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            out += _all_keys(field.annotation, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def suggest_key(loc: tuple[Any, ...]) -> str | None:
+    """The valid key closest to an unknown one: a sibling first, else any key with that name."""
+    *section, name = [str(p) for p in loc]
+    siblings = difflib.get_close_matches(name, _section_fields(tuple(loc[:-1])), n=1)
+    if siblings:
+        return ".".join([*section, siblings[0]])
+    leaves = {key.rpartition(".")[2]: key for key in _all_keys()}
+    close = difflib.get_close_matches(name, leaves, n=1)
+    return leaves[close[0]] if close else None
+
+
 def _format_validation_error(err: ValidationError) -> str:
-    first = err.errors()[0]
+    errors = err.errors()
+    # a misspelt key also leaves its field "missing": name the misspelling
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     where = ".".join(str(p) for p in first["loc"]) or "config"
     if first["type"] == "extra_forbidden":
-        return f"unknown config key '{where}'"
+        suggestion = suggest_key(tuple(first["loc"]))
+        hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
+        return f"unknown config key '{where}'{hint}; every key: grpo config --reference"
     return f"config '{where}': {first['msg']}"
 
 
@@ -343,6 +399,11 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"recipe file not found: {path}")
     try:
         tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        problem = err.problem or err.context or "invalid YAML"
+        raise ConfigError(f"recipe {path}: invalid YAML at {where}: {problem}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(tree, dict):
