@@ -115,3 +115,24 @@ def test_processed_logprobs_match_a_slow_reference(sampling: Sampling) -> None:
     # differentiable in the kept logits
     (got * completion_mask).sum().backward()
     assert logits.grad.abs().sum() > 0
+
+
+def test_training_scores_under_the_controls_it_sampled_with(tiny_config) -> None:
+    # top-k/top-p/penalty on: the HF engine's sampler log-probs and the trainer's must agree
+    # (before the fix the trainer scored with the temperature only: gaps of ~1 nat)
+    from grpo.trainer import Trainer
+
+    config = tiny_config(
+        rollout={"top_k": 6, "top_p": 0.9, "min_p": 0.01, "repetition_penalty": 1.3},
+        algorithm={"beta": 0.0},
+        train={"steps": 1},
+    )
+    trainer = Trainer(config)
+    trainer.open_run_dir()
+    try:
+        trainer.step = 1
+        metrics = trainer.train_step()
+    finally:
+        trainer.rewards.close()
+        trainer.run.release()
+    assert metrics["tis/mismatch_max"] < 1e-3

@@ -391,3 +391,13 @@ def test_real_vllm_samples_from_the_pushed_weights(
     to_base = (_trainer_logp(base, out) - out.sampler_logp).abs()[counted]
     assert float(to_policy.max()) < 2e-3
     assert float(to_base.mean()) > 0.1  # the push really changed the distribution
+
+
+def test_generation_kwargs_pass_through_and_clashes(parts) -> None:
+    model, tok = parts
+    llm = FakeLLM(len(tok), tok.eos_token_id)
+    with pytest.raises(ConfigError, match=r"generation_kwargs\.seed: set train\.seed"):
+        _engine(model, tok, llm, generation_kwargs={"seed": 3})
+    # the stand-in's SamplingParams has no such field: vLLM's TypeError becomes one line
+    with pytest.raises(ConfigError, match=r"rollout\.generation_kwargs: .*presence_penalty"):
+        _engine(model, tok, llm, generation_kwargs={"presence_penalty": 0.5})

@@ -87,18 +87,15 @@ class Chooser(LogitsProcessor):
         extra: LogitsProcessorList,
     ) -> None:
         self.sampling, self.sampler, self.extra = sampling, sampler, extra
-        self.prompt_ids = prompt_ids  # [N, S] (for extra processors, which read the sequence)
-        self.seen = None
-        if sampling.repetition_penalty != 1.0:
-            self.seen = torch.zeros(len(prompt_ids), 1, dtype=torch.bool, device=prompt_ids.device)
-            self.prompt_mask = prompt_mask
+        self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask  # [N, S]
+        self.seen: torch.Tensor | None = None  # built at the first step, when V is known
         self.logps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """input_ids: [N, t] the completions so far; scores: [N, V] -> [N, V]."""
         if self.extra:
             scores = self.extra(torch.cat([self.prompt_ids, input_ids], dim=1), scores)
-        if self.seen is not None and self.seen.shape[1] == 1:  # the first step: the prompt
+        if self.sampling.repetition_penalty != 1.0 and self.seen is None:
             self.seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
             self.seen.scatter_(1, self.prompt_ids, self.prompt_mask.bool())
         processed = process_logits(scores.float(), self.sampling, self.seen)  # [N, V]
