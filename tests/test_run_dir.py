@@ -26,7 +26,7 @@ from grpo.run_dir import (
 
 def _checkpoint(run: RunDir, step: int, payload: bytes = b"weights") -> Path:
     tmp = run.checkpoint_temp(step)
-    run.begin(tmp)
+    run.fresh_temp(tmp)
     (tmp / "model.safetensors").write_bytes(payload * 100)
     (tmp / "trainer_state.pt").write_bytes(b"state")
     (tmp / "sub").mkdir()
@@ -91,7 +91,7 @@ def test_an_unfinished_write_is_not_a_checkpoint(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
     _checkpoint(run, 1)
     tmp = run.checkpoint_temp(2)  # killed before its rename: temp name, no manifest
-    run.begin(tmp)
+    run.fresh_temp(tmp)
     (tmp / "model.safetensors").write_bytes(b"half")
     assert run.latest_checkpoint().step == 1
     run.claim()  # a new owner clears what a dead one left half-written
@@ -103,7 +103,7 @@ def test_pruning_keeps_the_newest(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         _checkpoint(run, step)
     tmp = run.checkpoint_temp(4)
-    run.begin(tmp)
+    run.fresh_temp(tmp)
     (tmp / "a").write_bytes(b"x")
     run.commit_checkpoint(4, {"world_size": 1, "run_config": {}}, keep_last=2)
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-3", "step-4"]
@@ -118,7 +118,7 @@ def test_final_is_complete_only_when_its_manifest_verifies(tmp_path: Path) -> No
     _checkpoint(run, 3)
     with pytest.raises(RunDirError, match=r"newest complete checkpoint is .*step-3"):
         complete_final(run.path)
-    run.begin(run.final_temp())
+    run.fresh_temp(run.final_temp())
     (run.final_temp() / "config.json").write_text("{}")
     run.commit_final(3, {})
     assert complete_final(run.path) == run.final and run.final_step() == 3

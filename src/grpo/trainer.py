@@ -272,8 +272,9 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
         self.signum = 0
+        self.announce = announce  # under torchrun only rank 0 says so
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -290,7 +291,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if not self.signum:
+        if not self.signum and self.announce:
             name = signal.Signals(signum).name
             print(
                 f"grpo: {name}: stopping after this step and writing a checkpoint "
@@ -709,7 +710,7 @@ class Trainer:
         tmp = self.run.checkpoint_temp(self.step)
         main = self.dist.is_main
         if main:
-            self.run.begin(tmp)
+            self.run.fresh_temp(tmp)
         distributed.barrier()  # tmp exists before any rank writes into it
         with self.run.cleanup_on_error(tmp) if main else contextlib.nullcontext():
             self.save_model(tmp)
@@ -745,13 +746,14 @@ class Trainer:
                 )
         distributed.barrier()
         self.saved_step = self.step
+        self.run.intact = self.run.checkpoints / f"step-{self.step}"  # on every rank
 
     def save_final(self) -> None:
         """Write ``final/`` the way checkpoints are written (temp name, manifest, rename)."""
         tmp = self.run.final_temp()
         main = self.dist.is_main
         if main:
-            self.run.begin(tmp)
+            self.run.fresh_temp(tmp)
         distributed.barrier()
         with self.run.cleanup_on_error(tmp) if main else contextlib.nullcontext():
             self.save_model(tmp)
@@ -803,6 +805,7 @@ class Trainer:
             self.reference.load_state_dict(state["reference"])
         self.stream.consumed = state["consumed"]
         self.step = self.saved_step = state["step"]
+        self.run.intact = path
         self.engine.sync_weights(self.policy)  # the engine samples from the restored weights
 
     def apply_optim_config(self) -> None:
@@ -848,7 +851,7 @@ class Trainer:
                 self.load_checkpoint(self.resume_from.path)
             if main:
                 self.open_run_dir()
-            with StopSignals() as stop:
+            with StopSignals(announce=main) as stop:
                 self._loop(stop)
         except KeyboardInterrupt:  # a second Ctrl-C
             raise TrainingStopped(signal.SIGINT, self.step, self.run.intact, True) from None
