@@ -95,8 +95,9 @@ def test_an_unfinished_write_is_not_a_checkpoint(tmp_path: Path) -> None:
     run.fresh_temp(tmp)
     (tmp / "model.safetensors").write_bytes(b"half")
     assert run.latest_checkpoint().step == 1
+    (run.path / ".old-final").mkdir()  # killed while replacing final/
     run.claim()  # a new owner clears what a dead one left half-written
-    assert not tmp.exists()
+    assert not tmp.exists() and not (run.path / ".old-final").exists()
 
 
 def test_pruning_keeps_the_newest(tmp_path: Path) -> None:

@@ -289,8 +289,10 @@ class RunDir:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} (started {started})\n".encode(), 0)
         self._lock_fd = fd
-        for stale in [*self.checkpoints.glob(".tmp-*"), *self.path.glob(".tmp-*")]:
-            shutil.rmtree(stale, ignore_errors=True)
+        # what a dead writer left: folders being written, and old ones being replaced
+        for pattern in (".tmp-*", ".old-*"):
+            for stale in [*self.checkpoints.glob(pattern), *self.path.glob(pattern)]:
+                shutil.rmtree(stale, ignore_errors=True)
 
     def release(self) -> None:
         if self._lock_fd is not None:
