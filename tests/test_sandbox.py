@@ -90,6 +90,9 @@ def test_values_cross_as_plain_python_values():
         "import math\nassert math.isnan(f(float('nan'))[0])",
     ]
     assert _judge(program, tests).passed == [0, 1, 2]
+    verdict = _judge(program, [*tests, "assert f(1) == 2"])
+    assert verdict.passed == [0, 1, 2] and verdict.finished
+    assert verdict.judge_stderr.splitlines()[-1] == "AssertionError"
 
 
 def test_candidate_exceptions_reach_the_judge_as_builtin_exceptions():

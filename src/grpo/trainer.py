@@ -44,10 +44,10 @@ from grpo.run_dir import (
     Checkpoint,
     RunDir,
     RunDirError,
-    changes_math,
     config_changes,
     describe_changes,
     is_disk_full,
+    math_changes,
 )
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
 
@@ -356,7 +356,9 @@ class Trainer:
         model_path = resolve_model_path(config.model.name)
         # the run directory is locked, and a resume checked, before the model loads
         self.run = RunDir(config.run_dir)
+        # what a resume changes (all keys, for the history; those that change the math)
         self.config_changes: dict[str, tuple[Any, Any]] = {}
+        self.forced_changes: dict[str, tuple[Any, Any]] = {}
         try:
             self.resume_from = distributed.from_main(self._claim_run_dir)
             self._build(model_path, engine)
@@ -428,15 +430,16 @@ class Trainer:
                 f"checkpoint {checkpoint.path} was written by {saved_world} process(es); resume "
                 f"it with the same number (this run has {self.dist.world_size})"
             )
-        changes = config_changes(checkpoint.config, self.config.model_dump(mode="json"))
-        math_changes = {k: v for k, v in changes.items() if changes_math(k)}
-        if math_changes and mode != "force":
+        new = self.config.model_dump(mode="json")
+        forced = math_changes(checkpoint.config, new)
+        if forced and mode != "force":
             raise ConfigError(
                 f"resuming {checkpoint.path} with a config that changes the math: "
-                f"{describe_changes(math_changes)}; set train.resume=force to apply the change, "
+                f"{describe_changes(forced)}; set train.resume=force to apply the change, "
                 "or train.resume=never to start over"
             )
-        self.config_changes = changes
+        self.config_changes = config_changes(checkpoint.config, new)
+        self.forced_changes = forced
         return checkpoint
 
     # ----------------------------------------------------------------------------- stages
@@ -835,12 +838,9 @@ class Trainer:
             )
             print(f"grpo: resuming from {checkpoint.path} (step {checkpoint.step})", flush=True)
             run.log_event(self.step, "resume", checkpoint=str(where))
-            forced = {k: v for k, v in self.config_changes.items() if changes_math(k)}
-            if forced:
-                print(
-                    f"grpo: train.resume=force: from step {self.step} {describe_changes(forced)}",
-                    flush=True,
-                )
+            if self.forced_changes:
+                changes = describe_changes(self.forced_changes)
+                print(f"grpo: train.resume=force: from step {self.step} {changes}", flush=True)
         event = "start" if checkpoint is None else "resume"
         run.record_config(dump_config(self.config), self.step, event, self.config_changes)
 
