@@ -41,15 +41,16 @@ def sliced_token_logprobs(
     logits: torch.Tensor,
     at: torch.Tensor,
     targets: torch.Tensor,
-    temperature: float = 1.0,
+    sampling: float = 1.0,
     with_entropy: bool = False,
     chunk: int = 64,
+    history: Any = None,
 ) -> tuple[torch.Tensor, None]:
-    """``logprobs.token_logprobs`` as it was: one slice of the logits per chunk."""
+    """``logprobs.token_logprobs`` as it was (temperature 1 only): one slice per chunk."""
     lse = []
     for start in range(0, logits.shape[0], chunk):
         lse.append(torch.logsumexp(logits[start : start + chunk].float(), dim=-1))
-    picked = logits[at, targets].float() / temperature
+    picked = logits[at, targets].float()
     return picked - torch.cat(lse)[at], None
 
 

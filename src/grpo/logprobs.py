@@ -6,12 +6,13 @@ its own earlier tokens, nothing else. A group then costs one prompt forward (and
 of G, and no position is spent on padding. The mask is dense ([L, L] for a group of L tokens) and
 the attention over it covers the whole square, so for long completions a cost rule
 (``ScoringCost.packing_pays``) gives the group one row per completion instead: the prompt
-repeated, no mask at all (plain causal attention), memory linear in the tokens scored. The LM head runs only on the positions that predict
-completion tokens (``logits_to_keep``), and the log-softmax is taken a few positions at a time
-through ``logsumexp``, so no float32 [positions, vocab] log-softmax is ever materialised. Logits
-go through the sampling controls the engine used (temperature, and when set repetition penalty,
-min-p, top-k, top-p: ``grpo.processors``), so the log-probs are those of the distribution the
-tokens were sampled from.
+repeated, no mask at all (plain causal attention), memory linear in the tokens scored. The LM
+head runs only on the positions that predict completion tokens (``logits_to_keep``), and the
+log-softmax is taken a few positions at a time through ``logsumexp``, so no float32
+[positions, vocab] log-softmax is ever materialised. Logits go through the sampling controls the
+engine used (temperature, and when set repetition penalty, min-p, top-k, top-p:
+``grpo.processors``), so the log-probs are those of the distribution the tokens were sampled
+from.
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def _processed_logprobs(
     sorted_at = flat_at[order]
     owners = history.owners(at, m) if sampling.repetition_penalty != 1.0 else None
     lse, cutoffs, entropies, picked = [], [], [], []
-    for start in range(0, m, chunk):
-        stop = min(start + chunk, m)
+    for k, part in enumerate(logits.split(chunk)):  # one split: see token_logprobs
+        start = k * chunk
+        stop = start + part.shape[0]
         seen = None
         if owners is not None:
             rows, index = owners[0][start:stop], owners[1][start:stop]
@@ -132,7 +134,7 @@ def _processed_logprobs(
                 index,
                 vocab,
             )
-        shaped = shape_logits(logits[start:stop].float(), sampling, seen)  # [c, V]
+        shaped = shape_logits(part.float(), sampling, seen)  # [c, V]
         lo, hi = torch.searchsorted(sorted_at, torch.tensor([start, stop], device=at.device))
         mine = order[lo:hi]
         picked.append(shaped[flat_at[mine] - start, targets.flatten()[mine]])
@@ -204,13 +206,13 @@ def completion_logprobs(
             if every
             else (prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
         )
-        result = packed_logprobs(model, ids, pm, cids, cm, temperature, with_entropy)
+        result = packed_logprobs(model, ids, pm, cids, cm, sampling, with_entropy)
         if every:
             return result
         parts.append((rows, result))
     for rows, prompt in row_groups:
         result = group_rows_logprobs(
-            model, prompt, completion_ids[rows], lengths[rows], temperature, with_entropy
+            model, prompt, completion_ids[rows], lengths[rows], sampling, with_entropy
         )
         parts.append((rows, result))
     return _merge(parts, completion_ids.shape[1], with_entropy)
@@ -285,7 +287,7 @@ def packed_logprobs(
     prompt_mask: Tensor,
     completion_ids: Tensor,
     completion_mask: Tensor,
-    temperature: float = 1.0,
+    sampling: Sampling | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` with every row packed by prompt (see ``pack``)."""
@@ -311,7 +313,7 @@ def group_rows_logprobs(
     prompt: Tensor,
     completion_ids: Tensor,
     lengths: Tensor,
-    temperature: float = 1.0,
+    sampling: Sampling | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """One group's completions as one row each, its prompt repeated, without an attention mask.
@@ -327,7 +329,12 @@ def group_rows_logprobs(
     out = model(input_ids=ids, logits_to_keep=t + 1, use_cache=False)
     logits = out.logits[:, :-1].reshape(g * t, -1)  # position S-1+j predicts completion token j
     at = torch.arange(g * t, device=logits.device).view(g, t)
-    return token_logprobs(logits, at, completion_ids[:, :t], temperature, with_entropy)
+    completion_mask = torch.arange(t, device=ids.device)[None, :] < lengths[:, None]  # [g, t]
+    prompt_mask = torch.ones(g, len(prompt), dtype=torch.bool, device=ids.device)
+    history = History(prompt.expand(g, -1), prompt_mask, completion_ids[:, :t], completion_mask)
+    return token_logprobs(
+        logits, at, completion_ids[:, :t], sampling, with_entropy, history=history
+    )
 
 
 def _config(model: nn.Module):
