@@ -112,10 +112,15 @@ def _batch(prompts, completions, s: int, t: int):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
-def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch) -> None:
+@pytest.mark.parametrize("penalised", [False, True])
+def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch, penalised) -> None:
     # group A (prompt of 5) is packed, group B (prompt of 3) scored one row per completion:
-    # values and gradients equal one padded sequence per row
+    # values and gradients equal one padded sequence per row (also under a repetition penalty
+    # and top-k, which read each row's history)
     from grpo import logprobs
+    from grpo.processors import Sampling
+
+    sampling = Sampling(0.7, top_k=20, repetition_penalty=1.3) if penalised else 0.7
 
     monkeypatch.setattr(
         logprobs.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
@@ -126,11 +131,11 @@ def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch) -> No
     batch = _batch(prompts, completions, s=5, t=4)
     mask = batch[3]
     model.zero_grad()
-    mixed, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=True)
+    mixed, entropy = completion_logprobs(model, *batch, sampling, with_entropy=True)
     (mixed * mask).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    padded, want_entropy = logprobs.full_sequence_logprobs(model, *batch, 0.7, True)
+    padded, want_entropy = logprobs.full_sequence_logprobs(model, *batch, sampling, True)
     (padded * mask).sum().backward()
     assert torch.allclose(mixed[mask], padded[mask], atol=1e-5)
     assert torch.allclose(entropy[mask], want_entropy[mask], atol=1e-5)
