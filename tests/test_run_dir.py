@@ -19,6 +19,7 @@ from grpo.run_dir import (
     complete_final,
     config_changes,
     is_disk_full,
+    math_changes,
     seal,
     verify,
 )
@@ -94,8 +95,9 @@ def test_an_unfinished_write_is_not_a_checkpoint(tmp_path: Path) -> None:
     run.fresh_temp(tmp)
     (tmp / "model.safetensors").write_bytes(b"half")
     assert run.latest_checkpoint().step == 1
+    (run.path / ".old-final").mkdir()  # killed while replacing final/
     run.claim()  # a new owner clears what a dead one left half-written
-    assert not tmp.exists()
+    assert not tmp.exists() and not (run.path / ".old-final").exists()
 
 
 def test_pruning_keeps_the_newest(tmp_path: Path) -> None:
@@ -231,6 +233,13 @@ def test_config_changes_name_every_key_and_both_values() -> None:
         assert not changes_math(free)
     for math_key in ("model.name", "data.task", "rollout.group_size", "rewards.functions"):
         assert changes_math(math_key)
+
+
+def test_a_key_a_newer_version_added_is_no_change_the_user_made() -> None:
+    old = {"rewards": {"timeout_s": 10.0}, "optim": {"lr": 0.1}}
+    new = {"rewards": {"timeout_s": 10.0, "max_error_frac": 0.5}, "optim": {"lr": 0.2}}
+    assert math_changes(old, new) == {"optim.lr": (0.1, 0.2)}
+    assert config_changes(old, new)["rewards.max_error_frac"] == (None, 0.5)  # in the history
 
 
 def test_disk_full_is_recognised_through_wrappers() -> None:

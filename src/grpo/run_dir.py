@@ -215,6 +215,14 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
     return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
+def math_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The changes a resume must not make silently: keys that change the math, among the keys
+    both configs have (a key that a newer grpo added is no change the user made)."""
+    a, b = flatten(old), flatten(new)
+    both = sorted(a.keys() & b.keys())
+    return {k: (a[k], b[k]) for k in both if a[k] != b[k] and changes_math(k)}
+
+
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
 
@@ -281,8 +289,10 @@ class RunDir:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} (started {started})\n".encode(), 0)
         self._lock_fd = fd
-        for stale in [*self.checkpoints.glob(".tmp-*"), *self.path.glob(".tmp-*")]:
-            shutil.rmtree(stale, ignore_errors=True)
+        # what a dead writer left: folders being written, and old ones being replaced
+        for pattern in (".tmp-*", ".old-*"):
+            for stale in [*self.checkpoints.glob(pattern), *self.path.glob(pattern)]:
+                shutil.rmtree(stale, ignore_errors=True)
 
     def release(self) -> None:
         if self._lock_fd is not None:

@@ -37,16 +37,17 @@ from grpo.models import (
     resolve_model_path,
     save_hf,
 )
+from grpo.processors import Sampling
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, render_prompt
 from grpo.run_dir import (
     Checkpoint,
     RunDir,
     RunDirError,
-    changes_math,
     config_changes,
     describe_changes,
     is_disk_full,
+    math_changes,
 )
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
 
@@ -114,9 +115,11 @@ class MicroBatch:
     completion_ids: Tensor
     completion_mask: Tensor
     advantages: Tensor
+    sampling: Sampling  # the controls the rollout was sampled under: the log-probs' distribution
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+        tensors = [getattr(self, f.name).to(device) for f in dataclasses.fields(self)[:-1]]
+        return MicroBatch(*tensors, self.sampling)
 
 
 def micro_batch_order(prompt_len: Tensor, completion_len: Tensor, group_size: int) -> Tensor:
@@ -147,6 +150,7 @@ def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[Micro
                 completion_ids=rollout.completion_ids[idx, :t_keep],
                 completion_mask=cm[:, :t_keep],
                 advantages=advantages[idx],
+                sampling=rollout.sampling,
             )
         )
     return out
@@ -352,7 +356,9 @@ class Trainer:
         model_path = resolve_model_path(config.model.name)
         # the run directory is locked, and a resume checked, before the model loads
         self.run = RunDir(config.run_dir)
+        # what a resume changes (all keys, for the history; those that change the math)
         self.config_changes: dict[str, tuple[Any, Any]] = {}
+        self.forced_changes: dict[str, tuple[Any, Any]] = {}
         try:
             self.resume_from = distributed.from_main(self._claim_run_dir)
             self._build(model_path, engine)
@@ -424,15 +430,16 @@ class Trainer:
                 f"checkpoint {checkpoint.path} was written by {saved_world} process(es); resume "
                 f"it with the same number (this run has {self.dist.world_size})"
             )
-        changes = config_changes(checkpoint.config, self.config.model_dump(mode="json"))
-        math_changes = {k: v for k, v in changes.items() if changes_math(k)}
-        if math_changes and mode != "force":
+        new = self.config.model_dump(mode="json")
+        forced = math_changes(checkpoint.config, new)
+        if forced and mode != "force":
             raise ConfigError(
                 f"resuming {checkpoint.path} with a config that changes the math: "
-                f"{describe_changes(math_changes)}; set train.resume=force to apply the change, "
+                f"{describe_changes(forced)}; set train.resume=force to apply the change, "
                 "or train.resume=never to start over"
             )
-        self.config_changes = changes
+        self.config_changes = config_changes(checkpoint.config, new)
+        self.forced_changes = forced
         return checkpoint
 
     # ----------------------------------------------------------------------------- stages
@@ -540,7 +547,7 @@ class Trainer:
                 mb.prompt_mask,
                 mb.completion_ids,
                 mb.completion_mask,
-                self.config.rollout.temperature,
+                mb.sampling,
                 with_entropy=entropy,
             )
 
@@ -831,12 +838,9 @@ class Trainer:
             )
             print(f"grpo: resuming from {checkpoint.path} (step {checkpoint.step})", flush=True)
             run.log_event(self.step, "resume", checkpoint=str(where))
-            forced = {k: v for k, v in self.config_changes.items() if changes_math(k)}
-            if forced:
-                print(
-                    f"grpo: train.resume=force: from step {self.step} {describe_changes(forced)}",
-                    flush=True,
-                )
+            if self.forced_changes:
+                changes = describe_changes(self.forced_changes)
+                print(f"grpo: train.resume=force: from step {self.step} {changes}", flush=True)
         event = "start" if checkpoint is None else "resume"
         run.record_config(dump_config(self.config), self.step, event, self.config_changes)
 
