@@ -40,6 +40,8 @@ from grpo.models import (
 )
 from grpo.rewards import RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, render_prompt
+from grpo.rollout.hf import HFEngine
+from grpo.rollout.turns import MultiTurnEngine, greedy_answers, tool_metrics
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
@@ -100,6 +102,7 @@ class MicroBatch:
     prompt_mask: Tensor
     completion_ids: Tensor
     completion_mask: Tensor
+    loss_mask: Tensor  # completion_mask without tool outputs and template tokens (multi-turn)
     advantages: Tensor
 
     def to(self, device: torch.device) -> MicroBatch:
@@ -133,6 +136,7 @@ def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[Micro
                 prompt_mask=pm[:, -s_keep:],
                 completion_ids=rollout.completion_ids[idx, :t_keep],
                 completion_mask=cm[:, :t_keep],
+                loss_mask=rollout.loss_mask[idx, :t_keep],
                 advantages=advantages[idx],
             )
         )
@@ -295,6 +299,8 @@ class Trainer:
             tokenizer=self.tokenizer,
             config=config.rollout,
         )
+        if config.rollout.tools and not isinstance(self.engine, MultiTurnEngine):
+            self.engine = MultiTurnEngine(self.engine, self.tokenizer, config.rollout)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params,
@@ -347,7 +353,9 @@ class Trainer:
             for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
         ]
         prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
-        out = self.rewards(rollout.completions, prompts, columns, ids)
+        if rollout.turns is not None:
+            columns["turns"] = rollout.turns  # rewards judge rollout.answers, the last turns
+        out = self.rewards(rollout.answers, prompts, columns, ids)
         total = out.total
         # on every rank's rewards, so that scale_rewards=batch uses the global batch std; the
         # groups are whole on each rank, so group statistics are unchanged
@@ -449,7 +457,7 @@ class Trainer:
             if cfg.mask_truncated_completions
             else torch.ones_like(rollout.truncated)
         )
-        counted = rollout.completion_mask & keep[:, None]
+        counted = rollout.loss_mask & keep[:, None]
         keep = keep.to(self.dist.device)
         normalizer = algorithm.Normalizer(
             num_sequences=rollout.num_completions,
@@ -473,7 +481,7 @@ class Trainer:
                     old = logp.detach() if old_all is None else old_all[mb.index, :t]
                     ref = None if ref_all is None else ref_all[mb.index, :t]
                     sampler = None if sampler_all is None else sampler_all[mb.index, :t]
-                    loss_mask = mb.completion_mask & keep[mb.index, None]
+                    loss_mask = mb.loss_mask & keep[mb.index, None]
                     weights = None
                     if sampler is not None and cfg.tis_cap is not None:
                         weights = algorithm.truncated_importance_weights(old, sampler, cfg.tis_cap)
@@ -502,7 +510,7 @@ class Trainer:
                     loss_total += float(loss.detach())
                 if iteration == 0:  # metrics describe the on-policy pass
                     stats.add_micro_batch(
-                        loss_stats, entropy, mb.completion_mask, pg_masks.get(k), old, sampler
+                        loss_stats, entropy, mb.loss_mask, pg_masks.get(k), old, sampler
                     )
             grad_norm = self._clip_and_step()
             if iteration == 0:
@@ -536,6 +544,8 @@ class Trainer:
             "truncated_frac": float(rollout.truncated.float().mean()),
             "reflection_rate": reflection_rate(rollout.completions),
         }
+        if rollout.turns is not None:
+            out.update(tool_metrics(rollout.turns))
         for k, name in enumerate(scored.function_names):
             column = scored.per_function[:, k]
             valid = column[~column.isnan()]
@@ -568,6 +578,8 @@ class Trainer:
                     "advantage": float(scored.advantages[i]),
                     "truncated": bool(scored.rollout.truncated[i]),
                 }
+                if scored.rollout.turns is not None:
+                    record["turns"] = scored.rollout.turns[i]
                 f.write(json.dumps(record) + "\n")
 
     def save_checkpoint(self, run_dir: Path) -> Path:
@@ -713,11 +725,29 @@ class Trainer:
         """``eval/*`` metrics of the current policy on the held-out rows (see grpo.eval)."""
         t0 = time.perf_counter()
         settings = settings_for(self.config, self.config.train.eval_samples)
+        complete, turns = None, []
+        if self.config.rollout.tools:
+            # greedy answers through the same tool loop as the rollouts
+            rollout_cfg = self.config.rollout
+            engine = MultiTurnEngine(
+                HFEngine(self.policy, self.tokenizer, rollout_cfg),
+                self.tokenizer,
+                rollout_cfg,
+                greedy=True,
+            )
+
+            def complete(prompts: list[str]) -> list[str]:
+                answers, seen = greedy_answers(engine, prompts, settings.batch_size)
+                turns.extend(seen)
+                return answers
+
         # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
         with distributed.full_parameters(self.policy):
             result = evaluate(
-                self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings
+                self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings, complete
             )
+        if turns:
+            result.update(tool_metrics(turns))
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
         return out

@@ -21,6 +21,7 @@ from grpo.batch import Rollout
 from grpo.config import RolloutConfig
 from grpo.logprobs import position_ids_from_mask
 from grpo.rollout import completion_mask_and_truncation, grouped_rollout
+from grpo.rollout.turns import TurnRequest, TurnSample
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> list[int]:
@@ -69,13 +70,15 @@ def sample_groups(
     max_new_tokens: int,
     eos: list[int],
     pad_id: int,
+    stop: StopStrings | None = None,
 ) -> torch.Tensor:
     """[P, S] left-padded prompts -> [P*G, T] completion ids (T <= max_new_tokens), groups contiguous.
 
     Each prompt is prefilled once and its KV cache repeated G times, instead of prefilling G copies
     (what ``generate(num_return_sequences=G)`` does): the prompt costs P, not P*G, forwards. Tokens
     are ``argmax(choose(scores))`` (the seeded sampler makes that a sample); rows that
-    emitted EOS get ``pad_id`` and leave the batch; the loop stops when every row has finished.
+    emitted EOS (or completed one of ``stop``'s strings) get ``pad_id`` and leave the batch; the
+    loop stops when every row has finished.
     """
     cache = DynamicCache(config=model.config)
     positions = position_ids_from_mask(attention_mask)  # [P, S]
@@ -106,6 +109,8 @@ def sample_groups(
         nxt = choose(None, scores).argmax(dim=-1)[rows].masked_fill(done, pad_id)  # [b]
         tokens[rows, step] = nxt
         done |= torch.isin(nxt, eos_t)
+        if stop is not None:
+            done |= stop(tokens[rows, : step + 1], rows, step, done)
         if step == max_new_tokens - 1 or bool(done.all()):
             return tokens[:, : step + 1]
         if 4 * int(done.sum()) >= len(rows):
@@ -124,6 +129,31 @@ def sample_groups(
         )
         logits = out.logits[:, -1].float()
     return tokens
+
+
+class StopStrings:
+    """Ends a row when its newest tokens complete one of ``strings``, and records the length.
+
+    Called by ``sample_groups`` after every token with the active rows' tokens so far; only the
+    last few tokens are decoded (a string of k characters spans at most k tokens).
+    ``lengths[row]`` is the row's token count up to and including the one that completed a string.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, strings: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.strings = strings
+        self.window = max(len(s) for s in strings) + 1
+        self.lengths: dict[int, int] = {}
+
+    def __call__(self, tokens: torch.Tensor, rows: torch.Tensor, step: int, done: torch.Tensor):
+        """tokens: [b, step + 1]; rows: [b] completion index; done: [b] -> [b] newly stopped."""
+        hit = torch.zeros_like(done)
+        for k in (~done).nonzero()[:, 0].tolist():
+            tail = self.tokenizer.decode(tokens[k, -self.window :])
+            if any(s in tail for s in self.strings):
+                hit[k] = True
+                self.lengths[int(rows[k])] = step + 1
+        return hit
 
 
 class HFEngine:
@@ -196,3 +226,54 @@ class HFEngine:
             rows,
             group_size,
         )
+
+    @torch.no_grad()
+    def generate_turns(
+        self, requests: list[TurnRequest], stop: list[str], greedy: bool = False
+    ) -> list[list[TurnSample]]:
+        """One turn for each request (see ``grpo.rollout.turns``); requests share one ``n``.
+
+        Contexts are left padded into one batch; each request's n samples come from its own seed.
+        Tokens end at the first EOS, at the token that completes a stop string, or at the
+        request's ``max_tokens``. ``greedy`` takes the most likely token instead.
+        """
+        n = requests[0].n
+        if any(r.n != n for r in requests):
+            raise ValueError("generate_turns: every request of a call must ask for the same n")
+        device = self.model.device
+        width = max(len(r.context) for r in requests)
+        ids = torch.full((len(requests), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(ids.shape, dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.context) :] = torch.tensor(r.context, dtype=torch.long)
+            mask[i, width - len(r.context) :] = 1
+        sampler = SeededGroupSampler([r.seed for r in requests], n, device)
+        choose = LogitsProcessorList([] if greedy else [*self.warpers, sampler])
+        stopper = StopStrings(self.tokenizer, stop) if stop else None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            tokens = sample_groups(
+                self.model,
+                ids.to(device),
+                mask.to(device),
+                n,
+                choose,
+                max(r.max_tokens for r in requests),
+                self.eos,
+                self.tokenizer.pad_token_id,
+                stopper,
+            ).cpu()
+        finally:
+            self.model.train(was_training)
+        # tokens through the first EOS (finished rows are padded, and the pad may be the EOS)
+        ends = completion_mask_and_truncation(tokens, self.eos)[0].sum(dim=1).tolist()
+        if stopper is not None:
+            ends = [min(end, stopper.lengths.get(row, end)) for row, end in enumerate(ends)]
+        return [
+            [
+                TurnSample(tokens[row, : min(ends[row], r.max_tokens)].tolist())
+                for row in range(i * n, (i + 1) * n)
+            ]
+            for i, r in enumerate(requests)
+        ]
