@@ -466,3 +466,76 @@ def test_error_rate_is_undefined_without_calls() -> None:
     )
     assert metrics["tools/calls_per_completion"] == 0.0
     assert math.isnan(metrics["tools/error_rate"])
+
+
+# ------------------------------------------------------------------------------ vLLM engine
+
+
+class ScriptedLLM:
+    """vllm.LLM's ``generate`` over ``ScriptedEngine``'s script: each sampled token's log-prob
+    is -0.5; the sampling parameters of every request are recorded."""
+
+    def __init__(self, tokenizer) -> None:
+        self.script = ScriptedEngine(tokenizer)
+        self.params: list[dict] = []
+
+    def generate(self, requests, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        out = []
+        for request, p in zip(requests, params, strict=True):
+            self.params.append(p)
+            turn = TurnRequest(request["prompt_token_ids"], p["n"], p["seed"], p["max_tokens"])
+            samples = self.script.generate_turns([turn], p["stop"])[0]
+            outputs = [
+                SimpleNamespace(
+                    index=k,
+                    token_ids=s.token_ids,
+                    logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in s.token_ids],
+                )
+                for k, s in enumerate(samples)
+            ]
+            out.append(SimpleNamespace(outputs=outputs[::-1]))
+        return out
+
+    def apply_model(self, func):
+        return []
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+def test_vllm_engine_takes_turns_through_the_same_loop(tiny_model_dir) -> None:
+    from grpo.rollout.vllm import VLLMEngine
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
+    config = _rollout_config(temperature=0.8)
+    llm = ScriptedLLM(tokenizer)
+    vllm = VLLMEngine(model, tokenizer, config, llm=llm, sampling_params=dict)
+    engine = MultiTurnEngine(vllm, tokenizer, config)
+    rollout = engine.generate([render_prompt(tokenizer, QUESTION, None)], [{}], 2, seeds=[4])
+    assert rollout.answers == [ANSWER, ANSWER]
+    first, second = llm.params[0], llm.params[1]
+    assert (first["n"], first["seed"], second["n"]) == (2, 4, 1)
+    assert first["stop"] == ["```\n"] and first["include_stop_str_in_output"]
+    assert first["temperature"] == 0.8 and first["stop_token_ids"] == [tokenizer.eos_token_id]
+    # the sampler's log-probs on the model's tokens, 0 on the observation
+    own = rollout.sampled_mask & rollout.completion_mask
+    assert torch.equal(rollout.sampler_logp[own], torch.full((int(own.sum()),), -0.5))
+    assert (rollout.sampler_logp[~own] == 0).all()
+
+
+@pytest.mark.slow
+def test_real_vllm_replays_the_scripted_exchange(scripted_model_dir: Path) -> None:
+    """vLLM's CPU build (when installed): greedy turns match the HF engine's."""
+    pytest.importorskip("vllm")
+    from grpo.rollout.vllm import VLLMEngine
+
+    tokenizer = load_tokenizer(scripted_model_dir)
+    model = load_policy(ModelConfig(name=str(scripted_model_dir)), str(scripted_model_dir))
+    config = _rollout_config(vllm_gpu_memory_utilization=0.1, vllm_dtype="float32")
+    engine = MultiTurnEngine(VLLMEngine(model, tokenizer, config), tokenizer, config, greedy=True)
+    rollout = engine.generate([render_prompt(tokenizer, QUESTION, None)], [{}], 2, seeds=[0])
+    assert rollout.turns[0][0]["output"] == "408"
+    assert rollout.answers == [ANSWER, ANSWER]

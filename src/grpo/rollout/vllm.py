@@ -30,6 +30,7 @@ from grpo.config import ConfigError, RolloutConfig
 from grpo.models import is_lora
 from grpo.rollout import completion_mask_and_truncation, grouped_rollout
 from grpo.rollout.hf import eos_ids
+from grpo.rollout.turns import TurnRequest, TurnSample
 
 MISSING = "rollout.engine=vllm needs the vllm package (GPU only): pip install 'grpo[vllm]'"
 
@@ -175,6 +176,43 @@ class VLLMEngine:
             group_size,
             sampler_logp,
         )
+
+    @torch.no_grad()
+    def generate_turns(
+        self, requests: list[TurnRequest], stop: list[str], greedy: bool = False
+    ) -> list[list[TurnSample]]:
+        """One turn for each request (see ``grpo.rollout.turns``): its context continued n times
+        from its seed, ending at EOS, at a stop string (kept in the output) or at max_tokens.
+        The context is passed as token ids, so generation resumes exactly after an observation."""
+        cfg = self.config
+        params = [
+            self.sampling_params(
+                n=r.n,
+                temperature=0.0 if greedy else cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k or -1,
+                max_tokens=r.max_tokens,
+                stop_token_ids=self.eos,
+                stop=stop,
+                include_stop_str_in_output=True,
+                logprobs=0,
+                seed=r.seed,
+            )
+            for r in requests
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": r.context} for r in requests], params, use_tqdm=False
+        )
+        return [
+            [
+                TurnSample(
+                    list(c.token_ids),
+                    [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)],
+                )
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
+            for out in outputs
+        ]
 
 
 def _left_pad(seqs: Iterable[list[int]], pad: int) -> tuple[Tensor, Tensor]:
