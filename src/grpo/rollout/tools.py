@@ -19,7 +19,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from grpo.rewards.sandbox import Limits, run_python
+from grpo.rewards.sandbox import run_python
 
 # exit by a signal: the sandbox's CPU limit sends SIGXCPU (or SIGKILL past the hard limit)
 SIGNAL_NAMES = {-9: "killed (CPU time or memory limit)", -24: "CPU time limit"}
@@ -74,16 +74,16 @@ class PythonTool:
     memory_mb: int = 1024
 
     def __call__(self, code: str) -> ToolResult:
-        limits = Limits(
-            cpu_s=max(1, math.ceil(self.timeout_s)),
+        t0 = time.perf_counter()
+        result = run_python(
+            notebook_source(code),
             wall_s=self.timeout_s,
+            cpu_s=max(1, math.ceil(self.timeout_s)),
             memory_mb=self.memory_mb,
             # stdout past the cap is only read to tell a flood from output that fits exactly;
             # stderr needs room for a whole traceback (its last line is the error)
-            max_output_bytes=max(1 << 16, 4 * self.max_output_chars + 4),
+            output_bytes=max(1 << 16, 4 * self.max_output_chars + 4),
         )
-        t0 = time.perf_counter()
-        result = run_python(notebook_source(code), limits=limits)
         elapsed = time.perf_counter() - t0
         output = result.stdout.rstrip("\n")
         errors = []
@@ -92,9 +92,9 @@ class PythonTool:
             errors.append(f"output cut at {self.max_output_chars} characters")
         if result.timed_out:
             errors.append(f"timed out after {self.timeout_s:g} s")
-        elif result.returncode in SIGNAL_NAMES:
-            errors.append(SIGNAL_NAMES[result.returncode])
-        elif result.returncode:
+        elif result.exit_code in SIGNAL_NAMES:
+            errors.append(SIGNAL_NAMES[result.exit_code])
+        elif result.exit_code:
             errors.append(last_error_line(result.stderr))
         return ToolResult(output, "; ".join(errors) or None, elapsed)
 
