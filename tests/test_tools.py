@@ -121,10 +121,10 @@ class ScriptedEngine:
     """Takes turns from a script: the first turn of every completion writes ``CALL`` (or the
     code given), the next answers with the last tool output it sees. Records every request."""
 
-    def __init__(self, tokenizer, code: str = "print(12*34)") -> None:
+    def __init__(self, tokenizer, code: str = "print(12*34)", call: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos = [tokenizer.eos_token_id]
-        self.code = code
+        self.call = call or f"```python\n{code}\n```\n"
         self.requests: list[TurnRequest] = []
 
     def sync_weights(self, model) -> None:
@@ -136,7 +136,7 @@ class ScriptedEngine:
             self.requests.append(r)
             text = self.tokenizer.decode(r.context, skip_special_tokens=False)
             if "<|tool|>" not in text:  # the call ends at the stop string, without EOS
-                reply, end = f"```python\n{self.code}\n```\n", []
+                reply, end = self.call, []
             else:
                 shown = text.rsplit("<|tool|>", 1)[1].split("<|end|>", 1)[0]
                 reply, end = f"<answer>{shown}</answer>", self.eos
@@ -215,6 +215,26 @@ def test_max_turns_and_the_token_budget_end_a_completion(tiny_model_dir) -> None
     assert rollout.completion_mask.sum(dim=1).tolist() == [call_len + 5] * 2
     assert rollout.truncated.all()
     assert rollout.loss_mask.sum(dim=1).tolist() == [call_len] * 2
+
+
+def test_template_call_format_runs_the_json_call(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    plain = tokenizer.chat_template
+    with pytest.raises(ConfigError, match="no tool-call syntax"):
+        MultiTurnEngine(
+            ScriptedEngine(tokenizer), tokenizer, _rollout_config(tool_call_format="template")
+        )
+    # a template that renders the tool list (as Qwen's and Hermes' do)
+    tokenizer.chat_template = (
+        "{% if tools %}<|system|>{{ tools | tojson }}<|end|>{% endif %}" + plain
+    )
+    call = '<tool_call>{"name": "python", "arguments": {"code": "12 * 34"}}</tool_call>'
+    config = _rollout_config(tool_call_format="template")
+    engine = MultiTurnEngine(ScriptedEngine(tokenizer, call=call), tokenizer, config)
+    rollout = engine.generate(["q"], [{}], 2, seeds=[0])
+    assert engine.format.stop == ["</tool_call>"]
+    assert rollout.turns[0][0]["call"] == "12 * 34" and rollout.turns[0][0]["output"] == "408"
+    assert rollout.answers == [ANSWER, ANSWER]
 
 
 def test_template_without_a_tool_role_is_a_config_error(tiny_model_dir) -> None:

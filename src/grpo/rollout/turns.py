@@ -226,10 +226,13 @@ class MultiTurnEngine:
             timeout_s=config.tool_timeout_s, max_output_chars=config.tool_max_output_chars
         )
         self.use_template = bool(tokenizer.chat_template)
-        if self.use_template:
-            template_observation(
-                tokenizer, "x"
-            )  # fails now, not mid-run, on a template without tools
+        if self.use_template:  # a template that cannot show tool output fails now, not mid-run
+            template_observation(tokenizer, "x")
+        if config.tool_call_format == "template" and "tool" not in (tokenizer.chat_template or ""):
+            raise ConfigError(
+                "rollout.tool_call_format=template: the tokenizer's chat template has no tool-call "
+                "syntax (use fence)"
+            )
         self.eos_texts = {tokenizer.decode([i]) for i in engine.eos}
 
     def sync_weights(self, model: torch.nn.Module) -> None:
