@@ -113,7 +113,8 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
 
     pad_id = 0
     has_logp = all(p.sampler_logp is not None for p in parts)
-    multi_turn = all(p.sampled_mask is not None for p in parts)
+    # a rank's empty share of a round has no turns; its (zero) rows count as the policy's own
+    multi_turn = any(p.sampled_mask is not None for p in parts)
     return Rollout(
         prompt_ids=torch.cat([pad(p.prompt_ids, s, True, pad_id) for p in parts]),
         prompt_mask=torch.cat([pad(p.prompt_mask, s, True, False) for p in parts]),
@@ -127,8 +128,8 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         sampler_logp=torch.cat([pad(p.sampler_logp, t, False, 0.0) for p in parts])
         if has_logp
         else None,
-        sampled_mask=torch.cat([pad(p.sampled_mask, t, False, False) for p in parts])
+        sampled_mask=torch.cat([pad(p.loss_mask, t, False, False) for p in parts])
         if multi_turn
         else None,
-        turns=[x for p in parts for x in p.turns] if multi_turn else None,
+        turns=[x for p in parts for x in p.turns or []] if multi_turn else None,
     )

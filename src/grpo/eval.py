@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config
 from grpo.data import DataError, load_dataset_rows, system_prompt_for
-from grpo.rewards.accuracy import AccuracyReward, answers_match, extract_answer
+from grpo.rewards.accuracy import DEFAULT_EXTRACT, AccuracyReward, answers_match, extract_answer
 from grpo.rollout import render_prompt
 from grpo.rollout.hf import eos_ids
 
@@ -51,9 +51,6 @@ def majority_answer(answers: Sequence[str | None]) -> str | None:
         return None
     best = max(votes.values())
     return next(a.strip() for a in answers if a is not None and votes[a.strip()] == best)
-
-
-DEFAULT_EXTRACT = ("answer", "boxed", "hashes")
 
 
 def is_correct(completion: str, gold: Any, extract: tuple[str, ...] = DEFAULT_EXTRACT) -> bool:
