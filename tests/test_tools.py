@@ -385,7 +385,7 @@ def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if loss.item() < 1e-3:
+        if loss.item() < 5e-3:  # ~70 steps; the whole exchange then has probability ~0.7
             break
     out = tmp_path_factory.mktemp("scripted")
     model.save_pretrained(out)
@@ -448,7 +448,8 @@ def test_multi_turn_grpo_runs_from_a_recipe_and_resumes_exactly(
     straight = train(_tool_recipe(tiny_config, scripted_model_dir, tmp_path, steps=2, run_name="a"))
     metrics = _metrics(straight)
     assert metrics[0]["tools/calls_per_completion"] > 0.5
-    assert metrics[0]["reward/mean"] > 1.0  # answered from the tool's output
+    # a replayed exchange earns 1.5 (the answer, and it matches the tool's output), others ~0
+    assert metrics[0]["reward/mean"] > 0.5
     record = json.loads(
         (straight / "completions" / "step-000001.jsonl").read_text().splitlines()[0]
     )
@@ -544,6 +545,21 @@ def test_vllm_engine_takes_turns_through_the_same_loop(tiny_model_dir) -> None:
     own = rollout.sampled_mask & rollout.completion_mask
     assert torch.equal(rollout.sampler_logp[own], torch.full((int(own.sum()),), -0.5))
     assert (rollout.sampler_logp[~own] == 0).all()
+
+
+def test_vllm_greedy_turns_ask_for_one_sample_per_request(tiny_model_dir) -> None:
+    from grpo.rollout.vllm import VLLMEngine
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
+    llm = ScriptedLLM(tokenizer)
+    vllm = VLLMEngine(model, tokenizer, _rollout_config(), llm=llm, sampling_params=dict)
+    out = vllm.generate_turns([TurnRequest([5], 3, 1, 9), TurnRequest([6], 3, 2, 9)], [], True)
+    assert [len(group) for group in out] == [3, 3]
+    # vLLM refuses n > 1 with greedy sampling: 6 requests of n=1 at temperature 0
+    assert [(p["n"], p["temperature"], p["seed"]) for p in llm.params] == [(1, 0.0, 1)] * 3 + [
+        (1, 0.0, 2)
+    ] * 3
 
 
 @pytest.mark.slow

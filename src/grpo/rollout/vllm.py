@@ -183,11 +183,14 @@ class VLLMEngine:
     ) -> list[list[TurnSample]]:
         """One turn for each request (see ``grpo.rollout.turns``): its context continued n times
         from its seed, ending at EOS, at a stop string (kept in the output) or at max_tokens.
-        The context is passed as token ids, so generation resumes exactly after an observation."""
+        The context is passed as token ids, so generation resumes exactly after an observation.
+        vLLM samples greedily only with n=1, so a greedy request for n becomes n requests."""
         cfg = self.config
+        copies = [r.n if greedy else 1 for r in requests]
+        flat = [r for r, k in zip(requests, copies, strict=True) for _ in range(k)]
         params = [
             self.sampling_params(
-                n=r.n,
+                n=1 if greedy else r.n,
                 temperature=0.0 if greedy else cfg.temperature,
                 top_p=cfg.top_p,
                 top_k=cfg.top_k or -1,
@@ -198,21 +201,21 @@ class VLLMEngine:
                 logprobs=0,
                 seed=r.seed,
             )
-            for r in requests
+            for r in flat
         ]
         outputs = self.llm.generate(
-            [{"prompt_token_ids": r.context} for r in requests], params, use_tqdm=False
+            [{"prompt_token_ids": r.context} for r in flat], params, use_tqdm=False
         )
-        return [
-            [
-                TurnSample(
-                    list(c.token_ids),
-                    [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)],
-                )
-                for c in sorted(out.outputs, key=lambda c: c.index)
-            ]
+        samples = [
+            TurnSample(
+                list(c.token_ids),
+                [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)],
+            )
             for out in outputs
+            for c in sorted(out.outputs, key=lambda c: c.index)
         ]
+        starts = [sum(r.n for r in requests[:i]) for i in range(len(requests))]
+        return [samples[s : s + r.n] for s, r in zip(starts, requests, strict=True)]
 
 
 def _left_pad(seqs: Iterable[list[int]], pad: int) -> tuple[Tensor, Tensor]:
