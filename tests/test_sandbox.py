@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo.rewards import sandbox
 from grpo.rewards.code import code_reward, extract_code, normalise_output, with_prefix
 from grpo.rewards.sandbox import (
     Limits,
@@ -62,7 +63,9 @@ def _judge(program: str, tests: list[str] = TESTS):
 
 
 def _score(program: str, tests: list[str] = TESTS, mode: str = "binary") -> float:
-    fn = code_reward(mode=mode, cpu_s=FAST.cpu_s, wall_s=FAST.wall_s, memory_mb=FAST.memory_mb)
+    # good programs end in milliseconds: a generous wall-clock limit keeps a loaded machine from
+    # failing them, the attacks that need the limit go through _judge
+    fn = code_reward(mode=mode, cpu_s=FAST.cpu_s, wall_s=10, memory_mb=FAST.memory_mb)
     return fn([f"```python\n{program}\n```"], tests=[tests])[0]
 
 
@@ -87,6 +90,9 @@ def test_values_cross_as_plain_python_values():
         "import math\nassert math.isnan(f(float('nan'))[0])",
     ]
     assert _judge(program, tests).passed == [0, 1, 2]
+    verdict = _judge(program, [*tests, "assert f(1) == 2"])
+    assert verdict.passed == [0, 1, 2] and verdict.finished
+    assert verdict.judge_stderr.splitlines()[-1] == "AssertionError"
 
 
 def test_candidate_exceptions_reach_the_judge_as_builtin_exceptions():
@@ -189,7 +195,7 @@ def test_ipc_objects_die_with_the_run():
 
 
 def test_memory_held_in_memfds_is_capped():
-    result = run_python(ADVERSARIAL["memfd_beyond_the_limit"], memory_mb=256, wall_s=5)
+    result = run_python(ADVERSARIAL["memfd_beyond_the_limit"], memory_mb=256, wall_s=30)
     assert result.exit_code != 0
     if "cgroup" in result.isolation:
         assert result.error == "memory limit of 256 MiB"
@@ -229,8 +235,8 @@ def test_trainer_files_and_environment_are_out_of_sight(
     lines = result.stdout.splitlines()
     assert lines[0] == "False"
     assert lines[1] == "False ['main.py']"
-    # its own /proc: the trainer's pid means nothing there, and PID 1 is the program
-    assert lines[3].endswith("['1']")
+    # its own /proc: the trainer's pid means nothing there; PID 1 is the init, 2 the program
+    assert lines[3].endswith("['1', '2']")
 
 
 def test_socket_cannot_reach_a_listening_server():
@@ -239,7 +245,7 @@ def test_socket_cannot_reach_a_listening_server():
     server.listen(1)
     port = server.getsockname()[1]
     accepted: list[object] = []
-    server.settimeout(3)
+    server.settimeout(1.5)
 
     def accept() -> None:
         with contextlib.suppress(OSError):
@@ -255,9 +261,10 @@ def test_socket_cannot_reach_a_listening_server():
 
 
 def test_signalling_the_trainer_does_not_reach_it():
-    # the trainer's pid does not exist in the run's namespace, its parent is outside it (0), and
-    # PID 1 ignores the SIGKILL it sends itself: the attacks change nothing, add still passes
-    for target in (str(os.getpid()), "os.getppid()", "0", "-1"):
+    # the trainer's pid does not exist in the run's namespace, the parent is the namespace's
+    # init (it ignores SIGKILL from inside), -1 reaches only the run's own processes: the
+    # attacks change nothing, add still passes
+    for target in (str(os.getpid()), "os.getppid()", "1", "-1"):
         program = f"import os, signal\ntry:\n    os.kill({target}, signal.SIGKILL)\nexcept OSError:\n    pass\n"
         assert _score(program + GOOD) == 1.0  # and we are still here to check it
 
@@ -335,6 +342,42 @@ def test_prefix_added_only_when_the_function_is_missing():
     assert with_prefix(GOOD, prefix, "add") == GOOD
 
 
+NO_USERNS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid = os.getuid(), os.getgid()
+# a user namespace of our own, where we are uid 1000 and forbid any further user namespace
+assert libc.unshare(0x10000000) == 0
+for name, text in (("setgroups", "deny"), ("uid_map", f"1000 {uid} 1"), ("gid_map", f"1000 {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+with open("/proc/sys/user/max_user_namespaces", "w") as f:
+    f.write("0")
+import importlib.util, sys
+# the sandbox module by its path: stdlib only, so the check does not pay for importing torch
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sandbox)
+try:
+    sandbox.run_python("print(1)")
+except sandbox.SandboxUnavailable as err:
+    print(err)
+"""
+
+
+def test_without_root_or_user_namespaces_the_sandbox_refuses_in_one_line():
+    done = subprocess.run(
+        [sys.executable, "-c", NO_USERNS, sandbox.__file__],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("the code sandbox cannot start here (unshare: No space left")
+    assert "user namespaces" in done.stdout and len(done.stdout.splitlines()) == 1
+
+
 NOBODY_SETUP = """
 import ctypes, os, sys
 from pathlib import Path
@@ -358,7 +401,7 @@ sys.exit(pytest.main(sys.argv[1:]))
 
 
 # the attacks and every check of what a run can see or leave behind
-NOBODY_TESTS = "adversarial or ipc or memfd or outside or trainer or socket or signalling or isolation or timeout or daemon or flooding"
+NOBODY_TESTS = "refuses or adversarial or ipc or memfd or outside or trainer or socket or signalling or isolation or timeout or daemon or flooding"
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or AS_NOBODY, reason="drops privileges: needs root")
@@ -413,3 +456,11 @@ def test_every_humaneval_solution_scores_one_and_cheating_bodies_score_zero():
     for kind, expected in (("canonical", 1.0), ("always_equal", 0.0), ("return_none", 0.0)):
         wrong = [rows[i]["task_id"] for i in range(len(rows)) if scores[kind, i] != expected]
         assert wrong == [], f"{kind}: {wrong}"
+
+
+def test_signals_and_limits_behave_as_for_any_process():
+    # the program is not PID 1: a signal it sends itself, and RLIMIT_CPU's SIGXCPU, end it
+    result = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nprint('alive')")
+    assert (result.stdout, result.exit_code) == ("", -15)
+    result = run_python("while True:\n    pass", cpu_s=1, wall_s=20)
+    assert result.exit_code == -24 and result.error == "killed by SIGXCPU"

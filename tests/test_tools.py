@@ -130,7 +130,7 @@ class ScriptedEngine:
     def sync_weights(self, model) -> None:
         pass
 
-    def generate_turns(self, requests, stop, greedy=False):
+    def generate_turns(self, requests, stop, greedy=False, temperature=None):
         out = []
         for r in requests:
             self.requests.append(r)

@@ -37,6 +37,7 @@ from grpo.models import (
     resolve_model_path,
     save_hf,
 )
+from grpo.processors import Sampling
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, render_prompt
 from grpo.rollout.hf import HFEngine
@@ -45,10 +46,10 @@ from grpo.run_dir import (
     Checkpoint,
     RunDir,
     RunDirError,
-    changes_math,
     config_changes,
     describe_changes,
     is_disk_full,
+    math_changes,
 )
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
 
@@ -117,9 +118,11 @@ class MicroBatch:
     completion_mask: Tensor
     loss_mask: Tensor  # completion_mask without tool outputs and template tokens (multi-turn)
     advantages: Tensor
+    sampling: Sampling  # the controls the rollout was sampled under: the log-probs' distribution
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+        tensors = [getattr(self, f.name).to(device) for f in dataclasses.fields(self)[:-1]]
+        return MicroBatch(*tensors, self.sampling)
 
 
 def micro_batch_order(prompt_len: Tensor, completion_len: Tensor, group_size: int) -> Tensor:
@@ -151,6 +154,7 @@ def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[Micro
                 completion_mask=cm[:, :t_keep],
                 loss_mask=rollout.loss_mask[idx, :t_keep],
                 advantages=advantages[idx],
+                sampling=rollout.sampling,
             )
         )
     return out
@@ -272,8 +276,9 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
         self.signum = 0
+        self.announce = announce  # under torchrun only rank 0 says so
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -290,7 +295,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if not self.signum:
+        if not self.signum and self.announce:
             name = signal.Signals(signum).name
             print(
                 f"grpo: {name}: stopping after this step and writing a checkpoint "
@@ -355,7 +360,9 @@ class Trainer:
         model_path = resolve_model_path(config.model.name)
         # the run directory is locked, and a resume checked, before the model loads
         self.run = RunDir(config.run_dir)
+        # what a resume changes (all keys, for the history; those that change the math)
         self.config_changes: dict[str, tuple[Any, Any]] = {}
+        self.forced_changes: dict[str, tuple[Any, Any]] = {}
         try:
             self.resume_from = distributed.from_main(self._claim_run_dir)
             self._build(model_path, engine)
@@ -429,15 +436,16 @@ class Trainer:
                 f"checkpoint {checkpoint.path} was written by {saved_world} process(es); resume "
                 f"it with the same number (this run has {self.dist.world_size})"
             )
-        changes = config_changes(checkpoint.config, self.config.model_dump(mode="json"))
-        math_changes = {k: v for k, v in changes.items() if changes_math(k)}
-        if math_changes and mode != "force":
+        new = self.config.model_dump(mode="json")
+        forced = math_changes(checkpoint.config, new)
+        if forced and mode != "force":
             raise ConfigError(
                 f"resuming {checkpoint.path} with a config that changes the math: "
-                f"{describe_changes(math_changes)}; set train.resume=force to apply the change, "
+                f"{describe_changes(forced)}; set train.resume=force to apply the change, "
                 "or train.resume=never to start over"
             )
-        self.config_changes = changes
+        self.config_changes = config_changes(checkpoint.config, new)
+        self.forced_changes = forced
         return checkpoint
 
     # ----------------------------------------------------------------------------- stages
@@ -547,7 +555,7 @@ class Trainer:
                 mb.prompt_mask,
                 mb.completion_ids,
                 mb.completion_mask,
-                self.config.rollout.temperature,
+                mb.sampling,
                 with_entropy=entropy,
             )
 
@@ -717,7 +725,7 @@ class Trainer:
         tmp = self.run.checkpoint_temp(self.step)
         main = self.dist.is_main
         if main:
-            self.run.begin(tmp)
+            self.run.fresh_temp(tmp)
         distributed.barrier()  # tmp exists before any rank writes into it
         with self.run.cleanup_on_error(tmp) if main else contextlib.nullcontext():
             self.save_model(tmp)
@@ -753,13 +761,14 @@ class Trainer:
                 )
         distributed.barrier()
         self.saved_step = self.step
+        self.run.intact = self.run.checkpoints / f"step-{self.step}"  # on every rank
 
     def save_final(self) -> None:
         """Write ``final/`` the way checkpoints are written (temp name, manifest, rename)."""
         tmp = self.run.final_temp()
         main = self.dist.is_main
         if main:
-            self.run.begin(tmp)
+            self.run.fresh_temp(tmp)
         distributed.barrier()
         with self.run.cleanup_on_error(tmp) if main else contextlib.nullcontext():
             self.save_model(tmp)
@@ -811,6 +820,7 @@ class Trainer:
             self.reference.load_state_dict(state["reference"])
         self.stream.consumed = state["consumed"]
         self.step = self.saved_step = state["step"]
+        self.run.intact = path
         self.engine.sync_weights(self.policy)  # the engine samples from the restored weights
 
     def apply_optim_config(self) -> None:
@@ -840,12 +850,9 @@ class Trainer:
             )
             print(f"grpo: resuming from {checkpoint.path} (step {checkpoint.step})", flush=True)
             run.log_event(self.step, "resume", checkpoint=str(where))
-            forced = {k: v for k, v in self.config_changes.items() if changes_math(k)}
-            if forced:
-                print(
-                    f"grpo: train.resume=force: from step {self.step} {describe_changes(forced)}",
-                    flush=True,
-                )
+            if self.forced_changes:
+                changes = describe_changes(self.forced_changes)
+                print(f"grpo: train.resume=force: from step {self.step} {changes}", flush=True)
         event = "start" if checkpoint is None else "resume"
         run.record_config(dump_config(self.config), self.step, event, self.config_changes)
 
@@ -856,7 +863,7 @@ class Trainer:
                 self.load_checkpoint(self.resume_from.path)
             if main:
                 self.open_run_dir()
-            with StopSignals() as stop:
+            with StopSignals(announce=main) as stop:
                 self._loop(stop)
         except KeyboardInterrupt:  # a second Ctrl-C
             raise TrainingStopped(signal.SIGINT, self.step, self.run.intact, True) from None

@@ -16,8 +16,10 @@ temp folders masked, rlimits, a per-run uid as root (no capabilities otherwise),
 Memory is capped by a cgroup per process where the machine lets the trainer create one (cgroup v2
 with the memory controller, else v1's memory and pids hierarchies); otherwise by RLIMIT_AS plus
 size caps on every file system the run can write (tmpfs sizes, RLIMIT_FSIZE per file including
-memfds, RLIMIT_NOFILE). When a run returns, every process it started is gone: its PID namespace
-dies with its first process, which dies with the keeper process the trainer kills and waits for.
+memfds, RLIMIT_NOFILE). When a run returns, every process it started is gone: the trainer kills
+the first process of its PID namespace (the kernel then kills the rest) and waits until the
+keeper outside the namespace has reaped it. A fork server, started once per trainer process,
+forks each run's keeper.
 README ("Code sandbox") states the threat model.
 """
 
@@ -175,6 +177,12 @@ def mount_plan(as_root: bool) -> dict[str, list[str]]:
         if folder != Path("/") and not system and not inside_root and not nested:
             masks.append(folder)
     return {"masks": [str(m) for m in masks], "roots": [str(r) for r in roots]}
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_plan(as_root: bool, *where: object) -> dict[str, list[str]]:
+    """``mount_plan`` once per import path, working directory and home (it stats many folders)."""
+    return mount_plan(as_root)
 
 
 # ---------------------------------------------------------------------------- cgroups
@@ -426,7 +434,7 @@ def _start(role: str, source: str, stdin: str, limits: Limits, fds: dict[str, in
         "max_procs": limits.max_procs,
         "max_files": MAX_FILES,
         "cgroup_procs": [str(f / "cgroup.procs") for f in cgroup.folders] if cgroup else [],
-        **mount_plan(as_root),
+        **_cached_plan(as_root, tuple(sys.path), os.getcwd(), os.path.expanduser("~")),
     }
     process = _Process(_Ctl(ours), out_r, err_r, uid, cgroup)
     try:
@@ -469,8 +477,8 @@ def _why_unavailable(status: dict, process: _Process) -> str:
     reason = status.get("error") or (stderr[-1] if stderr else "the bootstrap exited")
     return (
         f"the code sandbox cannot start here ({reason}); it needs root or unprivileged user "
-        "namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
-        "kernel.apparmor_restrict_unprivileged_userns=0)"
+        "namespaces (sysctls user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1 "
+        "where it exists, and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0)"
     )
 
 

@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.batch import Rollout
 from grpo.config import ConfigError, RolloutConfig
-from grpo.rollout import grouped_rollout
+from grpo.rollout import grouped_rollout, sampling_of
 from grpo.rollout.tools import TOOLS, ToolResult
 
 # tool calls of one round run concurrently (each in its own sandbox process)
@@ -66,7 +66,11 @@ class TurnEngine(Protocol):
     eos: list[int]
 
     def generate_turns(
-        self, requests: list[TurnRequest], stop: list[str], greedy: bool = False
+        self,
+        requests: list[TurnRequest],
+        stop: list[str],
+        greedy: bool = False,
+        temperature: float | None = None,
     ) -> list[list[TurnSample]]: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
@@ -265,6 +269,7 @@ class MultiTurnEngine:
         rows: list[dict[str, Any]],
         group_size: int,
         seeds: list[int] | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         if seeds is None:
             seeds = torch.randint(2**62, (len(prompts),)).tolist()
@@ -280,6 +285,7 @@ class MultiTurnEngine:
             ],
             self.format.stop,
             self.greedy,
+            temperature,
         )
         pending = [(i, sample) for i, sample in enumerate(s for group in first for s in group)]
         while pending:
@@ -333,12 +339,13 @@ class MultiTurnEngine:
                 for i in going_on
             ]
             samples = (
-                self.engine.generate_turns(requests, self.format.stop, self.greedy)
+                self.engine.generate_turns(requests, self.format.stop, self.greedy, temperature)
                 if requests
                 else []
             )
             pending = [(i, out[0]) for i, out in zip(going_on, samples, strict=True)]
-        return self.assemble(prompt_ids, prompts, rows, group_size, paths)
+        rollout = self.assemble(prompt_ids, prompts, rows, group_size, paths)
+        return replace(rollout, sampling=sampling_of(self.config, temperature))
 
     def assemble(
         self,
