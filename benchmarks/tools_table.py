@@ -36,8 +36,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "eval_accuracy_last": evals[-1]["eval/accuracy"] if evals else math.nan,
         "eval_examples": evals[0]["eval/examples"] if evals else 0,
         "eval_steps": [r["step"] for r in evals],
-        "call_frac_train": mean("tools/call_frac"),
-        "error_rate_train": mean("tools/error_rate"),
+        "call_frac_by_step": [r.get("tools/call_frac", math.nan) for r in steps],
+        "error_rate_by_step": [r.get("tools/error_rate", math.nan) for r in steps],
+        "frac_zero_std_by_step": [r["frac_zero_std"] for r in steps],
         "call_frac_eval": [r.get("eval/tools/call_frac", math.nan) for r in evals],
     }
 
