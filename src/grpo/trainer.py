@@ -1072,6 +1072,13 @@ def empty_rollout(group_size: int) -> Rollout:
     return Rollout(ids, mask, ids, mask, torch.zeros(0, dtype=torch.bool), [], [], [], group_size)
 
 
+def _kind(value: Any) -> Any:
+    """What a gathered field holds: a tensor's dtype, "list", or None."""
+    if isinstance(value, Tensor):
+        return value.dtype
+    return "list" if isinstance(value, list) else None
+
+
 def gather_scored(scored: Scored) -> Scored:
     """Every rank's scored groups concatenated in rank order (itself on one process).
 
@@ -1086,11 +1093,15 @@ def gather_scored(scored: Scored) -> Scored:
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            # a rank without prompts this round has no sampler log-probs; the others decide
-            if f.name in skip or not distributed.all_reduce(value is not None, "max"):
+            if f.name in skip:
+                continue
+            # a rank without prompts this round has None where the others have rows (sampler
+            # log-probs, multi-turn masks and turns): it sends an empty value of their kind
+            kinds = [k for k in distributed.all_gather_list([_kind(value)]) if k is not None]
+            if not kinds:
                 continue
             if value is None:
-                value = torch.zeros(0, 1)
+                value = [] if kinds[0] == "list" else torch.zeros(0, 1, dtype=kinds[0])
             if f.name in ("prompt_ids", "prompt_mask"):
                 width = int(distributed.all_reduce(value.shape[1], "max"))
                 value = torch.nn.functional.pad(value, (width - value.shape[1], 0))
@@ -1100,7 +1111,13 @@ def gather_scored(scored: Scored) -> Scored:
                 out[f.name] = distributed.all_gather_list(value)
         return out
 
-    rollout = dataclasses.replace(scored.rollout, **gather(scored.rollout, set()))
+    # the sampling controls of a rank that sampled (a rank without prompts has the defaults)
+    sampled = distributed.all_gather_list(
+        [(scored.rollout.num_completions, scored.rollout.sampling)]
+    )
+    sampling = next((s for n, s in sampled if n), scored.rollout.sampling)
+    gathered = gather(scored.rollout, {"sampling"})
+    rollout = dataclasses.replace(scored.rollout, sampling=sampling, **gathered)
     errors = {
         name: int(distributed.all_reduce(scored.errors.get(name, 0)))
         for name in scored.function_names
