@@ -175,3 +175,32 @@ def test_completion_logprobs_defaults_and_the_windowed_path(tiny_model_dir, monk
     with torch.no_grad():
         completion_logprobs(model, *batch)
     assert calls == []
+
+
+class _Wrapper(torch.nn.Module):
+    """A DDP-like wrapper: the model (and its config) on ``.module``, or no config at all."""
+
+    def __init__(self, model: torch.nn.Module, expose: bool) -> None:
+        super().__init__()
+        if expose:
+            self.module = model
+        else:
+            self.inner = model
+
+    def forward(self, **kwargs):
+        return (self.module if hasattr(self, "module") else self.inner)(**kwargs)
+
+
+def test_wrapped_models_pack_and_models_without_a_config_do_not(tiny_model_dir, monkeypatch):
+    import grpo.logprobs as logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    calls = []
+    monkeypatch.setattr(
+        logprobs, "full_sequence_logprobs", lambda *a, **k: calls.append(1) or (None, None)
+    )
+    with torch.no_grad():
+        completion_logprobs(_Wrapper(model, expose=True), *_padded_batch())
+        assert calls == []  # the config is found on .module: packed
+        completion_logprobs(_Wrapper(model, expose=False), *_padded_batch())
+        assert calls == [1]  # no config: nothing says a custom mask is safe
