@@ -374,11 +374,11 @@ def test_observation_tokens_get_exactly_zero_weight(tiny_model_dir) -> None:
 # ------------------------------------------------------------------------------ scripted policy
 
 
-@pytest.fixture(scope="module")
-def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
-    """The tiny model trained to replay: question -> CALL -> (tool output) -> ANSWER + EOS."""
-    tokenizer = load_tokenizer(tiny_model_dir)
-    model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
+def train_scripted(model_dir: Path, out: Path) -> Path:
+    """The model at ``model_dir`` trained to replay: question -> CALL -> (tool output) -> ANSWER
+    + EOS, saved at ``out``."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_policy(ModelConfig(name=str(model_dir)), str(model_dir))
     text = render_prompt(tokenizer, QUESTION, None) + CALL
     text += template_observation(tokenizer, "408") + ANSWER
     ids = torch.tensor(
@@ -393,10 +393,14 @@ def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
         optimizer.step()
         if loss.item() < 5e-3:  # ~70 steps; the whole exchange then has probability ~0.7
             break
-    out = tmp_path_factory.mktemp("scripted")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    return train_scripted(tiny_model_dir, tmp_path_factory.mktemp("scripted"))
 
 
 def test_hf_engine_replays_the_scripted_exchange(scripted_model_dir: Path) -> None:
@@ -571,11 +575,15 @@ def test_vllm_greedy_turns_ask_for_one_sample_per_request(tiny_model_dir) -> Non
 
 
 @pytest.mark.slow
-def test_real_vllm_replays_the_scripted_exchange(scripted_model_dir: Path) -> None:
-    """vLLM's CPU build (when installed): greedy turns match the HF engine's."""
+def test_real_vllm_replays_the_scripted_exchange(tmp_path: Path) -> None:
+    """vLLM's CPU build (when installed): greedy turns replay the scripted exchange."""
     pytest.importorskip("vllm")
+    from grpo.models import build_tiny_model
     from grpo.rollout.vllm import VLLMEngine
 
+    # vLLM's CPU attention takes head sizes like 64, not the tiny model's 16
+    wide = build_tiny_model(tmp_path / "wide", hidden_size=256)
+    scripted_model_dir = train_scripted(wide, tmp_path / "scripted")
     tokenizer = load_tokenizer(scripted_model_dir)
     model = load_policy(ModelConfig(name=str(scripted_model_dir)), str(scripted_model_dir))
     config = _rollout_config(vllm_gpu_memory_utilization=0.1, vllm_dtype="float32")
