@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,8 +138,13 @@ def evaluate(
     rows: list[dict[str, Any]],
     system_prompt: str | None,
     settings: EvalSettings = EvalSettings(),
+    complete: Callable[[list[str]], list[str]] | None = None,
 ) -> dict[str, float]:
-    """Greedy accuracy (and pass@k / maj@k when settings.samples > 1) over ``rows``."""
+    """Greedy accuracy (and pass@k / maj@k when settings.samples > 1) over ``rows``.
+
+    ``complete`` maps rendered prompts to greedy answers in place of plain generation (the
+    trainer's multi-turn tool loop); pass@k and maj@k need plain generation.
+    """
     prompts = [render_prompt(tokenizer, r["prompt"], system_prompt) for r in rows]
     golds = [r.get("answer") for r in rows]
     if any(g is None for g in golds):
@@ -147,7 +152,11 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        greedy = [group[0] for group in _generate(model, tokenizer, prompts, settings, 1, True)]
+        greedy = (
+            complete(prompts)
+            if complete is not None
+            else [group[0] for group in _generate(model, tokenizer, prompts, settings, 1, True)]
+        )
         sampled = (
             _generate(model, tokenizer, prompts, settings, settings.samples, False)
             if settings.samples > 1

@@ -40,6 +40,8 @@ from grpo.models import (
 from grpo.processors import Sampling
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, render_prompt
+from grpo.rollout.hf import HFEngine
+from grpo.rollout.turns import MultiTurnEngine, greedy_answers, tool_metrics
 from grpo.run_dir import (
     Checkpoint,
     RunDir,
@@ -114,6 +116,7 @@ class MicroBatch:
     prompt_mask: Tensor
     completion_ids: Tensor
     completion_mask: Tensor
+    loss_mask: Tensor  # completion_mask without tool outputs and template tokens (multi-turn)
     advantages: Tensor
     sampling: Sampling  # the controls the rollout was sampled under: the log-probs' distribution
 
@@ -149,6 +152,7 @@ def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[Micro
                 prompt_mask=pm[:, -s_keep:],
                 completion_ids=rollout.completion_ids[idx, :t_keep],
                 completion_mask=cm[:, :t_keep],
+                loss_mask=rollout.loss_mask[idx, :t_keep],
                 advantages=advantages[idx],
                 sampling=rollout.sampling,
             )
@@ -384,6 +388,8 @@ class Trainer:
             tokenizer=self.tokenizer,
             config=config.rollout,
         )
+        if config.rollout.tools and not isinstance(self.engine, MultiTurnEngine):
+            self.engine = MultiTurnEngine(self.engine, self.tokenizer, config.rollout)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params,
@@ -472,8 +478,10 @@ class Trainer:
             for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
         ]
         prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
+        if rollout.turns is not None:
+            columns["turns"] = rollout.turns  # rewards judge rollout.answers, the last turns
         if rollout.rows:
-            out = self.rewards(rollout.completions, prompts, columns, ids)
+            out = self.rewards(rollout.answers, prompts, columns, ids)
         else:  # this rank has no prompt this round; it still joins the collectives below
             names = self.rewards.names
             out = RewardOutput(torch.zeros(0, len(names)), names, torch.zeros(len(names)), {})
@@ -582,7 +590,7 @@ class Trainer:
             if cfg.mask_truncated_completions
             else torch.ones_like(rollout.truncated)
         )
-        counted = rollout.completion_mask & keep[:, None]
+        counted = rollout.loss_mask & keep[:, None]
         keep = keep.to(self.dist.device)
         normalizer = algorithm.Normalizer(
             num_sequences=rollout.num_completions,
@@ -606,7 +614,7 @@ class Trainer:
                     old = logp.detach() if old_all is None else old_all[mb.index, :t]
                     ref = None if ref_all is None else ref_all[mb.index, :t]
                     sampler = None if sampler_all is None else sampler_all[mb.index, :t]
-                    loss_mask = mb.completion_mask & keep[mb.index, None]
+                    loss_mask = mb.loss_mask & keep[mb.index, None]
                     weights = None
                     if sampler is not None and cfg.tis_cap is not None:
                         weights = algorithm.truncated_importance_weights(old, sampler, cfg.tis_cap)
@@ -668,6 +676,8 @@ class Trainer:
             "truncated_frac": float(rollout.truncated.float().mean()),
             "reflection_rate": reflection_rate(rollout.completions),
         }
+        if rollout.turns is not None:
+            out.update(tool_metrics(rollout.turns))
         for k, name in enumerate(scored.function_names):
             column = scored.per_function[:, k]
             valid = column[~column.isnan()]
@@ -700,6 +710,8 @@ class Trainer:
                     "truncated": bool(scored.rollout.truncated[i]),
                 }
             )
+            if scored.rollout.turns is not None:
+                records[-1]["turns"] = scored.rollout.turns[i]
         self.run.write_completions(self.step, records)
 
     def _manifest_meta(self) -> dict[str, Any]:
@@ -903,11 +915,29 @@ class Trainer:
         """``eval/*`` metrics of the current policy on the held-out rows (see grpo.eval)."""
         t0 = time.perf_counter()
         settings = settings_for(self.config, self.config.train.eval_samples)
+        complete, turns = None, []
+        if self.config.rollout.tools:
+            # greedy answers through the same tool loop as the rollouts
+            rollout_cfg = self.config.rollout
+            engine = MultiTurnEngine(
+                HFEngine(self.policy, self.tokenizer, rollout_cfg),
+                self.tokenizer,
+                rollout_cfg,
+                greedy=True,
+            )
+
+            def complete(prompts: list[str]) -> list[str]:
+                answers, seen = greedy_answers(engine, prompts, settings.batch_size)
+                turns.extend(seen)
+                return answers
+
         # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
         with distributed.full_parameters(self.policy):
             result = evaluate(
-                self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings
+                self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings, complete
             )
+        if turns:
+            result.update(tool_metrics(turns))
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
         return out
