@@ -243,3 +243,68 @@ def test_full_sequences_with_padding_match_each_row_alone(model, which: str) -> 
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             expected, _ = _naive(net, p, c, 1.0)
             assert torch.allclose(logp[i, : len(c)], expected, atol=1e-5), i
+
+
+def _padded_batch() -> tuple[torch.Tensor, ...]:
+    prompt_ids = torch.tensor([[0, 10, 11, 12], [20, 21, 22, 23]])
+    prompt_mask = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    completion_ids = torch.tensor([[30, 31, 0], [40, 41, 42]])
+    completion_mask = torch.tensor([[True, True, False], [True, True, True]])
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def test_completion_logprobs_defaults_and_the_windowed_path(tiny_model_dir, monkeypatch) -> None:
+    import grpo.logprobs as logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    batch = _padded_batch()
+    mask = batch[3]
+    with torch.no_grad():
+        packed, entropy = completion_logprobs(model, *batch)  # defaults: T 1, no entropy
+        at_one, _ = completion_logprobs(model, *batch, 1.0)
+        full, _ = full_sequence_logprobs(model, *batch)
+        assert entropy is None and torch.equal(packed, at_one)
+        assert torch.allclose(packed[mask], full[mask], atol=1e-5)
+        # a sliding window sends the batch through full sequences, arguments and all
+        model.config.sliding_window = 4
+        windowed = completion_logprobs(model, *batch, 0.7, with_entropy=True)
+        expected = full_sequence_logprobs(model, *batch, 0.7, with_entropy=True)
+    assert torch.equal(windowed[0], expected[0]) and torch.equal(windowed[1], expected[1])
+    # a window the config turns off (Qwen2's use_sliding_window: false) packs again
+    calls = []
+    monkeypatch.setattr(
+        logprobs, "full_sequence_logprobs", lambda *a, **k: calls.append(1) or (None, None)
+    )
+    model.config.use_sliding_window = False
+    with torch.no_grad():
+        completion_logprobs(model, *batch)
+    assert calls == []
+
+
+class _Wrapper(torch.nn.Module):
+    """A DDP-like wrapper: the model (and its config) on ``.module``, or no config at all."""
+
+    def __init__(self, model: torch.nn.Module, expose: bool) -> None:
+        super().__init__()
+        if expose:
+            self.module = model
+        else:
+            self.inner = model
+
+    def forward(self, **kwargs):
+        return (self.module if hasattr(self, "module") else self.inner)(**kwargs)
+
+
+def test_wrapped_models_pack_and_models_without_a_config_do_not(tiny_model_dir, monkeypatch):
+    import grpo.logprobs as logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    calls = []
+    monkeypatch.setattr(
+        logprobs, "full_sequence_logprobs", lambda *a, **k: calls.append(1) or (None, None)
+    )
+    with torch.no_grad():
+        completion_logprobs(_Wrapper(model, expose=True), *_padded_batch())
+        assert calls == []  # the config is found on .module: packed
+        completion_logprobs(_Wrapper(model, expose=False), *_padded_batch())
+        assert calls == [1]  # no config: nothing says a custom mask is safe

@@ -285,10 +285,11 @@ def _two_turn_rollout(tokenizer) -> tuple[Rollout, int, int, int]:
     return rollout, len(prompt), len(call), len(shown)
 
 
-def test_trainer_gradient_equals_a_loop_over_the_models_own_tokens(tiny_config) -> None:
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_trainer_gradient_equals_a_loop_over_the_models_own_tokens(tiny_config, loss_type) -> None:
     config = tiny_config(
         rollout={"tools": ["python"], "group_size": 2},
-        algorithm={"beta": 0.0},
+        algorithm={"beta": 0.0, "loss_type": loss_type},
         optim={"max_grad_norm": None, "micro_batch_size": 2},
     )
     trainer = Trainer(config)
@@ -300,13 +301,15 @@ def test_trainer_gradient_equals_a_loop_over_the_models_own_tokens(tiny_config) 
     trainer.optimize(scored)
     got = {k: p.grad.detach().clone() for k, p in trainer.policy.named_parameters()}
 
-    # reference: a fresh copy of the starting weights; loss_type grpo, one on-policy pass
-    # (ratio 1, gradient of ratio = gradient of logp): loss = -1/G sum_i A_i mean_t logp_i,t
-    # over the model's own tokens t, each log-prob from one forward over the whole sequence
+    # reference: a fresh copy of the starting weights, one on-policy pass (ratio 1, gradient of
+    # ratio = gradient of logp): grpo: loss = -1/G sum_i A_i mean_t logp_i,t; dapo: loss =
+    # -sum_i A_i sum_t logp_i,t / (own tokens of both); t runs over the model's own tokens only,
+    # each log-prob from one forward over the whole sequence
     model = load_policy(ModelConfig(name=config.model.name), config.model.name)
     model.load_state_dict(start)
     model.train()
     loss = torch.zeros(())
+    own_total = int(rollout.loss_mask.sum())
     for i in range(2):
         n = int(rollout.completion_mask[i].sum())
         seq = torch.cat([rollout.prompt_ids[i], rollout.completion_ids[i, :n]])[None]
@@ -314,8 +317,11 @@ def test_trainer_gradient_equals_a_loop_over_the_models_own_tokens(tiny_config) 
         logp = torch.log_softmax(logits, dim=-1)
         s = rollout.prompt_ids.shape[1]
         own = [t for t in range(n) if not n_call <= t < n_call + n_shown]
-        terms = [logp[s + t - 1, rollout.completion_ids[i, t]] for t in own]
-        loss = loss - advantages[i] * torch.stack(terms).mean() / 2
+        terms = torch.stack([logp[s + t - 1, rollout.completion_ids[i, t]] for t in own])
+        if loss_type == "grpo":
+            loss = loss - advantages[i] * terms.mean() / 2
+        else:
+            loss = loss - advantages[i] * terms.sum() / own_total
     loss.backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
@@ -368,11 +374,11 @@ def test_observation_tokens_get_exactly_zero_weight(tiny_model_dir) -> None:
 # ------------------------------------------------------------------------------ scripted policy
 
 
-@pytest.fixture(scope="module")
-def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
-    """The tiny model trained to replay: question -> CALL -> (tool output) -> ANSWER + EOS."""
-    tokenizer = load_tokenizer(tiny_model_dir)
-    model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
+def train_scripted(model_dir: Path, out: Path) -> Path:
+    """The model at ``model_dir`` trained to replay: question -> CALL -> (tool output) -> ANSWER
+    + EOS, saved at ``out``."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_policy(ModelConfig(name=str(model_dir)), str(model_dir))
     text = render_prompt(tokenizer, QUESTION, None) + CALL
     text += template_observation(tokenizer, "408") + ANSWER
     ids = torch.tensor(
@@ -387,10 +393,14 @@ def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
         optimizer.step()
         if loss.item() < 5e-3:  # ~70 steps; the whole exchange then has probability ~0.7
             break
-    out = tmp_path_factory.mktemp("scripted")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    return train_scripted(tiny_model_dir, tmp_path_factory.mktemp("scripted"))
 
 
 def test_hf_engine_replays_the_scripted_exchange(scripted_model_dir: Path) -> None:
@@ -565,11 +575,15 @@ def test_vllm_greedy_turns_ask_for_one_sample_per_request(tiny_model_dir) -> Non
 
 
 @pytest.mark.slow
-def test_real_vllm_replays_the_scripted_exchange(scripted_model_dir: Path) -> None:
-    """vLLM's CPU build (when installed): greedy turns match the HF engine's."""
+def test_real_vllm_replays_the_scripted_exchange(tmp_path: Path) -> None:
+    """vLLM's CPU build (when installed): greedy turns replay the scripted exchange."""
     pytest.importorskip("vllm")
+    from grpo.models import build_tiny_model
     from grpo.rollout.vllm import VLLMEngine
 
+    # vLLM's CPU attention takes head sizes like 64, not the tiny model's 16
+    wide = build_tiny_model(tmp_path / "wide", hidden_size=256)
+    scripted_model_dir = train_scripted(wide, tmp_path / "scripted")
     tokenizer = load_tokenizer(scripted_model_dir)
     model = load_policy(ModelConfig(name=str(scripted_model_dir)), str(scripted_model_dir))
     config = _rollout_config(vllm_gpu_memory_utilization=0.1, vllm_dtype="float32")
