@@ -14,12 +14,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
-# once `make vllm` has installed vLLM, training rolls out with it: 1.84x the HF engine's
-# tokens/s on SmolLM2, weight pushes included (README, vLLM rollouts)
-ENGINE = $(shell $(PY) -c "import importlib.util as u; print('rollout.engine=vllm' if u.find_spec('vllm') else '')")
-
 train: $(STAMP)
-	.venv/bin/grpo train $(ENGINE)
+	.venv/bin/grpo train
 
 test: $(STAMP)
 	$(PY) -m pytest -q
