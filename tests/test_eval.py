@@ -25,6 +25,7 @@ from grpo.eval import (
     score_samples,
 )
 from grpo.models import load_tokenizer
+from grpo.prompts import PromptFormat
 from grpo.trainer import train
 
 # ------------------------------------------------------------------------------------ pass@k
@@ -137,7 +138,7 @@ def test_evaluate_with_scripted_model(tiny_model_dir: Path) -> None:
         {"prompt": "What is 4 * 4?", "answer": "16"},  # even: right
     ]
     settings = EvalSettings(samples=3, max_new_tokens=32, batch_size=4)
-    out = evaluate(model, tokenizer, rows, "sys", settings)
+    out = evaluate(model, tokenizer, rows, PromptFormat(system="sys"), settings)
     assert out["accuracy"] == pytest.approx(2 / 3, abs=1e-12)
     assert out["answer_rate"] == 1.0
     # samples 0 and 2 of 3 are right on every problem: c = 2, n = 3

@@ -63,6 +63,14 @@ class DataConfig(Section):
     """Column holding the gold answer; passed to rewards as `answer`."""
     system_prompt: str | None = None
     """System message put before string prompts (overrides the task's own)."""
+    template: str | None = None
+    """Prompt template: a built-in name (`r1_zero`) or text with `{column}` fields filled from each row (`{prompt}`, `{system}`, any data column). See README, Prompt templates."""
+    chat_template: bool | None = None
+    """Wrap prompts in the tokenizer's chat template: null = when it has one and `template` is unset; true = always (the filled template is the user message); false = never (plain text)."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for the chat template (e.g. `enable_thinking: false`)."""
+    response_prefix: str = ""
+    """Text appended after the rendered prompt, where the answer starts (e.g. `<answer>`); a tag it opens counts as part of the completion for rewards and eval."""
     num_examples: int | None = Field(None, ge=1)
     """Use only the first N rows (after task generation)."""
     shuffle: bool = True

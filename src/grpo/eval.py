@@ -29,8 +29,8 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config
 from grpo.data import DataError, load_dataset_rows, system_prompt_for
+from grpo.prompts import PromptFormat, prompt_format_for, scored_texts
 from grpo.rewards.accuracy import AccuracyReward, answers_match, extract_answer
-from grpo.rollout import render_prompt
 from grpo.rollout.hf import eos_ids
 
 
@@ -139,20 +139,28 @@ def evaluate(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict[str, Any]],
-    system_prompt: str | None,
+    prompt_format: PromptFormat,
     settings: EvalSettings = EvalSettings(),
 ) -> dict[str, float]:
     """Greedy accuracy (and pass@k / maj@k when settings.samples > 1) over ``rows``."""
-    prompts = [render_prompt(tokenizer, r["prompt"], system_prompt) for r in rows]
+    prompts = [prompt_format.render(tokenizer, r) for r in rows]
     golds = [r.get("answer") for r in rows]
     if any(g is None for g in golds):
         raise DataError("evaluation rows need an 'answer' column")
     was_training = model.training
     model.eval()
     try:
-        greedy = [group[0] for group in _generate(model, tokenizer, prompts, settings, 1, True)]
+        raw = [group[0] for group in _generate(model, tokenizer, prompts, settings, 1, True)]
+        greedy = scored_texts(prompts, raw)  # judged with the tag the prompt opened
         sampled = (
-            _generate(model, tokenizer, prompts, settings, settings.samples, False)
+            [
+                scored_texts([p] * len(group), group)
+                for p, group in zip(
+                    prompts,
+                    _generate(model, tokenizer, prompts, settings, settings.samples, False),
+                    strict=True,
+                )
+            ]
             if settings.samples > 1
             else None
         )
@@ -164,7 +172,8 @@ def evaluate(
         )
         / len(rows),
         "answer_rate": sum(extract_answer(c, ("answer",)) is not None for c in greedy) / len(rows),
-        "completion_len": sum(len(tokenizer(c).input_ids) for c in greedy) / len(rows),
+        "completion_len": sum(len(tokenizer(c, add_special_tokens=False).input_ids) for c in raw)
+        / len(rows),
         "examples": float(len(rows)),
     }
     if sampled is not None:
@@ -216,4 +225,5 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     path = resolve_model_path(config.model.name)
     model = load_policy(ModelConfig(name=path, dtype=config.model.dtype), path)
     settings = settings_for(config, samples)
-    return evaluate(model, load_tokenizer(path), rows, system_prompt_for(config.data), settings)
+    prompt_format = prompt_format_for(config.data, system_prompt_for(config.data))
+    return evaluate(model, load_tokenizer(path), rows, prompt_format, settings)

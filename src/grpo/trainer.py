@@ -38,8 +38,9 @@ from grpo.models import (
     resolve_model_path,
     save_hf,
 )
+from grpo.prompts import prompt_format_for, scored_texts
 from grpo.rewards import RewardRunner
-from grpo.rollout import RolloutEngine, build_engine, render_prompt
+from grpo.rollout import RolloutEngine, build_engine
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
@@ -272,7 +273,7 @@ class Trainer:
         random.seed(config.train.seed)
         # everything that can fail on bad input happens before the run directory is touched
         self.rows = load_dataset_rows(config.data, config.train.seed)
-        self.system_prompt = system_prompt_for(config.data)
+        self.prompt_format = prompt_format_for(config.data, system_prompt_for(config.data))
         self.eval_rows = (
             heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
         )
@@ -280,6 +281,7 @@ class Trainer:
         self.resume_from = resolve_resume(config)
         model_path = resolve_model_path(config.model.name)
         self.tokenizer = load_tokenizer(model_path)
+        self.prompt_format.check(self.tokenizer, self.rows)
         self.policy = load_policy(config.model, model_path).to(self.dist.device)
         self.policy.train()
         self.reference = Reference(self.policy) if config.algorithm.beta > 0 else None
@@ -329,7 +331,7 @@ class Trainer:
         start, stop = distributed.shard_bounds(len(draws), self.dist.rank, self.dist.world_size)
         rows = [self.rows[d.index] for d in draws[start:stop]]
         seeds = [sampling_seed(self.config.train.seed, d.position) for d in draws[start:stop]]
-        prompts = [render_prompt(self.tokenizer, r["prompt"], self.system_prompt) for r in rows]
+        prompts = [self.prompt_format.render(self.tokenizer, r) for r in rows]
         # HF generate on an FSDP2 policy needs whole weights: ranks stop decoding at different steps
         gather = self.config.rollout.engine == "hf"
         params = distributed.full_parameters(self.policy) if gather else contextlib.nullcontext()
@@ -347,7 +349,9 @@ class Trainer:
             for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
         ]
         prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
-        out = self.rewards(rollout.completions, prompts, columns, ids)
+        # a completion that starts inside a tag the prompt opened is judged with that tag
+        texts = scored_texts(rollout.prompts, rollout.completions)
+        out = self.rewards(texts, prompts, columns, ids)
         total = out.total
         # on every rank's rewards, so that scale_rewards=batch uses the global batch std; the
         # groups are whole on each rank, so group statistics are unchanged
@@ -716,7 +720,7 @@ class Trainer:
         # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
         with distributed.full_parameters(self.policy):
             result = evaluate(
-                self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings
+                self.policy, self.tokenizer, self.eval_rows, self.prompt_format, settings
             )
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
