@@ -5,9 +5,11 @@ MFU here is the usual "model FLOPs" estimate, not a hardware counter:
 - a forward pass costs ``2 * P`` FLOPs per token and forward + backward ``6 * P``, where ``P``
   counts the parameters that take part in matrix products (the input embedding is a lookup, the
   LM head is a product; with tied embeddings they are one tensor, counted once);
-- the update is charged for every real token of every trained sequence (prompt + completion), as
-  if each sequence were computed on its own: work the engine saves (a prompt computed once for
-  its whole group) shows up as a higher MFU, which is the point of measuring it;
+- the update is charged for the positions its forwards actually computed (read from the
+  model's inputs and outputs: a packed group's prompt once, padding included) with the decoder
+  body's parameters, plus the LM head on the positions whose logits were computed; a
+  recomputation for gradient checkpointing is not counted (model FLOPs, not hardware FLOPs),
+  and neither is attention's own score arithmetic;
 - rollout is charged ``2 * P`` per generated (unmasked) completion token.
 The peak is a float32 matrix product measured in the same process, at the same moment, so a
 machine shared with other jobs is measured against what it could give at that time.
@@ -101,9 +103,16 @@ def mfu(flops_per_token: float, tokens: float, seconds: float, peak_flops: float
     return flops_per_token * tokens / seconds / peak_flops
 
 
-def update_flops_per_token(params: int) -> float:
-    """Forward + backward: 2 FLOPs per parameter forward, 4 backward."""
-    return 6.0 * params
+def head_params(model: nn.Module) -> int:
+    """Parameters of the LM head (the output projection)."""
+    out = model.get_output_embeddings()
+    return 0 if out is None else out.weight.numel()
+
+
+def update_flops(params: int, head: int, positions: int, logits: int) -> float:
+    """Forward + backward (6 FLOPs per parameter and token) of the decoder body over
+    ``positions`` and of the LM head (``head`` of the ``params``) over ``logits`` positions."""
+    return 6.0 * ((params - head) * positions + head * logits)
 
 
 def rollout_flops_per_token(params: int) -> float:

@@ -63,11 +63,13 @@ def config_tree(setup: dict[str, Any], steps: int, seed: int, output_dir: str) -
 
 
 class StepClock:
-    """Wraps a trainer's stages to record the rollout and the frozen log-prob time of a step."""
+    """Wraps a trainer's stages to record the rollout and the frozen log-prob time of a step, and
+    counts the positions the update's forwards compute (forwards with gradients)."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.frozen_s = 0.0
         self.scored = None
+        self.positions = self.logits = 0
         frozen, score = trainer.frozen_logprobs, trainer.score
 
         def timed_frozen(*args: Any, **kwargs: Any) -> Any:
@@ -81,11 +83,18 @@ class StepClock:
             self.scored = score(*args, **kwargs)
             return self.scored
 
+        def count(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+            if torch.is_grad_enabled():  # rollout and frozen log-probs run without gradients
+                self.positions += kwargs["input_ids"].numel()
+                self.logits += output.logits.shape[0] * output.logits.shape[1]
+
         trainer.frozen_logprobs = timed_frozen
         trainer.score = keep_scored
+        trainer.policy.register_forward_hook(count, with_kwargs=True)
 
     def reset(self) -> None:
         self.frozen_s, self.scored = 0.0, None
+        self.positions = self.logits = 0
 
 
 def module_mb(model: torch.nn.Module | None) -> float:
@@ -123,6 +132,8 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
                 "update_s": metrics["time/train_s"] - clock.frozen_s,
                 "generated_tokens": completion_tokens,
                 "trained_tokens": completion_tokens + int(rollout.prompt_mask.sum()),
+                "update_positions": clock.positions,
+                "update_logits": clock.logits,
                 "reward": metrics["reward/mean"],
                 "kl": metrics.get("kl", 0.0),
                 "completion_len": metrics["completion_len/mean"],
@@ -164,7 +175,15 @@ def summarize(
             peak,
         ),
         "mfu_update": common.mfu(
-            common.update_flops_per_token(params), total["trained_tokens"], total["update_s"], peak
+            common.update_flops(
+                params,
+                common.head_params(trainer.policy),
+                total["update_positions"],
+                total["update_logits"],
+            ),
+            tokens=1,  # the FLOPs are the whole update's
+            seconds=total["update_s"],
+            peak_flops=peak,
         ),
         "reference_mb": module_mb(reference),
         "peak_rss_mb": common.peak_rss_mb(),

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random model and tokenizer built locally (no downloads)."""
+"""Shared fixtures: a tiny random model and tokenizer built locally (no downloads), a reward
+that model can move from its first step, and a check that training really moved the weights."""
 
 from __future__ import annotations
 
@@ -6,9 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch import nn
 
 from grpo.config import Config, build_config
 from grpo.models import build_tiny_model
+
+TOY_REWARDS = Path(__file__).with_name("toy_rewards.py")
+# a reward with within-group variance from step 1 (see toy_rewards.py): with it every group has a
+# non-zero advantage, so loss, gradient and the weights move on every step
+TRAINABLE_REWARD = {"name": f"{TOY_REWARDS}:lowercase_share"}
 
 
 @pytest.fixture(scope="session")
@@ -25,14 +33,27 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
 
 
 @pytest.fixture
+def trainable_reward() -> dict:
+    """A rewards section with only the trainable reward (``reward/lowercase_share/mean``)."""
+    return {"functions": [dict(TRAINABLE_REWARD)]}
+
+
+@pytest.fixture
 def tiny_config(tiny_model_dir: Path, tmp_path: Path):
-    """A factory: tiny_config(**sections) -> Config for a fast run in tmp_path."""
+    """A factory: tiny_config(**sections) -> Config for a fast run in tmp_path.
+
+    The default rewards are the arithmetic task's (format, accuracy), which the random model
+    never earns, plus the trainable reward, so a run with the defaults really trains.
+    """
 
     def make(**sections: dict) -> Config:
         tree: dict = {
             "model": {"name": str(tiny_model_dir)},
             "data": {"task": "arithmetic", "task_args": {"size": 64}},
             "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12},
+            "rewards": {
+                "functions": [{"name": "format"}, {"name": "accuracy"}, dict(TRAINABLE_REWARD)]
+            },
             "optim": {"lr": 1e-3, "micro_batch_size": 4},
             "train": {
                 "steps": 2,
@@ -47,3 +68,44 @@ def tiny_config(tiny_model_dir: Path, tmp_path: Path):
         return build_config(tree)
 
     return make
+
+
+class Weights:
+    """Snapshots of a model's weights, and the check every training test starts with."""
+
+    @staticmethod
+    def of(source: Path | nn.Module) -> dict[str, torch.Tensor]:
+        """A copy of the weights of a module, or of the safetensors files of an HF folder."""
+        if isinstance(source, nn.Module):
+            return {k: v.detach().clone() for k, v in source.state_dict().items()}
+        out: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(source).glob("*.safetensors")):
+            out.update(load_file(file))
+        assert out, f"no weights in {source}"
+        return out
+
+    @staticmethod
+    def assert_moved(
+        before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], atol: float = 1e-4
+    ) -> float:
+        """Training changed some weight by more than ``atol``; returns the largest change.
+
+        A trainer test whose weights never move passes for any trainer: assert this first.
+        """
+        shared = before.keys() & after.keys()
+        assert shared, "the two snapshots share no weight name"
+        moved = max(float((after[k].float() - before[k].float()).abs().max()) for k in shared)
+        assert moved > atol, f"training did not move the weights (largest change {moved:.2e})"
+        return moved
+
+    @staticmethod
+    def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+        """Bit-identical weights under the same names."""
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture
+def weights() -> type[Weights]:
+    return Weights

@@ -100,6 +100,19 @@ def test_aggregations_by_hand() -> None:
     assert torch.allclose(_loss("dr_grpo"), torch.tensor(-0.125), atol=1e-6)
 
 
+def test_dr_grpo_budget_defaults_to_the_batch_length_and_is_required_when_given() -> None:
+    # no normalizer: the batch is the step and its T = 3 slots are the budget;
+    # token sum -1 over 2 sequences x 3 -> -1/6 (not -1/2, the sum over sequences alone)
+    loss, _ = policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), ADV, MASK, loss_type="dr_grpo")
+    assert torch.allclose(loss, torch.tensor(-1 / 6), atol=1e-6)
+    # step-wide counts without the budget: an error, never a silent constant
+    norm = Normalizer(num_sequences=2, num_tokens=5.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        policy_loss(
+            torch.zeros(2, 3), torch.zeros(2, 3), ADV, MASK, loss_type="dr_grpo", normalizer=norm
+        )
+
+
 def test_clipping_by_hand() -> None:
     adv = torch.tensor([1.0, -1.0, -1.0])
     mask = torch.ones(3, 1, dtype=torch.bool)
@@ -215,7 +228,7 @@ def test_micro_batches_sum_to_the_full_batch(loss_type: str) -> None:
     mask[:, 0] = True
     full = policy_loss(logp, old, adv, mask, loss_type=loss_type)[0]
     norm = Normalizer(
-        num_sequences=4, num_tokens=float(mask.sum()), num_micro_batches=2, max_new_tokens=1
+        num_sequences=4, num_tokens=float(mask.sum()), num_micro_batches=2, max_new_tokens=5
     )
     parts = sum(
         policy_loss(logp[s], old[s], adv[s], mask[s], loss_type=loss_type, normalizer=norm)[0]

@@ -11,10 +11,11 @@ from benchmarks import common
 
 
 def test_mfu_is_achieved_flops_over_peak() -> None:
-    # 6 * 1e6 params = 6e6 FLOPs per token; 1000 tokens in 2 s = 3e9 FLOP/s; peak 1e10 -> 0.3
-    assert common.mfu(common.update_flops_per_token(1_000_000), 1000, 2.0, 1e10) == pytest.approx(
-        0.3
-    )
+    # 6 * (1e6 - 2e5 head) * 1000 positions + 6 * 2e5 * 100 logits = 4.92e9 FLOPs in 2 s
+    # = 2.46e9 FLOP/s; peak 1e10 -> 0.246
+    flops = common.update_flops(1_000_000, 200_000, positions=1000, logits=100)
+    assert flops == pytest.approx(4.92e9)
+    assert common.mfu(flops, 1, 2.0, 1e10) == pytest.approx(0.246)
     # rollout: 2 * 1e6 per token; 500 tokens in 1 s = 1e9 FLOP/s; peak 1e10 -> 0.1
     assert common.mfu(common.rollout_flops_per_token(1_000_000), 500, 1.0, 1e10) == pytest.approx(
         0.1
@@ -134,3 +135,15 @@ def test_options_summary_is_relative_to_the_first_variant() -> None:
     assert out["lean"]["step_time_ratio"] == pytest.approx(2.0)
     assert out["lean"]["peak_rss_ratio"] == pytest.approx(0.5)
     assert out["lean"]["overrides"] == ["train.malloc=return"]
+
+
+def test_update_mfu_counts_the_positions_computed(tiny_config) -> None:
+    # one step of G = 4 completions of 2 prompts, packed: each prompt is computed once per
+    # group, so fewer positions than prompt + completion per row (what the estimate charged)
+    from benchmarks import step
+
+    result = step.run(tiny_config(algorithm={"beta": 0.0}, train={"steps": 1}), warmup_peak_s=0.1)
+    (only,) = result["steps"]
+    assert only["generated_tokens"] < only["update_positions"] < only["trained_tokens"]
+    assert only["update_logits"] <= only["update_positions"]
+    assert 0 < result["mfu_update"] < 1

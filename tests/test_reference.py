@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grpo.config import ModelConfig
@@ -125,16 +124,17 @@ def test_trainer_refreshes_every_n_steps(tiny_config) -> None:
     assert [m["ref/refreshes"] for m in _metrics(run_dir)] == [0.0, 1.0, 1.0]
 
 
-def test_trainer_reference_equals_policy_right_after_a_refresh(tiny_config) -> None:
+def test_trainer_reference_equals_policy_right_after_a_refresh(tiny_config, weights) -> None:
     config = tiny_config(algorithm={"beta": 0.1, "ref_update_every": 1}, train={"steps": 2})
     trainer = Trainer(config)
+    start = weights.of(trainer.policy)
     trainer.train()
-    ref, pol = trainer.reference.copy.state_dict(), trainer.policy.state_dict()
-    for key in pol:
-        assert torch.equal(ref[key], pol[key]), key
+    pol = weights.of(trainer.policy)
+    weights.assert_moved(start, pol)  # else a reference never refreshed would also match
+    weights.assert_equal(weights.of(trainer.reference.copy), pol)
 
 
-def test_resume_restores_the_refreshed_reference(tiny_config, tmp_path) -> None:
+def test_resume_restores_the_refreshed_reference(tiny_config, tmp_path, weights) -> None:
     # refreshed at step 2, so step 3 starts with policy == reference (kl 0, and k3 has no
     # gradient there); step 4's kl measures the distance to it: a resume from step 2 that lost
     # the refreshed reference would log a different kl and end with different weights.
@@ -163,9 +163,6 @@ def test_resume_restores_the_refreshed_reference(tiny_config, tmp_path) -> None:
     assert strip(_metrics(straight)) == strip(_metrics(resumed))
     kls = [m["kl"] for m in _metrics(resumed)]
     assert kls[2] == 0.0 and kls[3] > 1e-6
-    a, b = (
-        load_file(straight / "final" / "model.safetensors"),
-        load_file(resumed / "final" / "model.safetensors"),
-    )
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    a, b = weights.of(straight / "final"), weights.of(resumed / "final")
+    weights.assert_moved(weights.of(tmp_path / "runs" / "b" / "checkpoints" / "step-2"), b)
+    weights.assert_equal(a, b)

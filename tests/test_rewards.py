@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import math
-import threading
-from pathlib import Path
 
 import pytest
-import torch
 
 from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards import REGISTRY, RewardError, RewardRunner, resolve_reward
@@ -137,83 +134,6 @@ def test_repetition():
     assert repeated_fraction([1], 3) == 0.0
     fn = resolve_reward(RewardSpec(name="repetition", args={"n": 3, "max_penalty": -2.0}))
     assert fn(["a b a b a b", "one two three four"], completion_ids=[[], []]) == [-1.0, 0.0]
-
-
-def test_runner_weights_none_and_errors(tmp_path: Path):
-    module = tmp_path / "user_rewards.py"
-    module.write_text(
-        "def flaky(completions, **kw):\n"
-        "    if completions[0] == 'boom':\n"
-        "        raise ValueError('bad')\n"
-        "    return [None if completions[0] == 'skip' else 0.25]\n"
-        "def wrong_length(completions, **kw):\n"
-        "    return [1.0, 2.0]\n"
-    )
-    runner = _runner(
-        RewardSpec(name="format", weight=2.0),
-        RewardSpec(name=f"{module}:flaky"),
-        RewardSpec(name=f"{module}:wrong_length"),
-        fallback=-0.5,
-    )
-    try:
-        out = runner(
-            ["<think>x</think><answer>1</answer>", "boom", "skip"], ["p"] * 3, {}, [[1]] * 3
-        )
-    finally:
-        runner.close()
-    assert out.names == ["format", "flaky", "wrong_length"]
-    # row 0: format 1 * 2 + flaky 0.25 + fallback -0.5 = 1.75
-    # row 1: format 0 + flaky raised -> -0.5, wrong_length -> -0.5 = -1.0
-    # row 2: format 0 + None (as 0) + -0.5 = -0.5
-    assert torch.allclose(out.total, torch.tensor([1.75, -1.0, -0.5]))
-    assert math.isnan(out.per_function[2, 1])
-    assert out.errors == {"format": 0, "flaky": 1, "wrong_length": 3}
-
-
-def test_runner_time_limit_falls_back_and_keeps_working(tmp_path: Path):
-    module = tmp_path / "slow_rewards.py"
-    release = threading.Event()
-    module.write_text(
-        "def slow(completions, *, release, **kw):\n"
-        "    if completions[0] == 'hang':\n"
-        "        release[0].wait(30)\n"
-        "    return [1.0]\n"
-    )
-    runner = _runner(RewardSpec(name=f"{module}:slow"), timeout_s=0.3, workers=2)
-    try:
-        out = runner(["hang", "ok", "ok"], ["p"] * 3, {"release": [release] * 3}, [[1]] * 3)
-        assert out.per_function[:, 0].tolist() == [0.0, 1.0, 1.0]
-        assert out.errors == {"slow": 1}
-        # the stuck thread does not block the next step: the pool was replaced
-        out = runner(["ok", "ok"], ["p"] * 2, {"release": [release] * 2}, [[1]] * 2)
-        assert out.per_function[:, 0].tolist() == [1.0, 1.0] and out.errors == {"slow": 0}
-    finally:
-        release.set()
-        runner.close()
-
-
-def test_runner_overlaps_slow_calls(tmp_path: Path):
-    module = tmp_path / "sleepy_rewards.py"
-    module.write_text(
-        "import threading\n"
-        "active, peak, lock = [0], [0], threading.Lock()\n"
-        "def sleepy(completions, **kw):\n"
-        "    import time\n"
-        "    with lock:\n"
-        "        active[0] += 1\n"
-        "        peak[0] = max(peak[0], active[0])\n"
-        "    time.sleep(0.05)\n"
-        "    with lock:\n"
-        "        active[0] -= 1\n"
-        "    return [1.0]\n"
-    )
-    runner = _runner(RewardSpec(name=f"{module}:sleepy"), workers=4)
-    try:
-        runner(["x"] * 8, ["p"] * 8, {}, [[1]] * 8)
-        peak = runner.functions[0].__globals__["peak"]
-        assert peak[0] > 1  # calls ran concurrently, not one after another
-    finally:
-        runner.close()
 
 
 def test_builtins_registered():

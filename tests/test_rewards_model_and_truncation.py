@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from grpo.config import RewardSpec
@@ -55,17 +55,73 @@ def test_reward_model_scores_logit_zero_batched(tmp_path: Path, tiny_model_dir: 
     fn.close()
 
 
-def test_mask_truncated_completions_removes_them_from_the_loss(tiny_config):
+def _optimize(config, scored, advantages=None) -> dict[str, float]:
+    """One update of a fresh trainer (the same start weights every time) on ``scored``."""
+    import dataclasses
+
     from grpo.trainer import Trainer
 
-    # 2 new tokens: a random tiny model essentially never stops that early, so all are truncated
-    config = tiny_config(
-        rollout={"max_new_tokens": 2},
-        algorithm={"mask_truncated_completions": True, "beta": 0.0},
-        train={"steps": 1},
-    )
-    trainer = Trainer(config)
-    run_dir = trainer.train()
-    metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert metrics["truncated_frac"] == 1.0  # seeded: none of the 8 completions ended
+    if advantages is not None:
+        scored = dataclasses.replace(scored, advantages=advantages)
+    return Trainer(config).optimize(scored)
+
+
+def test_mask_truncated_completions_removes_them_from_the_loss(tiny_config, monkeypatch):
+    from grpo import algorithm
+    from grpo.trainer import Trainer
+
+    def config(mask: bool):
+        return tiny_config(
+            rollout={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12},
+            algorithm={"mask_truncated_completions": mask, "beta": 0.0},
+            optim={"micro_batch_size": 8},
+        )
+
+    trainer = Trainer(config(True))
+    rollout = trainer.rollout()
+    # which completions ran out of tokens is all the option reads: mark rows 0, 1 and 6
+    truncated = torch.zeros(8, dtype=torch.bool)
+    truncated[[0, 1, 6]] = True
+    rollout.truncated = truncated
+    scored = trainer.score(rollout)
+    assert scored.advantages[truncated].abs().min() > 0  # they would carry a gradient
+
+    seen = []
+    original = algorithm.policy_loss
+
+    def spy(logp, old_logp, advantages, loss_mask, *args, **kwargs):
+        seen.append(loss_mask.clone())
+        return original(logp, old_logp, advantages, loss_mask, *args, **kwargs)
+
+    monkeypatch.setattr(algorithm, "policy_loss", spy)
+    masked = _optimize(config(True), scored)
+    (loss_mask,) = seen  # one micro-batch of all 8 rows, in length order
+    assert loss_mask.sum() == scored.rollout.completion_mask[~truncated].sum()
+
+    # grpo's loss counts every sequence in its 1/N: masking a completion is zeroing its
+    # advantage (beta 0), so the two updates agree; without the mask the update differs
+    zeroed = _optimize(config(False), scored, scored.advantages.masked_fill(truncated, 0.0))
+    unmasked = _optimize(config(False), scored)
+    for key in ("loss", "grad_norm"):
+        assert masked[key] == pytest.approx(zeroed[key], rel=1e-5, abs=1e-7), key
+    assert masked["grad_norm"] > 0
+    assert abs(unmasked["grad_norm"] - masked["grad_norm"]) > 1e-3 * masked["grad_norm"]
+
+
+def test_all_truncated_completions_give_no_update(tiny_config):
+    from grpo.trainer import Trainer
+
+    # 2 new tokens: the random tiny model essentially never stops that early
+    def config(mask: bool):
+        return tiny_config(
+            rollout={"max_new_tokens": 2},
+            algorithm={"mask_truncated_completions": mask, "beta": 0.0},
+        )
+
+    trainer = Trainer(config(True))
+    scored = trainer.score(trainer.rollout())
+    assert bool(scored.rollout.truncated.all())  # seeded: none of the 8 completions ended
+    assert scored.advantages.abs().min() > 0  # the trainable reward still ranks them
+    metrics = trainer.optimize(scored)
     assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    assert _optimize(config(False), scored)["grad_norm"] > 0

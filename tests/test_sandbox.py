@@ -136,13 +136,13 @@ def test_isolation_layers_reported():
 
 
 def test_wall_clock_timeout_and_cleanup():
-    result = run_python("import time\ntime.sleep(60)", limits=Limits(wall_s=1))
-    assert result.timed_out and result.returncode is None
+    result = run_python("import time\ntime.sleep(60)", wall_s=1)
+    assert result.timed_out and result.exit_code is None
     assert _sandbox_uid_processes() == []
 
 
 def test_output_is_capped():
-    result = run_python("print('x' * 5000)", limits=Limits(max_output_bytes=100))
+    result = run_python("print('x' * 5000)", output_bytes=100)
     assert len(result.stdout) == 100
 
 
@@ -168,3 +168,13 @@ def test_prefix_added_only_when_the_function_is_missing():
     prefix = "def add(a, b):\n"
     assert with_prefix("    return a + b\n", prefix, "add") == prefix + "    return a + b\n"
     assert with_prefix(GOOD, prefix, "add") == GOOD
+
+
+def test_run_python_reads_stdin_and_reports_the_exit_code():
+    result = run_python("import sys\nn = int(input())\nprint(n * 2)\nsys.exit(3)", stdin="21\n")
+    assert (result.stdout, result.exit_code, result.timed_out, result.error) == (
+        "42\n",
+        3,
+        False,
+        None,
+    )

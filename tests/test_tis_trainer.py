@@ -1,64 +1,95 @@
-"""Truncated importance sampling through the trainer, with an engine that reports its log-probs."""
+"""Truncated importance sampling through the trainer, with a sampler that is another policy."""
 
 from __future__ import annotations
 
-import math
+import copy
 
 import pytest
 import torch
 
+import grpo.trainer
 from grpo import algorithm
 from grpo.logprobs import completion_logprobs
 from grpo.rollout.hf import HFEngine
 from grpo.trainer import Trainer
 
 
-class ShiftedSampler(HFEngine):
-    """HF sampling, reporting log-probs offset by ``shift``: a sampler/trainer mismatch we know."""
+class OtherPolicySampler(HFEngine):
+    """Samples from a perturbed copy of the policy and reports that copy's log-probs: a sampler
+    whose distribution really differs from the trainer's, token by token (as a stale or
+    lower-precision inference engine's does)."""
 
-    shift = 0.0
+    def __init__(self, policy, tokenizer, config) -> None:
+        other = copy.deepcopy(policy)
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        super().__init__(other, tokenizer, config)
 
     def generate(self, prompts, rows, group_size, seeds=None):
         rollout = super().generate(prompts, rows, group_size, seeds=seeds)
         with torch.no_grad():
-            logp, _ = completion_logprobs(
-                self.model,
+            logp, _ = self.logprobs(
                 rollout.prompt_ids,
                 rollout.prompt_mask,
                 rollout.completion_ids,
                 rollout.completion_mask,
-                self.config.temperature,
             )
-        rollout.sampler_logp = logp + self.shift
+        rollout.sampler_logp = logp.masked_fill(~rollout.completion_mask, 0.0)
         return rollout
 
+    def logprobs(self, *batch):
+        return completion_logprobs(self.model, *batch, self.config.temperature)
 
-@pytest.mark.parametrize(
-    ("shift", "cap", "weight"),
-    [
-        (0.3, 2.0, math.exp(-0.3)),  # sampler overestimates: weight e^-0.3 = 0.741, under the cap
-        (-0.3, 1.2, 1.2),  # sampler underestimates: e^0.3 = 1.350 is truncated to the cap 1.2
-    ],
-)
-def test_tis_weights_and_mismatch(
-    tiny_config, monkeypatch, shift: float, cap: float, weight: float
-) -> None:
-    config = tiny_config(algorithm={"tis_cap": cap, "beta": 0.0})
+
+def _trainer(tiny_config, cap: float | None) -> Trainer:
+    config = tiny_config(algorithm={"tis_cap": cap, "beta": 0.0}, optim={"micro_batch_size": 8})
     trainer = Trainer(config)
-    trainer.engine = ShiftedSampler(trainer.policy, trainer.tokenizer, config.rollout)
-    trainer.engine.shift = shift
+    trainer.engine = OtherPolicySampler(trainer.policy, trainer.tokenizer, config.rollout)
+    return trainer
+
+
+def test_tis_weights_and_mismatch_against_a_different_sampler(tiny_config, monkeypatch) -> None:
+    cap = 1.05
+    trainer = _trainer(tiny_config, cap)
+    sampler = trainer.engine
+    scored = trainer.score(trainer.rollout())
     seen = []
-    original = algorithm.policy_loss
+    original_loss, original_logprobs = algorithm.policy_loss, grpo.trainer.completion_logprobs
+    batch: list = []
+
+    def logprobs_spy(model, *args, **kwargs):
+        batch[:] = args[:4]
+        return original_logprobs(model, *args, **kwargs)
 
     def spy(logp, old_logp, advantages, loss_mask, *args, **kwargs):
-        seen.append((kwargs["importance_weights"], loss_mask))
-        return original(logp, old_logp, advantages, loss_mask, *args, **kwargs)
+        seen.append((logp.detach(), kwargs["importance_weights"], loss_mask, list(batch)))
+        return original_loss(logp, old_logp, advantages, loss_mask, *args, **kwargs)
 
     monkeypatch.setattr(algorithm, "policy_loss", spy)
-    scored = trainer.score(trainer.rollout())
+    monkeypatch.setattr(grpo.trainer, "completion_logprobs", logprobs_spy)
     metrics = trainer.optimize(scored)
-    # weight = min(pi_old / pi_sampler, cap) = min(e^-shift, cap) on every counted token
-    for weights, mask in seen:
-        assert torch.allclose(weights[mask], torch.full_like(weights[mask], weight), atol=1e-5)
-    assert metrics["tis/mismatch_mean"] == pytest.approx(abs(shift), abs=1e-5)
-    assert metrics["tis/mismatch_max"] == pytest.approx(abs(shift), abs=1e-5)
+
+    ((logp, weights, mask, mb),) = seen  # one micro-batch of 8 rows
+    with torch.no_grad():
+        sampler_logp, _ = sampler.logprobs(*mb)  # the sampler's log-probs of these very tokens
+    gap = (logp - sampler_logp)[mask]
+    assert gap.abs().mean() > 0.01  # the two policies really differ
+    # weight = min(pi_old / pi_sampler, cap) per token; on-policy pi_old is the trainer's logp
+    expected = torch.exp(gap).clamp(max=cap)
+    assert torch.allclose(weights[mask], expected, atol=1e-5)
+    capped = weights[mask] == cap
+    assert 0 < int(capped.sum()) < int(mask.sum())  # some tokens truncated, some not
+    assert metrics["tis/mismatch_mean"] == pytest.approx(float(gap.abs().mean()), abs=1e-5)
+    assert metrics["tis/mismatch_max"] == pytest.approx(float(gap.abs().max()), abs=1e-5)
+
+
+def test_tis_changes_the_update(tiny_config) -> None:
+    # the same rollout (same sampler, same seeds) with and without the correction
+    with_tis, without = _trainer(tiny_config, 1.05), _trainer(tiny_config, None)
+    a = with_tis.optimize(with_tis.score(with_tis.rollout()))
+    b = without.optimize(without.score(without.rollout()))
+    assert "tis/mismatch_mean" in a and a["tis/mismatch_mean"] == b["tis/mismatch_mean"]
+    assert a["grad_norm"] > 0 and b["grad_norm"] > 0
+    assert abs(a["grad_norm"] - b["grad_norm"]) > 1e-3 * b["grad_norm"]

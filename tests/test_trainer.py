@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from grpo.logprobs import completion_logprobs
+from grpo.models import is_lora
 from grpo.trainer import Trainer, micro_batches, train
 
 TOY_REWARD = '''
@@ -42,16 +43,12 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in folder.glob("*.safetensors"):
-        out.update(load_file(file))
-    return out
-
-
-def test_short_run_writes_metrics_completions_and_a_loadable_checkpoint(tiny_config) -> None:
+def test_short_run_writes_metrics_completions_and_a_loadable_checkpoint(
+    tiny_config, tiny_model_dir, weights
+) -> None:
     config = tiny_config(train={"steps": 2, "save_every": 1, "log_completions": 3})
     run_dir = train(config)
+    weights.assert_moved(weights.of(tiny_model_dir), weights.of(run_dir / "final"))
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     for name in (
@@ -59,6 +56,7 @@ def test_short_run_writes_metrics_completions_and_a_loadable_checkpoint(tiny_con
         "reward/std",
         "reward/format/mean",
         "reward/accuracy/mean",
+        "reward/lowercase_share/mean",
         "frac_zero_std",
         "advantage/abs_mean",
         "kl",
@@ -83,6 +81,9 @@ def test_short_run_writes_metrics_completions_and_a_loadable_checkpoint(tiny_con
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step-2")
     assert model.config.num_hidden_layers == 2
     assert (run_dir / "config.yaml").is_file() and (run_dir / "final" / "config.json").is_file()
+    # the trainable reward gives every step a gradient, and the logged numbers say so
+    for m in metrics:
+        assert m["advantage/abs_mean"] > 0.1 and m["grad_norm"] > 0, m
 
 
 def test_keep_last_prunes_old_checkpoints(tiny_config) -> None:
@@ -104,16 +105,20 @@ def test_tiny_model_learns_a_toy_reward(tiny_config, toy_reward) -> None:
     assert last > first + 0.2, (first, last)
 
 
-def test_resume_matches_an_uninterrupted_run(tiny_config) -> None:
+def test_resume_matches_an_uninterrupted_run(tiny_config, tiny_model_dir, weights) -> None:
+    # the default tiny_config reward moves the weights on every step, so optimizer state,
+    # scheduler, RNG and data order all have to come back exactly for the two runs to agree
+    # (checked by hand: this test fails when optimize() stops calling zero_grad)
     straight = tiny_config(train={"steps": 6, "run_name": "straight"})
     straight_dir = train(straight)
     part = tiny_config(train={"steps": 3, "run_name": "resumed"})
-    train(part)
+    half_dir = train(part)
+    start, half = weights.of(tiny_model_dir), weights.of(half_dir / "final")
+    weights.assert_moved(start, half)
     resumed_dir = train(tiny_config(train={"steps": 6, "run_name": "resumed"}))
-    a, b = _weights(straight_dir / "final"), _weights(resumed_dir / "final")
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    a, b = weights.of(straight_dir / "final"), weights.of(resumed_dir / "final")
+    weights.assert_moved(half, b)  # the resumed half trained too
+    weights.assert_equal(a, b)
 
     def strip(ms: list[dict]) -> list[dict]:
         return [
@@ -124,33 +129,68 @@ def test_resume_matches_an_uninterrupted_run(tiny_config) -> None:
     assert strip(_metrics(straight_dir)) == strip(_metrics(resumed_dir))
 
 
-def test_lora_reference_is_the_adapter_disabled_policy(tiny_config) -> None:
-    config = tiny_config(model={"lora": {"enabled": True, "r": 4}}, algorithm={"beta": 0.1})
+def test_lora_reference_is_the_adapter_disabled_policy(
+    tiny_config, tiny_model_dir, weights, monkeypatch
+) -> None:
+    config = tiny_config(
+        model={"lora": {"enabled": True, "r": 4}},
+        algorithm={"beta": 0.1},
+        optim={"lr": 1e-2},
+        train={"steps": 3},
+    )
     trainer = Trainer(config)
     assert trainer.reference.copy is None  # no second copy of the weights
     total = sum(p.numel() for p in trainer.policy.parameters())
     trainable = sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)
     assert trainable < total / 5
+    calls = _spy_policy_loss(monkeypatch, with_ref=True)
     run_dir = trainer.train()
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert not any("lora" in k for k in merged.state_dict())
+    weights.assert_moved(weights.of(tiny_model_dir), weights.of(run_dir / "final"))
+
+    # the reference log-probs the loss saw on the last step are the base model's, while the
+    # trained policy's differ from them
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = calls[-1]["batch"]
+    with torch.no_grad():
+        base_logp, _ = completion_logprobs(base, *batch, config.rollout.temperature)
+        policy_logp, _ = completion_logprobs(trainer.policy, *batch, config.rollout.temperature)
+    mask = batch[3]
+    ref_logp = calls[-1]["ref"]
+    assert torch.allclose(ref_logp[mask], base_logp[mask], atol=1e-5)
+    assert (policy_logp - base_logp)[mask].abs().max() > 1e-3
+    assert trainer.reference.copy is None and is_lora(trainer.policy)  # still the live adapter
 
 
 def test_no_reference_model_when_beta_is_zero(tiny_config) -> None:
     assert Trainer(tiny_config(algorithm={"beta": 0.0})).reference is None
 
 
-def _spy_policy_loss(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _spy_policy_loss(monkeypatch, with_ref: bool = False) -> list:
+    """Records (logp, old_logp) of every policy_loss call; with_ref: dicts that also hold the
+    reference log-probs and the micro-batch's (prompt ids/mask, completion ids/mask)."""
+    import grpo.trainer
     from grpo import algorithm
 
-    calls = []
+    calls: list = []
     original = algorithm.policy_loss
+    original_logprobs = grpo.trainer.completion_logprobs
+    last_batch: list = []
 
-    def spy(logp, old_logp, *args, **kwargs):
-        calls.append((logp.detach().clone(), old_logp.detach().clone()))
-        return original(logp, old_logp, *args, **kwargs)
+    def logprobs_spy(model, *batch, **kwargs):
+        last_batch[:] = [t.detach().clone() for t in batch[:4]]
+        return original_logprobs(model, *batch, **kwargs)
+
+    def spy(logp, old_logp, advantages, loss_mask, ref_logp=None, **kwargs):
+        if with_ref:
+            calls.append({"ref": ref_logp.detach().clone(), "batch": list(last_batch)})
+        else:
+            calls.append((logp.detach().clone(), old_logp.detach().clone()))
+        return original(logp, old_logp, advantages, loss_mask, ref_logp, **kwargs)
 
     monkeypatch.setattr(algorithm, "policy_loss", spy)
+    monkeypatch.setattr(grpo.trainer, "completion_logprobs", logprobs_spy)
     return calls
 
 
@@ -190,11 +230,34 @@ def test_one_iteration_needs_no_extra_forward(tiny_config, monkeypatch) -> None:
     assert calls == [True, True]
 
 
-def test_micro_batches_are_length_sorted_and_trimmed(tiny_config) -> None:
-    trainer = Trainer(tiny_config())
+def test_micro_batches_keep_groups_whole_longest_first_with_their_advantages(
+    tiny_config,
+) -> None:
+    trainer = Trainer(tiny_config(rollout={"prompts_per_step": 3, "group_size": 4}))
     rollout = trainer.rollout()
-    batches = micro_batches(rollout, torch.zeros(rollout.num_completions), 3)
-    assert sorted(torch.cat([b.index for b in batches]).tolist()) == list(range(8))
+    # completions of varied lengths (the random model rarely stops on its own): row i keeps
+    # its first 1 + (5 * i) % 12 tokens
+    lengths = [1 + (5 * i) % 12 for i in range(rollout.num_completions)]
+    rollout.completion_mask = torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]
+    advantages = trainer.score(rollout).advantages
+    assert advantages.abs().min() > 0  # every row carries a real advantage
+    batches = micro_batches(rollout, advantages, 3)
+
+    # expected order, by a loop: groups by packed size (prompt + its completions) descending,
+    # ties in group order, each group's rows in their own order
+    prompt_len = rollout.prompt_mask.sum(dim=1).tolist()
+    size = [prompt_len[4 * g] + sum(lengths[4 * g : 4 * g + 4]) for g in range(3)]
+    groups = sorted(range(3), key=lambda g: -size[g])
+    assert size[groups[0]] > size[groups[-1]]  # the order is not the identity by accident
+    expected = [4 * g + j for g in groups for j in range(4)]
+    assert torch.cat([b.index for b in batches]).tolist() == expected
+    assert [len(b.index) for b in batches] == [3, 3, 3, 3]
     for b in batches:
-        assert b.completion_mask[:, -1].any()  # no all-padding column at the end
-        assert b.prompt_mask[:, 0].any()  # nor at the start of the prompts
+        rows = b.index.tolist()
+        assert torch.equal(b.advantages, advantages[rows])  # advantages travel with their rows
+        t = max(lengths[r] for r in rows)
+        s = max(prompt_len[r] for r in rows)
+        assert b.completion_mask.shape[1] == t and b.prompt_mask.shape[1] == s  # trimmed
+        assert torch.equal(b.completion_ids, rollout.completion_ids[rows, :t])
+        assert torch.equal(b.completion_mask, rollout.completion_mask[rows, :t])
+        assert torch.equal(b.prompt_ids, rollout.prompt_ids[rows, -s:])

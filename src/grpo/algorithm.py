@@ -109,13 +109,14 @@ class Normalizer:
     num_sequences: completions in the step (all micro-batches, all ranks' share for this rank).
     num_tokens: counted tokens in the step (``dapo``; all-reduced across ranks when distributed).
     num_micro_batches: micro-batches in the step (``bnpo`` averages their token means).
-    max_new_tokens: the constant length budget of ``dr_grpo``.
+    max_new_tokens: the constant length budget of ``dr_grpo`` (``rollout.max_new_tokens``);
+    required by ``dr_grpo``, whose loss it scales.
     """
 
     num_sequences: float
     num_tokens: float
     num_micro_batches: int = 1
-    max_new_tokens: int = 1
+    max_new_tokens: int | None = None
 
 
 def _seq_mean_then_mean(per_token: Tensor, mask: Tensor, norm: Normalizer) -> Tensor:
@@ -134,6 +135,9 @@ def _step_token_mean(per_token: Tensor, mask: Tensor, norm: Normalizer) -> Tenso
 
 
 def _constant_budget(per_token: Tensor, mask: Tensor, norm: Normalizer) -> Tensor:
+    if norm.max_new_tokens is None:
+        # a silent default (1, or the batch's longest completion) would rescale the loss
+        raise ValueError("loss_type='dr_grpo' needs Normalizer.max_new_tokens (the length budget)")
     return (per_token * mask).sum() / (norm.num_sequences * norm.max_new_tokens)
 
 
@@ -193,7 +197,8 @@ def policy_loss(
     logp, old_logp, ref_logp: [N, T] log-probs of the sampled tokens under the current, the
     sampling-time and the reference policy. advantages: [N]. loss_mask: [N, T] bool.
     importance_weights: [N, T] detached per-token weights (truncated importance sampling).
-    normalizer: step-wide counts; by default the batch given is the whole step.
+    normalizer: step-wide counts; by default the batch given is the whole step and its length
+    T is ``dr_grpo``'s budget (pass ``max_new_tokens`` when completions were cut shorter).
     pg_mask: [N, T] bool, tokens whose surrogate term counts (the high-entropy filter); the KL
     term and the aggregation's token counts still use ``loss_mask``, so filtered tokens count as
     zeros, as in the paper's objective.
@@ -207,7 +212,9 @@ def policy_loss(
     logp = torch.where(keep, logp, torch.zeros_like(logp))
     old_logp = torch.where(keep, old_logp, torch.zeros_like(old_logp))
     if normalizer is None:
-        normalizer = Normalizer(num_sequences=logp.shape[0], num_tokens=float(mask.sum()))
+        normalizer = Normalizer(
+            num_sequences=logp.shape[0], num_tokens=float(mask.sum()), max_new_tokens=logp.shape[1]
+        )
 
     log_ratio = LOG_RATIOS[ratio_level](logp, old_logp, mask)  # [N, T]
     ratio = torch.exp(log_ratio)  # [N, T]

@@ -46,6 +46,8 @@ class ModelConfig(Section):
     """bf16 autocast for forwards over float32 weights (mixed precision, for GPUs); log-probs stay float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute (README, Performance)."""
+    disable_dropout: bool = True
+    """Zero every dropout of the policy (as TRL does), so current, old and reference log-probs come from one deterministic network."""
     lora: LoraConfig = LoraConfig()
     """Parameter-efficient training."""
 
@@ -115,11 +117,17 @@ class RewardsConfig(Section):
     functions: list[RewardSpec] = [RewardSpec(name="format"), RewardSpec(name="accuracy")]
     """Reward functions; the total reward is their weighted sum (None counts as 0)."""
     fallback: float = 0.0
-    """Score given to a completion when its reward function raises or times out."""
+    """Score given to a completion when its reward function fails (raises, returns a malformed value, times out)."""
     timeout_s: float = Field(10.0, gt=0)
-    """Per-call time limit of a reward function."""
+    """Time limit of a step's calls to user reward functions, from the start of the step's reward phase: a call still running then is stopped (its worker process killed and replaced), calls not started get the fallback."""
     workers: int = Field(2, ge=1)
-    """Worker threads for reward functions (slow verifiers run concurrently)."""
+    """Worker processes for user reward functions, and threads for built-ins (calls run concurrently)."""
+    max_worker_rss_mb: float = Field(2048.0, gt=0)
+    """Resident memory (MiB) past which a user-reward worker process is killed and replaced (during a call, that call fails)."""
+    max_error_frac: float = Field(0.5, ge=0, le=1)
+    """Stop the run when one reward function fails on more than this share of a step's completions for `error_patience` steps in a row (1 = never stop)."""
+    error_patience: int = Field(3, ge=1)
+    """Consecutive steps over `max_error_frac` after which the run stops."""
 
 
 class AlgorithmConfig(Section):
@@ -281,6 +289,11 @@ class Config(Section):
             raise ValueError("data: set either data.task or data.path")
         if self.train.distributed == "fsdp" and self.model.lora.enabled:
             raise ValueError("train.distributed=fsdp does not shard LoRA runs: use ddp")
+        if self.model.disable_dropout and self.model.lora.enabled and self.model.lora.dropout:
+            raise ValueError(
+                "model.lora.dropout has no effect while model.disable_dropout is true: "
+                "set one of them"
+            )
         return self
 
     @property

@@ -197,7 +197,19 @@ def load_policy(config: ModelConfig, path: str) -> nn.Module:
         model = get_peft_model(model, lora)
         if config.gradient_checkpointing:
             model.enable_input_require_grads()
+    if config.disable_dropout:
+        disable_dropout(model)
     return model
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Zero every dropout: ``nn.Dropout`` modules and the attention dropout rate that HF attention
+    layers keep as a float (``attention_dropout``) and apply only in training mode."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def is_lora(model: nn.Module) -> bool:

@@ -14,6 +14,7 @@ import math
 import random
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +40,17 @@ from grpo.models import (
     save_hf,
 )
 from grpo.prompts import prompt_format_for, scored_texts
-from grpo.rewards import RewardRunner
+from grpo.rewards import ErrorWatch, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
+# the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
+# is zero: in the loss, k1 does not pull the policy towards the reference
+K1_WARNING = (
+    "warning: algorithm.kl_estimator=k1 in the loss adds only zero-mean noise to the gradient "
+    "(it does not pull towards the reference); use k3 (default) or k2"
+)
 
 
 # --------------------------------------------------------------------------------------- prompts
@@ -144,56 +151,76 @@ def _scatter(dest: Tensor, mb: MicroBatch, values: Tensor) -> None:
     dest[mb.index, : values.shape[1]] = values
 
 
-class UpdateStats:
-    """Per-micro-batch statistics of an update, combined over micro-batches and ranks.
+_EMPTY = (math.inf, -math.inf)  # the identities of min and max
 
-    Means are token-weighted (each micro-batch's mean times its token count, divided by the
-    step's tokens over all ranks); minima and maxima stay minima and maxima.
+
+class UpdateStats:
+    """Statistics of an update, combined over micro-batches, passes and ranks.
+
+    Means are weighted by the tokens they are over (the loss's counted tokens): a sum of
+    value x tokens and a sum of tokens per metric, both summed over ranks, then divided, so a
+    metric never divides a masked sum by tokens it did not count. Minima and maxima stay minima
+    and maxima. The loss's statistics (clip fractions, ratio, KL) are recorded on every one of
+    the ``num_iterations`` passes (the first pass's ratio is 1 by construction); entropy and the
+    sampler mismatch describe the rollout and are recorded on the first pass.
     """
 
-    MEANS = ("clip_frac/low", "clip_frac/high", "kl", "ratio/mean")
+    LOSS_MEANS = ("clip_frac/low", "clip_frac/high", "kl", "ratio/mean")
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, list[float]] = {}  # key -> [sum of value x tokens, tokens]
         self.extremes: dict[str, tuple[str, float]] = {}
 
-    def _add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
+    def _add(self, key: str, weighted: float, tokens: float) -> None:
+        total = self.sums.setdefault(key, [0.0, 0.0])
+        total[0] += weighted
+        total[1] += tokens
 
     def _extreme(self, key: str, op: str, value: float) -> None:
         old = self.extremes.get(key, (op, value))[1]
         self.extremes[key] = (op, min(old, value) if op == "min" else max(old, value))
 
-    def add_micro_batch(
+    def add_pass(self, loss_stats: dict[str, Tensor], loss_mask: Tensor) -> None:
+        """One micro-batch of any pass: ``policy_loss``'s statistics over loss_mask [b, T]."""
+        tokens = float(loss_mask.sum())
+        for key in self.LOSS_MEANS:
+            if key in loss_stats:
+                self._add(key, float(loss_stats[key]) * tokens, tokens)
+        # with no counted token policy_loss's extremes are placeholders: record the identities
+        # (every rank must reduce the same keys)
+        low, high = (loss_stats["ratio/min"], loss_stats["ratio/max"]) if tokens else _EMPTY
+        self._extreme("ratio/min", "min", float(low))
+        self._extreme("ratio/max", "max", float(high))
+
+    def add_rollout(
         self,
-        loss_stats: dict[str, Tensor],
         entropy: Tensor,
-        mask: Tensor,
+        loss_mask: Tensor,
         pg_mask: Tensor | None,
         logp: Tensor,
         sampler_logp: Tensor | None,
     ) -> None:
-        """entropy, mask, pg_mask, logp, sampler_logp: [b, T] of one micro-batch."""
+        """One micro-batch of the first pass; entropy, masks, logp, sampler_logp: [b, T]."""
+        mask = loss_mask.bool()
         tokens = float(mask.sum())
-        for key in self.MEANS:
-            if key in loss_stats:
-                self._add(key, float(loss_stats[key]) * tokens)
-        self._add("entropy", float((entropy * mask).sum()))
-        self._extreme("ratio/min", "min", float(loss_stats["ratio/min"]))
-        self._extreme("ratio/max", "max", float(loss_stats["ratio/max"]))
+        self._add("entropy", float(entropy[mask].sum()), tokens)
         if pg_mask is not None:
-            self._add("entropy/kept_frac", float(pg_mask.sum()))
+            self._add("entropy/kept_frac", float(pg_mask.sum()), tokens)
         if sampler_logp is not None:
             gap = algorithm.logprob_mismatch(logp, sampler_logp, mask)
-            self._add("tis/mismatch_mean", float(gap["mismatch_mean"]) * tokens)
-            self._extreme("tis/mismatch_max", "max", float(gap["mismatch_max"]))
+            self._add("tis/mismatch_mean", float(gap["mismatch_mean"]) * tokens, tokens)
+            high = gap["mismatch_max"] if tokens else _EMPTY[1]
+            self._extreme("tis/mismatch_max", "max", float(high))
 
-    def reduce(self, counted_tokens: float) -> dict[str, float]:
-        """Metrics over every rank; counted_tokens: this rank's tokens in the step."""
-        tokens_all = max(distributed.all_reduce(counted_tokens), 1.0)
-        out = {key: distributed.all_reduce(value) / tokens_all for key, value in self.sums.items()}
+    def reduce(self) -> dict[str, float]:
+        """Metrics over every rank (NaN for a mean over no counted token)."""
+        out = {}
+        for key, (weighted, tokens) in self.sums.items():
+            tokens_all = distributed.all_reduce(tokens)
+            out[key] = distributed.all_reduce(weighted) / tokens_all if tokens_all else math.nan
         for key, (op, value) in self.extremes.items():
-            out[key] = distributed.all_reduce(value, op)
+            value = distributed.all_reduce(value, op)
+            out[key] = value if math.isfinite(value) else math.nan
         return dict(sorted(out.items()))
 
 
@@ -267,6 +294,12 @@ class Trainer:
         if config.sampling.dynamic and self.dist.world_size > 1:
             # kept groups would be spread unevenly over the ranks' fixed shares
             raise ConfigError("sampling.dynamic runs in one process for now (torchrun: set it off)")
+        if (
+            config.algorithm.beta > 0
+            and config.algorithm.kl_estimator == "k1"
+            and self.dist.is_main
+        ):
+            print(K1_WARNING, file=sys.stderr)
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
         torch.manual_seed(config.train.seed)
@@ -278,6 +311,9 @@ class Trainer:
             heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
         )
         self.rewards = RewardRunner(config.rewards)
+        self.reward_errors = ErrorWatch(
+            config.rewards.max_error_frac, config.rewards.error_patience
+        )
         self.resume_from = resolve_resume(config)
         model_path = resolve_model_path(config.model.name)
         self.tokenizer = load_tokenizer(model_path)
@@ -504,15 +540,14 @@ class Trainer:
                     )
                     loss.backward()
                     loss_total += float(loss.detach())
-                if iteration == 0:  # metrics describe the on-policy pass
-                    stats.add_micro_batch(
-                        loss_stats, entropy, mb.completion_mask, pg_masks.get(k), old, sampler
-                    )
+                stats.add_pass(loss_stats, loss_mask)
+                if iteration == 0:
+                    stats.add_rollout(entropy, loss_mask, pg_masks.get(k), old, sampler)
             grad_norm = self._clip_and_step()
             if iteration == 0:
                 first_loss, first_norm = loss_total, grad_norm
         self.engine.sync_weights(self.policy)
-        out = stats.reduce(counted_tokens=float(counted.sum()))
+        out = stats.reduce()
         # the loss is the sum of the ranks' shares of the step's mean loss
         out["loss"] = distributed.all_reduce(first_loss) / self.dist.world_size
         out["grad_norm"] = first_norm
@@ -758,6 +793,10 @@ class Trainer:
         t3 = time.perf_counter()
         # metrics over every group rolled out (all ranks, global order): the kept ones are biased
         everyone = gather_scored(batch.seen)
+        # every rank sees the same gathered counts, so every rank stops at the same step
+        self.reward_errors.observe(
+            self.step, everyone.errors, everyone.rewards.numel(), announce=self.dist.is_main
+        )
         metrics.update(self.step_metrics(everyone))
         metrics.update(update)
         metrics.update(self.sampling_metrics(batch, clock))

@@ -5,27 +5,30 @@ A reward function is any callable
 -> list[float | None]``: dataset columns arrive as keyword lists aligned with ``completions``;
 ``None`` means "not applicable" (excluded from that function's mean, weighted as 0).
 Functions with a true ``batched`` attribute get the whole batch in one call (a reward model);
-the others are called one completion at a time in a thread pool, so slow verifiers overlap and
-one failing completion falls back alone. A function with a ``close()`` method is closed with the
-runner (worker processes of the math verifier, the reward model's weights).
+the others are called one completion at a time, so slow verifiers overlap and one failing
+completion falls back alone. Built-ins run in this process; user functions, named by
+``module:function`` or ``path/to/file.py:function``, run in worker processes that can be killed
+(``RewardRunner``). A built-in with a ``close()`` method is closed with the runner (worker
+processes of the math verifier, the reward model's weights).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import math
-import time
+import sys
+import traceback
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from grpo.config import RewardsConfig, RewardSpec
+from grpo.rewards._reward_worker import check_values, load_function
+from grpo.rewards.pool import WorkerPool, WorkerStartError
 
 RewardFn = Callable[..., list[float | None]]
 
@@ -45,29 +48,6 @@ def register(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., Rew
     return wrap
 
 
-def _import_user_function(ref: str) -> RewardFn:
-    target, _, attr = ref.rpartition(":")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise RewardError(f"reward '{ref}': file {path} not found")
-        spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as err:  # user code: any failure is reported in one line
-            raise RewardError(f"reward '{ref}': importing {path} failed: {err!r}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as err:
-            raise RewardError(f"reward '{ref}': cannot import module '{target}' ({err})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardError(f"reward '{ref}': '{attr}' is not a function in {target}")
-    return fn
-
-
 def resolve_reward(spec: RewardSpec) -> RewardFn:
     """A built-in (constructed with spec.args), or a user function by module:fn / file.py:fn."""
     _load_builtins()
@@ -77,11 +57,18 @@ def resolve_reward(spec: RewardSpec) -> RewardFn:
         except TypeError as err:
             raise RewardError(f"reward '{spec.name}': bad args {spec.args}: {err}") from None
     if ":" in spec.name:
-        if spec.args:
-            raise RewardError(f"reward '{spec.name}': args are only for built-in rewards")
-        return _import_user_function(spec.name)
+        _check_user_spec(spec)
+        try:
+            return load_function(spec.name)
+        except ValueError as err:
+            raise RewardError(f"reward '{spec.name}': {err}") from None
     known = ", ".join(sorted(REGISTRY))
     raise RewardError(f"unknown reward '{spec.name}' (built-ins: {known}; or module:function)")
+
+
+def _check_user_spec(spec: RewardSpec) -> None:
+    if spec.args:
+        raise RewardError(f"reward '{spec.name}': args are only for built-in rewards")
 
 
 BUILTIN_MODULES = ("builtin", "accuracy", "code", "countdown", "length", "reward_model")
@@ -112,61 +99,61 @@ def _name_of(spec: RewardSpec) -> str:
     return spec.name.rpartition(":")[2] if ":" in spec.name else spec.name
 
 
-@dataclass
-class _Call:
-    """One submitted call: reward function k on completions idx. ``started`` is set by the
-    worker thread, so a call's time limit counts from when it runs, not from when it queued."""
-
-    k: int
-    idx: list[int]
-    future: Future | None = None
-    started: float | None = None
+class RewardFailure(RewardError):
+    """A reward function failed on too many completions for too many steps: the run stops."""
 
 
 class RewardRunner:
-    """Scores completions with every configured function.
+    """Scores completions with every configured function, and makes every failure seen.
 
-    Per completion (or per batch for ``batched`` functions) the call runs in a thread pool; a
-    call that raises, returns a malformed value, or runs past ``timeout_s`` gives ``fallback``
-    and is counted in ``errors``. The step's whole reward phase is also bounded: calls still
-    queued when every slot has had its time are given up too. Threads cannot be killed, so after
-    a step with an overrun the pool is replaced and the stuck thread is left to finish on its own
-    (sandboxed code and math checks bound their own run time; only user functions can hang).
+    Built-ins run in this process on ``workers`` threads, one call per completion (``batched``
+    ones once per step); each bounds its own work (math-verify in killable worker processes, code
+    in the sandbox, the rest are pure and cheap). User functions (module:fn, file.py:fn) run in a
+    ``WorkerPool`` of ``workers`` processes, one call per completion; a step's calls all end
+    within ``timeout_s`` of the phase's start: still running then, a call is stopped by killing
+    its worker. A call that raises, returns a malformed value, times out or is killed for memory
+    scores ``fallback`` and is counted in ``errors``; the first failure of each kind of each
+    function is printed with its traceback or reason.
     """
 
     def __init__(self, config: RewardsConfig) -> None:
         self.config = config
-        self.functions = [resolve_reward(spec) for spec in config.functions]
         self.names = [_name_of(spec) for spec in config.functions]
         if len(set(self.names)) != len(self.names):
             raise RewardError(f"rewards.functions: duplicate names in {self.names}")
         self.weights = torch.tensor([spec.weight for spec in config.functions], dtype=torch.float32)
-        self.pool = self._new_pool()
-
-    def _new_pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="reward")
+        _load_builtins()
+        user = [k for k, spec in enumerate(config.functions) if spec.name not in REGISTRY]
+        self.builtins = {
+            k: resolve_reward(spec) for k, spec in enumerate(config.functions) if k not in user
+        }
+        for k in user:
+            if ":" not in config.functions[k].name:
+                resolve_reward(config.functions[k])  # the "unknown reward" error
+            _check_user_spec(config.functions[k])
+        self.user = user  # pool function index j runs config.functions[user[j]]
+        self.threads = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="reward")
+        self.pool = None
+        if user:
+            try:
+                self.pool = WorkerPool(
+                    [config.functions[k].name for k in user],
+                    config.workers,
+                    config.max_worker_rss_mb,
+                )
+            except WorkerStartError as err:
+                self.close()
+                raise RewardError(str(err)) from None
+        self.reported: set[tuple[str, str]] = set()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        for fn in self.functions:
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.close()
+        for fn in self.builtins.values():
             close = getattr(fn, "close", None)
             if callable(close):
                 close()
-
-    def _check(self, name: str, values: Any, expected: int) -> list[float | None]:
-        if not isinstance(values, (list, tuple)) or len(values) != expected:
-            raise RewardError(f"reward '{name}' must return a list of {expected} values")
-        out = [None if v is None else float(v) for v in values]
-        if any(v is not None and not math.isfinite(v) for v in out):
-            raise RewardError(f"reward '{name}' returned a non-finite value")
-        return out
-
-    def _submit(self, call: _Call, fn: RewardFn, completions: list[str], kwargs: dict) -> None:
-        def run() -> Any:
-            call.started = time.monotonic()
-            return fn(completions, **kwargs)
-
-        call.future = self.pool.submit(run)
 
     def __call__(
         self,
@@ -177,58 +164,96 @@ class RewardRunner:
     ) -> RewardOutput:
         n = len(completions)
         kwargs = {**columns, "prompts": prompts, "completion_ids": completion_ids}
-        scores = torch.full((n, len(self.functions)), math.nan, dtype=torch.float32)
+        rows = [{key: [value[i]] for key, value in kwargs.items()} for i in range(n)]
+        scores = torch.full((n, len(self.names)), math.nan, dtype=torch.float32)
         errors = dict.fromkeys(self.names, 0)
-        calls: list[_Call] = []
-        for k, fn in enumerate(self.functions):
+        threaded: list[tuple[int, list[int], Future]] = []
+        for k, fn in self.builtins.items():
             if getattr(fn, "batched", False):
-                calls.append(_Call(k, list(range(n))))
-                self._submit(calls[-1], fn, completions, kwargs)
+                threaded.append((k, list(range(n)), self.threads.submit(fn, completions, **kwargs)))
                 continue
             for i in range(n):
-                calls.append(_Call(k, [i]))
-                one = {key: [value[i]] for key, value in kwargs.items()}
-                self._submit(calls[-1], fn, [completions[i]], one)
-        limit = self.config.timeout_s
-        # every worker slot gets `limit` per call it has to run, plus one limit of slack
-        step_deadline = time.monotonic() + limit * (math.ceil(len(calls) / self.config.workers) + 1)
-        waiting = {call.future: call for call in calls}
-        overran = False
-        while waiting:
-            now = time.monotonic()
-            expiries = [c.started + limit for c in waiting.values() if c.started is not None]
-            wake = min([*expiries, step_deadline]) - now
-            done, _ = wait(list(waiting), timeout=max(wake, 0.0), return_when=FIRST_COMPLETED)
-            now = time.monotonic()
-            for future in done:
-                call = waiting.pop(future)
-                values = self._result(call, errors)
-                self._store(scores, call, values)
-            for future, call in list(waiting.items()):
-                late = now >= step_deadline or (
-                    call.started is not None and now - call.started >= limit
-                )
-                if late:
-                    future.cancel()
-                    del waiting[future]
-                    overran = True
-                    errors[self.names[call.k]] += len(call.idx)
-                    self._store(scores, call, [self.config.fallback] * len(call.idx))
-        if overran:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = self._new_pool()
+                future = self.threads.submit(fn, [completions[i]], **rows[i])
+                threaded.append((k, [i], future))
+        if self.pool is not None:
+            # completion-major, so one slow function does not hold back the others' first calls
+            which = [(j, i) for i in range(n) for j in range(len(self.user))]
+            calls = [(j, [completions[i]], rows[i]) for j, i in which]
+            outcomes = self.pool.run(calls, self.config.timeout_s)
+            for (j, i), outcome in zip(which, outcomes, strict=True):
+                k = self.user[j]
+                if outcome.recycled:
+                    limit = self.config.max_worker_rss_mb
+                    self._report(
+                        k, "recycled", f"passed rewards.max_worker_rss_mb={limit:g} after a call"
+                    )
+                if outcome.kind == "ok":
+                    self._store(scores, k, [i], outcome.values)
+                else:
+                    self._fail(scores, errors, k, [i], outcome.kind, outcome.detail)
+        for k, idx, future in threaded:
+            try:
+                values = future.result()
+            except Exception:  # a built-in that raises must not stop training; it is counted
+                self._fail(scores, errors, k, idx, "raised", traceback.format_exc())
+                continue
+            try:
+                self._store(scores, k, idx, check_values(self.names[k], values, len(idx)))
+            except ValueError as err:
+                self._fail(scores, errors, k, idx, "bad", str(err))
         return RewardOutput(scores, self.names, self.weights, errors)
 
-    def _result(self, call: _Call, errors: dict[str, int]) -> list[float | None]:
-        name = self.names[call.k]
-        try:
-            return self._check(name, call.future.result(), len(call.idx))
-        except Exception:  # a reward that raises must not stop training; it is counted
-            errors[name] += len(call.idx)
-            return [self.config.fallback] * len(call.idx)
+    def _fail(
+        self, scores: Tensor, errors: dict[str, int], k: int, idx: list[int], kind: str, detail: str
+    ) -> None:
+        errors[self.names[k]] += len(idx)
+        self._store(scores, k, idx, [self.config.fallback] * len(idx))
+        self._report(k, kind, detail)
+
+    def _report(self, k: int, kind: str, detail: str) -> None:
+        """Print the first failure of each kind of each function (later ones are counted)."""
+        name = self.names[k]
+        if (name, kind) in self.reported:
+            return
+        self.reported.add((name, kind))
+        later = "later ones are counted per step"
+        line = {
+            "raised": f"reward '{name}' raised (its first error; {later}):\n{detail.rstrip()}",
+            "bad": f"{detail} (its first malformed value; {later})",
+            "timeout": f"reward '{name}': {detail} (first time; {later})",
+            "memory": f"reward '{name}': {detail} (first time; {later})",
+            "recycled": f"reward '{name}': its worker {detail}, so it was replaced",
+        }[kind]
+        print(line, file=sys.stderr, flush=True)
 
     @staticmethod
-    def _store(scores: Tensor, call: _Call, values: list[float | None]) -> None:
-        for i, v in zip(call.idx, values, strict=True):
+    def _store(scores: Tensor, k: int, idx: list[int], values: list[float | None]) -> None:
+        for i, v in zip(idx, values, strict=True):
             if v is not None:
-                scores[i, call.k] = v
+                scores[i, k] = v
+
+
+class ErrorWatch:
+    """Per step: one console line with each function's error count, and the stop rule: a function
+    that fails on more than ``max_frac`` of a step's completions ``patience`` steps in a row
+    stops the run with ``RewardFailure``."""
+
+    def __init__(self, max_frac: float, patience: int) -> None:
+        self.max_frac = max_frac
+        self.patience = patience
+        self.streak: dict[str, int] = {}
+
+    def observe(self, step: int, errors: dict[str, int], completions: int, announce: bool) -> None:
+        failing = {name: count for name, count in errors.items() if count}
+        if failing and announce:
+            counts = ", ".join(f"{name} {count}/{completions}" for name, count in failing.items())
+            print(f"step {step}: reward errors: {counts}", file=sys.stderr, flush=True)
+        for name, count in errors.items():
+            over = count > self.max_frac * completions
+            self.streak[name] = self.streak.get(name, 0) + 1 if over else 0
+            if self.streak[name] >= self.patience:
+                raise RewardFailure(
+                    f"reward '{name}' failed on more than rewards.max_error_frac="
+                    f"{self.max_frac:g} of the completions for {self.patience} steps in a row "
+                    f"(step {step}: {count}/{completions}); its first error is printed above"
+                )

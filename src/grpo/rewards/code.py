@@ -15,7 +15,7 @@ import secrets
 from typing import Any
 
 from grpo.rewards import RewardError, RewardFn, register
-from grpo.rewards.sandbox import Limits, run_python
+from grpo.rewards.sandbox import Limits, run_limited
 
 FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -70,7 +70,7 @@ def passed_tests(program: str, tests: list[str], limits: Limits) -> int:
     """Number of ``tests`` that pass after ``program`` ran, in one sandboxed process."""
     nonce = secrets.token_hex(16)
     source = HARNESS.format(payload=json.dumps([program, tests]))
-    result = run_python(source, stdin=nonce + "\n", limits=limits)
+    result = run_limited(source, nonce + "\n", limits)
     for line in reversed(result.stdout.splitlines()):
         if line.startswith(nonce + " "):
             return len(json.loads(line[len(nonce) + 1 :]))

@@ -55,12 +55,17 @@ class Limits:
 
 @dataclass
 class SandboxResult:
-    """What a run left behind. ``isolation`` lists the restrictions the bootstrap applied."""
+    """What a run left behind.
 
-    returncode: int | None
+    ``exit_code`` is None when the run was stopped (timeout); ``error`` says why a run did not end
+    on its own (None when it did); ``isolation`` lists the restrictions the bootstrap applied.
+    """
+
     stdout: str
     stderr: str
+    exit_code: int | None
     timed_out: bool
+    error: str | None = None
     isolation: list[str] = field(default_factory=list)
 
 
@@ -199,9 +204,28 @@ def _collect(proc: subprocess.Popen, limits: Limits, on_exit) -> tuple[bytes, by
     return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), False
 
 
-def run_python(source: str, stdin: str = "", limits: Limits | None = None) -> SandboxResult:
-    """Run ``source`` as ``main.py`` in a fresh sandbox; ``stdin`` is written to it, then closed."""
-    limits = limits or Limits()
+def run_python(
+    code: str,
+    *,
+    stdin: str = "",
+    wall_s: float = 10.0,
+    cpu_s: int = 5,
+    memory_mb: int = 1024,
+    output_bytes: int = 1 << 20,
+) -> SandboxResult:
+    """Run ``code`` as ``main.py`` in a fresh sandbox and return what it printed.
+
+    ``stdin`` is written to the program, then closed. The run is stopped after ``wall_s`` seconds
+    (``timed_out``) or ``cpu_s`` CPU seconds; it may hold ``memory_mb``; each of stdout and
+    stderr keeps its first ``output_bytes`` (the rest is read and dropped, so a flood never blocks
+    the program or the caller). Every process the run started is gone when this returns.
+    """
+    limits = Limits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb, max_output_bytes=output_bytes)
+    return run_limited(code, stdin, limits)
+
+
+def run_limited(source: str, stdin: str, limits: Limits) -> SandboxResult:
+    """``run_python`` with every limit of :class:`Limits`."""
     as_root = os.geteuid() == 0
     uid = _SLOTS.acquire() if as_root else os.getuid()
     gid = uid if as_root else os.getgid()
@@ -254,9 +278,10 @@ def run_python(source: str, stdin: str = "", limits: Limits | None = None) -> Sa
         status, _, err = err.partition(b"\n")
         isolation = status[len(STATUS_PREFIX) :].decode().split(",")
     return SandboxResult(
-        returncode=None if timed_out else proc.returncode,
         stdout=out.decode(errors="replace"),
         stderr=err.decode(errors="replace"),
+        exit_code=None if timed_out else proc.returncode,
         timed_out=timed_out,
+        error=f"wall-clock limit of {limits.wall_s:g} s" if timed_out else None,
         isolation=isolation,
     )

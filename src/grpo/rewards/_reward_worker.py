@@ -1,0 +1,125 @@
+"""User reward worker: runs as a script in a child process that the reward runner can kill.
+
+Standard library only, so a worker starts in a fraction of a second (the trainer's package pulls
+in torch). The parent also imports this module for ``load_function`` and ``check_values``, so the
+in-process and worker paths judge a return value the same way.
+
+Protocol over two inherited pipe fds (``multiprocessing.connection`` framing, pickled messages):
+parent -> worker ``{"refs": [...], "sys_path": [...]}``, then ``(k, completions, kwargs)`` per
+call; worker -> parent ``("ready", None)`` or ``("import_error", line)``, then per call one of
+``("ok", values)``, ``("bad", line)`` (a malformed return value), ``("raised", traceback)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+
+def load_function(ref: str) -> Callable[..., Any]:
+    """``module:function`` or ``path/to/file.py:function``; ValueError with one line if not."""
+    target, _, attr = ref.rpartition(":")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"file {path} not found")
+        spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:  # user code: any failure is reported in one line
+            raise ValueError(f"importing {path} failed: {err!r}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as err:
+            raise ValueError(f"cannot import module '{target}' ({err})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"'{attr}' is not a function in {target}")
+    return fn
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+def check_values(name: str, values: Any, expected: int) -> list[float | None]:
+    """The function's return value as floats (None kept), or ValueError naming the function."""
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()  # numpy arrays and tensors, as TRL accepts them
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(
+            f"reward '{name}' returned a {_describe(values)}; expected a list of {expected} "
+            "numbers (or None), one per completion"
+        )
+    if len(values) != expected:
+        raise ValueError(
+            f"reward '{name}' returned {len(values)} values for {expected} completions"
+        )
+    out: list[float | None] = []
+    for i, value in enumerate(values):
+        if value is not None and (isinstance(value, str) or not isinstance(value, numbers.Real)):
+            raise ValueError(
+                f"reward '{name}' returned a {_describe(value)} at position {i}; "
+                "expected a number or None"
+            )
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"reward '{name}' returned {value} at position {i}")
+        out.append(None if value is None else float(value))
+    return out
+
+
+def _exit_with_parent(parent: int) -> None:
+    # a call stuck in user code never reads EOF, so watch the parent instead
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def main(read_fd: int, write_fd: int, parent: int) -> None:
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    init = inbox.recv()
+    sys.path[:] = init["sys_path"]
+    refs = init["refs"]
+    functions = []
+    for ref in refs:
+        try:
+            functions.append(load_function(ref))
+        except ValueError as err:
+            outbox.send(("import_error", f"reward '{ref}': {err}"))
+            return
+    outbox.send(("ready", None))
+    names = [ref.rpartition(":")[2] for ref in refs]
+    while True:
+        try:
+            k, completions, kwargs = inbox.recv()
+        except EOFError:  # the runner closed: done
+            return
+        try:
+            values = functions[k](completions, **kwargs)
+        except BaseException as err:  # user code: whatever it raises (SystemExit too) is reported
+            frames = err.__traceback__.tb_next  # from the user's function down, not this loop
+            outbox.send(("raised", "".join(traceback.format_exception(type(err), err, frames))))
+            continue
+        try:
+            outbox.send(("ok", check_values(names[k], values, len(completions))))
+        except ValueError as err:
+            outbox.send(("bad", str(err)))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

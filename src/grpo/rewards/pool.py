@@ -1,0 +1,214 @@
+"""Worker processes for user reward functions, so a hanging or leaking function costs one timeout.
+
+Each worker is a child process running ``_reward_worker.py`` (standard library only, started with
+the trainer's ``sys.path``) that imports every user function once. A step's calls are queued onto
+the workers; whatever still runs when the step's time limit passes is stopped by killing its
+worker, and a worker whose resident memory passes the ceiling is killed too (during a call: that
+call fails; after one: it is only replaced). Killed workers are replaced before their next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+WORKER = Path(__file__).with_name("_reward_worker.py")
+POLL_S = 0.25  # how often a busy worker's memory is checked
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class WorkerStartError(RuntimeError):
+    """A worker could not import the functions; the message is one line for the user."""
+
+
+@dataclass
+class Outcome:
+    """The result of one call. kind: ok | bad (malformed return) | raised | timeout | memory.
+    ``values`` for ok; otherwise ``detail`` says what happened (a traceback for raised).
+    ``recycled``: the worker passed the memory ceiling after this call and was replaced."""
+
+    kind: str
+    values: list[float | None] | None = None
+    detail: str = ""
+    recycled: bool = False
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process in MiB (0 where /proc is not available)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE / 2**20
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class _Worker:
+    def __init__(self, refs: list[str], startup_s: float) -> None:
+        to_worker, from_parent = os.pipe()
+        from_worker, to_parent = os.pipe()
+        argv = [str(WORKER), str(to_worker), str(to_parent), str(os.getpid())]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-P", "-B", *argv],
+            pass_fds=(to_worker, to_parent),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches the trainer, which stops the workers
+        )
+        os.close(to_worker)
+        os.close(to_parent)
+        self.send = Connection(from_parent, readable=False)
+        self.recv = Connection(from_worker, writable=False)
+        self.send.send({"refs": refs, "sys_path": list(sys.path)})
+        try:
+            if not self.recv.poll(startup_s):
+                raise WorkerStartError(f"reward worker did not start within {startup_s:.0f} s")
+            kind, detail = self.recv.recv()
+        except EOFError:
+            self.stop()
+            raise WorkerStartError(
+                f"reward worker exited while importing {', '.join(refs)} "
+                f"(exit code {self.proc.returncode})"
+            ) from None
+        except WorkerStartError:
+            self.stop()
+            raise
+        if kind != "ready":
+            self.stop()
+            raise WorkerStartError(detail)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.send.close()
+        self.recv.close()
+
+
+class WorkerPool:
+    """``size`` worker processes for the user reward functions ``refs`` (module:fn or file.py:fn)."""
+
+    def __init__(
+        self, refs: list[str], size: int, max_rss_mb: float, startup_s: float = 120.0
+    ) -> None:
+        self.refs = refs
+        self.max_rss_mb = max_rss_mb
+        self.startup_s = startup_s
+        self.workers: list[_Worker | None] = [None] * size
+        try:
+            for slot in range(size):
+                self.workers[slot] = _Worker(refs, startup_s)
+        except WorkerStartError:
+            self.close()
+            raise
+
+    def _worker(self, slot: int) -> _Worker:
+        worker = self.workers[slot]
+        if worker is None:
+            worker = self.workers[slot] = _Worker(self.refs, self.startup_s)
+        return worker
+
+    def _retire(self, slot: int) -> None:
+        worker, self.workers[slot] = self.workers[slot], None
+        if worker is not None:
+            worker.stop()
+
+    def run(
+        self, calls: list[tuple[int, list[str], dict[str, Any]]], limit_s: float
+    ) -> list[Outcome]:
+        """Outcomes of ``(function index, completions, kwargs)`` calls, all ending within
+        ``limit_s`` from now: calls still running then are stopped, calls not started fail."""
+        deadline = time.monotonic() + limit_s
+        queued = deque(range(len(calls)))
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        busy: dict[int, int] = {}  # worker slot -> call index
+        while queued or busy:
+            for slot in range(len(self.workers)):
+                while slot not in busy and queued and time.monotonic() < deadline:
+                    j = queued.popleft()
+                    failed = self._send(slot, calls[j])
+                    if failed is None:
+                        busy[slot] = j
+                    else:
+                        outcomes[j] = failed
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if not busy:
+                continue
+            by_conn = {self.workers[slot].recv: slot for slot in busy}
+            for conn in wait(list(by_conn), timeout=min(deadline - now, POLL_S)):
+                slot = by_conn[conn]
+                outcomes[busy.pop(slot)] = self._receive(slot)
+            for slot in list(busy):
+                used = rss_mb(self.workers[slot].proc.pid)
+                if used > self.max_rss_mb:
+                    self._retire(slot)
+                    outcomes[busy.pop(slot)] = Outcome(
+                        "memory",
+                        detail=f"its worker passed rewards.max_worker_rss_mb={self.max_rss_mb:g}"
+                        f" during a call ({used:.0f} MiB); killed and replaced",
+                    )
+        for slot, j in busy.items():
+            self._retire(slot)
+            outcomes[j] = Outcome(
+                "timeout",
+                detail=f"a call still ran after rewards.timeout_s={limit_s:g} s; "
+                "its worker was killed and replaced",
+            )
+        for j in queued:
+            outcomes[j] = Outcome(
+                "timeout",
+                detail=f"calls not started within rewards.timeout_s={limit_s:g} s (every "
+                "worker was busy: raise rewards.workers or rewards.timeout_s)",
+            )
+        return outcomes  # type: ignore[return-value]  # every index is filled above
+
+    def _send(self, slot: int, call: tuple[int, list[str], dict[str, Any]]) -> Outcome | None:
+        """Start a call on a worker (replacing a dead one); an Outcome when it cannot start."""
+        try:
+            self._worker(slot).send.send(call)
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            return Outcome("bad", detail=f"its arguments cannot be sent to a worker: {err}")
+        except OSError as err:  # the worker died between calls
+            self._retire(slot)
+            return Outcome("raised", detail=f"its worker process died ({err})")
+        except WorkerStartError as err:
+            return Outcome("raised", detail=f"a replacement worker failed to start: {err}")
+        return None
+
+    def _receive(self, slot: int) -> Outcome:
+        worker = self.workers[slot]
+        try:
+            kind, payload = worker.recv.recv()
+        except EOFError:
+            worker.proc.wait()
+            code = worker.proc.returncode
+            self._retire(slot)
+            return Outcome("raised", detail=f"its worker process died (exit code {code})")
+        outcome = Outcome(kind, payload) if kind == "ok" else Outcome(kind, detail=payload)
+        if rss_mb(worker.proc.pid) > self.max_rss_mb:
+            self._retire(slot)
+            outcome.recycled = True
+        return outcome
+
+    def close(self) -> None:
+        """Stop every worker: idle ones exit on end of input, busy ones are killed."""
+        for worker in self.workers:
+            if worker is not None:
+                worker.send.close()
+        end = time.monotonic() + 1.0
+        for slot, worker in enumerate(self.workers):
+            if worker is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    worker.proc.wait(max(end - time.monotonic(), 0.01))
+                worker.proc.kill()
+                worker.proc.wait()
+                worker.recv.close()
+                self.workers[slot] = None

@@ -1,0 +1,288 @@
+"""The reward runner: user functions in killable worker processes, failures that are seen (first
+error printed, counts per step, a stop after repeated failure), hangs and leaks bounded."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from grpo.config import RewardsConfig, RewardSpec
+from grpo.rewards import ErrorWatch, RewardError, RewardFailure, RewardRunner
+
+USER_REWARDS = """
+import math, os, time
+def flaky(completions, **kw):
+    if completions[0] == "boom":
+        raise ValueError("bad completion " + completions[0])
+    return [None if completions[0] == "skip" else 0.25]
+def raises(completions, **kw):
+    raise ValueError("always broken")
+def wrong_length(completions, **kw):
+    return [1.0, 2.0]
+def nan(completions, **kw):
+    return [math.nan]
+def string(completions, **kw):
+    return ["1.0"]
+def scalar(completions, **kw):
+    return 1.0
+def generator(completions, **kw):
+    return (1.0 for _ in completions)
+def pid(completions, **kw):
+    return [os.getpid()]
+def hang(completions, **kw):
+    if completions[0] == "hang":
+        time.sleep(1000)
+    return [1.0]
+HOARD = []
+def leak(completions, **kw):
+    HOARD.append(b"x" * (40 << 20))  # 40 MiB per call, never freed
+    return [os.getpid()]
+def balloon(completions, **kw):
+    block = b"x" * (300 << 20)
+    time.sleep(30)
+    return [len(block)]
+def sleepy(completions, *, log, **kw):
+    start = time.time()
+    time.sleep(0.3)
+    with open(log[0], "a") as f:
+        f.write(f"{os.getpid()} {start} {time.time()}\\n")
+    return [1.0]
+"""
+
+
+@pytest.fixture(scope="module")
+def user_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("rewards") / "user_rewards.py"
+    path.write_text(USER_REWARDS)
+    return path
+
+
+def _runner(*specs: RewardSpec, **config) -> RewardRunner:
+    return RewardRunner(RewardsConfig(functions=list(specs), **config))
+
+
+def _score(runner: RewardRunner, completions: list[str], **columns):
+    n = len(completions)
+    return runner(completions, ["p"] * n, {k: [v] * n for k, v in columns.items()}, [[1]] * n)
+
+
+def test_weights_none_and_errors_with_the_first_error_printed(user_module: Path, capsys):
+    runner = _runner(
+        RewardSpec(name="format", weight=2.0),
+        RewardSpec(name=f"{user_module}:flaky"),
+        RewardSpec(name=f"{user_module}:wrong_length"),
+        fallback=-0.5,
+    )
+    try:
+        out = _score(runner, ["<think>x</think><answer>1</answer>", "boom", "skip"])
+        again = _score(runner, ["boom", "boom"])
+    finally:
+        runner.close()
+    assert out.names == ["format", "flaky", "wrong_length"]
+    # row 0: format 1 * 2 + flaky 0.25 + fallback -0.5 = 1.75
+    # row 1: format 0 + flaky raised -> -0.5, wrong_length -> -0.5 = -1.0
+    # row 2: format 0 + None (as 0) + -0.5 = -0.5
+    assert torch.allclose(out.total, torch.tensor([1.75, -1.0, -0.5]))
+    assert math.isnan(out.per_function[2, 1])
+    assert out.errors == {"format": 0, "flaky": 1, "wrong_length": 3}
+    assert again.errors == {"format": 0, "flaky": 2, "wrong_length": 2}
+    err = capsys.readouterr().err
+    # each function's first error once, with the user's traceback and its message
+    assert err.count("reward 'flaky' raised") == 1 and err.count("Traceback") == 1
+    assert "ValueError: bad completion boom" in err and "user_rewards.py" in err
+    assert err.count("reward 'wrong_length' returned 2 values for 1 completions") == 1
+
+
+@pytest.mark.parametrize(
+    ("fn", "line"),
+    [
+        ("raises", "ValueError: always broken"),
+        ("wrong_length", "reward 'wrong_length' returned 2 values for 1 completions"),
+        ("nan", "reward 'nan' returned nan at position 0"),
+        ("string", "reward 'string' returned a str '1.0' at position 0; expected a number"),
+        ("scalar", "reward 'scalar' returned a float 1.0; expected a list of 1 numbers"),
+        ("generator", "reward 'generator' returned a generator"),
+    ],
+)
+def test_each_bad_return_is_an_error_with_its_line(user_module: Path, capsys, fn: str, line: str):
+    runner = _runner(RewardSpec(name=f"{user_module}:{fn}"), fallback=0.0)
+    try:
+        out = _score(runner, ["a", "b"])
+    finally:
+        runner.close()
+    assert out.errors == {fn: 2} and out.per_function[:, 0].tolist() == [0.0, 0.0]
+    err = capsys.readouterr().err
+    assert line in err and err.count(line) == 1
+
+
+def test_import_errors_are_one_line_at_start(tmp_path: Path, user_module: Path):
+    with pytest.raises(RewardError, match=r"'nope' is not a function"):
+        _runner(RewardSpec(name=f"{user_module}:nope"))
+    with pytest.raises(RewardError, match="cannot import module 'no_such_module_xyz'"):
+        _runner(RewardSpec(name="no_such_module_xyz:fn"))
+    with pytest.raises(RewardError, match="not found"):
+        _runner(RewardSpec(name=f"{tmp_path}/missing.py:fn"))
+
+
+def test_user_functions_run_in_worker_processes_concurrently(user_module: Path, tmp_path: Path):
+    log = tmp_path / "calls.log"
+    runner = _runner(
+        RewardSpec(name=f"{user_module}:sleepy"), RewardSpec(name=f"{user_module}:pid"), workers=2
+    )
+    try:
+        out = _score(runner, ["x"] * 6, log=str(log))
+    finally:
+        runner.close()
+    pids = {int(v) for v in out.per_function[:, 1].tolist()}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert len(calls) == 6 and len({pid for pid, *_ in calls}) == 2
+    # two calls overlap in time: one started before the other ended
+    spans = sorted((float(start), float(end)) for _, start, end in calls)
+    assert any(b[0] < a[1] for a, b in itertools.pairwise(spans))
+
+
+def test_a_hanging_call_is_stopped_and_the_step_takes_one_timeout(user_module: Path):
+    runner = _runner(RewardSpec(name=f"{user_module}:hang"), timeout_s=2.0, workers=2)
+    try:
+        t0 = time.monotonic()
+        out = _score(runner, ["hang"] * 8)
+        elapsed = time.monotonic() - t0
+        # 8 hanging calls on 2 workers: all stopped at the step's one time limit (2 s), where
+        # one limit per call would take 8 s
+        assert out.errors == {"hang": 8} and elapsed < 6.0
+        # the killed workers were replaced: the next step scores normally
+        out = _score(runner, ["ok", "hang", "ok", "ok"])
+        assert out.per_function[:, 0].tolist() == [1.0, 0.0, 1.0, 1.0]
+        assert out.errors == {"hang": 1}
+    finally:
+        runner.close()
+    assert all(w is None or w.proc.poll() is not None for w in runner.pool.workers)
+
+
+def test_a_leaking_worker_is_recycled_past_the_memory_ceiling(user_module: Path, capsys):
+    # each call keeps 40 MiB; with a 150 MiB ceiling a worker serves about 3 calls
+    runner = _runner(RewardSpec(name=f"{user_module}:leak"), workers=1, max_worker_rss_mb=150)
+    try:
+        out = _score(runner, ["x"] * 10)
+    finally:
+        runner.close()
+    assert out.errors == {"leak": 0}  # recycling between calls costs no score
+    pids = [int(v) for v in out.per_function[:, 0].tolist()]
+    assert len(set(pids)) >= 3  # replaced more than once
+    assert max(pids.count(p) for p in set(pids)) <= 4  # never past the ceiling for long
+    err = capsys.readouterr().err
+    assert err.count("reward 'leak': its worker passed rewards.max_worker_rss_mb=150") == 1
+
+
+def test_a_call_past_the_memory_ceiling_is_killed(user_module: Path, capsys):
+    runner = _runner(RewardSpec(name=f"{user_module}:balloon"), workers=1, max_worker_rss_mb=150)
+    try:
+        t0 = time.monotonic()
+        out = _score(runner, ["x"])
+        assert time.monotonic() - t0 < 20  # killed, not waited for the 30 s sleep
+    finally:
+        runner.close()
+    assert out.errors == {"balloon": 1}
+    assert "passed rewards.max_worker_rss_mb=150 during a call" in capsys.readouterr().err
+
+
+def test_error_watch_prints_counts_and_stops_after_patience(capsys):
+    watch = ErrorWatch(max_frac=0.5, patience=2)
+    watch.observe(1, {"a": 3, "b": 0}, 4, announce=True)  # a over 0.5: streak 1
+    watch.observe(2, {"a": 2, "b": 0}, 4, announce=True)  # 2/4 is not more than half: reset
+    watch.observe(3, {"a": 4, "b": 0}, 4, announce=False)  # streak 1, not printed
+    with pytest.raises(RewardFailure, match=r"reward 'a' failed on more than .*0\.5.* 2 steps"):
+        watch.observe(4, {"a": 3, "b": 1}, 4, announce=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "step 1: reward errors: a 3/4",
+        "step 2: reward errors: a 2/4",
+        "step 4: reward errors: a 3/4, b 1/4",
+    ]
+    never = ErrorWatch(max_frac=1.0, patience=1)
+    never.observe(1, {"a": 4}, 4, announce=False)  # 1 = never stop
+
+
+def _train(tmp_path: Path, tiny_model_dir: Path, rewards: dict, steps: int, timeout: float):
+    tree = {
+        "model": {"name": str(tiny_model_dir)},
+        "data": {"task": "arithmetic", "task_args": {"size": 16}},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4},
+        "rewards": rewards,
+        "train": {
+            "steps": steps,
+            "output_dir": str(tmp_path / "runs"),
+            "progress": False,
+            "sinks": ["jsonl"],
+        },
+    }
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tree))
+    grpo = Path(sys.executable).parent / "grpo"
+    return subprocess.run(
+        [str(grpo), "train", str(recipe)], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_grpo_train_with_a_reward_that_sleeps_forever(tmp_path: Path, tiny_model_dir: Path):
+    hang = tmp_path / "hang.py"
+    pids = tmp_path / "pids"
+    hang.write_text(
+        "import os, time\n"
+        "def forever(completions, **kw):\n"
+        f"    open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "    time.sleep(100000)\n"
+    )
+    rewards = {
+        "functions": [{"name": "format"}, {"name": f"{hang}:forever"}],
+        "timeout_s": 1.0,
+        "max_error_frac": 1.0,  # keep going: this test is about time, not the stop rule
+    }
+    done = _train(tmp_path, tiny_model_dir, rewards, steps=2, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "runs/recipe/metrics.jsonl").open()]
+    assert [row["reward/forever/errors"] for row in rows] == [8.0, 8.0]
+    # 8 calls on 2 workers, each past the limit: one limit per step (1 s), not 5 as before
+    assert all(row["time/reward_s"] < 3.0 for row in rows)
+    assert "reward 'forever': a call still ran after rewards.timeout_s=1 s" in done.stderr
+    assert "step 2: reward errors: forever 8/8" in done.stderr
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) >= 4 and not any(_alive(p) for p in started)
+
+
+def test_grpo_train_stops_with_one_line_after_patience(tmp_path: Path, tiny_model_dir: Path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def boom(completions, **kw):\n    raise KeyError('no such column')\n")
+    rewards = {
+        "functions": [{"name": "format"}, {"name": f"{broken}:boom"}],
+        "error_patience": 2,
+    }
+    done = _train(tmp_path, tiny_model_dir, rewards, steps=6, timeout=240)
+    assert done.returncode == 2
+    err = done.stderr.strip().splitlines()
+    assert err[-1].startswith("grpo: error: reward 'boom' failed on more than")
+    assert "for 2 steps in a row (step 2: 8/8)" in err[-1]
+    assert done.stderr.count("Traceback") == 1 and "KeyError: 'no such column'" in done.stderr
+    assert [line for line in err if line.startswith("step ")] == [
+        "step 1: reward errors: boom 8/8",
+        "step 2: reward errors: boom 8/8",
+    ]
