@@ -79,6 +79,8 @@ class DataConfig(Section):
     """Visit rows in a seeded random order, reshuffled every epoch."""
     task_args: dict[str, Any] = {}
     """Keyword arguments for the built-in task's generator (size, digit ranges, ...)."""
+    eval_path: str | None = None
+    """Held-out data for evaluation (training's `eval/*` and `grpo eval`), same format and fields as `path`; default: the task's or the `datasets` folder's test split."""
 
 
 class RolloutConfig(Section):
@@ -218,6 +220,8 @@ class TrainConfig(Section):
     """Held-out examples per evaluation."""
     eval_samples: int = Field(1, ge=1)
     """Sampled completions per held-out problem for pass@k and maj@k (1 = greedy accuracy only)."""
+    eval_reward_threshold: float = 1.0
+    """A held-out completion passes when its total reward reaches this (`eval/reward/pass_rate`)."""
     sinks: list[str] = ["jsonl", "tensorboard"]
     """Metric sinks: jsonl (always on), tensorboard, wandb, trackio (offline)."""
     progress: bool = True
@@ -371,11 +375,45 @@ def build_config(tree: dict[str, Any]) -> Config:
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Recipe (or the default recipe) + dotted overrides -> validated Config."""
     path = Path(recipe) if recipe is not None else default_recipe_path()
-    tree = read_recipe(path)
+    tree = resolve_recipe_paths(read_recipe(path), path.parent)
     if "run_name" not in tree.get("train", {}):
         # a recipe's runs land in runs/<recipe name> unless it says otherwise
         tree = _merge(tree, {"train": {"run_name": path.stem}})
     return build_config(_merge(tree, parse_overrides(overrides or [])))
+
+
+def resolve_recipe_paths(tree: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A recipe's relative file paths as paths from the recipe's folder, so a recipe runs the
+    same from any working directory: data files, reward files (`file.py:function`) and a model
+    that is a folder or file next to the recipe (aliases and hub ids stay as they are).
+    Command-line overrides stay relative to the working directory; so does train.output_dir."""
+
+    def local(value: Any) -> Any:
+        if not isinstance(value, str) or not value or Path(value).is_absolute():
+            return value
+        return str(folder / value)
+
+    tree = _merge(tree, {})
+    data = tree.get("data")
+    if isinstance(data, dict):
+        tree["data"] = {**data, **{k: local(data[k]) for k in ("path", "eval_path") if k in data}}
+    model = tree.get("model")
+    if isinstance(model, dict) and isinstance(model.get("name"), str):
+        candidate = folder / model["name"]
+        if not Path(model["name"]).is_absolute() and candidate.exists():
+            tree["model"] = {**model, "name": str(candidate)}
+    rewards = tree.get("rewards")
+    functions = rewards.get("functions") if isinstance(rewards, dict) else None
+    if isinstance(functions, list):
+        specs = []
+        for spec in functions:
+            name = spec.get("name") if isinstance(spec, dict) else None
+            if isinstance(name, str) and ".py:" in name:
+                file, _, fn = name.rpartition(":")
+                spec = {**spec, "name": f"{local(file)}:{fn}"}
+            specs.append(spec)
+        tree["rewards"] = {**rewards, "functions": specs}
+    return tree
 
 
 def default_recipe_path() -> Path:

@@ -755,7 +755,12 @@ class Trainer:
         # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
         with distributed.full_parameters(self.policy):
             result = evaluate(
-                self.policy, self.tokenizer, self.eval_rows, self.prompt_format, settings
+                self.policy,
+                self.tokenizer,
+                self.eval_rows,
+                self.prompt_format,
+                settings,
+                self.rewards,
             )
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
