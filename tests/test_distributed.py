@@ -22,6 +22,14 @@ from grpo.trainer import Trainer, sampling_seed, train
 DIGITS_REWARD = """
 def digits(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def digits_if_even(completions, answer, **kwargs):
+    # zero variance (dropped by dynamic sampling) unless the answer divides by 3
+    return [
+        sum(ch.isdigit() for ch in c) / max(len(c), 1) if int(a) % 3 == 0 else 0.0
+        for c, a in zip(completions, answer)
+    ]
 """
 
 
@@ -29,8 +37,9 @@ def test_shard_bounds_split_whole_groups_evenly() -> None:
     # 4 prompts over 2 ranks: rank 0 takes prompts 0-1, rank 1 prompts 2-3
     assert distributed.shard_bounds(4, 0, 2) == (0, 2)
     assert distributed.shard_bounds(4, 1, 2) == (2, 4)
-    with pytest.raises(ValueError, match="cannot be split evenly"):
-        distributed.shard_bounds(5, 0, 2)
+    # uneven (a dynamic-sampling round): shares differ by at most one, in rank order
+    assert [distributed.shard_bounds(5, r, 2) for r in range(2)] == [(0, 2), (2, 5)]
+    assert [distributed.shard_bounds(1, r, 2) for r in range(2)] == [(0, 0), (0, 1)]
 
 
 def test_single_process_collectives_are_identities() -> None:
@@ -104,9 +113,12 @@ def distributed_run(tiny_config, tmp_path: Path):
     reward = tmp_path / "digits_reward.py"
     reward.write_text(DIGITS_REWARD)
 
-    def run(algorithm: dict, strategy: str = "ddp"):
+    def run(algorithm: dict, strategy: str = "ddp", sampling: dict | None = None):
         config = tiny_config(
-            rewards={"functions": [{"name": f"{reward}:digits"}]},
+            rewards={
+                "functions": [{"name": f"{reward}:{'digits_if_even' if sampling else 'digits'}"}]
+            },
+            sampling=sampling or {},
             rollout={"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12},
             optim={"lr": 1e-3, "micro_batch_size": 4},
             algorithm=algorithm,
@@ -131,8 +143,10 @@ def distributed_run(tiny_config, tmp_path: Path):
         {"loss_type": "dapo", "scale_rewards": "batch"},
         pytest.param({"loss_type": "grpo", "beta": 0.0}, marks=pytest.mark.slow),
         pytest.param({"_strategy": "fsdp"}, marks=pytest.mark.slow),
+        # DAPO with dynamic sampling: every rank sees every round, then takes an equal share
+        {"preset": "dapo", "_sampling": {"dynamic": True, "max_rounds": 4}},
     ],
-    ids=["dapo-batch-std", "grpo", "fsdp2"],
+    ids=["dapo-batch-std", "grpo", "fsdp2", "dapo-dynamic"],
 )
 def test_two_gloo_ranks_match_one_process(
     distributed_run, tiny_model_dir: Path, algorithm: dict
@@ -140,7 +154,8 @@ def test_two_gloo_ranks_match_one_process(
     # one process with P=4 prompts vs two ranks with 2 prompts each, same seed, 3 steps
     algorithm = dict(algorithm)
     strategy = algorithm.pop("_strategy", "ddp")
-    one, two, config = distributed_run(algorithm, strategy)
+    sampling = algorithm.pop("_sampling", None)
+    one, two, config = distributed_run(algorithm, strategy, sampling)
     a, b, start = _weights(one / "final"), _weights(two / "final"), _weights(tiny_model_dir)
     assert a.keys() == b.keys()
     # training moved the weights by far more than the tolerance of the comparison
@@ -158,6 +173,11 @@ def test_two_gloo_ranks_match_one_process(
     c1 = (one / "completions" / "step-000003.jsonl").read_text()
     c2 = (two / "completions" / "step-000003.jsonl").read_text()
     assert c1 == c2
+    if sampling:  # the test saw rounds of several sizes and groups dropped
+        for r1, r2 in zip(m1, m2, strict=True):
+            for key in ("sampling/prompts_drawn", "sampling/prompts_kept", "sampling/rounds"):
+                assert r1[key] == r2[key], key
+        assert max(m["sampling/rounds"] for m in m1) > 1
 
     # a checkpoint written by 2 ranks cannot be resumed by 1 process
     resume = config.model_copy(
@@ -165,3 +185,74 @@ def test_two_gloo_ranks_match_one_process(
     )
     with pytest.raises(ConfigError, match="written by 2 process"):
         Trainer(resume).train()
+
+
+def _scored(groups: int, width: int, g: int = 2, sampler: bool = True):
+    from grpo.batch import Rollout, Scored
+    from grpo.trainer import empty_rollout
+
+    n = groups * g
+    if n == 0:
+        rollout = empty_rollout(g)
+    else:
+        mask = torch.ones(n, width, dtype=torch.bool)
+        rollout = Rollout(
+            prompt_ids=torch.full((n, width), 7),
+            prompt_mask=mask,
+            completion_ids=torch.ones(n, 3, dtype=torch.long),
+            completion_mask=torch.ones(n, 3, dtype=torch.bool),
+            truncated=torch.zeros(n, dtype=torch.bool),
+            prompts=["p"] * n,
+            completions=[f"c{width}"] * n,
+            rows=[{"prompt": "p"}] * groups,
+            group_size=g,
+            sampler_logp=torch.full((n, 3), -1.0) if sampler else None,
+        )
+    rewards = torch.arange(n, dtype=torch.float32)
+    return Scored(rollout, rewards[:, None], ["r"], rewards, rewards, {"r": 1})
+
+
+def _gather_worker(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from grpo.trainer import gather_scored
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        # a round of 1 prompt over 2 ranks: rank 0 has none (no sampler log-probs either)
+        empty_first = gather_scored(_scored(0, 0) if rank == 0 else _scored(1, 3))
+        # ranks with prompts of different widths: the narrower is padded on the left
+        widths = gather_scored(_scored(1, 2 if rank == 0 else 4, sampler=False))
+        if rank == 0:
+            torch.save({"empty_first": empty_first, "widths": widths}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gathered_groups_can_be_trained_on(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "gathered.pt"
+    mp.spawn(_gather_worker, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=2)
+    result = torch.load(out, weights_only=False)
+    first = result["empty_first"]
+    assert first.rollout.completions == ["c3", "c3"] and first.rollout.rows == [{"prompt": "p"}]
+    assert first.rollout.prompt_mask.all() and first.rollout.prompt_ids.shape == (2, 3)
+    assert torch.equal(first.rollout.sampler_logp, torch.full((2, 3), -1.0))
+    assert first.errors == {"r": 2}
+    wide = result["widths"].rollout
+    assert wide.prompt_mask.shape == (4, 4)
+    # rank 0's 2-token prompts are left padded: mask 0011, ids 0077
+    assert wide.prompt_mask[:2].tolist() == [[False, False, True, True]] * 2
+    assert wide.prompt_ids[:2].tolist() == [[0, 0, 7, 7]] * 2
+    assert wide.prompt_mask[2:].all()
+
+
+def test_a_rank_without_prompts_scores_an_empty_rollout(tiny_config) -> None:
+    from grpo.trainer import empty_rollout
+
+    trainer = Trainer(tiny_config())
+    scored = trainer.score(empty_rollout(4))
+    assert scored.rewards.shape == (0,)
+    assert scored.per_function.shape == (0, len(scored.function_names))
+    assert scored.advantages.shape == (0,)

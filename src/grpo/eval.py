@@ -38,7 +38,7 @@ from grpo.config import Config
 from grpo.data import DataError, load_dataset_rows, system_prompt_for
 from grpo.prompts import PromptFormat, prompt_format_for, scored_texts
 from grpo.rewards import RewardOutput, RewardRunner
-from grpo.rewards.accuracy import AccuracyReward, answers_match, extract_answer
+from grpo.rewards.accuracy import DEFAULT_EXTRACT, AccuracyReward, answers_match, extract_answer
 from grpo.rollout.hf import eos_ids
 
 
@@ -59,9 +59,6 @@ def majority_answer(answers: Sequence[str | None]) -> str | None:
         return None
     best = max(votes.values())
     return next(a.strip() for a in answers if a is not None and votes[a.strip()] == best)
-
-
-DEFAULT_EXTRACT = ("answer", "boxed", "hashes")
 
 
 def is_correct(completion: str, gold: Any, extract: tuple[str, ...] = DEFAULT_EXTRACT) -> bool:

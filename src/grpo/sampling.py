@@ -8,6 +8,9 @@ gives no gradient (it only dilutes the loss's normalisation).
   The first round draws ``target`` prompts; each later round draws the deficit divided by the
   share of informative groups seen so far in this step (at most ``target``). Extra informative
   groups of the last round are dropped, so every full step trains on exactly ``target`` groups.
+  Under torchrun every rank sees every round's groups (gathered), makes the same choices, and
+  then takes an equal share of whole kept groups (``rank_groups``); a short step keeps a multiple
+  of the number of ranks.
 - The pre-rollout filter (Zheng et al., 2025, GRESO, arXiv 2506.02177) keeps each prompt's
   recent history across epochs and, before rolling out, skips with probability ``skip_prob`` a
   prompt whose last ``k`` visits were all zero-variance. The paper adapts the skip probability
@@ -159,11 +162,13 @@ def collect(
     dynamic: bool,
     max_rounds: int,
     advantages: Callable[[Tensor], Tensor],
+    multiple_of: int = 1,
 ) -> Collected:
     """Roll out and score ``target`` prompts; with ``dynamic``, keep only informative groups.
 
     sample(n) rolls out and scores n prompts. advantages(rewards [N]) -> [N] recomputes the
     advantages over the kept batch (they differ from the per-round ones only for batch scaling).
+    multiple_of: the kept groups are trimmed to a multiple of it (ranks take equal shares).
     """
     if not dynamic:
         scored = sample(target)
@@ -184,7 +189,15 @@ def collect(
             kept.append(select_groups(scored, take))
             n_kept += len(take)
     train = None
-    if kept:
-        train = concat_scored(kept)
+    n_kept -= n_kept % multiple_of
+    if n_kept:
+        train = select_groups(concat_scored(kept), list(range(n_kept)))
         train = replace(train, advantages=advantages(train.rewards))
     return Collected(train, concat_scored(seen), drawn, n_kept, rounds)
+
+
+def rank_groups(scored: Scored, rank: int, world_size: int) -> Scored:
+    """Rank's contiguous, equal share of whole groups (their count divides by world_size)."""
+    groups = scored.rewards.numel() // scored.rollout.group_size
+    share = groups // world_size
+    return select_groups(scored, list(range(rank * share, (rank + 1) * share)))

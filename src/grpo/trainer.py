@@ -40,9 +40,9 @@ from grpo.models import (
     save_hf,
 )
 from grpo.prompts import prompt_format_for, scored_texts
-from grpo.rewards import ErrorWatch, RewardRunner
+from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine
-from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts
+from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
 # the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
@@ -291,9 +291,6 @@ class Trainer:
                 f"rollout.prompts_per_step={config.rollout.prompts_per_step} must be divisible "
                 f"by the number of processes ({self.dist.world_size}): each rank takes whole groups"
             )
-        if config.sampling.dynamic and self.dist.world_size > 1:
-            # kept groups would be spread unevenly over the ranks' fixed shares
-            raise ConfigError("sampling.dynamic runs in one process for now (torchrun: set it off)")
         if (
             config.algorithm.beta > 0
             and config.algorithm.kl_estimator == "k1"
@@ -365,6 +362,8 @@ class Trainer:
         if draws is None:
             draws = [self.stream.next_draw() for _ in range(self.config.rollout.prompts_per_step)]
         start, stop = distributed.shard_bounds(len(draws), self.dist.rank, self.dist.world_size)
+        if start == stop:  # a dynamic-sampling round with fewer prompts than ranks
+            return empty_rollout(self.config.rollout.group_size)
         rows = [self.rows[d.index] for d in draws[start:stop]]
         seeds = [sampling_seed(self.config.train.seed, d.position) for d in draws[start:stop]]
         prompts = [self.prompt_format.render(self.tokenizer, r) for r in rows]
@@ -377,7 +376,7 @@ class Trainer:
     def score(self, rollout: Rollout) -> Scored:
         g = rollout.group_size
         columns: dict[str, list[Any]] = {}
-        for key in rollout.rows[0]:
+        for key in rollout.rows[0] if rollout.rows else {}:
             if key != "prompt":
                 columns[key] = [row.get(key) for row in rollout.rows for _ in range(g)]
         ids = [
@@ -385,9 +384,13 @@ class Trainer:
             for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
         ]
         prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
-        # a completion that starts inside a tag the prompt opened is judged with that tag
-        texts = scored_texts(rollout.prompts, rollout.completions)
-        out = self.rewards(texts, prompts, columns, ids)
+        if rollout.rows:
+            # a completion that starts inside a tag the prompt opened is judged with that tag
+            texts = scored_texts(rollout.prompts, rollout.completions)
+            out = self.rewards(texts, prompts, columns, ids)
+        else:  # this rank has no prompt this round; it still joins the collectives below
+            names = self.rewards.names
+            out = RewardOutput(torch.zeros(0, len(names)), names, torch.zeros(len(names)), {})
         total = out.total
         # on every rank's rewards, so that scale_rewards=batch uses the global batch std; the
         # groups are whole on each rank, so group statistics are unchanged
@@ -421,6 +424,9 @@ class Trainer:
             flags = algorithm.zero_std_groups(rewards, rollout.group_size).tolist()
             for draw, zero_variance in zip(draws, flags, strict=True):
                 self.prompt_filter.record(draw.index, zero_variance)
+        if self.config.sampling.dynamic:
+            # every rank keeps the global groups: all make the same choices (see grpo.sampling)
+            return gather_scored(scored)
         return scored
 
     def collect(self, clock: dict[str, float]) -> Collected:
@@ -438,6 +444,7 @@ class Trainer:
             dynamic=cfg.sampling.dynamic,
             max_rounds=cfg.sampling.max_rounds,
             advantages=advantages,
+            multiple_of=self.dist.world_size,
         )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -792,12 +799,16 @@ class Trainer:
         batch = self.collect(clock)
         t2 = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        # dynamic sampling may end a step without one informative group: then nothing to learn
-        update = self.optimize(batch.train) if batch.train is not None else {}
+        # dynamic sampling may end a step without one informative group: then nothing to learn;
+        # its groups are global (every rank holds all): each rank trains on its equal share
+        train = batch.train
+        if train is not None and self.config.sampling.dynamic:
+            train = rank_groups(train, self.dist.rank, self.dist.world_size)
+        update = self.optimize(train) if train is not None else {}
         metrics = self.refresh_reference()
         t3 = time.perf_counter()
         # metrics over every group rolled out (all ranks, global order): the kept ones are biased
-        everyone = gather_scored(batch.seen)
+        everyone = batch.seen if self.config.sampling.dynamic else gather_scored(batch.seen)
         # every rank sees the same gathered counts, so every rank stops at the same step
         self.reward_errors.observe(
             self.step, everyone.errors, everyone.rewards.numel(), announce=self.dist.is_main
@@ -822,10 +833,18 @@ class Trainer:
         return metrics
 
 
+def empty_rollout(group_size: int) -> Rollout:
+    """A rollout of no prompts (a rank's share of a round smaller than the number of ranks)."""
+    ids, mask = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.bool)
+    return Rollout(ids, mask, ids, mask, torch.zeros(0, dtype=torch.bool), [], [], [], group_size)
+
+
 def gather_scored(scored: Scored) -> Scored:
     """Every rank's scored groups concatenated in rank order (itself on one process).
 
     Row-aligned tensors and lists are gathered; reward function error counts are summed.
+    Prompts stay left padded (to the widest rank's width), completions right padded, so the
+    result can be trained on.
     """
     if not distributed.active():
         return scored
@@ -834,8 +853,14 @@ def gather_scored(scored: Scored) -> Scored:
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            if f.name in skip or value is None:
+            # a rank without prompts this round has no sampler log-probs; the others decide
+            if f.name in skip or not distributed.all_reduce(value is not None, "max"):
                 continue
+            if value is None:
+                value = torch.zeros(0, 1)
+            if f.name in ("prompt_ids", "prompt_mask"):
+                width = int(distributed.all_reduce(value.shape[1], "max"))
+                value = torch.nn.functional.pad(value, (width - value.shape[1], 0))
             if isinstance(value, Tensor):
                 out[f.name] = distributed.all_gather_rows(value)
             elif isinstance(value, list):

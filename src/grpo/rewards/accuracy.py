@@ -29,10 +29,57 @@ from grpo.rewards import RewardError, RewardFn, register
 WORKER = Path(__file__).with_name("_math_worker.py")
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 HASHES_RE = re.compile(r"####\s*([^\n]+)")
+SENTENCE_RE = re.compile(r"\banswer\s*(?:is|:|=)\s*([^\n]+)", re.IGNORECASE)
+SENTENCE_END_RE = re.compile(r"\.(?:\s|$)")
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 PLAIN_NUMBER_RE = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?$")
 UNIT_SUFFIX_RE = re.compile(r"^(-?[\d.,/]+)\s*(?:[A-Za-z][A-Za-z. ]*)?$")
+# \\! \\, and "\\ " spacing commands, but not the "\\\\" row break before a space or comma
+SPACING_RE = re.compile(r"(?<!\\)\\[!, ]")
+LATEX_THOUSANDS_RE = re.compile(r"(?<=\d),\\!\s*(?=\d{3})|(?<=\d)\{,\}(?=\d{3})")
+ANSWER_LHS_RE = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*")  # "x = ", "a_1 = "
+BASE_NUMERAL_RE = re.compile(r"^(?=[0-9A-Za-z]*\d)([0-9A-Za-z]+)_\{?(\d+)\}?$")  # 52_8, 4210_{5}
+# words after a number that change its value: not units to drop
+VALUE_WORDS = frozenset(
+    {
+        "hundred",
+        "hundreds",
+        "thousand",
+        "thousands",
+        "million",
+        "millions",
+        "billion",
+        "billions",
+        "trillion",
+        "trillions",
+        "dozen",
+        "dozens",
+        "k",
+        "half",
+        "halves",
+        "quarter",
+        "quarters",
+        "third",
+        "thirds",
+        "fourth",
+        "fourths",
+        "fifth",
+        "fifths",
+        "tenth",
+        "tenths",
+        "hundredth",
+        "hundredths",
+        "thousandth",
+        "thousandths",
+        "squared",
+        "cubed",
+        "and",
+        "times",
+        "plus",
+        "minus",
+    }
+)
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers; never hand them to SymPy
 
 
@@ -59,6 +106,14 @@ def _after_hashes(text: str) -> str | None:
     return found[-1] if found else None
 
 
+def _final_sentence(text: str) -> str | None:
+    """What follows the last "answer is" / "answer:" on its line, up to the sentence's end."""
+    found = SENTENCE_RE.findall(text)
+    if not found:
+        return None
+    return SENTENCE_END_RE.split(found[-1], maxsplit=1)[0].strip().strip("*").strip()
+
+
 def _last_number(text: str) -> str | None:
     found = NUMBER_RE.findall(text)
     return found[-1] if found else None
@@ -68,13 +123,15 @@ EXTRACTORS: dict[str, Callable[[str], str | None]] = {
     "answer": _last_answer_tag,
     "boxed": _last_boxed,
     "hashes": _after_hashes,
+    "sentence": _final_sentence,
     "last_number": _last_number,
 }
 
 
-def extract_answer(
-    text: str, strategies: tuple[str, ...] = ("answer", "boxed", "hashes")
-) -> str | None:
+DEFAULT_EXTRACT = ("answer", "boxed", "hashes", "sentence")
+
+
+def extract_answer(text: str, strategies: tuple[str, ...] = DEFAULT_EXTRACT) -> str | None:
     """The answer in a completion by the first strategy that finds one, stripped; or None."""
     for name in strategies:
         found = EXTRACTORS[name](text)
@@ -85,19 +142,32 @@ def extract_answer(
 
 
 def normalise(text: str) -> str:
-    """Surface clean-up shared by both sides: math delimiters, \\$, spaces, a final period."""
+    """Surface clean-up shared by both sides: math delimiters, \\$, LaTeX spacing commands,
+    LaTeX thousands separators (``10,\\!080``, ``10{,}080`` -> ``10,080``), a final period."""
     text = text.strip().strip("$").strip()
     for wrapper in ("\\(", "\\)", "\\[", "\\]"):
         text = text.replace(wrapper, "")
-    text = text.replace("\\$", "").replace("\\!", "").replace("\\,", "").replace("\\ ", " ")
+    text = LATEX_THOUSANDS_RE.sub(",", text).replace("\\$", "")
+    text = SPACING_RE.sub(lambda found: " " if found.group() == "\\ " else "", text)
     return text.strip().rstrip(".").strip()
 
 
+def _scaled(text: str) -> bool:
+    """A number followed by a word that changes its value (18 thousand, 2 and a half)."""
+    text = text.replace("$", "").strip()
+    unit = UNIT_SUFFIX_RE.match(text)
+    words = re.findall(r"[A-Za-z]+", text[unit.end(1) :]) if unit else []
+    return any(word.lower() in VALUE_WORDS for word in words)
+
+
 def as_number(text: str) -> Fraction | None:
-    """A plain number (1,000 / -3.5 / 3/4 / 50% / $18 / 7 apples), exactly; else None."""
+    """A plain number (1,000 / -3.5 / 3/4 / 50% / $18 / 7 apples), exactly; else None. A word
+    that changes the value (18 thousand, 3 dozen, 2 and a half, 5 squared) makes it no number."""
     text = text.replace("$", "").replace("\\%", "%").rstrip("%").strip()
     unit = UNIT_SUFFIX_RE.match(text)
     if unit:
+        if _scaled(text):
+            return None
         text = unit.group(1).rstrip(".")
     if THOUSANDS_RE.match(text):
         text = text.replace(",", "")
@@ -107,6 +177,19 @@ def as_number(text: str) -> Fraction | None:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):
         return None
+
+
+def _is_percent(text: str) -> bool:
+    return text.replace("\\%", "%").rstrip().endswith("%")
+
+
+def _numbers_match(pred: str, ref: str, pred_num: Fraction, ref_num: Fraction) -> bool:
+    """Equal, or equal once a percentage is read as a fraction (50% = 0.5; 50% = 50 too)."""
+    if pred_num == ref_num:
+        return True
+    return (_is_percent(pred) and pred_num / 100 == ref_num) or (
+        _is_percent(ref) and ref_num / 100 == pred_num
+    )
 
 
 class MathVerifier:
@@ -218,16 +301,26 @@ Equivalence = Callable[[str, str], bool]
 def answers_match(
     prediction: str, gold: str, equivalent: Equivalence | None = equivalent_in_process
 ) -> bool:
-    """Exact after normalisation, equal as plain numbers, or ``equivalent(gold, prediction)``
-    (math-verify; None = no symbolic check)."""
+    """Exact after normalisation, equal as plain numbers (or as numerals in a base: ``52_8``), or
+    ``equivalent(gold, prediction)`` (math-verify; None = no symbolic check)."""
     pred, ref = normalise(prediction), normalise(gold)
     if not pred or len(pred) > MAX_ANSWER_CHARS:
         return False
+    if "=" not in ref:
+        pred = ANSWER_LHS_RE.sub("", pred, count=1)  # "x = 5" answers "5"
     if pred == ref:
         return True
+    pred_base, ref_base = BASE_NUMERAL_RE.match(pred), BASE_NUMERAL_RE.match(ref)
+    if pred_base or ref_base:  # math-verify drops the base: 52_9 would equal 52_8
+        return bool(pred_base and ref_base) and (
+            pred_base[1].lower(),
+            int(pred_base[2]),
+        ) == (ref_base[1].lower(), int(ref_base[2]))
+    if _scaled(pred) and not _scaled(ref):
+        return False  # "18 thousand" is not 18, whatever math-verify makes of it
     pred_num, ref_num = as_number(pred), as_number(ref)
     if pred_num is not None and ref_num is not None:
-        return pred_num == ref_num
+        return _numbers_match(pred, ref, pred_num, ref_num)
     return equivalent is not None and equivalent(ref, pred)
 
 
@@ -237,7 +330,7 @@ class AccuracyReward:
     def __init__(
         self,
         answer_field: str = "answer",
-        extract: list[str] | tuple[str, ...] = ("answer", "boxed", "hashes"),
+        extract: list[str] | tuple[str, ...] = DEFAULT_EXTRACT,
         last_number: bool = False,
         math_verify: bool = True,
         timeout_s: float = 5.0,

@@ -1,45 +1,31 @@
 """Code reward: run the completion's program against the row's tests in the sandbox.
 
-The row's ``tests`` column is either one test script (pass/fail as a whole; HumanEval's
-``check(candidate)``), or a list of test snippets (each an assert), which allows a fractional
-reward. A run passes a test only when the harness prints its verdict line, marked with a nonce
-the program never sees as an argument, file or environment variable (it arrives on stdin and is
-read before the program starts): a program that exits early or crashes gets 0, never a pass.
+The row's ``tests`` column takes one of three forms:
+
+- a test script (one string; HumanEval's ``check(candidate)`` plus ``check(entry_point)``),
+  pass/fail as a whole;
+- a list of test snippets (each usually one assert), which allows a fractional score;
+- a list of ``{"input": ..., "output": ...}`` cases: the program reads stdin and must print the
+  expected output (compared line by line after collapsing whitespace) and exit with status 0.
+
+Function tests never run in the candidate's process: the candidate answers calls with plain
+values, and a separate judge process runs the test code and reports the verdict
+(``sandbox.judge_calls``). A program that crashes, exits or hangs before or while it is tested
+passes nothing (no credit for defining the function and then failing). Scores are clamped to
+[0, 1] in every mode.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import secrets
 from typing import Any
 
 from grpo.rewards import RewardError, RewardFn, register
-from grpo.rewards.sandbox import Limits, run_limited
+from grpo.rewards.sandbox import Limits, judge_calls, run_limited
 
 FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
-
-HARNESS = """\
-import json as _json, os as _os, sys as _sys
-_nonce = _sys.stdin.readline().strip()
-_verdict_fd = _os.dup(1)
-_program, _tests = _json.loads({payload!r})
-_passed = []
-_ns = {{"__name__": "solution"}}
-try:
-    exec(compile(_program, "solution.py", "exec"), _ns)
-except BaseException:
-    _tests = []
-for _i, _test in enumerate(_tests):
-    try:
-        exec(compile(_test, f"test_{{_i}}.py", "exec"), _ns)
-        _passed.append(_i)
-    except BaseException:
-        pass
-_os.write(_verdict_fd, (_nonce + " " + _json.dumps(_passed) + "\\n").encode())
-"""
 
 
 def extract_code(text: str) -> str:
@@ -66,15 +52,33 @@ def with_prefix(program: str, prefix: str | None, entry_point: str | None) -> st
     return prefix + program
 
 
-def passed_tests(program: str, tests: list[str], limits: Limits) -> int:
-    """Number of ``tests`` that pass after ``program`` ran, in one sandboxed process."""
-    nonce = secrets.token_hex(16)
-    source = HARNESS.format(payload=json.dumps([program, tests]))
-    result = run_limited(source, nonce + "\n", limits)
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith(nonce + " "):
-            return len(json.loads(line[len(nonce) + 1 :]))
-    return 0
+def normalise_output(text: str) -> list[str]:
+    """Lines with runs of whitespace collapsed, without leading or trailing blank lines."""
+    return [" ".join(line.split()) for line in text.strip().splitlines()]
+
+
+def passed_io_cases(program: str, cases: list[dict[str, str]], limits: Limits) -> int:
+    """Number of stdin/stdout cases the program gets right, one fresh sandbox per case."""
+    passed = 0
+    for case in cases:
+        result = run_limited(program, str(case["input"]), limits)
+        passed += (
+            result.exit_code == 0
+            and len(result.stdout.encode()) < limits.output_bytes
+            and normalise_output(result.stdout) == normalise_output(str(case["output"]))
+        )
+    return passed
+
+
+def passed_tests(
+    program: str, tests: list[Any], limits: Limits, prefix: str | None, entry_point: str | None
+) -> int:
+    """Number of ``tests`` the program passes; the count comes from the judge (or, for stdin/
+    stdout cases, from comparing what the program printed), never from the program."""
+    if all(isinstance(t, dict) for t in tests):
+        return passed_io_cases(program, tests, limits)
+    verdict = judge_calls(program, tests, prefix=prefix, entry_point=entry_point, limits=limits)
+    return len(verdict.passed)
 
 
 SCORES = {
@@ -83,12 +87,19 @@ SCORES = {
 }
 
 
-def _as_tests(value: Any) -> list[str]:
+def _as_tests(value: Any) -> list[Any]:
     if isinstance(value, str):
         return [value]
     if isinstance(value, (list, tuple)) and all(isinstance(t, str) for t in value):
         return list(value)
-    raise TypeError(f"tests must be a string or a list of strings, got {type(value).__name__}")
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(t, dict) and {"input", "output"} <= t.keys() for t in value
+    ):
+        return list(value)
+    raise TypeError(
+        "tests must be a string, a list of strings, or a list of {input, output} cases, "
+        f"got {type(value).__name__}"
+    )
 
 
 @register("code")
@@ -124,7 +135,8 @@ def code_reward(
                 out.append(None)
                 continue
             program = with_prefix(extract_code(text), prefix, entry)
-            out.append(SCORES[mode](passed_tests(program, tests, limits), len(tests)))
+            passed = passed_tests(program, tests, limits, prefix, entry)
+            out.append(min(1.0, max(0.0, SCORES[mode](passed, len(tests)))))
         return out
 
     return score

@@ -52,7 +52,9 @@ def rss_mb(pid: int) -> float:
 
 
 class _Worker:
-    def __init__(self, refs: list[str], startup_s: float) -> None:
+    def __init__(self, refs: list[str]) -> None:
+        """Start the process; ``wait_ready`` then waits for its imports."""
+        self.refs = refs
         to_worker, from_parent = os.pipe()
         from_worker, to_parent = os.pipe()
         argv = [str(WORKER), str(to_worker), str(to_parent), str(os.getpid())]
@@ -67,6 +69,9 @@ class _Worker:
         self.send = Connection(from_parent, readable=False)
         self.recv = Connection(from_worker, writable=False)
         self.send.send({"refs": refs, "sys_path": list(sys.path)})
+
+    def wait_ready(self, startup_s: float) -> None:
+        """Return once the functions are imported; else stop and raise WorkerStartError."""
         try:
             if not self.recv.poll(startup_s):
                 raise WorkerStartError(f"reward worker did not start within {startup_s:.0f} s")
@@ -74,7 +79,7 @@ class _Worker:
         except EOFError:
             self.stop()
             raise WorkerStartError(
-                f"reward worker exited while importing {', '.join(refs)} "
+                f"reward worker exited while importing {', '.join(self.refs)} "
                 f"(exit code {self.proc.returncode})"
             ) from None
         except WorkerStartError:
@@ -102,17 +107,30 @@ class WorkerPool:
         self.startup_s = startup_s
         self.workers: list[_Worker | None] = [None] * size
         try:
-            for slot in range(size):
-                self.workers[slot] = _Worker(refs, startup_s)
+            self._refill()
         except WorkerStartError:
             self.close()
             raise
 
+    def _refill(self) -> None:
+        """Start a worker in every empty slot, all at once (imports overlap), and wait for them."""
+        empty = [slot for slot, worker in enumerate(self.workers) if worker is None]
+        for slot in empty:
+            self.workers[slot] = _Worker(self.refs)
+        failure = None
+        for slot in empty:
+            try:
+                self.workers[slot].wait_ready(self.startup_s)
+            except WorkerStartError as err:
+                self.workers[slot] = None
+                failure = err
+        if failure is not None:
+            raise failure
+
     def _worker(self, slot: int) -> _Worker:
-        worker = self.workers[slot]
-        if worker is None:
-            worker = self.workers[slot] = _Worker(self.refs, self.startup_s)
-        return worker
+        if self.workers[slot] is None:
+            self._refill()
+        return self.workers[slot]
 
     def _retire(self, slot: int) -> None:
         worker, self.workers[slot] = self.workers[slot], None
@@ -162,6 +180,8 @@ class WorkerPool:
                 detail=f"a call still ran after rewards.timeout_s={limit_s:g} s; "
                 "its worker was killed and replaced",
             )
+        with contextlib.suppress(WorkerStartError):  # then the next call reports it
+            self._refill()  # replaced now, so the next step starts with ready workers
         for j in queued:
             outcomes[j] = Outcome(
                 "timeout",
