@@ -17,7 +17,6 @@ machine shared with other jobs is measured against what it could give at that ti
 
 from __future__ import annotations
 
-import re
 import resource
 import statistics
 import time
@@ -25,6 +24,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+# the shared rewards live in a module without torch: grpo imports it in each reward worker
+from benchmarks.rewards import answer_tag as answer_tag
+from benchmarks.rewards import last_integer as last_integer
 
 # ------------------------------------------------------------------------------------ set-ups
 
@@ -68,20 +71,6 @@ SETUPS: dict[str, dict[str, Any]] = {
         "steps": 8,
     },
 }
-
-INT_RE = re.compile(r"-?\d+")
-
-
-def last_integer(completions: list[str], answer: list[str], **_: Any) -> list[float]:
-    """1.0 when the last integer in the completion equals the gold answer."""
-    found = [INT_RE.findall(c) for c in completions]
-    return [float(bool(f) and f[-1] == str(a)) for f, a in zip(found, answer, strict=True)]
-
-
-def answer_tag(completions: list[str], **_: Any) -> list[float]:
-    """0.5 when the completion contains an <answer>...</answer> tag."""
-    return [0.5 if re.search(r"<answer>.*?</answer>", c, re.DOTALL) else 0.0 for c in completions]
-
 
 # ------------------------------------------------------------------------------------ arithmetic
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, rewards
 from grpo.config import Config, build_config, parse_overrides
 from grpo.config import _merge as merge_trees
 from grpo.trainer import Trainer
 
-REWARDS_FILE = Path(common.__file__).resolve()
+REWARDS_FILE = Path(rewards.__file__).resolve()
 
 
 def config_tree(setup: dict[str, Any], steps: int, seed: int, output_dir: str) -> dict[str, Any]:

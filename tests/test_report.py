@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import main
-from grpo.report import ReportError, running_mean, summary, write_report
+from grpo.report import ReportError, read_metrics, running_mean, summary, write_report
 from grpo.trainer import train
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -97,9 +97,16 @@ def test_report_errors(tmp_path: Path, capsys) -> None:
     assert main(["report", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert "run directory not found" in err and err.count("\n") == 1
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ReportError, match="line 2 is not valid JSON"):
         write_report(tmp_path)
+
+
+def test_report_skips_a_partial_last_line(tmp_path: Path, capsys) -> None:
+    # what a run killed while writing leaves (a resumed run repairs it; a report may come first)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew')
+    assert read_metrics(tmp_path) == [{"step": 1, "reward/mean": 0.5}]
+    assert "skipped the partial last line 2" in capsys.readouterr().out
 
 
 def test_running_mean_by_hand() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo.rewards import sandbox
 from grpo.rewards.code import code_reward, extract_code, normalise_output, with_prefix
 from grpo.rewards.sandbox import (
     Limits,
@@ -62,7 +63,9 @@ def _judge(program: str, tests: list[str] = TESTS):
 
 
 def _score(program: str, tests: list[str] = TESTS, mode: str = "binary") -> float:
-    fn = code_reward(mode=mode, cpu_s=FAST.cpu_s, wall_s=FAST.wall_s, memory_mb=FAST.memory_mb)
+    # good programs end in milliseconds: a generous wall-clock limit keeps a loaded machine from
+    # failing them, the attacks that need the limit go through _judge
+    fn = code_reward(mode=mode, cpu_s=FAST.cpu_s, wall_s=10, memory_mb=FAST.memory_mb)
     return fn([f"```python\n{program}\n```"], tests=[tests])[0]
 
 
@@ -189,7 +192,7 @@ def test_ipc_objects_die_with_the_run():
 
 
 def test_memory_held_in_memfds_is_capped():
-    result = run_python(ADVERSARIAL["memfd_beyond_the_limit"], memory_mb=256, wall_s=5)
+    result = run_python(ADVERSARIAL["memfd_beyond_the_limit"], memory_mb=256, wall_s=30)
     assert result.exit_code != 0
     if "cgroup" in result.isolation:
         assert result.error == "memory limit of 256 MiB"
@@ -239,7 +242,7 @@ def test_socket_cannot_reach_a_listening_server():
     server.listen(1)
     port = server.getsockname()[1]
     accepted: list[object] = []
-    server.settimeout(3)
+    server.settimeout(1.5)
 
     def accept() -> None:
         with contextlib.suppress(OSError):
@@ -335,6 +338,42 @@ def test_prefix_added_only_when_the_function_is_missing():
     assert with_prefix(GOOD, prefix, "add") == GOOD
 
 
+NO_USERNS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid = os.getuid(), os.getgid()
+# a user namespace of our own, where we are uid 1000 and forbid any further user namespace
+assert libc.unshare(0x10000000) == 0
+for name, text in (("setgroups", "deny"), ("uid_map", f"1000 {uid} 1"), ("gid_map", f"1000 {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+with open("/proc/sys/user/max_user_namespaces", "w") as f:
+    f.write("0")
+import importlib.util, sys
+# the sandbox module by its path: stdlib only, so the check does not pay for importing torch
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sandbox)
+try:
+    sandbox.run_python("print(1)")
+except sandbox.SandboxUnavailable as err:
+    print(err)
+"""
+
+
+def test_without_root_or_user_namespaces_the_sandbox_refuses_in_one_line():
+    done = subprocess.run(
+        [sys.executable, "-c", NO_USERNS, sandbox.__file__],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("the code sandbox cannot start here (unshare: No space left")
+    assert "user namespaces" in done.stdout and len(done.stdout.splitlines()) == 1
+
+
 NOBODY_SETUP = """
 import ctypes, os, sys
 from pathlib import Path
@@ -358,7 +397,7 @@ sys.exit(pytest.main(sys.argv[1:]))
 
 
 # the attacks and every check of what a run can see or leave behind
-NOBODY_TESTS = "adversarial or ipc or memfd or outside or trainer or socket or signalling or isolation or timeout or daemon or flooding"
+NOBODY_TESTS = "refuses or adversarial or ipc or memfd or outside or trainer or socket or signalling or isolation or timeout or daemon or flooding"
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or AS_NOBODY, reason="drops privileges: needs root")

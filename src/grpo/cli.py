@@ -1,12 +1,14 @@
 """Command line: ``grpo train | eval | report | models | tasks | config``.
 
-Bad input (config, data, rewards, model names) ends with one line on stderr and exit code 2.
+Bad input (config, data, rewards, model names, a run directory in use) ends with one line on
+stderr and exit code 2. Options and ``key=value`` overrides may come in any order.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,23 +21,36 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from grpo.models import ModelError
     from grpo.report import ReportError
     from grpo.rewards import RewardError
+    from grpo.run_dir import RunDirError
 
-    return (ConfigError, DataError, ModelError, RewardError, ReportError, FileNotFoundError)
+    return (
+        ConfigError,
+        DataError,
+        ModelError,
+        RewardError,
+        ReportError,
+        RunDirError,
+        FileNotFoundError,
+    )
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
-    """`[RECIPE] [key=value ...]`: a first argument with '=' is an override, not a recipe."""
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe:
-        recipe, overrides = None, [recipe, *overrides]
-    return load_config(recipe, overrides)
+    """`[RECIPE] [key=value ...]` in any order: the first argument without '=' is the recipe."""
+    given = [a for a in (args.recipe, *args.overrides) if a is not None]
+    recipe = next((a for a in given if "=" not in a), None)
+    return load_config(recipe, [a for a in given if a is not recipe])
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from grpo.trainer import train
+    from grpo.trainer import TrainingStopped, train
 
     config = _config_from_args(args)
-    run_dir = train(config)
+    try:
+        run_dir = train(config)
+    except TrainingStopped as stop:
+        again = shlex.join(["grpo", *sys.argv[1:]]) if sys.argv[1:] else "the same command"
+        print(f"grpo: {stop}; resume with: {again}", file=sys.stderr)
+        return stop.exit_code
     print(f"run finished: {run_dir}")
     return 0
 
@@ -70,12 +85,17 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 def run_config_of(model: str) -> tuple[str, Path | None]:
     """(model to load, the config.yaml of the run it came from or None).
 
-    A run directory means its final/ weights; a checkpoint inside a run directory (final/ or
-    checkpoints/step-N/) brings its run's recipe along, so eval uses the same task settings.
+    A run directory means its final/ weights, which must be complete; a checkpoint inside a run
+    directory (final/ or checkpoints/step-N/) must verify, and brings its run's recipe along, so
+    eval uses the same task settings.
     """
+    from grpo.run_dir import MANIFEST, RunDirError, complete_final, verify
+
     path = Path(model)
-    if (path / "config.yaml").is_file() and (path / "final" / "config.json").is_file():
-        return str(path / "final"), path / "config.yaml"
+    if (path / "config.yaml").is_file():
+        return str(complete_final(path)), path / "config.yaml"
+    if (path / MANIFEST).is_file() and (problem := verify(path)) is not None:
+        raise RunDirError(f"{path} is damaged: {problem}")
     if (path / "config.json").is_file():
         for parent in list(path.parents)[:2]:
             if (parent / "config.yaml").is_file():
@@ -142,9 +162,18 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     parser = argparse.ArgumentParser(prog="grpo", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"grpo {version('grpo')}")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train with a recipe (default: the built-in one)")
+    train = sub.add_parser(
+        "train",
+        help="train with a recipe (default: the built-in one)",
+        description="Train with a recipe (default: the built-in one) and key=value overrides.",
+        epilog="Every key, its type, default and meaning: grpo config --reference. "
+        "Re-running the same command resumes from the run's newest complete checkpoint.",
+    )
     train.add_argument("recipe", nargs="?", help="YAML recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=16")
     config = sub.add_parser("config", help="print the resolved config")
@@ -180,8 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Options anywhere: ``key=value`` words after an option join the overrides."""
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -190,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"grpo: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training started, or outside it
+        print("grpo: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

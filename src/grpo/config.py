@@ -7,6 +7,7 @@ Unknown keys are errors. ``load_config`` returns a validated ``Config``; bad inp
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -207,7 +208,7 @@ class TrainConfig(Section):
     run_name: str = "default"
     """Run directory name: <output_dir>/<run_name>."""
     resume: str = "auto"
-    """"auto" continues from the run's last good checkpoint; "never" starts over; or a path."""
+    """"auto" continues from the run's newest complete checkpoint, refusing a config that changes the math; "force" does too and applies the changed keys; "never" starts over; or a checkpoint folder."""
     save_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0 = only the final one)."""
     keep_last: int = Field(2, ge=1)
@@ -308,11 +309,53 @@ class Config(Section):
 # --------------------------------------------------------------------------------------- loading
 
 
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the config section at ``loc`` (a list index steps into the item type)."""
+    model: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        types = [field.annotation, *get_args(field.annotation)]
+        model = next((t for t in types if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _all_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config tree."""
+    out = []
+    for name, field in (model or Config).model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            out += _all_keys(field.annotation, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def suggest_key(loc: tuple[Any, ...]) -> str | None:
+    """The valid key closest to an unknown one: a sibling first, else any key with that name."""
+    *section, name = [str(p) for p in loc]
+    siblings = difflib.get_close_matches(name, _section_fields(tuple(loc[:-1])), n=1)
+    if siblings:
+        return ".".join([*section, siblings[0]])
+    leaves = {key.rpartition(".")[2]: key for key in _all_keys()}
+    close = difflib.get_close_matches(name, leaves, n=1)
+    return leaves[close[0]] if close else None
+
+
 def _format_validation_error(err: ValidationError) -> str:
-    first = err.errors()[0]
+    errors = err.errors()
+    # a misspelt key also leaves its field "missing": name the misspelling
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     where = ".".join(str(p) for p in first["loc"]) or "config"
     if first["type"] == "extra_forbidden":
-        return f"unknown config key '{where}'"
+        suggestion = suggest_key(tuple(first["loc"]))
+        hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
+        return f"unknown config key '{where}'{hint}; every key: grpo config --reference"
     return f"config '{where}': {first['msg']}"
 
 
@@ -358,6 +401,11 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"recipe file not found: {path}")
     try:
         tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        problem = err.problem or err.context or "invalid YAML"
+        raise ConfigError(f"recipe {path}: invalid YAML at {where}: {problem}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(tree, dict):

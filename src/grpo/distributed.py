@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 Strategy = Literal["ddp", "fsdp"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,24 @@ def all_gather_list(items: list[Any]) -> list[Any]:
     out: list[list[Any]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(out, list(items))
     return [x for part in out for x in part]
+
+
+def from_main(fn: Callable[[], T]) -> T:
+    """``fn()`` run on rank 0 only (e.g. a decision about files only it reads); its result, or
+    the exception it raised, reaches every rank, so all ranks go on or stop together."""
+    if not active():
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, fn())]
+        except Exception as err:  # re-raised on every rank below
+            box = [(False, err)]
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def rank_slice(n_local: int) -> slice:

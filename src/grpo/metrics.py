@@ -37,10 +37,10 @@ class Sink(Protocol):
 
 
 class JsonlSink:
+    """Appends to metrics.jsonl (a resumed run's rows past its step are dropped by grpo.run_dir)."""
+
     def __init__(self, run_dir: Path, keep_through_step: int) -> None:
-        self.path = run_dir / "metrics.jsonl"
-        truncate_jsonl(self.path, keep_through_step)
-        self.file = self.path.open("a")
+        self.file = (run_dir / "metrics.jsonl").open("a")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -119,15 +119,6 @@ SINKS: dict[str, type] = {
     "trackio": TrackioSink,
 }
 OPTIONAL_SINKS = {"wandb", "trackio"}
-
-
-def truncate_jsonl(path: Path, keep_through_step: int) -> None:
-    """Drop lines of steps after ``keep_through_step`` (a resumed run rewrites them)."""
-    if not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= keep_through_step]
-    path.write_text("".join(ln + "\n" for ln in kept))
 
 
 class MetricsLogger:

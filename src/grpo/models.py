@@ -11,7 +11,9 @@ import copy
 import importlib.util
 import os
 import shutil
+import socket
 import string
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -159,8 +161,33 @@ def resolve_model_path(name: str) -> str:
             raise ModelError(f"model folder {path} has no config.json")
         return str(path)
     if name.count("/") == 1 and not name.startswith((".", "/")):
-        return name  # a hub id; only works with network access
+        check_hub_id(name)
+        return name
     raise ModelError(f"model '{name}' is neither an alias ({', '.join(ALIASES)}) nor a folder")
+
+
+def check_hub_id(name: str) -> None:
+    """A hub id must be in the local HF cache or the hub must be reachable: offline, fail at once
+    (transformers would retry for about a minute, then print a long traceback)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    problem = None
+    if constants.HF_HUB_OFFLINE:
+        problem = "HF_HUB_OFFLINE is set"
+    elif not any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")):
+        # a proxy may reach the hub where a direct connection cannot: then let the hub client try
+        endpoint = urllib.parse.urlparse(constants.ENDPOINT)
+        try:
+            socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
+        except OSError as err:
+            problem = f"{endpoint.hostname} cannot be reached: {err.strerror or err}"
+    if problem:
+        raise ModelError(
+            f"model '{name}' is neither an alias ({', '.join(ALIASES)}), a local folder, nor in "
+            f"the local Hugging Face cache, and {problem}"
+        )
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo.run_dir import read_jsonl
+
 SUMMARY_WINDOW = 10  # steps averaged at the start and at the end of the run
 SMOOTH_FROM = 10  # series this long get a running mean drawn over the raw values
 SMOOTH_WINDOW = 5
@@ -32,14 +34,12 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ReportError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
-    rows = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ReportError(f"{path}: line {line_no} is not valid JSON ({err.msg})") from None
+    rows, bad = read_jsonl(path)
+    last = len(path.read_text().splitlines())
+    if [n for n in bad if n != last]:
+        raise ReportError(f"{path}: line {bad[0]} is not valid JSON")
+    if bad:  # a run killed mid-write leaves a partial last line
+        print(f"grpo: warning: {path}: skipped the partial last line {last}")
     return rows
 
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import random
-import re
-import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.eval import evaluate, heldout_rows, settings_for
 from grpo.logprobs import completion_logprobs
 from grpo.memory import set_malloc_policy
-from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate, truncate_jsonl
+from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate
 from grpo.models import (
     Reference,
     is_lora,
@@ -42,9 +40,17 @@ from grpo.models import (
 from grpo.prompts import prompt_format_for, scored_texts
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine
+from grpo.run_dir import (
+    Checkpoint,
+    RunDir,
+    RunDirError,
+    changes_math,
+    config_changes,
+    describe_changes,
+    is_disk_full,
+)
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
 
-CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
 # the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
 # is zero: in the loss, k1 does not pull the policy towards the reference
 K1_WARNING = (
@@ -239,32 +245,64 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Any:
     return factor
 
 
-# --------------------------------------------------------------------------------------- run dir
+# --------------------------------------------------------------------------------------- stops
 
 
-def find_last_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (temp folders never match the name pattern)."""
-    folder = run_dir / "checkpoints"
-    if not folder.is_dir():
-        return None
-    found = [
-        (int(m.group(1)), p)
-        for p in folder.iterdir()
-        if (m := CHECKPOINT_RE.match(p.name)) and (p / "trainer_state.pt").is_file()
-    ]
-    return max(found)[1] if found else None
+class TrainingStopped(Exception):
+    """The run stopped on SIGINT / SIGTERM; ``checkpoint`` is the newest complete one (or None)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, at_once: bool) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        name = signal.Signals(signum).name
+        how = "at once (second Ctrl-C) in step" if at_once else "after step"
+        saved = f"{checkpoint} is complete" if checkpoint else "no checkpoint was written"
+        super().__init__(f"stopped by {name} {how} {step}: {saved}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 
 
-def resolve_resume(config: Config) -> Path | None:
-    mode = config.train.resume
-    if mode == "never":
-        return None
-    if mode == "auto":
-        return find_last_checkpoint(config.run_dir)
-    path = Path(mode)
-    if not (path / "trainer_state.pt").is_file():
-        raise FileNotFoundError(f"train.resume: {path} is not a checkpoint folder")
-    return path
+class StopSignals:
+    """SIGINT and SIGTERM ask the loop to stop after the current step (``signum`` is set);
+    a second SIGINT stops at once. Installed only in the main thread (Python's rule)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not self.signum:
+            name = signal.Signals(signum).name
+            print(
+                f"grpo: {name}: stopping after this step and writing a checkpoint "
+                "(Ctrl-C again stops at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.signum = self.signum or signum
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    # through a Python file, so a full disk raises OSError(ENOSPC) (torch's own writer only says
+    # "unexpected pos")
+    with path.open("wb") as f:
+        torch.save(obj, f)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -311,8 +349,19 @@ class Trainer:
         self.reward_errors = ErrorWatch(
             config.rewards.max_error_frac, config.rewards.error_patience
         )
-        self.resume_from = resolve_resume(config)
         model_path = resolve_model_path(config.model.name)
+        # the run directory is locked, and a resume checked, before the model loads
+        self.run = RunDir(config.run_dir)
+        self.config_changes: dict[str, tuple[Any, Any]] = {}
+        try:
+            self.resume_from = distributed.from_main(self._claim_run_dir)
+            self._build(model_path, engine)
+        except BaseException:
+            self.run.release()
+            raise
+
+    def _build(self, model_path: str, engine: RolloutEngine | None) -> None:
+        config = self.config
         self.tokenizer = load_tokenizer(model_path)
         self.prompt_format.check(self.tokenizer, self.rows)
         self.policy = load_policy(config.model, model_path).to(self.dist.device)
@@ -353,6 +402,39 @@ class Trainer:
             else None
         )
         self.step = 0
+        self.saved_step = -1  # the step of the newest checkpoint on disk
+
+    def _claim_run_dir(self) -> Checkpoint | None:
+        """Rank 0: lock the run directory and pick the checkpoint to resume (None: start afresh).
+
+        A resume whose config changes the math is refused unless train.resume=force.
+        """
+        self.run.claim()
+        mode = self.config.train.resume
+        if mode == "never":
+            return None
+        if mode in ("auto", "force"):
+            checkpoint = self.run.latest_checkpoint()
+        else:
+            checkpoint = self.run.checkpoint_at(Path(mode))
+        if checkpoint is None:
+            return None
+        saved_world = checkpoint.world_size
+        if saved_world != self.dist.world_size:
+            raise ConfigError(
+                f"checkpoint {checkpoint.path} was written by {saved_world} process(es); resume "
+                f"it with the same number (this run has {self.dist.world_size})"
+            )
+        changes = config_changes(checkpoint.config, self.config.model_dump(mode="json"))
+        math_changes = {k: v for k, v in changes.items() if changes_math(k)}
+        if math_changes and mode != "force":
+            raise ConfigError(
+                f"resuming {checkpoint.path} with a config that changes the math: "
+                f"{describe_changes(math_changes)}; set train.resume=force to apply the change, "
+                "or train.resume=never to start over"
+            )
+        self.config_changes = changes
+        return checkpoint
 
     # ----------------------------------------------------------------------------- stages
 
@@ -592,15 +674,14 @@ class Trainer:
             out[f"reward/{name}/errors"] = float(scored.errors.get(name, 0))
         return out
 
-    def write_completions(self, scored: Scored, run_dir: Path) -> None:
+    def write_completions(self, scored: Scored) -> None:
         n = min(self.config.train.log_completions, scored.rollout.num_completions)
         if n == 0:
             return
-        folder = run_dir / "completions"
-        folder.mkdir(exist_ok=True)
-        with (folder / f"step-{self.step:06d}.jsonl").open("w") as f:
-            for i in range(n):
-                record = {
+        records = []
+        for i in range(n):
+            records.append(
+                {
                     "step": self.step,
                     "prompt": scored.rollout.prompts[i],
                     "completion": scored.rollout.completions[i],
@@ -614,51 +695,69 @@ class Trainer:
                     "advantage": float(scored.advantages[i]),
                     "truncated": bool(scored.rollout.truncated[i]),
                 }
-                f.write(json.dumps(record) + "\n")
+            )
+        self.run.write_completions(self.step, records)
 
-    def save_checkpoint(self, run_dir: Path) -> Path:
-        folder = run_dir / "checkpoints"
-        final = folder / f"step-{self.step}"
-        tmp = folder / f".tmp-step-{self.step}"
+    def _manifest_meta(self) -> dict[str, Any]:
+        return {
+            "world_size": self.dist.world_size,
+            "run_config": self.config.model_dump(mode="json"),
+        }
+
+    def save_checkpoint(self) -> None:
+        """Write ``checkpoints/step-N`` (all ranks take part; rank 0 seals and renames it)."""
+        tmp = self.run.checkpoint_temp(self.step)
         main = self.dist.is_main
         if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.save_model(tmp)
-        optimizer = distributed.optimizer_state(self.policy, self.optimizer)  # all ranks (FSDP2)
-        if not main:
-            # ranks > 0 only add their RNG state; rank 0 writes everything else
-            distributed.barrier()
-            torch.save({"rng": capture_rng()}, tmp / f"rng-rank{self.dist.rank}.pt")
-            distributed.barrier()
-            distributed.barrier()
-            return final
-        state = {
-            "step": self.step,
-            "consumed": self.stream.consumed,
-            "world_size": self.dist.world_size,
-            "optimizer": optimizer,
-            "scheduler": self.scheduler.state_dict(),
-            "rng": capture_rng(),
-            "greso": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
-            "reference": None if self.reference is None else self.reference.state_dict(),
-            "trainable": {
-                k: v for k, v in self.policy.state_dict().items() if _is_trainable(self.policy, k)
-            }
-            if is_lora(self.policy)
-            else None,
-        }
-        torch.save(state, tmp / "trainer_state.pt")
-        distributed.barrier()  # tmp exists: the other ranks write their RNG files
+            self.run.begin(tmp)
+        distributed.barrier()  # tmp exists before any rank writes into it
+        with self.run.cleanup_on_error(tmp) if main else contextlib.nullcontext():
+            self.save_model(tmp)
+            optimizer = distributed.optimizer_state(self.policy, self.optimizer)  # all ranks
+            if main:
+                state = {
+                    "step": self.step,
+                    "consumed": self.stream.consumed,
+                    "world_size": self.dist.world_size,
+                    "optimizer": optimizer,
+                    "scheduler": self.scheduler.state_dict(),
+                    "rng": capture_rng(),
+                    "greso": None
+                    if self.prompt_filter is None
+                    else self.prompt_filter.state_dict(),
+                    "reference": None if self.reference is None else self.reference.state_dict(),
+                    "trainable": {
+                        k: v
+                        for k, v in self.policy.state_dict().items()
+                        if _is_trainable(self.policy, k)
+                    }
+                    if is_lora(self.policy)
+                    else None,
+                }
+                save_torch(state, tmp / "trainer_state.pt")
+            else:
+                # ranks > 0 only add their RNG state; rank 0 writes everything else
+                save_torch({"rng": capture_rng()}, tmp / f"rng-rank{self.dist.rank}.pt")
+            distributed.barrier()  # every rank's files are in tmp
+            if main:
+                self.run.commit_checkpoint(
+                    self.step, self._manifest_meta(), self.config.train.keep_last
+                )
         distributed.barrier()
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)  # atomic: a crash leaves either the old set or the complete new one
-        kept = sorted(
-            (int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name))
-        )
-        for _, old in kept[: -self.config.train.keep_last]:
-            shutil.rmtree(old)
+        self.saved_step = self.step
+
+    def save_final(self) -> None:
+        """Write ``final/`` the way checkpoints are written (temp name, manifest, rename)."""
+        tmp = self.run.final_temp()
+        main = self.dist.is_main
+        if main:
+            self.run.begin(tmp)
         distributed.barrier()
-        return final
+        with self.run.cleanup_on_error(tmp) if main else contextlib.nullcontext():
+            self.save_model(tmp)
+            if main:
+                self.run.commit_final(self.step, self._manifest_meta())
+        distributed.barrier()  # the run is complete on disk before any rank returns
 
     def save_model(self, path: Path) -> None:
         """Rank 0 writes the HF folder; under FSDP2 every rank first helps gather the weights."""
@@ -675,23 +774,23 @@ class Trainer:
         from safetensors.torch import load_file
 
         state = torch.load(path / "trainer_state.pt", weights_only=False)
-        saved_world = state.get("world_size", 1)
-        if saved_world != self.dist.world_size:
-            raise ConfigError(
-                f"checkpoint {path} was written by {saved_world} process(es); resume it with "
-                f"the same number (this run has {self.dist.world_size})"
-            )
         if state["trainable"] is not None:
             self.policy.load_state_dict(state["trainable"], strict=False)
         else:
             weights: dict[str, Tensor] = {}
             for file in sorted(path.glob("*.safetensors")):
                 weights.update(load_file(file))
-            _missing, unexpected = distributed.load_full_state_dict(self.policy, weights)
-            if unexpected:
-                raise ValueError(f"checkpoint {path} does not match the model: {unexpected[:3]}")
+            missing, unexpected = distributed.load_full_state_dict(self.policy, weights)
+            # tied weights (the LM head) are saved once under the embedding's name
+            tied = set(getattr(self.policy, "_tied_weights_keys", None) or ())
+            if unexpected or set(missing) - tied:
+                raise ValueError(
+                    f"checkpoint {path} does not match the model: "
+                    f"{(unexpected or sorted(set(missing) - tied))[:3]}"
+                )
         distributed.load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.apply_optim_config()
         if self.dist.is_main:
             restore_rng(state["rng"])
         else:
@@ -703,29 +802,69 @@ class Trainer:
         if self.reference is not None and state.get("reference"):
             self.reference.load_state_dict(state["reference"])
         self.stream.consumed = state["consumed"]
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]
+        self.engine.sync_weights(self.policy)  # the engine samples from the restored weights
+
+    def apply_optim_config(self) -> None:
+        """The config's optimizer settings over the restored ones (the same unless a resume was
+        forced with new ones): lr, betas, weight decay; the schedule keeps its position."""
+        cfg = self.config.optim
+        groups = self.optimizer.param_groups
+        for group in groups:
+            group.update(initial_lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.scheduler.base_lrs = [cfg.lr] * len(groups)
+        for group, factor in zip(groups, self.scheduler.lr_lambdas, strict=True):
+            group["lr"] = cfg.lr * factor(self.scheduler.last_epoch)
 
     # ----------------------------------------------------------------------------- loop
 
+    def open_run_dir(self) -> None:
+        """Rank 0: the run directory as this run continues it (config, history, logs)."""
+        run, checkpoint = self.run, self.resume_from
+        if checkpoint is None:
+            run.start_fresh()
+        else:
+            run.prepare_logs(self.step)
+            where = (
+                checkpoint.path.relative_to(run.path)
+                if checkpoint.path.is_relative_to(run.path)
+                else checkpoint.path
+            )
+            print(f"grpo: resuming from {checkpoint.path} (step {checkpoint.step})", flush=True)
+            run.log_event(self.step, "resume", checkpoint=str(where))
+            forced = {k: v for k, v in self.config_changes.items() if changes_math(k)}
+            if forced:
+                print(
+                    f"grpo: train.resume=force: from step {self.step} {describe_changes(forced)}",
+                    flush=True,
+                )
+        event = "start" if checkpoint is None else "resume"
+        run.record_config(dump_config(self.config), self.step, event, self.config_changes)
+
     def train(self) -> Path:
-        cfg = self.config.train
-        run_dir = self.config.run_dir
-        if self.resume_from is not None:
-            self.load_checkpoint(self.resume_from)
         main = self.dist.is_main  # only rank 0 touches the run directory
-        if main and self.resume_from is None and run_dir.exists():
-            # a fresh start replaces the previous run's outputs instead of mixing with them
-            for name in ("metrics.jsonl", "completions", "checkpoints", "final", "tensorboard"):
-                target = run_dir / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-        if main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(dump_config(self.config))
-            truncate_jsonl(run_dir / "metrics.jsonl", self.step)
-            for stale in (run_dir / "completions").glob("step-*.jsonl"):
-                if int(stale.stem.split("-")[1]) > self.step:
-                    stale.unlink()
-        logger = MetricsLogger(run_dir, cfg.sinks, self.step) if main else None
+        try:
+            if self.resume_from is not None:
+                self.load_checkpoint(self.resume_from.path)
+            if main:
+                self.open_run_dir()
+            with StopSignals() as stop:
+                self._loop(stop)
+        except KeyboardInterrupt:  # a second Ctrl-C
+            raise TrainingStopped(signal.SIGINT, self.step, self.run.intact, True) from None
+        except Exception as err:
+            if is_disk_full(err) or self.run.nearly_full():
+                raise RunDirError(self.run.disk_full_message(err)) from None
+            raise
+        finally:
+            self.rewards.close()
+            self.run.release()
+        return self.config.run_dir
+
+    def _loop(self, stop: StopSignals) -> None:
+        cfg = self.config.train
+        main = self.dist.is_main
+        logger = MetricsLogger(self.config.run_dir, cfg.sinks, self.step) if main else None
         bar = ProgressBar(cfg.steps, self.step, cfg.progress and main)
         try:
             if cfg.eval_every and self.step == 0:
@@ -733,27 +872,29 @@ class Trainer:
                 if logger:
                     logger.log(0, baseline)
             while self.step < cfg.steps:
+                # every rank stops after the same step, whichever got the signal
+                signum = int(distributed.all_reduce(stop.signum, "max"))
+                if signum:
+                    if self.step > 0 and self.saved_step != self.step:
+                        self.save_checkpoint()
+                    raise TrainingStopped(signum, self.step, self.run.intact, False)
                 self.step += 1
-                metrics = self.train_step(run_dir)
+                metrics = self.train_step()
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     metrics.update(self.held_out_eval())
                 if logger:
                     logger.log(self.step, metrics)
                 bar.update(self.step, metrics)
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
-                    self.save_checkpoint(run_dir)
-            self.save_checkpoint(run_dir)
-            final = run_dir / "final"
-            if main:
-                shutil.rmtree(final, ignore_errors=True)
-            self.save_model(final)
-            distributed.barrier()  # the run is complete on disk before any rank returns
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save_checkpoint()
+            if self.saved_step != self.step:
+                self.save_checkpoint()
+            if distributed.from_main(self.run.final_step) != self.step:
+                self.save_final()
         finally:
             bar.close()
             if logger:
                 logger.close()
-            self.rewards.close()
-        return run_dir
 
     def held_out_eval(self) -> dict[str, float]:
         """``eval/*`` metrics of the current policy on the held-out rows (see grpo.eval)."""
@@ -793,12 +934,12 @@ class Trainer:
             out["greso/rollouts_saved"] = clock["skipped"] * self.config.rollout.group_size
         return out
 
-    def train_step(self, run_dir: Path) -> dict[str, float]:
+    def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         clock = {"rollout": 0.0, "reward": 0.0, "skipped": 0.0}
         batch = self.collect(clock)
         t2 = time.perf_counter()
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
         # dynamic sampling may end a step without one informative group: then nothing to learn;
         # its groups are global (every rank holds all): each rank trains on its equal share
         train = batch.train
@@ -829,7 +970,7 @@ class Trainer:
         if self.dist.is_main:
             # the groups trained on when dynamic sampling kept a subset, else all rolled out
             subset = batch.train is not None and batch.train is not batch.seen
-            self.write_completions(batch.train if subset else everyone, run_dir)
+            self.write_completions(batch.train if subset else everyone)
         return metrics
 
 

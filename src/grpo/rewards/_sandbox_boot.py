@@ -242,7 +242,8 @@ def keeper(fds: dict[str, int]) -> None:
     try:
         isolation = unshare_namespaces(spec)
     except OSError as err:
-        ctl.sendall(json.dumps({"error": str(err)}).encode() + b"\n")
+        reason = err.strerror or str(err)  # "unshare: No space left on device"
+        ctl.sendall(json.dumps({"error": reason}).encode() + b"\n")
         os._exit(2)
     go_read, go_write = os.pipe()
     pid = os.fork()

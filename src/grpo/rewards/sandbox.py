@@ -16,8 +16,10 @@ temp folders masked, rlimits, a per-run uid as root (no capabilities otherwise),
 Memory is capped by a cgroup per process where the machine lets the trainer create one (cgroup v2
 with the memory controller, else v1's memory and pids hierarchies); otherwise by RLIMIT_AS plus
 size caps on every file system the run can write (tmpfs sizes, RLIMIT_FSIZE per file including
-memfds, RLIMIT_NOFILE). When a run returns, every process it started is gone: its PID namespace
-dies with its first process, which dies with the keeper process the trainer kills and waits for.
+memfds, RLIMIT_NOFILE). When a run returns, every process it started is gone: the trainer kills
+the first process of its PID namespace (the kernel then kills the rest) and waits until the
+keeper outside the namespace has reaped it. A fork server, started once per trainer process,
+forks each run's keeper.
 README ("Code sandbox") states the threat model.
 """
 
@@ -469,8 +471,8 @@ def _why_unavailable(status: dict, process: _Process) -> str:
     reason = status.get("error") or (stderr[-1] if stderr else "the bootstrap exited")
     return (
         f"the code sandbox cannot start here ({reason}); it needs root or unprivileged user "
-        "namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
-        "kernel.apparmor_restrict_unprivileged_userns=0)"
+        "namespaces (sysctls user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1 "
+        "where it exists, and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0)"
     )
 
 

@@ -1,0 +1,448 @@
+"""The run directory: the one module that reads and writes a run's files.
+
+``<output_dir>/<run_name>/`` holds::
+
+    .lock                  an OS lock held by the training process for its whole life
+    config.yaml            the resolved config the run now trains with
+    config_history.jsonl   one line per start or resume: the step, and every key that changed
+    metrics.jsonl          one JSON object per step (plus {"event": "resume", ...} rows)
+    completions/           step-NNNNNN.jsonl: sampled completions of a step
+    checkpoints/step-N/    HF folder + trainer_state.pt (+ rng-rank<r>.pt) + manifest.json
+    final/                 HF folder + manifest.json
+
+What it guarantees:
+
+- **One writer.** ``claim`` takes a POSIX record lock (``fcntl.lockf``) on ``.lock``; a second run
+  stops at once, naming the holder's pid. The kernel drops the lock when the holder dies, however
+  it dies. (A record lock rather than ``flock``: it belongs to the process, so a worker the trainer
+  forked, such as a reward pool, cannot keep a dead run's directory locked.)
+- **Verified checkpoints.** A checkpoint (and ``final/``) is written under a temporary name; every
+  file is fsynced, then ``manifest.json`` (size and sha256 of each file, the step, the run's
+  config) is written last, the folder fsynced and renamed, and the parent fsynced. It counts only
+  when its manifest verifies: resume takes the newest one that does, and moves a damaged one aside
+  (``step-N.damaged``) with one warning line naming it.
+- **Logs that survive a kill.** A resumed run drops ``metrics.jsonl`` rows after its step and a
+  partial last line (what a kill or a full disk leaves), with a warning, and the completions of
+  later steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+STEP_RE = re.compile(r"^step-(\d+)$")
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# outputs of a previous run that a fresh start (train.resume=never) replaces
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "completions",
+    "checkpoints",
+    "final",
+    "tensorboard",
+    "config_history.jsonl",
+)
+
+# Keys that may change between a checkpoint and its resume: they change neither the math nor the
+# order of the data (every train.* key except the seed, and pure memory/speed knobs).
+FREE_KEYS = {
+    "model.gradient_checkpointing",
+    "optim.micro_batch_size",
+    "rollout.vllm_gpu_memory_utilization",
+    "rewards.workers",
+}
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked; the message is one line for the user."""
+
+
+def warn(message: str) -> None:
+    print(f"grpo: warning: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------- files
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entry to the disk (a folder: the names it holds)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """{"size": bytes, "sha256": hex} of one file."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: a reader sees the old file or the new one, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def seal(folder: Path, meta: dict[str, Any]) -> None:
+    """fsync every file in ``folder``, then write its manifest (meta + each file's digest) last."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        fsync_path(path)
+        files[path.relative_to(folder).as_posix()] = file_digest(path)
+    for sub in sorted(p for p in folder.rglob("*") if p.is_dir()):
+        fsync_path(sub)
+    with (folder / MANIFEST).open("w") as f:
+        json.dump({**meta, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(folder)
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / MANIFEST).read_text())
+
+
+def verify(folder: Path) -> str | None:
+    """None when every file the manifest lists has its size and checksum; else what is wrong."""
+    if not (folder / MANIFEST).is_file():
+        return "it has no manifest.json (its write never finished)"
+    try:
+        files = read_manifest(folder)["files"]
+    except (ValueError, KeyError):
+        return "its manifest.json is unreadable"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} has {size} bytes, its manifest says {expected['size']}"
+        if file_digest(path)["sha256"] != expected["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def replace_folder(tmp: Path, target: Path) -> None:
+    """Rename a sealed ``tmp`` to ``target``; an existing ``target`` stays until the new one is in."""
+    old = target.with_name(f".old-{target.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    fsync_path(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """An error (or its cause) from a full disk or an exhausted quota, whichever library raised it."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
+            return True
+        # torch's and safetensors' writers wrap the OS error in their own exception's text
+        if "No space left on device" in str(seen) or "os error 28" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """(rows, numbers of the lines that are not JSON objects). A file that is missing is empty."""
+    if not path.exists():
+        return [], []
+    rows, bad = [], []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad.append(number)
+    return rows, bad
+
+
+# --------------------------------------------------------------------------------------- config
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay whole values."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changes_math(key: str) -> bool:
+    """Whether changing ``key`` on resume changes what is computed or the order of the data."""
+    if key.startswith("train."):
+        return key == "train.seed"
+    return key not in FREE_KEYS
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Every dotted key whose value differs: key -> (old, new); a missing side is None."""
+    a, b = flatten(old), flatten(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
+def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+
+
+# --------------------------------------------------------------------------------------- run dir
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A verified checkpoint: its folder, step, the run config it was trained with, and the
+    number of processes that wrote it."""
+
+    path: Path
+    step: int
+    config: dict[str, Any]
+    world_size: int
+
+    @classmethod
+    def read(cls, folder: Path) -> Checkpoint:
+        manifest = read_manifest(folder)
+        return cls(folder, manifest["step"], manifest["run_config"], manifest["world_size"])
+
+
+class RunDir:
+    """Everything on disk for one run. Only the process that writes (rank 0) creates one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.checkpoints = path / "checkpoints"
+        self.final = path / "final"
+        self.metrics = path / "metrics.jsonl"
+        self.completions = path / "completions"
+        self.history = path / "config_history.jsonl"
+        self.intact: Path | None = None  # newest checkpoint known complete (for error messages)
+        self._lock_fd: int | None = None
+
+    # ----------------------------------------------------------------------------- lock
+
+    def claim(self) -> None:
+        """Check the folder is writable, lock it for this process's life, clear stale temp folders."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise RunDirError(
+                f"train.output_dir: cannot write to {self.path} ({err.strerror})"
+            ) from None
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                raise RunDirError(f"cannot lock {self.path / '.lock'} ({err.strerror})") from None
+            holder = (self.path / ".lock").read_text().strip() or "another process"
+            raise RunDirError(
+                f"run directory {self.path} is in use by {holder}; wait for it to finish, "
+                "or set another train.run_name"
+            ) from None
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} (started {started})\n".encode(), 0)
+        self._lock_fd = fd
+        for stale in [*self.checkpoints.glob(".tmp-*"), *self.path.glob(".tmp-*")]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing drops the lock
+            self._lock_fd = None
+
+    # ----------------------------------------------------------------------------- resume
+
+    def _step_folders(self) -> list[tuple[int, Path]]:
+        if not self.checkpoints.is_dir():
+            return []
+        found = [(int(m[1]), p) for p in self.checkpoints.iterdir() if (m := STEP_RE.match(p.name))]
+        return sorted(found, reverse=True)
+
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The newest checkpoint whose manifest verifies; damaged newer ones are moved aside.
+
+        None when there is none at all; an error when some exist but none verifies (starting over
+        would silently drop them: the user decides with train.resume=never).
+        """
+        damaged = []
+        for _, folder in self._step_folders():
+            problem = verify(folder)
+            if problem is None:
+                self.intact = folder
+                return Checkpoint.read(folder)
+            aside = folder.with_name(f"{folder.name}.damaged")
+            shutil.rmtree(aside, ignore_errors=True)
+            folder.rename(aside)
+            warn(f"checkpoint {folder} is damaged ({problem}): moved to {aside.name}, skipped")
+            damaged.append(folder.name)
+        if damaged:
+            raise RunDirError(
+                f"no complete checkpoint in {self.checkpoints} ({', '.join(damaged)} damaged); "
+                "set train.resume=never to start over"
+            )
+        return None
+
+    @staticmethod
+    def checkpoint_at(folder: Path) -> Checkpoint:
+        """An explicit checkpoint folder (train.resume=<path>), which must verify."""
+        problem = verify(folder) if folder.is_dir() else "no such folder"
+        if problem is not None:
+            raise RunDirError(f"train.resume: {folder} is not a complete checkpoint: {problem}")
+        return Checkpoint.read(folder)
+
+    def start_fresh(self) -> None:
+        """A fresh start replaces a previous run's outputs instead of mixing with them."""
+        for name in RUN_OUTPUTS:
+            target = self.path / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+
+    # ----------------------------------------------------------------------------- config
+
+    def record_config(
+        self, text: str, step: int, event: str, changes: dict[str, tuple[Any, Any]]
+    ) -> None:
+        """Write config.yaml and add a line to the config history (what changed, at which step)."""
+        write_atomic(self.path / "config.yaml", text)
+        entry = {
+            "time": datetime.datetime.now().isoformat(timespec="seconds"),
+            "step": step,
+            "event": event,
+            "changed": {key: [old, new] for key, (old, new) in changes.items()},
+        }
+        with self.history.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    # ----------------------------------------------------------------------------- logs
+
+    def prepare_logs(self, step: int) -> None:
+        """Keep the logs of steps up to ``step``: the state the run continues from."""
+        rows, bad = read_jsonl(self.metrics)
+        if bad:
+            lines = ", ".join(map(str, bad))
+            warn(f"{self.metrics}: dropped unreadable line(s) {lines} (a write cut short)")
+        kept = [row for row in rows if row.get("step", 0) <= step]
+        if bad or len(kept) != len(rows):
+            write_atomic(self.metrics, "".join(json.dumps(row) + "\n" for row in kept))
+        for stale in self.completions.glob("step-*.jsonl"):
+            if int(stale.stem.split("-")[1]) > step:
+                stale.unlink()
+
+    def log_event(self, step: int, event: str, **fields: Any) -> None:
+        """A row in metrics.jsonl that is not a step's metrics (e.g. where a resume continued)."""
+        with self.metrics.open("a") as f:
+            f.write(json.dumps({"step": step, "event": event, **fields}) + "\n")
+
+    def write_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        self.completions.mkdir(exist_ok=True)
+        text = "".join(json.dumps(record) + "\n" for record in records)
+        tmp = self.completions / f".step-{step:06d}.jsonl.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.completions / f"step-{step:06d}.jsonl")
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def checkpoint_temp(self, step: int) -> Path:
+        """Where checkpoint ``step`` is written before ``commit_checkpoint`` (every rank writes here)."""
+        return self.checkpoints / f".tmp-step-{step}"
+
+    def final_temp(self) -> Path:
+        return self.path / ".tmp-final"
+
+    def begin(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    def commit_checkpoint(self, step: int, meta: dict[str, Any], keep_last: int) -> Path:
+        """Seal the temp folder of ``step``, rename it into place, prune to ``keep_last``."""
+        tmp = self.checkpoint_temp(step)
+        target = self.checkpoints / f"step-{step}"
+        seal(tmp, {"step": step, **meta})
+        replace_folder(tmp, target)
+        self.intact = target
+        for _, old in self._step_folders()[keep_last:]:
+            shutil.rmtree(old)
+        return target
+
+    def commit_final(self, step: int, meta: dict[str, Any]) -> Path:
+        seal(self.final_temp(), {"step": step, **meta})
+        replace_folder(self.final_temp(), self.final)
+        return self.final
+
+    def final_step(self) -> int | None:
+        """The step of a complete final/ (None when missing or damaged)."""
+        if verify(self.final) is not None:
+            return None
+        return read_manifest(self.final)["step"]
+
+    @contextlib.contextmanager
+    def cleanup_on_error(self, tmp: Path) -> Iterator[None]:
+        """Remove a half-written temp folder when writing fails (on a full disk it frees space)."""
+        try:
+            yield
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def nearly_full(self) -> bool:
+        """Under 1 MiB free: whatever a library's error says, the disk is the likely cause."""
+        try:
+            return shutil.disk_usage(self.path).free < 1 << 20
+        except OSError:
+            return False
+
+    def disk_full_message(self, err: BaseException) -> str:
+        where = getattr(err, "filename", None) or self.path
+        intact = f"{self.intact} is intact" if self.intact else "no checkpoint was written yet"
+        return (
+            f"disk full while writing {where}: {intact}; free space and run the same command "
+            "to resume"
+        )
+
+
+def complete_final(run: Path) -> Path:
+    """``run``/final when it is complete; else a one-line error saying what there is instead."""
+    folder = RunDir(run)
+    if folder.final_step() is not None:
+        return folder.final
+    steps = [p for _, p in folder._step_folders() if verify(p) is None]
+    hint = f"; its newest complete checkpoint is {steps[0]}" if steps else ""
+    state = "is damaged" if folder.final.exists() else "is missing (the run has not finished)"
+    raise RunDirError(f"{folder.final} {state}{hint}")

@@ -1,0 +1,249 @@
+"""The run directory on its own: manifests, damage, the lock, partial log lines, config changes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo.run_dir import (
+    RunDir,
+    RunDirError,
+    changes_math,
+    complete_final,
+    config_changes,
+    is_disk_full,
+    seal,
+    verify,
+)
+
+
+def _checkpoint(run: RunDir, step: int, payload: bytes = b"weights") -> Path:
+    tmp = run.checkpoint_temp(step)
+    run.begin(tmp)
+    (tmp / "model.safetensors").write_bytes(payload * 100)
+    (tmp / "trainer_state.pt").write_bytes(b"state")
+    (tmp / "sub").mkdir()
+    (tmp / "sub" / "adapter.bin").write_bytes(b"adapter")
+    meta = {"world_size": 1, "run_config": {"optim": {"lr": 0.1}}}
+    return run.commit_checkpoint(step, meta, keep_last=5)
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "missing": (lambda f: (f / "model.safetensors").unlink(), "model.safetensors is missing"),
+    "truncated": (
+        lambda f: os.truncate(f / "model.safetensors", 10),
+        "model.safetensors has 10 bytes, its manifest says 700",
+    ),
+    "flipped": (
+        lambda f: _flip_byte(f / "model.safetensors", 350),
+        "model.safetensors does not match its checksum",
+    ),
+    "nested": (lambda f: _flip_byte(f / "sub" / "adapter.bin", 0), "sub/adapter.bin does not"),
+    "no-manifest": (lambda f: (f / "manifest.json").unlink(), "no manifest.json"),
+    "bad-manifest": (
+        lambda f: (f / "manifest.json").write_text('{"files": '),
+        "manifest.json is unreadable",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_a_damaged_checkpoint_is_named_and_skipped(tmp_path: Path, capsys, damage: str) -> None:
+    run = RunDir(tmp_path / "run")
+    run.claim()
+    _checkpoint(run, 1)
+    newest = _checkpoint(run, 2)
+    assert verify(newest) is None
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["files"]["model.safetensors"]["size"] == 700
+    hurt, message = DAMAGE[damage]
+    hurt(newest)
+    assert message in verify(newest)
+    found = run.latest_checkpoint()
+    assert found.step == 1 and found.config == {"optim": {"lr": 0.1}}
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "step-2 is damaged" in err and message in err, err
+    # moved aside: never taken again, and the step can be written anew
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-1", "step-2.damaged"]
+
+
+def test_only_damaged_checkpoints_stop_the_run_instead_of_starting_over(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    (_checkpoint(run, 1) / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(RunDirError, match=r"no complete checkpoint .* train.resume=never"):
+        run.latest_checkpoint()
+
+
+def test_an_unfinished_write_is_not_a_checkpoint(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    _checkpoint(run, 1)
+    tmp = run.checkpoint_temp(2)  # killed before its rename: temp name, no manifest
+    run.begin(tmp)
+    (tmp / "model.safetensors").write_bytes(b"half")
+    assert run.latest_checkpoint().step == 1
+    run.claim()  # a new owner clears what a dead one left half-written
+    assert not tmp.exists()
+
+
+def test_pruning_keeps_the_newest(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    for step in (1, 2, 3):
+        _checkpoint(run, step)
+    tmp = run.checkpoint_temp(4)
+    run.begin(tmp)
+    (tmp / "a").write_bytes(b"x")
+    run.commit_checkpoint(4, {"world_size": 1, "run_config": {}}, keep_last=2)
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-3", "step-4"]
+
+
+def test_final_is_complete_only_when_its_manifest_verifies(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    (run.path / "config.yaml").write_text("{}")
+    with pytest.raises(RunDirError, match="final is missing"):
+        complete_final(run.path)
+    _checkpoint(run, 3)
+    with pytest.raises(RunDirError, match=r"newest complete checkpoint is .*step-3"):
+        complete_final(run.path)
+    run.begin(run.final_temp())
+    (run.final_temp() / "config.json").write_text("{}")
+    run.commit_final(3, {})
+    assert complete_final(run.path) == run.final and run.final_step() == 3
+    (run.final / "config.json").write_text("{} ")
+    with pytest.raises(RunDirError, match="final is damaged"):
+        complete_final(run.path)
+
+
+def test_seal_writes_the_manifest_last(tmp_path: Path, monkeypatch) -> None:
+    order: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        order.append(os.readlink(f"/proc/self/fd/{fd}").rpartition("/")[2])
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "b.bin").write_bytes(b"b")
+    (folder / "a.bin").write_bytes(b"a")
+    seal(folder, {"step": 1})
+    # every file is on disk before the manifest that vouches for it, the folder last
+    assert order == ["a.bin", "b.bin", "manifest.json", "ckpt"]
+
+
+# --------------------------------------------------------------------------------------- lock
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from grpo.run_dir import RunDir
+RunDir(Path(sys.argv[1])).claim()
+if len(sys.argv) > 2:  # a forked child inherits the process's files, not its record lock
+    import os
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(run: Path, fork_child: bool = False) -> subprocess.Popen:
+    args = [sys.executable, "-c", HOLDER, str(run)] + (["fork"] if fork_child else [])
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_process_is_refused_at_once_naming_the_holder(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    holder = _holder(run)
+    try:
+        with pytest.raises(RunDirError) as caught:  # the lock is tried, never waited for
+            RunDir(run).claim()
+        message = str(caught.value)
+        assert f"in use by pid {holder.pid}" in message and "\n" not in message
+    finally:
+        holder.kill()
+        holder.wait()
+    RunDir(run).claim()  # the kernel dropped the dead holder's lock
+
+
+def test_a_dead_holders_forked_children_do_not_keep_the_lock(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    holder = _holder(run, fork_child=True)
+    holder.kill()  # SIGKILL the holder; its forked child (e.g. a reward worker) lives on
+    holder.wait()
+    try:
+        RunDir(run).claim()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(RunDirError, match=r"train.output_dir: cannot write to .*file/run"):
+        RunDir(blocker / "run").claim()
+
+
+# --------------------------------------------------------------------------------------- logs
+
+
+def test_resume_drops_a_partial_last_line_and_later_steps(tmp_path: Path, capsys) -> None:
+    run = RunDir(tmp_path / "run")
+    run.completions.mkdir(parents=True)
+    rows = [{"step": s, "loss": 0.5} for s in (1, 2, 3)]
+    run.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    for step in (2, 3, 4):
+        run.write_completions(step, [{"step": step}])
+    run.prepare_logs(2)
+    assert [json.loads(ln) for ln in run.metrics.read_text().splitlines()] == rows[:2]
+    assert sorted(p.name for p in run.completions.iterdir()) == ["step-000002.jsonl"]
+    err = capsys.readouterr().err.strip()
+    assert "metrics.jsonl: dropped unreadable line(s) 4" in err and "\n" not in err
+
+
+# --------------------------------------------------------------------------------------- config
+
+
+def test_config_changes_name_every_key_and_both_values() -> None:
+    old = {"optim": {"lr": 1e-5, "betas": [0.9, 0.99]}, "train": {"steps": 5, "seed": 0}}
+    new = {"optim": {"lr": 1e-4, "betas": [0.9, 0.99]}, "train": {"steps": 9, "seed": 1}}
+    changes = config_changes(old, new)
+    assert changes == {"optim.lr": (1e-5, 1e-4), "train.seed": (0, 1), "train.steps": (5, 9)}
+    assert [k for k in changes if changes_math(k)] == ["optim.lr", "train.seed"]
+    for free in ("train.save_every", "train.sinks", "train.eval_every", "optim.micro_batch_size"):
+        assert not changes_math(free)
+    for math_key in ("model.name", "data.task", "rollout.group_size", "rewards.functions"):
+        assert changes_math(math_key)
+
+
+def test_disk_full_is_recognised_through_wrappers() -> None:
+    assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    # what safetensors raises on a full tmpfs (measured)
+    assert is_disk_full(
+        RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    )
+    try:  # torch.save into a Python file: its error carries the OSError as context
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos")  # noqa: B904
+    except RuntimeError as outer:
+        assert is_disk_full(outer)
+    assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))
