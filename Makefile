@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: train test test-slow lint format docs bench clean
+.PHONY: train test test-slow lint format docs bench mutate clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -35,10 +35,16 @@ format: $(STAMP)
 docs: $(STAMP)
 	$(PY) -c "import pathlib; from grpo.config import reference_markdown as r; p = pathlib.Path('README.md'); s = p.read_text(); a, b = '<!-- config-reference:start -->\n', '<!-- config-reference:end -->'; p.write_text(s.split(a)[0] + a + r() + b + s.split(b)[1])"
 
+# mutation testing of the math and the log-probs (README, "Tests that bite"); not part of `make test`
+mutate: $(STAMP)
+	rm -rf mutants
+	.venv/bin/mutmut run --max-children 2
+	.venv/bin/mutmut results
+
 bench: $(STAMP)
 	$(PIP) install -q -e '.[dev,bench]'
 	$(PY) -m benchmarks.vs_trl --setup tiny --rounds 2
 	$(PY) -m benchmarks.vs_trl --setup smollm2 --rounds 2
 
 clean:
-	rm -rf .venv runs
+	rm -rf .venv runs mutants

@@ -111,14 +111,12 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
     trainer = Trainer(config)
     load_s = time.perf_counter() - t_load
     clock = StepClock(trainer)
-    run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     steps = []
     while trainer.step < config.train.steps:
         trainer.step += 1
         clock.reset()
         t0 = time.perf_counter()
-        metrics = trainer.train_step(run_dir)
+        metrics = trainer.train_step()
         step_s = time.perf_counter() - t0
         rollout = clock.scored.rollout
         completion_tokens = int(rollout.completion_mask.sum())

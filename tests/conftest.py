@@ -32,7 +32,7 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     torch.manual_seed(0)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def trainable_reward() -> dict:
     """A rewards section with only the trainable reward (``reward/lowercase_share/mean``)."""
     return {"functions": [dict(TRAINABLE_REWARD)]}

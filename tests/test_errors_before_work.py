@@ -173,3 +173,19 @@ def test_yaml_errors_name_the_line_and_column(tmp_path: Path) -> None:
 def test_an_unknown_key_suggests_the_closest(override: str, suggestion: str) -> None:
     with pytest.raises(ConfigError, match=rf"did you mean '{suggestion}'\?"):
         load_config(None, [override])
+
+
+def test_a_hub_id_the_hub_does_not_know_is_one_line(monkeypatch, capsys) -> None:
+    import transformers
+
+    def not_found(*args: object, **kwargs: object) -> None:
+        # what transformers raises for a repository the hub does not have
+        raise OSError(
+            "someone/nope is not a local folder and is not a valid model identifier\nmore"
+        )
+
+    monkeypatch.setattr(grpo.models, "check_hub_id", lambda name: None)  # as if online
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", not_found)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", not_found)
+    assert main(["eval", "someone/nope"]) == 2
+    assert "model 'someone/nope': someone/nope is not a local folder" in _one_line(capsys)

@@ -102,8 +102,9 @@ PROBLEM_RE = re.compile(r"What is (\d+) ([-+*]) (\d+)\?")
 class ScriptedModel(nn.Module):
     """Answers "What is a op b?" prompts with a fixed policy, through the real tokenizer.
 
-    Greedy: right answers for problems whose first operand is even, wrong ones otherwise.
-    Sampled: the i-th of the k samples answers right when i is even (so c = ceil(k/2)).
+    Greedy: right answers for problems whose first operand a is even, wrong ones otherwise.
+    Sampled: the i-th of the k samples answers right when i < a mod 4 (so c = min(a mod 4, k));
+    every wrong sample gives the same wrong answer, so a wrong majority is possible.
     """
 
     def __init__(self, tokenizer) -> None:
@@ -123,7 +124,7 @@ class ScriptedModel(nn.Module):
         for row in input_ids:
             a = int(PROBLEM_RE.findall(self.tokenizer.decode(row))[-1][0])
             for i in range(num_return_sequences):
-                right = (i % 2 == 0) if do_sample else (a % 2 == 0)
+                right = (i < a % 4) if do_sample else (a % 2 == 0)
                 ids = self.tokenizer(self._answer(row, right), add_special_tokens=False).input_ids
                 outs.append(torch.cat([row, torch.tensor([*ids, self.tokenizer.eos_token_id])]))
         width = max(len(o) for o in outs)
@@ -136,20 +137,25 @@ class ScriptedModel(nn.Module):
 def test_evaluate_with_scripted_model(tiny_model_dir: Path) -> None:
     tokenizer = load_tokenizer(str(tiny_model_dir))
     model = ScriptedModel(tokenizer).train()
-    rows = [
-        {"prompt": "What is 2 + 3?", "answer": "5"},  # even first operand: greedy right
-        {"prompt": "What is 7 - 1?", "answer": "6"},  # odd: greedy answers 7, wrong
-        {"prompt": "What is 4 * 4?", "answer": "16"},  # even: right
+    rows = [  # a: greedy right when even; c = right samples of 3 = min(a mod 4, 3)
+        {"prompt": "What is 2 + 3?", "answer": "5"},  # greedy right, c = 2
+        {"prompt": "What is 7 - 1?", "answer": "6"},  # greedy wrong, c = 3
+        {"prompt": "What is 4 * 4?", "answer": "16"},  # greedy right, c = 0
+        {"prompt": "What is 5 + 5?", "answer": "10"},  # greedy wrong, c = 1
     ]
-    settings = EvalSettings(samples=3, max_new_tokens=32, batch_size=4)
+    settings = EvalSettings(samples=3, max_new_tokens=32, batch_size=3)
     out = evaluate(model, tokenizer, rows, PromptFormat(system="sys"), settings)
-    assert out["accuracy"] == pytest.approx(2 / 3, abs=1e-12)
+    assert out["accuracy"] == pytest.approx(2 / 4, abs=1e-12)
     assert out["answer_rate"] == 1.0
-    # samples 0 and 2 of 3 are right on every problem: c = 2, n = 3
-    assert out["pass@1"] == pytest.approx(2 / 3, abs=1e-12)
-    assert out["pass@2"] == pytest.approx(1.0, abs=1e-12)  # n - c = 1 < 2
-    assert out["maj@3"] == pytest.approx(1.0, abs=1e-12)  # the right answer has 2 of 3 votes
-    assert out["examples"] == 3
+    # pass@k = 1 - C(n - c, k) / C(n, k) with n = 3, averaged over the four problems:
+    # pass@1 = (2/3 + 1 + 0 + 1/3) / 4 = 0.5
+    assert out["pass@1"] == pytest.approx(0.5, abs=1e-12)
+    # pass@2: c=2 -> 1, c=3 -> 1, c=0 -> 0, c=1 -> 1 - C(2,2)/C(3,2) = 2/3; mean 2/3
+    assert out["pass@2"] == pytest.approx(2 / 3, abs=1e-12)
+    assert out["pass@3"] == pytest.approx(3 / 4, abs=1e-12)  # any right sample: 3 of 4
+    # maj@3: the right answer wins with c = 2 or 3; with c = 1 the two equal wrong ones win
+    assert out["maj@3"] == pytest.approx(2 / 4, abs=1e-12)
+    assert out["examples"] == 4
     assert model.training  # evaluation restores the training mode
 
 

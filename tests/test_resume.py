@@ -244,6 +244,47 @@ def test_cli_stop_and_a_second_run_on_the_same_directory(
     assert_same_run(run_dir, straight)
 
 
+def _torchrun(recipe: Path, **popen: object) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [*cmd, "-m", "grpo.cli", "train", str(recipe)], env=env, text=True, **popen
+    )
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step(
+    tree: dict, tmp_path: Path
+) -> None:
+    # torchrun forwards SIGTERM to both ranks; they agree on the step, rank 0 seals the
+    # checkpoint with rank 1's RNG state in it, and the resumed run is the uninterrupted one
+    straight, stopped = tmp_path / "straight.yaml", tmp_path / "stopped.yaml"
+    for recipe, name in ((straight, "ranks-straight"), (stopped, "ranks-stopped")):
+        config = make(tree, name, output_dir=tmp_path / "runs", save_every=0)
+        recipe.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    assert _torchrun(straight).wait(timeout=600) == 0
+    run_dir = tmp_path / "runs" / "ranks-stopped"
+    proc = _torchrun(stopped, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.05)
+    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").read_text():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to the torchrun agent, as a scheduler would
+    _, stderr = proc.communicate(timeout=300)
+    stops = [line for line in stderr.splitlines() if line.startswith("grpo: stopped by SIGTERM")]
+    assert len(stops) == 1 and "resume with: the same torchrun command" in stops[0], stderr
+    step = int(stops[0].split("after step ")[1].split(":")[0])
+    assert 1 <= step < STEPS
+    checkpoint = run_dir / "checkpoints" / f"step-{step}"
+    assert verify(checkpoint) is None and (checkpoint / "rng-rank1.pt").is_file()
+    assert [row["step"] for row in step_rows(run_dir)] == list(range(1, step + 1))
+    assert _torchrun(stopped).wait(timeout=600) == 0
+    a = weights(tmp_path / "runs" / "ranks-straight" / "final")
+    b = weights(run_dir / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 # --------------------------------------------------------------------------------------- disk
 
 

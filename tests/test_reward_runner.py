@@ -37,6 +37,8 @@ def scalar(completions, **kw):
     return 1.0
 def generator(completions, **kw):
     return (1.0 for _ in completions)
+def crash(completions, **kw):
+    os._exit(3)  # as a segfault in a C extension would end the process
 def pid(completions, **kw):
     return [os.getpid()]
 def hang(completions, **kw):
@@ -112,6 +114,7 @@ def test_weights_none_and_errors_with_the_first_error_printed(user_module: Path,
         ("string", "reward 'string' returned a str '1.0' at position 0; expected a number"),
         ("scalar", "reward 'scalar' returned a float 1.0; expected a list of 1 numbers"),
         ("generator", "reward 'generator' returned a generator"),
+        ("crash", "its worker process died (exit code 3)"),
     ],
 )
 def test_each_bad_return_is_an_error_with_its_line(user_module: Path, capsys, fn: str, line: str):

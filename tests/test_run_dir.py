@@ -19,6 +19,7 @@ from grpo.run_dir import (
     complete_final,
     config_changes,
     is_disk_full,
+    math_changes,
     seal,
     verify,
 )
@@ -26,7 +27,7 @@ from grpo.run_dir import (
 
 def _checkpoint(run: RunDir, step: int, payload: bytes = b"weights") -> Path:
     tmp = run.checkpoint_temp(step)
-    run.begin(tmp)
+    run.fresh_temp(tmp)
     (tmp / "model.safetensors").write_bytes(payload * 100)
     (tmp / "trainer_state.pt").write_bytes(b"state")
     (tmp / "sub").mkdir()
@@ -91,11 +92,12 @@ def test_an_unfinished_write_is_not_a_checkpoint(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
     _checkpoint(run, 1)
     tmp = run.checkpoint_temp(2)  # killed before its rename: temp name, no manifest
-    run.begin(tmp)
+    run.fresh_temp(tmp)
     (tmp / "model.safetensors").write_bytes(b"half")
     assert run.latest_checkpoint().step == 1
+    (run.path / ".old-final").mkdir()  # killed while replacing final/
     run.claim()  # a new owner clears what a dead one left half-written
-    assert not tmp.exists()
+    assert not tmp.exists() and not (run.path / ".old-final").exists()
 
 
 def test_pruning_keeps_the_newest(tmp_path: Path) -> None:
@@ -103,7 +105,7 @@ def test_pruning_keeps_the_newest(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         _checkpoint(run, step)
     tmp = run.checkpoint_temp(4)
-    run.begin(tmp)
+    run.fresh_temp(tmp)
     (tmp / "a").write_bytes(b"x")
     run.commit_checkpoint(4, {"world_size": 1, "run_config": {}}, keep_last=2)
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-3", "step-4"]
@@ -118,7 +120,7 @@ def test_final_is_complete_only_when_its_manifest_verifies(tmp_path: Path) -> No
     _checkpoint(run, 3)
     with pytest.raises(RunDirError, match=r"newest complete checkpoint is .*step-3"):
         complete_final(run.path)
-    run.begin(run.final_temp())
+    run.fresh_temp(run.final_temp())
     (run.final_temp() / "config.json").write_text("{}")
     run.commit_final(3, {})
     assert complete_final(run.path) == run.final and run.final_step() == 3
@@ -231,6 +233,13 @@ def test_config_changes_name_every_key_and_both_values() -> None:
         assert not changes_math(free)
     for math_key in ("model.name", "data.task", "rollout.group_size", "rewards.functions"):
         assert changes_math(math_key)
+
+
+def test_a_key_a_newer_version_added_is_no_change_the_user_made() -> None:
+    old = {"rewards": {"timeout_s": 10.0}, "optim": {"lr": 0.1}}
+    new = {"rewards": {"timeout_s": 10.0, "max_error_frac": 0.5}, "optim": {"lr": 0.2}}
+    assert math_changes(old, new) == {"optim.lr": (0.1, 0.2)}
+    assert config_changes(old, new)["rewards.max_error_frac"] == (None, 0.5)  # in the history
 
 
 def test_disk_full_is_recognised_through_wrappers() -> None:

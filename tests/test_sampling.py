@@ -278,7 +278,7 @@ def test_greso_skips_hopeless_prompts_after_one_epoch(tiny_config, mixed_reward)
         assert not any("+" in r["prompt"] for r in rows), step
 
 
-def test_greso_resume_is_exact(tiny_config, mixed_reward) -> None:
+def test_greso_resume_is_exact(tiny_config, mixed_reward, tiny_model_dir, weights) -> None:
     straight = Trainer(greso_config(tiny_config, mixed_reward, steps=8, run_name="a")).train()
     Trainer(greso_config(tiny_config, mixed_reward, steps=5, run_name="b")).train()
     resumed = Trainer(greso_config(tiny_config, mixed_reward, steps=8, run_name="b")).train()
@@ -288,3 +288,6 @@ def test_greso_resume_is_exact(tiny_config, mixed_reward) -> None:
 
     assert strip(_metrics(straight)) == strip(_metrics(resumed))
     assert sum(m["greso/skipped"] for m in _metrics(resumed)[5:]) > 0  # history was restored
+    final = weights.of(resumed / "final")
+    weights.assert_moved(weights.of(tiny_model_dir), final)
+    weights.assert_equal(weights.of(straight / "final"), final)

@@ -90,6 +90,9 @@ def test_values_cross_as_plain_python_values():
         "import math\nassert math.isnan(f(float('nan'))[0])",
     ]
     assert _judge(program, tests).passed == [0, 1, 2]
+    verdict = _judge(program, [*tests, "assert f(1) == 2"])
+    assert verdict.passed == [0, 1, 2] and verdict.finished
+    assert verdict.judge_stderr.splitlines()[-1] == "AssertionError"
 
 
 def test_candidate_exceptions_reach_the_judge_as_builtin_exceptions():
@@ -232,8 +235,8 @@ def test_trainer_files_and_environment_are_out_of_sight(
     lines = result.stdout.splitlines()
     assert lines[0] == "False"
     assert lines[1] == "False ['main.py']"
-    # its own /proc: the trainer's pid means nothing there, and PID 1 is the program
-    assert lines[3].endswith("['1']")
+    # its own /proc: the trainer's pid means nothing there; PID 1 is the init, 2 the program
+    assert lines[3].endswith("['1', '2']")
 
 
 def test_socket_cannot_reach_a_listening_server():
@@ -258,9 +261,10 @@ def test_socket_cannot_reach_a_listening_server():
 
 
 def test_signalling_the_trainer_does_not_reach_it():
-    # the trainer's pid does not exist in the run's namespace, its parent is outside it (0), and
-    # PID 1 ignores the SIGKILL it sends itself: the attacks change nothing, add still passes
-    for target in (str(os.getpid()), "os.getppid()", "0", "-1"):
+    # the trainer's pid does not exist in the run's namespace, the parent is the namespace's
+    # init (it ignores SIGKILL from inside), -1 reaches only the run's own processes: the
+    # attacks change nothing, add still passes
+    for target in (str(os.getpid()), "os.getppid()", "1", "-1"):
         program = f"import os, signal\ntry:\n    os.kill({target}, signal.SIGKILL)\nexcept OSError:\n    pass\n"
         assert _score(program + GOOD) == 1.0  # and we are still here to check it
 
@@ -452,3 +456,11 @@ def test_every_humaneval_solution_scores_one_and_cheating_bodies_score_zero():
     for kind, expected in (("canonical", 1.0), ("always_equal", 0.0), ("return_none", 0.0)):
         wrong = [rows[i]["task_id"] for i in range(len(rows)) if scores[kind, i] != expected]
         assert wrong == [], f"{kind}: {wrong}"
+
+
+def test_signals_and_limits_behave_as_for_any_process():
+    # the program is not PID 1: a signal it sends itself, and RLIMIT_CPU's SIGXCPU, end it
+    result = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nprint('alive')")
+    assert (result.stdout, result.exit_code) == ("", -15)
+    result = run_python("while True:\n    pass", cpu_s=1, wall_s=20)
+    assert result.exit_code == -24 and result.error == "killed by SIGXCPU"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -48,8 +49,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         run_dir = train(config)
     except TrainingStopped as stop:
-        again = shlex.join(["grpo", *sys.argv[1:]]) if sys.argv[1:] else "the same command"
-        print(f"grpo: {stop}; resume with: {again}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one line for the run
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                again = "the same torchrun command"
+            else:
+                again = shlex.join(["grpo", *sys.argv[1:]])
+            print(f"grpo: {stop}; resume with: {again}", file=sys.stderr)
         return stop.exit_code
     print(f"run finished: {run_dir}")
     return 0

@@ -190,8 +190,18 @@ def check_hub_id(name: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def _loading(path: str) -> Iterator[None]:
+    """transformers' OSError (e.g. a hub id that does not exist) as one line, not a traceback."""
+    try:
+        yield
+    except OSError as err:
+        raise ModelError(f"model '{path}': {str(err).splitlines()[0]}") from None
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    with _loading(path):
+        tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -201,7 +211,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def load_policy(config: ModelConfig, path: str) -> nn.Module:
     """The trainable policy: full weights, or LoRA adapters on a frozen base."""
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    with _loading(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if config.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
             model.activation_checkpointing_enable({"use_reentrant": False})

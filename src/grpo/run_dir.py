@@ -46,7 +46,7 @@ from typing import Any
 MANIFEST = "manifest.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-# outputs of a previous run that a fresh start (train.resume=never) replaces
+# outputs of a previous run that a fresh start (no checkpoint, or train.resume=never) replaces
 RUN_OUTPUTS = (
     "metrics.jsonl",
     "completions",
@@ -215,6 +215,14 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
     return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
+def math_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The changes a resume must not make silently: keys that change the math, among the keys
+    both configs have (a key that a newer grpo added is no change the user made)."""
+    a, b = flatten(old), flatten(new)
+    both = sorted(a.keys() & b.keys())
+    return {k: (a[k], b[k]) for k in both if a[k] != b[k] and changes_math(k)}
+
+
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
 
@@ -239,7 +247,8 @@ class Checkpoint:
 
 
 class RunDir:
-    """Everything on disk for one run. Only the process that writes (rank 0) creates one."""
+    """Everything on disk for one run. Every rank has one for its paths (ranks > 0 write only
+    their RNG state into a checkpoint's temp folder); only rank 0 claims the folder and writes."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -280,8 +289,10 @@ class RunDir:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} (started {started})\n".encode(), 0)
         self._lock_fd = fd
-        for stale in [*self.checkpoints.glob(".tmp-*"), *self.path.glob(".tmp-*")]:
-            shutil.rmtree(stale, ignore_errors=True)
+        # what a dead writer left: folders being written, and old ones being replaced
+        for pattern in (".tmp-*", ".old-*"):
+            for stale in [*self.checkpoints.glob(pattern), *self.path.glob(pattern)]:
+                shutil.rmtree(stale, ignore_errors=True)
 
     def release(self) -> None:
         if self._lock_fd is not None:
@@ -290,7 +301,7 @@ class RunDir:
 
     # ----------------------------------------------------------------------------- resume
 
-    def _step_folders(self) -> list[tuple[int, Path]]:
+    def step_folders(self) -> list[tuple[int, Path]]:
         if not self.checkpoints.is_dir():
             return []
         found = [(int(m[1]), p) for p in self.checkpoints.iterdir() if (m := STEP_RE.match(p.name))]
@@ -303,7 +314,7 @@ class RunDir:
         would silently drop them: the user decides with train.resume=never).
         """
         damaged = []
-        for _, folder in self._step_folders():
+        for _, folder in self.step_folders():
             problem = verify(folder)
             if problem is None:
                 self.intact = folder
@@ -386,7 +397,9 @@ class RunDir:
     def final_temp(self) -> Path:
         return self.path / ".tmp-final"
 
-    def begin(self, tmp: Path) -> None:
+    @staticmethod
+    def fresh_temp(tmp: Path) -> None:
+        """An empty temp folder (what a dead writer left there is dropped)."""
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
 
@@ -397,7 +410,7 @@ class RunDir:
         seal(tmp, {"step": step, **meta})
         replace_folder(tmp, target)
         self.intact = target
-        for _, old in self._step_folders()[keep_last:]:
+        for _, old in self.step_folders()[keep_last:]:
             shutil.rmtree(old)
         return target
 
@@ -412,8 +425,9 @@ class RunDir:
             return None
         return read_manifest(self.final)["step"]
 
+    @staticmethod
     @contextlib.contextmanager
-    def cleanup_on_error(self, tmp: Path) -> Iterator[None]:
+    def cleanup_on_error(tmp: Path) -> Iterator[None]:
         """Remove a half-written temp folder when writing fails (on a full disk it frees space)."""
         try:
             yield
@@ -442,7 +456,7 @@ def complete_final(run: Path) -> Path:
     folder = RunDir(run)
     if folder.final_step() is not None:
         return folder.final
-    steps = [p for _, p in folder._step_folders() if verify(p) is None]
+    steps = [p for _, p in folder.step_folders() if verify(p) is None]
     hint = f"; its newest complete checkpoint is {steps[0]}" if steps else ""
     state = "is damaged" if folder.final.exists() else "is missing (the run has not finished)"
     raise RunDirError(f"{folder.final} {state}{hint}")

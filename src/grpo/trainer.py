@@ -44,10 +44,10 @@ from grpo.run_dir import (
     Checkpoint,
     RunDir,
     RunDirError,
-    changes_math,
     config_changes,
     describe_changes,
     is_disk_full,
+    math_changes,
 )
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
 
@@ -269,8 +269,9 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
         self.signum = 0
+        self.announce = announce  # under torchrun only rank 0 says so
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -287,7 +288,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if not self.signum:
+        if not self.signum and self.announce:
             name = signal.Signals(signum).name
             print(
                 f"grpo: {name}: stopping after this step and writing a checkpoint "
@@ -352,7 +353,9 @@ class Trainer:
         model_path = resolve_model_path(config.model.name)
         # the run directory is locked, and a resume checked, before the model loads
         self.run = RunDir(config.run_dir)
+        # what a resume changes (all keys, for the history; those that change the math)
         self.config_changes: dict[str, tuple[Any, Any]] = {}
+        self.forced_changes: dict[str, tuple[Any, Any]] = {}
         try:
             self.resume_from = distributed.from_main(self._claim_run_dir)
             self._build(model_path, engine)
@@ -425,15 +428,16 @@ class Trainer:
                 f"checkpoint {checkpoint.path} was written by {saved_world} process(es); resume "
                 f"it with the same number (this run has {self.dist.world_size})"
             )
-        changes = config_changes(checkpoint.config, self.config.model_dump(mode="json"))
-        math_changes = {k: v for k, v in changes.items() if changes_math(k)}
-        if math_changes and mode != "force":
+        new = self.config.model_dump(mode="json")
+        forced = math_changes(checkpoint.config, new)
+        if forced and mode != "force":
             raise ConfigError(
                 f"resuming {checkpoint.path} with a config that changes the math: "
-                f"{describe_changes(math_changes)}; set train.resume=force to apply the change, "
+                f"{describe_changes(forced)}; set train.resume=force to apply the change, "
                 "or train.resume=never to start over"
             )
-        self.config_changes = changes
+        self.config_changes = config_changes(checkpoint.config, new)
+        self.forced_changes = forced
         return checkpoint
 
     # ----------------------------------------------------------------------------- stages
@@ -709,7 +713,7 @@ class Trainer:
         tmp = self.run.checkpoint_temp(self.step)
         main = self.dist.is_main
         if main:
-            self.run.begin(tmp)
+            self.run.fresh_temp(tmp)
         distributed.barrier()  # tmp exists before any rank writes into it
         with self.run.cleanup_on_error(tmp) if main else contextlib.nullcontext():
             self.save_model(tmp)
@@ -745,13 +749,14 @@ class Trainer:
                 )
         distributed.barrier()
         self.saved_step = self.step
+        self.run.intact = self.run.checkpoints / f"step-{self.step}"  # on every rank
 
     def save_final(self) -> None:
         """Write ``final/`` the way checkpoints are written (temp name, manifest, rename)."""
         tmp = self.run.final_temp()
         main = self.dist.is_main
         if main:
-            self.run.begin(tmp)
+            self.run.fresh_temp(tmp)
         distributed.barrier()
         with self.run.cleanup_on_error(tmp) if main else contextlib.nullcontext():
             self.save_model(tmp)
@@ -803,6 +808,7 @@ class Trainer:
             self.reference.load_state_dict(state["reference"])
         self.stream.consumed = state["consumed"]
         self.step = self.saved_step = state["step"]
+        self.run.intact = path
         self.engine.sync_weights(self.policy)  # the engine samples from the restored weights
 
     def apply_optim_config(self) -> None:
@@ -832,12 +838,9 @@ class Trainer:
             )
             print(f"grpo: resuming from {checkpoint.path} (step {checkpoint.step})", flush=True)
             run.log_event(self.step, "resume", checkpoint=str(where))
-            forced = {k: v for k, v in self.config_changes.items() if changes_math(k)}
-            if forced:
-                print(
-                    f"grpo: train.resume=force: from step {self.step} {describe_changes(forced)}",
-                    flush=True,
-                )
+            if self.forced_changes:
+                changes = describe_changes(self.forced_changes)
+                print(f"grpo: train.resume=force: from step {self.step} {changes}", flush=True)
         event = "start" if checkpoint is None else "resume"
         run.record_config(dump_config(self.config), self.step, event, self.config_changes)
 
@@ -848,7 +851,7 @@ class Trainer:
                 self.load_checkpoint(self.resume_from.path)
             if main:
                 self.open_run_dir()
-            with StopSignals() as stop:
+            with StopSignals(announce=main) as stop:
                 self._loop(stop)
         except KeyboardInterrupt:  # a second Ctrl-C
             raise TrainingStopped(signal.SIGINT, self.step, self.run.intact, True) from None

@@ -27,8 +27,9 @@ PID 1, before any untrusted code:
    user namespace dropped;
 5. Landlock (Linux >= 5.13, best effort by ABI): writes only below ``/tmp`` and ``/dev/shm``; TCP
    bind/connect denied; signals and abstract unix sockets scoped to the sandbox;
-then runs its role: ``script`` (``main.py`` as ``__main__``), ``candidate`` (the program, then
-answering calls from the judge) or ``judge`` (the test code, against proxies of the candidate).
+then forks the program (PID 2; PID 1 stays as a minimal init, see ``init``), which runs its
+role: ``script`` (``main.py`` as ``__main__``), ``candidate`` (the program, then answering calls
+from the judge) or ``judge`` (the test code, against proxies of the candidate).
 """
 
 import ctypes
@@ -43,7 +44,7 @@ import traceback
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 SYS_LANDLOCK_CREATE_RULESET = 444
@@ -202,7 +203,9 @@ def landlock() -> str:
     return f"landlock-v{abi}"
 
 
-def first_process(spec: dict, ctl: socket.socket, go: int, isolation: list[str]) -> None:
+def first_process(
+    spec: dict, ctl: socket.socket, go: int, status: int, isolation: list[str]
+) -> None:
     """PID 1 of the run: finish the isolation, report it, run the role."""
     _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     if os.read(go, 1) != b"g":  # the keeper died before we could watch it
@@ -226,7 +229,28 @@ def first_process(spec: dict, ctl: socket.socket, go: int, isolation: list[str])
     os.chdir(WORKDIR)
     os.environ.clear()
     os.environ.update(spec["env"])
-    _sandbox_wire.ROLES[spec["role"]](spec, MAIN)
+    program = os.fork()
+    if program == 0:  # PID 2
+        os.close(status)
+        _sandbox_wire.ROLES[spec["role"]](spec, MAIN)
+        return
+    init(program, status)
+
+
+def init(program: int, status: int) -> None:
+    """PID 1 ignores every signal it has no handler for (RLIMIT_CPU's SIGXCPU, a SIGTERM the
+    program sends itself) and inherits every orphan: so the program runs as PID 2 and this
+    minimal init reaps, then passes the program's wait status to the keeper and exits, which
+    makes the kernel kill whatever is left in the namespace."""
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace from the program (same uid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.closerange(0, status)  # the run's pipes: only the program holds them
+    os.closerange(status + 1, 1 << 16)
+    while True:
+        pid, wait_status = os.waitpid(-1, 0)
+        if pid == program:
+            os.write(status, wait_status.to_bytes(4, "little"))
+            os._exit(0)
 
 
 def _read_spec(ctl: socket.socket) -> dict:
@@ -246,12 +270,13 @@ def keeper(fds: dict[str, int]) -> None:
         ctl.sendall(json.dumps({"error": reason}).encode() + b"\n")
         os._exit(2)
     go_read, go_write = os.pipe()
+    status_read, status_write = os.pipe()  # PID 1 -> keeper: the program's wait status
     pid = os.fork()
     if pid == 0:
         os.close(go_write)
         code = 0
         try:
-            first_process(spec, ctl, go_read, isolation)
+            first_process(spec, ctl, go_read, status_write, isolation)
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else (stop.code is not None)
         except BaseException:
@@ -272,7 +297,11 @@ def keeper(fds: dict[str, int]) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2, *fds.values()):
         os.dup2(devnull, fd)
+    os.close(status_write)
     _, status = os.waitpid(pid, 0)
+    program_status = os.read(status_read, 4)
+    if len(program_status) == 4:
+        status = int.from_bytes(program_status, "little")
     ctl.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
     os._exit(0)
 

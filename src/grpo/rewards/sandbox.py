@@ -179,6 +179,12 @@ def mount_plan(as_root: bool) -> dict[str, list[str]]:
     return {"masks": [str(m) for m in masks], "roots": [str(r) for r in roots]}
 
 
+@functools.lru_cache(maxsize=8)
+def _cached_plan(as_root: bool, *where: object) -> dict[str, list[str]]:
+    """``mount_plan`` once per import path, working directory and home (it stats many folders)."""
+    return mount_plan(as_root)
+
+
 # ---------------------------------------------------------------------------- cgroups
 
 
@@ -428,7 +434,7 @@ def _start(role: str, source: str, stdin: str, limits: Limits, fds: dict[str, in
         "max_procs": limits.max_procs,
         "max_files": MAX_FILES,
         "cgroup_procs": [str(f / "cgroup.procs") for f in cgroup.folders] if cgroup else [],
-        **mount_plan(as_root),
+        **_cached_plan(as_root, tuple(sys.path), os.getcwd(), os.path.expanduser("~")),
     }
     process = _Process(_Ctl(ours), out_r, err_r, uid, cgroup)
     try:

@@ -1,0 +1,390 @@
+"""Every config field that changes the algorithm or sampling reaches the math, through the trainer.
+
+Three kinds of checks, all on the tiny model with the trainable reward:
+- a spy on the math functions' arguments: the trainer passes what the config says;
+- an oracle: every loss the trainer computes (all micro-batches, all ``num_iterations`` passes)
+  and the logged step loss equal a slow loop written here from the config and the rollout;
+- end to end: turning a knob changes the update (and the sampler samples what the scorer scores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo.trainer
+from grpo import algorithm
+from grpo.batch import Rollout, Scored
+from grpo.config import Config, build_config
+from grpo.logprobs import completion_logprobs as original_logprobs
+from grpo.rollout import decode_completions
+from grpo.trainer import Trainer
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def knob_config(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, trainable_reward):
+    """A factory of tiny configs: the trainable reward only, beta 0 unless set, lr 1e-2."""
+    output_dir = tmp_path_factory.mktemp("knobs")
+
+    def make(**sections: dict) -> Config:
+        tree: dict = {
+            "model": {"name": str(tiny_model_dir)},
+            "data": {"task": "arithmetic", "task_args": {"size": 64}},
+            "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": MAX_NEW},
+            "rewards": trainable_reward,
+            "algorithm": {"beta": 0.0},
+            "optim": {"lr": 1e-2, "micro_batch_size": 8},
+            "train": {"output_dir": str(output_dir), "progress": False, "sinks": ["jsonl"]},
+        }
+        for key, value in sections.items():
+            tree[key] = {**tree[key], **value}
+        return build_config(tree)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def rollout(knob_config) -> Rollout:
+    """One rollout of 2 prompts x 4, cut to lengths 1 + 5i mod 12 (the random model rarely
+    stops by itself), so the aggregations differ; rows cut at the limit are the truncated ones.
+    Shared by the tests below, which score and train on it from the same start weights."""
+    trainer = Trainer(knob_config())
+    full = trainer.rollout()
+    lengths = torch.tensor([1 + (5 * i) % MAX_NEW for i in range(full.num_completions)])
+    mask = torch.arange(full.completion_ids.shape[1])[None, :] < lengths[:, None]
+    ids = full.completion_ids.masked_fill(~mask, trainer.tokenizer.pad_token_id)
+    return dataclasses.replace(
+        full,
+        completion_ids=ids,
+        completion_mask=mask,
+        truncated=lengths == MAX_NEW,
+        completions=decode_completions(trainer.tokenizer, ids, mask),
+    )
+
+
+def scored_by(trainer: Trainer, rollout: Rollout) -> Scored:
+    scored = trainer.score(rollout)
+    assert scored.advantages.abs().min() > 0 and bool(rollout.truncated.any())
+    return scored
+
+
+# --------------------------------------------------------------------------------------- spies
+
+
+def spy_on(monkeypatch, module, name: str) -> list[dict]:
+    """Replace module.name by a wrapper recording each call's arguments by name (defaults filled
+    in) and its result."""
+    original = getattr(module, name)
+    signature = inspect.signature(original)
+    calls: list[dict] = []
+
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        result = original(*args, **kwargs)
+        calls.append({**bound.arguments, "result": result})
+        return result
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+ALL_KNOBS = {  # every algorithm knob off its default, each to a value no other knob has
+    "loss_type": "dapo",
+    "clip_low": 0.1,
+    "clip_high": 0.28,
+    "dual_clip": 3.0,
+    "beta": 0.3,
+    "kl_estimator": "k2",
+    "ratio_level": "sequence",
+}
+
+
+def test_the_trainer_passes_each_knob_to_the_math(knob_config, rollout, monkeypatch) -> None:
+    config = knob_config(
+        algorithm={**ALL_KNOBS, "top_entropy_quantile": 0.5, "num_iterations": 2},
+        rollout={"temperature": 0.7},
+        optim={"micro_batch_size": 4},
+    )
+    trainer = Trainer(config)
+    scored = scored_by(trainer, rollout)
+    losses = spy_on(monkeypatch, algorithm, "policy_loss")
+    entropy = spy_on(monkeypatch, algorithm, "top_entropy_mask")
+    logprobs = spy_on(monkeypatch, grpo.trainer, "completion_logprobs")
+    trainer.optimize(scored)
+    assert len(losses) == 2 * 2  # num_iterations x micro-batches
+    for call in losses:
+        for knob, value in ALL_KNOBS.items():
+            assert call[knob] == value, knob
+        assert call["ref_logp"] is not None and call["pg_mask"] is not None
+    assert [c["quantile"] for c in entropy] == [0.5, 0.5]  # once per micro-batch, first pass
+    # reference and old log-probs (mu 2), then each pass's gradient forwards: all at T 0.7
+    assert len(logprobs) == 2 + 2 + 2 * 2
+    assert {c["temperature"] for c in logprobs} == {0.7}
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_scale_rewards_gives_the_advantages_of_its_formula(
+    knob_config, rollout, scale: str
+) -> None:
+    trainer = Trainer(knob_config(algorithm={"scale_rewards": scale, "adv_eps": 1e-4}))
+    scored = trainer.score(rollout)
+    r = scored.rewards.double().view(-1, 4)  # [P, G]
+    centred = r - r.mean(dim=1, keepdim=True)
+    denom = {
+        "group": (centred.pow(2).mean(dim=1, keepdim=True) + 1e-4).sqrt(),
+        "batch": ((r - r.mean()).pow(2).mean() + 1e-4).sqrt(),
+        "none": torch.tensor(1.0, dtype=torch.float64),
+    }[scale]
+    expected = (centred / denom).flatten().float()
+    assert torch.allclose(scored.advantages, expected, atol=1e-6)
+    assert float(centred.abs().max()) > 1e-3  # the rewards really vary within groups
+
+
+# --------------------------------------------------------------------------------------- oracle
+
+
+def slow_loss(call: dict, cfg, rows: list[int], scored: Scored, n_micro: int) -> float:
+    """The loss of one micro-batch by a loop over rows and tokens, from the config and the
+    rollout (not from the normaliser the trainer passed)."""
+    rollout = scored.rollout
+    a = cfg.algorithm
+    logp, old, ref = call["logp"].detach(), call["old_logp"], call["ref_logp"]
+    weights, pg_mask = call["importance_weights"], call["pg_mask"]
+    keep = (
+        ~rollout.truncated if a.mask_truncated_completions else torch.ones_like(rollout.truncated)
+    )
+    step_tokens = float((rollout.completion_mask & keep[:, None]).sum())
+    total, batch_tokens = 0.0, 0.0
+    for i, row in enumerate(rows):
+        n = int(rollout.completion_mask[row].sum()) if keep[row] else 0
+        adv = float(scored.advantages[row])
+        seq_ratio = math.exp(sum(float(logp[i, t] - old[i, t]) for t in range(n)) / max(n, 1))
+        row_sum = 0.0
+        for t in range(n):
+            ratio = seq_ratio if a.ratio_level == "sequence" else math.exp(logp[i, t] - old[i, t])
+            clipped = min(max(ratio, 1 - a.clip_low), 1 + a.clip_high)
+            term = -min(ratio * adv, clipped * adv)
+            if a.dual_clip is not None and adv < 0:
+                term = min(term, -a.dual_clip * adv)
+            if weights is not None:
+                term *= float(weights[i, t])
+            if pg_mask is not None and not pg_mask[i, t]:
+                term = 0.0
+            if ref is not None:
+                d = float(ref[i, t] - logp[i, t])  # log(ref / pi)
+                kl = {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[a.kl_estimator]
+                term += a.beta * kl
+            row_sum += term
+        total += row_sum / max(n, 1) if a.loss_type == "grpo" else row_sum
+        batch_tokens += n
+    n_seq = rollout.num_completions
+    return {
+        "grpo": total / n_seq,
+        "bnpo": total / max(batch_tokens, 1) / n_micro,
+        "dapo": total / step_tokens,
+        "dr_grpo": total / (n_seq * cfg.rollout.max_new_tokens),
+    }[a.loss_type]
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [
+        {"loss_type": "grpo", "clip_low": 0.002, "clip_high": 0.003, "top_entropy_quantile": 0.5},
+        {
+            "loss_type": "bnpo",
+            "mask_truncated_completions": True,
+            "dual_clip": 1.001,
+            "clip_low": 0.5,
+        },
+        {"loss_type": "dapo", "ratio_level": "sequence", "clip_high": 0.002, "kl_estimator": "k2"},
+        {"loss_type": "dr_grpo", "mask_truncated_completions": True, "kl_estimator": "k1"},
+    ],
+    ids=["grpo-clip-entropy", "bnpo-masked-dual", "dapo-gspo-k2", "drgrpo-masked-k1"],
+)
+def test_every_loss_the_trainer_computes_is_the_formula(
+    knob_config, rollout, monkeypatch, weights, algo: dict
+) -> None:
+    # two passes (mu 2) over three micro-batches with a reference (beta 0.5): the second pass
+    # sees ratios != 1 and a KL > 0, so clipping, ratio level and the estimator all count
+    config = knob_config(
+        algorithm={"num_iterations": 2, "beta": 0.5, **algo}, optim={"micro_batch_size": 3}
+    )
+    trainer = Trainer(config)
+    scored = scored_by(trainer, rollout)
+    batches = spy_on(monkeypatch, grpo.trainer, "micro_batches")
+    calls = spy_on(monkeypatch, algorithm, "policy_loss")
+    start = weights.of(trainer.policy)
+    metrics = trainer.optimize(scored)
+    weights.assert_moved(start, weights.of(trainer.policy))
+
+    (split,) = batches
+    mbs = split["result"]
+    assert len(mbs) == 3 and len(calls) == 2 * len(mbs)
+    for k, call in enumerate(calls):
+        rows = mbs[k % len(mbs)].index.tolist()
+        expected = slow_loss(call, config, rows, scored, len(mbs))
+        assert float(call["result"][0].detach()) == pytest.approx(expected, rel=1e-4, abs=1e-6), k
+    last = calls[-1]
+    assert float((last["logp"] - last["old_logp"])[last["loss_mask"]].abs().max()) > 1e-3
+    assert float(last["result"][1]["kl"]) > 1e-6
+    # the logged loss is the first pass's sum over micro-batches: the step's loss
+    first = sum(float(c["result"][0].detach()) for c in calls[: len(mbs)])
+    assert metrics["loss"] == pytest.approx(first, rel=1e-5, abs=1e-7)
+
+
+def test_micro_batch_size_does_not_change_the_step(knob_config, rollout) -> None:
+    # the loss is normalised by the step's counts, never the micro-batch's: one micro-batch
+    # of 8 and micro-batches of 3 give the same loss and gradient (bnpo, a mean of
+    # micro-batch means by definition, is checked against that definition above)
+    for loss_type in ("grpo", "dapo", "dr_grpo"):
+        runs = []
+        for size in (8, 3):
+            config = knob_config(
+                algorithm={"loss_type": loss_type}, optim={"micro_batch_size": size}
+            )
+            trainer = Trainer(config)
+            runs.append(trainer.optimize(scored_by(trainer, rollout)))
+        one, three = runs
+        assert one["grad_norm"] > 0.01
+        for key in ("loss", "grad_norm"):
+            assert three[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), (loss_type, key)
+
+
+# --------------------------------------------------------------------------------- end to end
+
+
+CHANGES = [
+    {"loss_type": "dapo"},
+    {"loss_type": "dr_grpo"},
+    {"scale_rewards": "none"},
+    {"clip_low": 0.001},
+    {"clip_high": 0.001},
+    {"dual_clip": 1.001, "clip_low": 0.9},
+    {"ratio_level": "sequence"},
+    {"mask_truncated_completions": True},
+    {"top_entropy_quantile": 0.3},
+    {"num_iterations": 1},
+    {"beta": 0.0},
+    {"kl_estimator": "k2"},
+]
+
+
+def update(knob_config, rollout: Rollout, changes: dict) -> dict:
+    """Weights after one update (mu 2, beta 0.5 unless changed) on the shared rollout."""
+    trainer = Trainer(knob_config(algorithm={"num_iterations": 2, "beta": 0.5, **changes}))
+    trainer.optimize(scored_by(trainer, rollout))
+    return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def baseline(knob_config, rollout) -> dict:
+    return update(knob_config, rollout, {})
+
+
+@pytest.mark.parametrize(
+    "changes", CHANGES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+)
+def test_each_knob_changes_the_update(knob_config, rollout, baseline, weights, changes) -> None:
+    # the same scored rollout from the same start weights; mu 2 and beta 0.5, so clipping, the
+    # ratio level and the KL term all act on the second pass: a knob that never reaches the
+    # math leaves the weights equal to the baseline's
+    weights.assert_moved(baseline, update(knob_config, rollout, changes), atol=1e-6)
+
+
+# -------------------------------------------------------------------------------- temperature
+
+
+def peaked(trainer: Trainer, factor: float = 4.0) -> None:
+    """Scale the final norm so the random model's next-token distribution is far from uniform."""
+    with torch.no_grad():
+        trainer.policy.model.norm.weight.mul_(factor)
+
+
+def first_token_frequencies(trainer: Trainer, monkeypatch) -> tuple[dict, dict, dict]:
+    """Sample G one-token completions of one prompt through the trainer's engine (the rollout
+    the trainer trains on). Returns the empirical frequency of each token drawn, the
+    probability the trainer's scorer gave it, and its probability at temperature 1."""
+    scored = trainer.score(trainer.rollout())
+    r = scored.rollout
+    with torch.no_grad():  # before the update moves the weights
+        plain, _ = original_logprobs(
+            trainer.policy, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 1.0
+        )
+    calls = spy_on(monkeypatch, grpo.trainer, "completion_logprobs")
+    trainer.optimize(scored)  # beta 0, one iteration: the gradient pass is the only scoring
+    (call,) = calls
+    ids = call["completion_ids"][:, 0]
+    logp = call["result"][0][:, 0].detach()
+    counts = torch.bincount(ids).tolist()
+    freq = {tok: c / len(ids) for tok, c in enumerate(counts) if c}
+    prob = {int(tok): math.exp(float(lp)) for tok, lp in zip(ids, logp, strict=True)}
+    prob_one = {
+        int(tok): math.exp(float(lp))
+        for tok, lp in zip(r.completion_ids[:, 0], plain[:, 0], strict=True)
+    }
+    return freq, prob, prob_one
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.6])
+def test_sampler_and_scorer_use_the_same_temperature(
+    knob_config, monkeypatch, temperature: float
+) -> None:
+    # 400 one-token samples of one prompt: the frequency of each token must match the
+    # probability the trainer's log-probs give it (one std of a frequency is <= 0.025). The
+    # peaked model's top token has p = 0.36 at T 1, 0.96 at T 0.5 and 0.11 at T 1.6, so a
+    # sampler or a scorer that ignored the temperature is off by more than 0.2.
+    config = knob_config(
+        rollout={
+            "prompts_per_step": 1,
+            "group_size": 400,
+            "max_new_tokens": 1,
+            "temperature": temperature,
+        },
+        optim={"micro_batch_size": 400},
+    )
+    trainer = Trainer(config)
+    peaked(trainer)
+    freq, prob, prob_one = first_token_frequencies(trainer, monkeypatch)
+    for tok, p in prob.items():
+        assert abs(freq[tok] - p) < 0.1, (tok, freq[tok], p)
+    top = max(prob_one, key=prob_one.get)
+    assert prob_one[top] == pytest.approx(0.36, abs=0.01)
+    if temperature != 1.0:  # far enough from T 1 that ignoring the temperature shows
+        assert abs(prob[top] - prob_one[top]) > 0.2
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "kept"), [(2, 1.0, 2), (0, 0.3, 1), (0, 1.0, None)])
+def test_top_k_and_top_p_restrict_what_the_sampler_draws(
+    knob_config, monkeypatch, top_k: int, top_p: float, kept: int | None
+) -> None:
+    config = knob_config(
+        rollout={
+            "prompts_per_step": 1,
+            "group_size": 400,
+            "max_new_tokens": 1,
+            "top_k": top_k,
+            "top_p": top_p,
+        },
+        optim={"micro_batch_size": 400},
+    )
+    trainer = Trainer(config)
+    peaked(trainer)
+    freq, prob, _ = first_token_frequencies(trainer, monkeypatch)
+    # the peaked model's most likely tokens have p = 0.36, 0.025, 0.019, ... at T 1: top_k 2
+    # keeps two (renormalised: 0.935 / 0.065), top_p 0.3 only the first (0.36 >= 0.3); with
+    # neither, 400 draws meet many tokens
+    ranked = sorted(prob, key=prob.get, reverse=True)
+    if kept is None:
+        assert len(freq) > 10
+        return
+    assert set(freq) == set(ranked[:kept])
+    z = sum(prob[t] for t in ranked[:kept])
+    assert freq[ranked[0]] == pytest.approx(prob[ranked[0]] / z, abs=0.05)
