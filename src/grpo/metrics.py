@@ -95,15 +95,19 @@ def wandb_run_id(run_dir: Path) -> str:
 
 
 class TrackioSink:
-    """Trackio, local only (a SQLite database under TRACKIO_DIR, default <run_dir>/trackio; no
-    Space is created), project "grpo", one trackio run per run directory."""
+    """Trackio, local only (a SQLite database, no Space is created), project "grpo", one trackio
+    run per run directory. The database is under TRACKIO_DIR, which trackio reads once, when it
+    is first imported: <run_dir>/trackio unless set before, or trackio was imported earlier in
+    the process. The folder used is printed."""
 
     def __init__(self, run_dir: Path, keep_through_step: int) -> None:
         os.environ.setdefault("TRACKIO_DIR", str(run_dir / "trackio"))
         import trackio
+        from trackio.utils import TRACKIO_DIR
 
         self.trackio = trackio
         trackio.init(project="grpo", name=run_dir.name, resume="allow")
+        print(f"metrics sink 'trackio': {TRACKIO_DIR}")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.trackio.log(metrics, step=step)
@@ -143,7 +147,9 @@ class MetricsLogger:
             except Exception as err:  # a third-party sink may fail in any way: never the run
                 if name not in OPTIONAL_SINKS:
                     raise
-                print(f"metrics sink '{name}' failed to start, run goes on without it: {_line(err)}")
+                print(
+                    f"metrics sink '{name}' failed to start, run goes on without it: {_line(err)}"
+                )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for name, sink in list(self.sinks.items()):
