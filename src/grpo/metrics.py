@@ -103,11 +103,11 @@ class TrackioSink:
     def __init__(self, run_dir: Path, keep_through_step: int) -> None:
         os.environ.setdefault("TRACKIO_DIR", str(run_dir / "trackio"))
         import trackio
-        from trackio.utils import TRACKIO_DIR
 
         self.trackio = trackio
         trackio.init(project="grpo", name=run_dir.name, resume="allow")
-        print(f"metrics sink 'trackio': {TRACKIO_DIR}")
+        utils = getattr(trackio, "utils", None)  # trackio's own record of the folder it uses
+        print(f"metrics sink 'trackio': {getattr(utils, 'TRACKIO_DIR', os.environ['TRACKIO_DIR'])}")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.trackio.log(metrics, step=step)
