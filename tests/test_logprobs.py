@@ -56,7 +56,7 @@ def test_token_logprobs_chunking_is_exact() -> None:
     at = torch.randperm(15, generator=gen).view(5, 3)
     want = torch.log_softmax(logits / 0.5, dim=-1)[at, targets]
     for chunk in (1, 2, 8, 64):
-        got, _ = token_logprobs(logits, at, targets, temperature=0.5, chunk=chunk)
+        got, _ = token_logprobs(logits, at, targets, 0.5, chunk=chunk)
         assert torch.allclose(got, want, atol=1e-6)
 
 

@@ -54,3 +54,41 @@ def test_generate_groups_padding_and_masks(tiny_model_dir) -> None:
         if has_eos:
             assert out.completion_ids[i, n - 1] == eos
         assert out.completions[i] == tok.decode(out.completion_ids[i, :n], skip_special_tokens=True)
+
+
+def test_generation_kwargs_reach_hf_sampling_and_its_logprobs(tiny_model_dir) -> None:
+    # bad_words_ids (a transformers GenerationConfig field) bans a token; the engine's log-probs
+    # are of the distribution it really sampled (renormalised without the banned token), which
+    # the trainer does not reproduce: the gap shows up in tis/mismatch_* and TIS corrects it
+    from transformers import AutoModelForCausalLM
+
+    from grpo.logprobs import completion_logprobs
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    banned = tok.convert_tokens_to_ids("e")
+    config = RolloutConfig(max_new_tokens=16, generation_kwargs={"bad_words_ids": [[banned]]})
+    out = HFEngine(model, tok, config).generate(["hello"] * 2, [{}] * 2, 8, seeds=[1, 2])
+    counted = out.completion_mask
+    assert banned not in out.completion_ids[counted].tolist()
+    with torch.no_grad():
+        trainer_logp, _ = completion_logprobs(
+            model, out.prompt_ids, out.prompt_mask, out.completion_ids, counted, out.sampling
+        )
+    gap = (out.sampler_logp - trainer_logp)[counted]
+    assert float(gap.min()) > -1e-5  # without the banned token every other token gains mass
+    assert float(gap.max()) > 1e-3
+
+
+def test_generation_kwargs_cannot_override_a_rollout_field(tiny_model_dir) -> None:
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from grpo.config import ConfigError
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ConfigError, match=r"generation_kwargs\.top_p: set rollout\.top_p"):
+        HFEngine(model, tok, RolloutConfig(generation_kwargs={"top_p": 0.5}))
+    with pytest.raises(ConfigError, match=r"generation_kwargs\.nonsense: not a transformers"):
+        HFEngine(model, tok, RolloutConfig(generation_kwargs={"nonsense": 1}))

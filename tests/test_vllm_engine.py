@@ -1,22 +1,28 @@
-"""The vLLM rollout engine against a CPU stand-in with vllm.LLM's interface (no vLLM needed)."""
+"""The vLLM rollout engine: against a stand-in with vllm.LLM's interface (always), and against
+vLLM itself when it is installed (slow: `make vllm`, then `make test-slow`)."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grpo.config import ConfigError, LoraConfig, ModelConfig, RolloutConfig
-from grpo.models import load_policy, load_tokenizer
+from grpo.logprobs import completion_logprobs
+from grpo.models import build_tiny_model, load_policy, load_tokenizer
+from grpo.processors import Sampling
 from grpo.rollout import build_engine
-from grpo.rollout.vllm import VLLMEngine, merged_weights
-from grpo.trainer import Trainer
+from grpo.rollout.vllm import VLLMEngine, create_llm, merged_weights
+from grpo.trainer import Trainer, train
 
 
 @dataclass
@@ -27,24 +33,25 @@ class FakeSamplingParams:
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
+    repetition_penalty: float
     max_tokens: int
     stop_token_ids: list[int]
+    stop: list[str]
+    include_stop_str_in_output: bool
     logprobs: int
     seed: int
 
 
 @dataclass
 class FakeModel:
-    """The model inside vLLM's worker: records every load_weights call."""
+    """The model inside vLLM's worker: records every reload."""
 
     loads: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
-    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        self.loads.append({name: t.detach().clone() for name, t in weights})
-
 
 class FakeLLM:
-    """vllm.LLM's generate / apply_model / reset_prefix_cache, sampling seeded token ids.
+    """vllm.LLM's generate / collective_rpc / reset_prefix_cache, sampling seeded token ids.
 
     Completion k of a request draws tokens from a generator seeded with (seed, k); each token's
     log-prob is -(position + 1) / 10 so the plumbing can be checked. EOS ends a completion.
@@ -80,12 +87,17 @@ class FakeLLM:
                 logprobs = [
                     {tok: SimpleNamespace(logprob=-(j + 1) / 10)} for j, tok in enumerate(ids)
                 ]
-                outs.append(SimpleNamespace(index=k, token_ids=ids, logprobs=logprobs))
+                finish = "stop" if ids[-1] in p.stop_token_ids else "length"
+                outs.append(
+                    SimpleNamespace(index=k, token_ids=ids, logprobs=logprobs, finish_reason=finish)
+                )
             results.append(SimpleNamespace(outputs=outs[::-1]))
         return results
 
-    def apply_model(self, func: Any) -> list[Any]:
-        return [func(self.model)]
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> list[None]:
+        assert method == "reload_weights" and kwargs["is_checkpoint_format"]
+        self.model.loads.append({n: t.detach().clone() for n, t in kwargs["weights_iterator"]})
+        return [None]
 
     def reset_prefix_cache(self) -> None:
         self.cache_resets += 1
@@ -202,3 +214,190 @@ def test_missing_vllm_is_one_clear_line(parts, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(ConfigError, match=r"pip install 'grpo\[vllm\]'"):
         build_engine("vllm", model=model, tokenizer=tok, config=RolloutConfig())
+
+
+def test_a_resumed_run_pushes_the_restored_weights_before_sampling(tiny_config, tmp_path) -> None:
+    # without the push the engine would sample from the base weights until the first update
+    reward = tmp_path / "digits.py"  # random completions vary in it: the weights move
+    reward.write_text(
+        "def digits(completions, **kw):\n"
+        "    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions]\n"
+    )
+    sections = {
+        "algorithm": {"beta": 0.0},
+        "rewards": {"functions": [{"name": f"{reward}:digits"}]},
+    }
+    train(tiny_config(**sections, train={"steps": 2}))
+    config = tiny_config(**sections, train={"steps": 3})
+    probe = Trainer(config)
+    llm = FakeLLM(len(probe.tokenizer), probe.tokenizer.eos_token_id)
+    engine = VLLMEngine(
+        probe.policy, probe.tokenizer, config.rollout, llm=llm, sampling_params=FakeSamplingParams
+    )
+    trainer = Trainer(config, engine=engine)
+    pushes_at_rollout = []
+    original = engine.generate
+
+    def spy(*args, **kwargs):
+        pushes_at_rollout.append(len(llm.model.loads))
+        return original(*args, **kwargs)
+
+    engine.generate = spy
+    trainer.train()
+    assert pushes_at_rollout == [1]  # one step left; the restored weights went in before it
+    saved = load_file(config.run_dir / "checkpoints" / "step-2" / "model.safetensors")
+    first = llm.model.loads[0]
+    assert all(torch.equal(first[k], saved[k]) for k in saved)
+    base = AutoModelForCausalLM.from_pretrained(config.model.name).state_dict()
+    assert any(not torch.equal(first[k], base[k]) for k in saved)  # trained, not base, weights
+
+
+# ------------------------------------------------------------------------------ real vLLM
+# The same engine against vLLM itself (`make vllm` installs its CPU build). One engine per test
+# session, on a tiny random Llama with 64-wide heads (vLLM's CPU attention needs them).
+
+has_vllm = importlib.util.find_spec("vllm") is not None
+real = [pytest.mark.slow, pytest.mark.skipif(not has_vllm, reason="vllm is not installed")]
+
+CONTROLS = {
+    "temperature": Sampling(temperature=0.7),
+    "top_k": Sampling(temperature=0.8, top_k=8),
+    "top_p": Sampling(top_p=0.8),
+    "min_p": Sampling(min_p=0.1),
+    "repetition_penalty": Sampling(repetition_penalty=1.5),
+    "all": Sampling(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, repetition_penalty=1.2),
+}
+
+
+@pytest.fixture(scope="session")
+def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("wide") / "model", hidden_size=256)
+
+
+@pytest.fixture(scope="session")
+def real_llm(wide_model_dir: Path):
+    model = AutoModelForCausalLM.from_pretrained(wide_model_dir)
+    return create_llm(model, RolloutConfig(engine="vllm", vllm_kv_cache_gb=0.25))
+
+
+def _config(sampling: Sampling, **rollout: Any) -> RolloutConfig:
+    return RolloutConfig(engine="vllm", max_new_tokens=12, **vars(sampling), **rollout)
+
+
+def _trainer_logp(model, rollout) -> torch.Tensor:
+    with torch.no_grad():
+        logp, _ = completion_logprobs(
+            model,
+            rollout.prompt_ids,
+            rollout.prompt_mask,
+            rollout.completion_ids,
+            rollout.completion_mask,
+            rollout.sampling,
+        )
+    return logp.masked_fill(~rollout.completion_mask, 0.0)
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=real)])
+@pytest.mark.parametrize("controls", list(CONTROLS))
+def test_sampler_and_trainer_logprobs_mean_one_distribution(
+    engine: str, controls: str, wide_model_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    # both engines report each token's log-prob under the distribution it was drawn from
+    # (after penalty, temperature, min-p, top-k, top-p); the trainer's must be the same numbers
+    tok = load_tokenizer(str(wide_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(wide_model_dir).eval()
+    config = _config(CONTROLS[controls])
+    if engine == "vllm":
+        llm, params = request.getfixturevalue("real_llm")
+        sampler = VLLMEngine(model, tok, config, llm=llm, sampling_params=params)
+        sampler.sync_weights(model)  # another test may have pushed other weights
+    else:
+        sampler = build_engine("hf", model=model, tokenizer=tok, config=config)
+    prompts = ["abcabc", "hello there", "1+1="]
+    out = sampler.generate(prompts, [{}] * 3, 4, seeds=[1, 2, 3])
+    assert out.sampling == CONTROLS[controls]
+    counted = out.completion_mask
+    assert int(counted.sum()) >= 40  # enough tokens for the comparison to mean something
+    gap = (_trainer_logp(model, out) - out.sampler_logp).abs()[counted]
+    # float32 on both sides; other kernels and summation orders (vLLM) or a KV cache (hf)
+    assert float(gap.max()) < 2e-3, float(gap.max())
+    plain = Sampling(temperature=CONTROLS[controls].temperature)
+    if controls not in ("temperature", "all"):  # the controls really changed the numbers
+        with torch.no_grad():
+            unprocessed, _ = completion_logprobs(
+                model, out.prompt_ids, out.prompt_mask, out.completion_ids, counted, plain
+            )
+        assert float((unprocessed - out.sampler_logp).abs()[counted].max()) > 0.05
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=real)])
+def test_stop_strings_end_completions_on_both_engines(
+    engine: str, wide_model_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    tok = load_tokenizer(str(wide_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(wide_model_dir).eval()
+
+    def sample(stop: list[str]):
+        config = _config(Sampling(temperature=1.5), stop=stop)
+        if engine == "vllm":
+            llm, params = request.getfixturevalue("real_llm")
+            sampler = VLLMEngine(model, tok, config, llm=llm, sampling_params=params)
+            sampler.sync_weights(model)
+        else:
+            sampler = build_engine("hf", model=model, tokenizer=tok, config=config)
+        return sampler.generate(["xyz", "hello"], [{}] * 2, 4, seeds=[4, 5])
+
+    free = sample([])
+    # stop at a character each completion has (one token each: a character tokenizer); the same
+    # seeds then draw the same tokens, cut after the first stop character
+    stop = sorted({text[2] for text in free.completions if len(text) > 3})[:3]
+    cut = sample(stop)
+    stopped = 0
+    for i, text in enumerate(free.completions):
+        if any(s in text for s in stop):
+            n = int(cut.completion_mask[i].sum())
+            assert torch.equal(cut.completion_ids[i, :n], free.completion_ids[i, :n])
+            ids = cut.completion_ids[i, :n].tolist()
+            assert any(s in tok.decode(ids) for s in stop)  # the last token completed a stop
+            assert not any(s in tok.decode(ids[:-1]) for s in stop)
+            assert not cut.truncated[i]
+            stopped += 1
+        else:
+            assert cut.completions[i] == text and cut.truncated[i] == free.truncated[i]
+    assert stopped >= 4
+
+
+@pytest.mark.parametrize("lora", [False, pytest.param(True, id="lora")])
+@pytest.mark.slow
+@pytest.mark.skipif(not has_vllm, reason="vllm is not installed")
+def test_real_vllm_samples_from_the_pushed_weights(
+    lora: bool, wide_model_dir: Path, real_llm
+) -> None:
+    # the trained policy's log-probs, not the base model's, are what vLLM reports after a push
+    tok = load_tokenizer(str(wide_model_dir))
+    config = ModelConfig(name=str(wide_model_dir), lora=LoraConfig(enabled=lora, r=8))
+    policy = load_policy(config, str(wide_model_dir)).eval()
+    base = AutoModelForCausalLM.from_pretrained(wide_model_dir).eval()
+    with torch.no_grad():  # a large, known change: what a few optimizer steps would do
+        for name, p in policy.named_parameters():
+            if p.requires_grad and ("lora_B" in name or not lora):
+                p.add_(torch.randn_like(p) * (0.2 if lora else 0.05))
+    llm, params = real_llm
+    engine = VLLMEngine(policy, tok, _config(Sampling()), llm=llm, sampling_params=params)
+    engine.sync_weights(policy)
+    out = engine.generate(["abc", "hello"], [{}] * 2, 4, seeds=[7, 8])
+    counted = out.completion_mask
+    to_policy = (_trainer_logp(policy, out) - out.sampler_logp).abs()[counted]
+    to_base = (_trainer_logp(base, out) - out.sampler_logp).abs()[counted]
+    assert float(to_policy.max()) < 2e-3
+    assert float(to_base.mean()) > 0.1  # the push really changed the distribution
+
+
+def test_generation_kwargs_pass_through_and_clashes(parts) -> None:
+    model, tok = parts
+    llm = FakeLLM(len(tok), tok.eos_token_id)
+    with pytest.raises(ConfigError, match=r"generation_kwargs\.seed: set train\.seed"):
+        _engine(model, tok, llm, generation_kwargs={"seed": 3})
+    # the stand-in's SamplingParams has no such field: vLLM's TypeError becomes one line
+    with pytest.raises(ConfigError, match=r"rollout\.generation_kwargs: .*presence_penalty"):
+        _engine(model, tok, llm, generation_kwargs={"presence_penalty": 0.5})

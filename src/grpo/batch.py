@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo.processors import Sampling
+
 
 @dataclass
 class Rollout:
@@ -21,6 +23,7 @@ class Rollout:
     completion_ids: [N, T] right padded; completion_mask: [N, T] True up to and including EOS.
     truncated: [N] True when no EOS was produced within max_new_tokens.
     sampler_logp: [N, T] log-probs the sampler assigned, when the engine reports them.
+    sampling: the controls the tokens were sampled under (the trainer scores with the same).
     rows: the P dataset rows the prompts came from (one per group).
     """
 
@@ -34,6 +37,7 @@ class Rollout:
     rows: list[dict[str, Any]]
     group_size: int
     sampler_logp: Tensor | None = None
+    sampling: Sampling = field(default_factory=Sampling)
 
     @property
     def num_completions(self) -> int:
@@ -54,6 +58,7 @@ class Rollout:
             rows=[self.rows[i] for i in groups],
             group_size=g,
             sampler_logp=None if self.sampler_logp is None else self.sampler_logp[idx],
+            sampling=self.sampling,
         )
 
 
@@ -88,6 +93,8 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         filler = torch.full((x.shape[0], extra), value, dtype=x.dtype)
         return torch.cat([filler, x] if left else [x, filler], dim=1)
 
+    if len({p.sampling for p in parts}) > 1:
+        raise ValueError("rollouts sampled under different controls cannot share a step")
     pad_id = 0
     has_logp = all(p.sampler_logp is not None for p in parts)
     return Rollout(
@@ -103,4 +110,5 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         sampler_logp=torch.cat([pad(p.sampler_logp, t, False, 0.0) for p in parts])
         if has_logp
         else None,
+        sampling=parts[0].sampling,
     )

@@ -86,7 +86,7 @@ class DataConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine: Hugging Face `generate`, or vLLM (GPU, extra `vllm`)."""
+    """Generation engine: Hugging Face `generate`, or vLLM (extra `vllm`; `make vllm` installs its CPU build)."""
     prompts_per_step: int = Field(4, ge=1)
     """P: prompts sampled per training step, over all ranks (each rank takes P / world_size)."""
     group_size: int = Field(8, ge=2)
@@ -99,10 +99,20 @@ class RolloutConfig(Section):
     """Nucleus sampling mass."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off)."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Min-p sampling: drop tokens less likely than min_p times the most likely one (0 = off)."""
+    repetition_penalty: float = Field(1.0, gt=0)
+    """Repetition penalty (1 = off): the logit of a token already in the prompt or completion is divided by it when positive, multiplied when not."""
+    stop: list[str] = []
+    """Stop strings: a completion ends with the token that completes one (kept in the text and the loss)."""
+    generation_kwargs: dict[str, Any] = {}
+    """Further arguments passed as they are to the engine: vLLM `SamplingParams` fields, or transformers `GenerationConfig` fields (their logits processors) for hf. See README, Generation controls."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """Share of GPU memory the colocated vLLM engine may take."""
+    """Share of GPU memory the colocated vLLM engine may take (unused when vllm_kv_cache_gb is set)."""
+    vllm_kv_cache_gb: float | None = Field(None, gt=0)
+    """vLLM's KV cache size in GiB; null: from vllm_gpu_memory_utilization on GPU, 1 GiB on CPU."""
     vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Weight dtype inside vLLM ("auto": the checkpoint's); pushed weights are cast to it."""
+    """Weight dtype inside vLLM ("auto": the policy's); pushed weights are cast to it."""
     vllm_max_model_len: int | None = Field(None, ge=1)
     """vLLM context length (prompt + completion); null: the model's own limit."""
 

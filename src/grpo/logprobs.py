@@ -6,7 +6,8 @@ its own earlier tokens, nothing else. A group then costs one prompt forward (and
 of G, and no position is spent on padding. The LM head runs only on the positions that predict
 completion tokens (``logits_to_keep``), and the log-softmax is taken a few positions at a time
 through ``logsumexp``, so no float32 [positions, vocab] log-softmax is ever materialised. Logits
-are divided by the sampling temperature, so the log-probs are those of the distribution the
+go through the sampling controls the engine used (temperature, and when set repetition penalty,
+min-p, top-k, top-p: ``grpo.processors``), so the log-probs are those of the distribution the
 tokens were sampled from.
 """
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from grpo.processors import Sampling, seen_tokens, shape_logits, truncate
 
 # attention implementations that take a custom 4D mask (others get one full sequence per row)
 PACKABLE = {"sdpa": torch.bool, "eager": None}
@@ -30,17 +33,24 @@ def token_logprobs(
     logits: Tensor,
     at: Tensor,
     targets: Tensor,
-    temperature: float = 1.0,
+    sampling: Sampling | float = 1.0,
     with_entropy: bool = False,
     chunk: int = 64,
+    history: History | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """logits: [M, V] positions; at: [B, T] the position whose logits predict targets [B, T]
     -> log p(target) [B, T] float32, entropy [B, T] or None.
 
-    The log-normaliser of each position is taken ``chunk`` positions at a time, so the float32
-    temporaries stay small; a position shared by several targets (a prompt's last token predicts
-    every completion's first) is normalised once.
+    ``sampling`` (or a bare temperature) says which distribution: the one the engine sampled
+    from (``grpo.processors``). The log-normaliser of each position is taken ``chunk`` positions
+    at a time, so the float32 temporaries stay small; a position shared by several targets (a
+    prompt's last token predicts every completion's first) is normalised once.
     """
+    if not isinstance(sampling, Sampling):
+        sampling = Sampling(temperature=sampling)
+    if not sampling.plain:
+        return _processed_logprobs(logits, at, targets, sampling, with_entropy, chunk, history)
+    temperature = sampling.temperature
     lse, entropies = [], []
     for start in range(0, logits.shape[0], chunk):
         part = logits[start : start + chunk].float()  # a view when float32
@@ -57,13 +67,93 @@ def token_logprobs(
     return logp, entropy
 
 
+@dataclass
+class History:
+    """What the repetition penalty reads: each row's prompt and completion.
+
+    prompt_ids/mask: [B, S]; completion_ids/mask: [B, T] (rows as in ``token_logprobs``).
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+
+    def owners(self, at: Tensor, positions: int) -> tuple[Tensor, Tensor]:
+        """For each of ``positions`` logits rows, a (row, index) whose token it predicts: [M] x2.
+
+        Rows that share a position share its history (the prompt), so any owner will do.
+        """
+        b, t = self.completion_ids.shape
+        rows = torch.arange(b, device=at.device)[:, None].expand(b, t)[self.completion_mask]
+        index = torch.arange(t, device=at.device)[None, :].expand(b, t)[self.completion_mask]
+        row_of = torch.zeros(positions, dtype=torch.long, device=at.device)
+        index_of = torch.zeros(positions, dtype=torch.long, device=at.device)
+        row_of[at[self.completion_mask]] = rows
+        index_of[at[self.completion_mask]] = index
+        return row_of, index_of
+
+
+def _processed_logprobs(
+    logits: Tensor,
+    at: Tensor,
+    targets: Tensor,
+    sampling: Sampling,
+    with_entropy: bool,
+    chunk: int,
+    history: History | None,
+) -> tuple[Tensor, Tensor | None]:
+    """``token_logprobs`` under penalty and truncation (see ``grpo.processors``).
+
+    A target the truncation removed (possible only when the trainer's numbers differ from the
+    sampler's) is scored as if its position's kept set included it, so its log-prob stays finite.
+    """
+    m, vocab = logits.shape
+    flat_at = at.flatten()  # [B*T]
+    order = torch.argsort(flat_at, stable=True)  # targets grouped by the chunk of their position
+    sorted_at = flat_at[order]
+    owners = history.owners(at, m) if sampling.repetition_penalty != 1.0 else None
+    lse, cutoffs, entropies, picked = [], [], [], []
+    for start in range(0, m, chunk):
+        stop = min(start + chunk, m)
+        seen = None
+        if owners is not None:
+            rows, index = owners[0][start:stop], owners[1][start:stop]
+            seen = seen_tokens(
+                history.prompt_ids[rows],
+                history.prompt_mask[rows],
+                history.completion_ids[rows],
+                index,
+                vocab,
+            )
+        shaped = shape_logits(logits[start:stop].float(), sampling, seen)  # [c, V]
+        lo, hi = torch.searchsorted(sorted_at, torch.tensor([start, stop], device=at.device))
+        mine = order[lo:hi]
+        picked.append(shaped[flat_at[mine] - start, targets.flatten()[mine]])
+        part, cutoff = truncate(shaped, sampling)
+        lse.append(torch.logsumexp(part, dim=-1))
+        if cutoff is not None:
+            cutoffs.append(cutoff)
+        if with_entropy:
+            with torch.no_grad():
+                probs = torch.softmax(part, dim=-1)  # 0 on removed tokens
+                entropies.append(lse[-1] - (probs * part.nan_to_num(neginf=0.0)).sum(dim=-1))
+    target = torch.cat(picked)[torch.argsort(order)].view(at.shape)  # [B, T]
+    norm = torch.cat(lse)[at]
+    if cutoffs:
+        outside = target.detach() < torch.cat(cutoffs)[at]
+        norm = torch.where(outside, torch.logaddexp(norm, target), norm)
+    entropy = torch.cat(entropies)[at] if with_entropy else None
+    return target - norm, entropy
+
+
 def completion_logprobs(
     model: nn.Module,
     prompt_ids: Tensor,
     prompt_mask: Tensor,
     completion_ids: Tensor,
     completion_mask: Tensor,
-    temperature: float = 1.0,
+    sampling: Sampling | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of each completion token given the prompt and the tokens before it.
@@ -87,7 +177,7 @@ def completion_logprobs(
             prompt_mask,
             completion_ids,
             completion_mask,
-            temperature,
+            sampling,
             with_entropy,
         )
     packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -100,7 +190,10 @@ def completion_logprobs(
         use_cache=False,
     )
     logits = out.logits.reshape(-1, out.logits.shape[-1])  # [U * keep, V]
-    return token_logprobs(logits, packed.at, completion_ids, temperature, with_entropy)
+    history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return token_logprobs(
+        logits, packed.at, completion_ids, sampling, with_entropy, history=history
+    )
 
 
 def _config(model: nn.Module):
@@ -182,7 +275,7 @@ def full_sequence_logprobs(
     prompt_mask: Tensor,
     completion_ids: Tensor,
     completion_mask: Tensor,
-    temperature: float = 1.0,
+    sampling: Sampling | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` as one forward over prompt + completion of every row."""
@@ -198,4 +291,5 @@ def full_sequence_logprobs(
     )
     logits = out.logits[:, :-1].reshape(b * t, -1)  # position S-1+j predicts completion token j
     at = torch.arange(b * t, device=logits.device).view(b, t)
-    return token_logprobs(logits, at, completion_ids, temperature, with_entropy)
+    history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return token_logprobs(logits, at, completion_ids, sampling, with_entropy, history=history)

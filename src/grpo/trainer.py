@@ -37,6 +37,7 @@ from grpo.models import (
     resolve_model_path,
     save_hf,
 )
+from grpo.processors import Sampling
 from grpo.prompts import prompt_format_for, scored_texts
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine
@@ -115,9 +116,11 @@ class MicroBatch:
     completion_ids: Tensor
     completion_mask: Tensor
     advantages: Tensor
+    sampling: Sampling  # the controls the rollout was sampled under: the log-probs' distribution
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+        tensors = [getattr(self, f.name).to(device) for f in dataclasses.fields(self)[:-1]]
+        return MicroBatch(*tensors, self.sampling)
 
 
 def micro_batch_order(prompt_len: Tensor, completion_len: Tensor, group_size: int) -> Tensor:
@@ -148,6 +151,7 @@ def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[Micro
                 completion_ids=rollout.completion_ids[idx, :t_keep],
                 completion_mask=cm[:, :t_keep],
                 advantages=advantages[idx],
+                sampling=rollout.sampling,
             )
         )
     return out
@@ -547,7 +551,7 @@ class Trainer:
                 mb.prompt_mask,
                 mb.completion_ids,
                 mb.completion_mask,
-                self.config.rollout.temperature,
+                mb.sampling,
                 with_entropy=entropy,
             )
 

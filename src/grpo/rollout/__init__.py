@@ -1,9 +1,12 @@
 """Rollout engines: turn P prompts into G completions each (a ``Rollout``).
 
-An engine is any object with ``generate(prompts, rows, group_size, seeds=None) -> Rollout`` and
-``sync_weights(model)`` (called after each optimizer step; a no-op for engines that sample from
-the policy itself). ``seeds`` holds one seed per prompt: a prompt's G completions must depend only
-on the prompt, the weights and its seed, never on the other prompts of the batch.
+An engine is any object with ``generate(prompts, rows, group_size, seeds=None, temperature=None)
+-> Rollout`` and ``sync_weights(model)`` (called after each optimizer step and after a resume; a
+no-op for engines that sample from the policy itself). ``seeds`` holds one seed per prompt: a
+prompt's G completions must depend only on the prompt, the weights and its seed, never on the
+other prompts of the batch. ``temperature`` overrides ``rollout.temperature`` for this call (a
+schedule); the returned ``Rollout.sampling`` records the controls used, and the trainer scores
+the tokens under exactly that distribution.
 ``hf`` samples with Hugging Face ``generate``; ``vllm`` runs a colocated vLLM.
 """
 
@@ -16,6 +19,8 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from grpo.batch import Rollout
+from grpo.config import RolloutConfig
+from grpo.processors import Sampling
 
 
 class RolloutEngine(Protocol):
@@ -25,9 +30,21 @@ class RolloutEngine(Protocol):
         rows: list[dict[str, Any]],
         group_size: int,
         seeds: list[int] | None = None,
+        temperature: float | None = None,
     ) -> Rollout: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
+def sampling_of(config: RolloutConfig, temperature: float | None = None) -> Sampling:
+    """The sampling controls of ``rollout.*``, at ``temperature`` when given."""
+    return Sampling(
+        temperature=config.temperature if temperature is None else temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        min_p=config.min_p,
+        repetition_penalty=config.repetition_penalty,
+    )
 
 
 def render_prompt(
@@ -76,6 +93,7 @@ def grouped_rollout(
     rows: list[dict[str, Any]],
     group_size: int,
     sampler_logp: Tensor | None = None,
+    sampling: Sampling | None = None,
 ) -> Rollout:
     """A Rollout from P prompts ([P, S], left padded) and their N = P*G completions ([N, T]).
 
@@ -96,6 +114,7 @@ def grouped_rollout(
         sampler_logp=None
         if sampler_logp is None
         else sampler_logp.masked_fill(~completion_mask, 0.0),
+        sampling=sampling or Sampling(),
     )
 
 

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import nn
 from transformers import (
     DynamicCache,
+    GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedTokenizerBase,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from grpo.batch import Rollout
-from grpo.config import RolloutConfig
+from grpo.config import ConfigError, RolloutConfig
 from grpo.logprobs import position_ids_from_mask
-from grpo.rollout import completion_mask_and_truncation, grouped_rollout
+from grpo.processors import Sampling, process_logits
+from grpo.rollout import grouped_rollout, sampling_of
+
+# transformers 5.20 renamed the cache argument (the old name still works there, with a warning);
+# vLLM's CPU build pins transformers < 5.20, where an unknown name would silently drop the cache
+CACHE_ARG = "cache" if Version(transformers.__version__) >= Version("5.20") else "past_key_values"
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> list[int]:
@@ -47,7 +52,8 @@ class SeededGroupSampler(LogitsProcessor):
         self.device = device
         self.generators = [torch.Generator(device).manual_seed(s) for s in seeds]
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def draw(self, scores: torch.Tensor) -> torch.Tensor:
+        """[N, V] scores -> [N, 1] the drawn token of each row."""
         u = torch.cat(
             [
                 torch.rand(self.group_size, 1, generator=g, device=self.device)
@@ -56,8 +62,75 @@ class SeededGroupSampler(LogitsProcessor):
         )  # [N, 1] uniform in [0, 1)
         cdf = torch.softmax(scores.float(), dim=-1).cumsum_(dim=-1)  # [N, V]
         # scaled by the total so float rounding in the sum can never push u past the last token
-        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
+        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return torch.full_like(scores, -math.inf).scatter_(-1, self.draw(scores), 0.0)
+
+
+class Chooser(LogitsProcessor):
+    """One decode step of the engine: raw scores -> the drawn token (0 there, -inf elsewhere).
+
+    ``extra`` (transformers' processors from ``rollout.generation_kwargs``) runs on the raw
+    logits, then ``grpo.processors`` (penalty, temperature, min-p, top-k, top-p), then the seeded
+    draw. The log-prob of every drawn token under the distribution it was drawn from is kept
+    (``logps``, one [N] tensor per step), as vLLM reports it. ``seen`` [N, V] tracks the prompt's
+    and the completion's tokens for the repetition penalty (prompt padding excluded).
+    """
+
+    def __init__(
+        self,
+        sampling: Sampling,
+        sampler: SeededGroupSampler,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        extra: LogitsProcessorList,
+    ) -> None:
+        self.sampling, self.sampler, self.extra = sampling, sampler, extra
+        self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask  # [N, S]
+        self.seen: torch.Tensor | None = None  # built at the first step, when V is known
+        self.logps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """input_ids: [N, t] the completions so far; scores: [N, V] -> [N, V]."""
+        if self.extra:
+            scores = self.extra(torch.cat([self.prompt_ids, input_ids], dim=1), scores)
+        if self.sampling.repetition_penalty != 1.0 and self.seen is None:
+            self.seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+            self.seen.scatter_(1, self.prompt_ids, self.prompt_mask.bool())
+        processed = process_logits(scores.float(), self.sampling, self.seen)  # [N, V]
+        picked = self.sampler.draw(processed)  # [N, 1]
+        self.logps.append(torch.log_softmax(processed, dim=-1).gather(1, picked)[:, 0])
+        if self.seen is not None:
+            self.seen.scatter_(1, picked, True)
         return torch.full_like(scores, -math.inf).scatter_(-1, picked, 0.0)
+
+
+class StopStrings:
+    """Whether each row's newest token completed one of ``strings`` (checked after every token).
+
+    Only the last few tokens are decoded: a stop string of n characters spans at most n tokens,
+    and an occurrence that ended earlier would have stopped the row then.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, strings: list[str]) -> None:
+        self.tokenizer, self.strings = tokenizer, strings
+        self.window = max(len(s) for s in strings) + 1
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, t] completion tokens so far -> [b] True where a stop string appeared."""
+        texts = self.tokenizer.batch_decode(tokens[:, -self.window :])
+        return torch.tensor([any(s in text for s in self.strings) for text in texts])
+
+
+class Decoded(NamedTuple):
+    """What ``sample_groups`` returns: tokens [N, T] (pad after a row's end), lengths [N] (tokens
+    up to and including the one that ended the row), finished [N] (ended by EOS or a stop string
+    rather than by the token limit)."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    finished: torch.Tensor
 
 
 def sample_groups(
@@ -65,17 +138,19 @@ def sample_groups(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     group_size: int,
-    choose: LogitsProcessorList,
+    choose: LogitsProcessor | LogitsProcessorList,
     max_new_tokens: int,
     eos: list[int],
     pad_id: int,
-) -> torch.Tensor:
-    """[P, S] left-padded prompts -> [P*G, T] completion ids (T <= max_new_tokens), groups contiguous.
+    stop: StopStrings | None = None,
+) -> Decoded:
+    """[P, S] left-padded prompts -> [P*G, T] completions (T <= max_new_tokens), groups contiguous.
 
     Each prompt is prefilled once and its KV cache repeated G times, instead of prefilling G copies
     (what ``generate(num_return_sequences=G)`` does): the prompt costs P, not P*G, forwards. Tokens
-    are ``argmax(choose(scores))`` (the seeded sampler makes that a sample); rows that
-    emitted EOS get ``pad_id`` and leave the batch; the loop stops when every row has finished.
+    are ``argmax(choose(completions so far, scores))`` (the seeded sampler makes that a sample);
+    rows that emitted EOS (or a stop string) get ``pad_id`` and leave the batch; the loop stops
+    when every row has finished.
     """
     cache = DynamicCache(config=model.config)
     positions = position_ids_from_mask(attention_mask)  # [P, S]
@@ -83,7 +158,7 @@ def sample_groups(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=positions,
-        cache=cache,
+        **{CACHE_ARG: cache},
         use_cache=True,
         logits_to_keep=1,
     )
@@ -94,20 +169,26 @@ def sample_groups(
     eos_t = torch.tensor(eos, device=input_ids.device)
     n, vocab = logits.shape
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=input_ids.device)
+    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=input_ids.device)
+    finished = torch.zeros(n, dtype=torch.bool, device=input_ids.device)
     rows = torch.arange(n, device=input_ids.device)  # batch row -> completion it extends
     done = torch.zeros(n, dtype=torch.bool, device=input_ids.device)  # per batch row
     for step in range(max_new_tokens):
         # the sampler draws noise for all N rows at every step, so what a row samples does not
-        # depend on which other rows are still running; the warpers and the sampler read only
-        # the scores, so no token history is passed
+        # depend on which other rows are still running
         scores = (
             logits if len(rows) == n else logits.new_zeros(n, vocab).index_copy_(0, rows, logits)
         )
-        nxt = choose(None, scores).argmax(dim=-1)[rows].masked_fill(done, pad_id)  # [b]
-        tokens[rows, step] = nxt
-        done |= torch.isin(nxt, eos_t)
+        nxt = choose(tokens[:, :step], scores).argmax(dim=-1)[rows].masked_fill(done, pad_id)
+        tokens[rows, step] = nxt  # [b]
+        ended = torch.isin(nxt, eos_t)
+        if stop is not None:
+            ended |= stop(tokens[rows, : step + 1]).to(ended.device)
+        lengths[rows[ended & ~done]] = step + 1
+        finished[rows[ended & ~done]] = True
+        done |= ended
         if step == max_new_tokens - 1 or bool(done.all()):
-            return tokens[:, : step + 1]
+            break
         if 4 * int(done.sum()) >= len(rows):
             # finished rows leave the batch once they are a quarter of it (each drop copies the cache)
             keep = (~done).nonzero()[:, 0]
@@ -119,15 +200,53 @@ def sample_groups(
             input_ids=nxt[:, None],
             attention_mask=mask,
             position_ids=position,
-            cache=cache,
+            **{CACHE_ARG: cache},
             use_cache=True,
         )
         logits = out.logits[:, -1].float()
-    return tokens
+    return Decoded(tokens[:, : int(lengths.max())], lengths, finished)
+
+
+# set through rollout.* fields (or by the engine itself), never through generation_kwargs
+OWN_FIELDS = {
+    "temperature": "rollout.temperature",
+    "top_k": "rollout.top_k",
+    "top_p": "rollout.top_p",
+    "min_p": "rollout.min_p",
+    "repetition_penalty": "rollout.repetition_penalty",
+    "stop_strings": "rollout.stop",
+    "max_new_tokens": "rollout.max_new_tokens",
+    "do_sample": "the engine (it always samples)",
+    "num_return_sequences": "rollout.group_size",
+}
+
+
+def extra_processors(
+    model: nn.Module, kwargs: dict[str, Any], eos: list[int]
+) -> LogitsProcessorList:
+    """transformers' logits processors for ``rollout.generation_kwargs`` (GenerationConfig names,
+    e.g. ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_new_tokens``)."""
+    if not kwargs:
+        return LogitsProcessorList()
+    defaults = GenerationConfig()
+    for key in kwargs:
+        if key in OWN_FIELDS:
+            raise ConfigError(f"rollout.generation_kwargs.{key}: set {OWN_FIELDS[key]} instead")
+        if not hasattr(defaults, key):
+            raise ConfigError(
+                f"rollout.generation_kwargs.{key}: not a transformers GenerationConfig field"
+            )
+    config = GenerationConfig(**kwargs, eos_token_id=eos)
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=model.device)
+    return model._get_logits_processor(config, device=model.device)
 
 
 class HFEngine:
-    """Samples G completions per prompt from ``model`` (prompts left padded)."""
+    """Samples G completions per prompt from ``model`` (prompts left padded).
+
+    Reports every sampled token's log-prob under the distribution it was drawn from
+    (``Rollout.sampler_logp``), as the vLLM engine does.
+    """
 
     def __init__(
         self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig
@@ -136,14 +255,8 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.eos = eos_ids(tokenizer, model)
-        # argmax after the seeded sampler = seeded sampling (SeededGroupSampler)
-        self.warpers: list[LogitsProcessor] = []
-        if config.temperature != 1.0:  # dividing by 1 would still cost a pass over [N, V]
-            self.warpers.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k:
-            self.warpers.append(TopKLogitsWarper(config.top_k))
-        if config.top_p < 1:
-            self.warpers.append(TopPLogitsWarper(config.top_p))
+        self.extra = extra_processors(model, config.generation_kwargs, self.eos)
+        self.stop = StopStrings(tokenizer, config.stop) if config.stop else None
 
     def sync_weights(self, model: nn.Module) -> None:
         """Nothing to do: this engine samples from the policy object itself."""
@@ -155,10 +268,11 @@ class HFEngine:
         rows: list[dict[str, Any]],
         group_size: int,
         seeds: list[int] | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         if seeds is None:
             seeds = torch.randint(2**62, (len(prompts),)).tolist()
-        sampler = SeededGroupSampler(seeds, group_size, self.model.device)
+        sampling = sampling_of(self.config, temperature)
         enc = self.tokenizer(
             prompts,
             return_tensors="pt",
@@ -166,33 +280,44 @@ class HFEngine:
             padding_side="left",
             add_special_tokens=False,
         )
+        device = self.model.device  # rollouts come back on the CPU, as from vLLM
+        ids, attention = enc.input_ids.to(device), enc.attention_mask.to(device)
+        chooser = Chooser(
+            sampling,
+            SeededGroupSampler(seeds, group_size, device),
+            ids.repeat_interleave(group_size, dim=0),
+            attention.repeat_interleave(group_size, dim=0),
+            self.extra,
+        )
         was_training = self.model.training
         self.model.eval()
         try:
-            # each prompt repeated G times, groups contiguous (greedy generate has no
-            # num_return_sequences; the sampler supplies the randomness)
-            device = self.model.device  # rollouts come back on the CPU, as from vLLM
-            completion_ids = sample_groups(  # [N, T]
+            # each prompt's G completions, groups contiguous (the chooser supplies the randomness)
+            out = sample_groups(
                 self.model,
-                enc.input_ids.to(device),
-                enc.attention_mask.to(device),
+                ids,
+                attention,
                 group_size,
-                LogitsProcessorList([*self.warpers, sampler]),
+                chooser,
                 self.config.max_new_tokens,
                 self.eos,
                 self.tokenizer.pad_token_id,
-            ).cpu()
+                self.stop,
+            )
         finally:
             self.model.train(was_training)
-        mask, truncated = completion_mask_and_truncation(completion_ids, self.eos)
+        t = out.tokens.shape[1]
+        mask = torch.arange(t, device=device) < out.lengths[:, None]  # [N, T]
         return grouped_rollout(
             self.tokenizer,
             enc.input_ids,
             enc.attention_mask,
-            completion_ids,
-            mask,
-            truncated,
+            out.tokens.cpu(),
+            mask.cpu(),
+            ~out.finished.cpu(),
             prompts,
             rows,
             group_size,
+            torch.stack(chooser.logps, dim=1)[:, :t].cpu(),
+            sampling,
         )

