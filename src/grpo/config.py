@@ -191,6 +191,31 @@ class SamplingConfig(Section):
     """Probability of skipping such a prompt at a visit (seeded by train.seed, prompt and epoch)."""
 
 
+class TemperatureConfig(Section):
+    schedule: Literal["constant", "linear", "cosine", "adaptive"] = "constant"
+    """Rollout temperature over the steps: constant (`rollout.temperature`), linear or cosine from `rollout.temperature` to `end`, or adaptive (README, Temperatures)."""
+    end: float = Field(1.0, gt=0)
+    """linear/cosine: the temperature at the last step."""
+    min: float = Field(0.5, gt=0)
+    """adaptive: lowest temperature."""
+    max: float = Field(1.5, gt=0)
+    """adaptive: highest temperature."""
+    step: float = Field(0.1, gt=0)
+    """adaptive: change per step."""
+    raise_above: float = Field(0.5, ge=0, le=1)
+    """adaptive: raise the temperature when the mean frac_zero_std of the last `window` steps is above this."""
+    window: int = Field(3, ge=1)
+    """adaptive: steps averaged for the raise rule."""
+    degenerate_above: float = Field(0.5, ge=0, le=1)
+    """adaptive: lower the temperature when the last step's truncated_frac is above this (degenerate, rambling completions)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> TemperatureConfig:
+        if self.min > self.max:
+            raise ValueError(f"temperature.min ({self.min}) is above temperature.max ({self.max})")
+        return self
+
+
 class OptimConfig(Section):
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate (AdamW)."""
@@ -252,6 +277,7 @@ class Config(Section):
     rewards: RewardsConfig = RewardsConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     sampling: SamplingConfig = SamplingConfig()
+    temperature: TemperatureConfig = TemperatureConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
 

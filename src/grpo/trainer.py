@@ -51,6 +51,7 @@ from grpo.run_dir import (
     math_changes,
 )
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
+from grpo.temperature import TemperatureController
 
 # the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
 # is zero: in the loss, k1 does not pull the policy towards the reference
@@ -402,6 +403,7 @@ class Trainer:
             lr_lambda(config.optim.warmup_steps, total, config.optim.schedule),
         )
         self.stream = PromptStream(self.rows, config.train.seed, config.data.shuffle)
+        self.temperature = TemperatureController(config)
         sampling = config.sampling
         self.prompt_filter = (
             PromptFilter(sampling.greso_history, sampling.greso_skip_prob, config.train.seed)
@@ -461,7 +463,13 @@ class Trainer:
         gather = self.config.rollout.engine == "hf"
         params = distributed.full_parameters(self.policy) if gather else contextlib.nullcontext()
         with params, self._autocast():
-            return self.engine.generate(prompts, rows, self.config.rollout.group_size, seeds=seeds)
+            return self.engine.generate(
+                prompts,
+                rows,
+                self.config.rollout.group_size,
+                seeds=seeds,
+                temperature=self.temperature.for_step(self.step),
+            )
 
     def score(self, rollout: Rollout) -> Scored:
         g = rollout.group_size
@@ -733,6 +741,7 @@ class Trainer:
                     "greso": None
                     if self.prompt_filter is None
                     else self.prompt_filter.state_dict(),
+                    "temperature": self.temperature.state_dict(),
                     "reference": None if self.reference is None else self.reference.state_dict(),
                     "trainable": {
                         k: v
@@ -808,6 +817,8 @@ class Trainer:
             )
         if self.prompt_filter is not None and state.get("greso"):
             self.prompt_filter.load_state_dict(state["greso"])
+        if state.get("temperature"):
+            self.temperature.load_state_dict(state["temperature"])
         if self.reference is not None and state.get("reference"):
             self.reference.load_state_dict(state["reference"])
         self.stream.consumed = state["consumed"]
@@ -964,6 +975,8 @@ class Trainer:
         metrics.update(self.step_metrics(everyone))
         metrics.update(update)
         metrics.update(self.sampling_metrics(batch, clock))
+        metrics["rollout/temperature"] = self.temperature.for_step(self.step)
+        self.temperature.observe(metrics)  # adaptive: the next step's temperature
         tokens = float(everyone.rollout.completion_mask.sum())
         metrics.update(
             {
