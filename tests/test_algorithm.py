@@ -372,3 +372,39 @@ def test_dual_clip_caps_only_negative_advantages_at_c_times_a() -> None:
     assert float(per_row[1]) == pytest.approx(-0.6, abs=1e-5)
     # ratio 1, A = 0.5: -0.5 (a cap at -c * A = -1.5 would lower it)
     assert float(per_row[2]) == pytest.approx(-0.5, abs=1e-5)
+
+
+def test_clip_fractions_count_strictly_outside_and_by_the_sign_of_a() -> None:
+    # ratio 1 everywhere: with clip ranges 0 no token is outside [1, 1] (strict comparisons)
+    logp = torch.zeros(3, 1)
+    mask = torch.ones(3, 1, dtype=torch.bool)
+    adv = torch.tensor([-1.0, 0.0, 1.0])
+    _, stats = policy_loss(logp, logp, adv, mask, clip_low=0.0, clip_high=0.0)
+    assert float(stats["clip_frac/low"]) == 0.0 and float(stats["clip_frac/high"]) == 0.0
+    # ratios 0.5 and 1.1 (clip 0.2): 0.5 < 0.8 is clipped low only where A < 0; 1.1 is inside
+    logp = torch.log(torch.tensor([[0.5], [0.5], [0.5], [1.1]]))
+    old = torch.zeros(4, 1)
+    adv = torch.tensor([-1.0, 0.0, 0.5, -1.0])
+    _, stats = policy_loss(logp, old, adv, torch.ones(4, 1, dtype=torch.bool))
+    assert float(stats["clip_frac/low"]) == pytest.approx(1 / 4)
+    # ratio 2 (> 1.2) is clipped high only where A > 0
+    logp = torch.log(torch.tensor([[2.0], [2.0], [2.0]]))
+    adv = torch.tensor([1.0, 0.0, -1.0])
+    _, stats = policy_loss(logp, torch.zeros(3, 1), adv, torch.ones(3, 1, dtype=torch.bool))
+    assert float(stats["clip_frac/high"]) == pytest.approx(1 / 3)
+
+
+def test_float64_in_float64_out_and_ratio_stats_of_an_empty_mask() -> None:
+    logp = torch.tensor([[-0.5, -1.0]], dtype=torch.float64)
+    ref = torch.tensor([[-0.7, -0.9]], dtype=torch.float64)
+    mask = torch.tensor([[True, False]])
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    loss, stats = policy_loss(logp, logp - 0.1, adv, mask, ref, beta=0.1)
+    assert loss.dtype == torch.float64
+    for key, value in stats.items():
+        assert value.dtype == torch.float64, key
+    # nothing counted: the ratio statistics read 1 (no movement), the clip fractions 0
+    _, empty = policy_loss(logp, logp - 0.1, adv, torch.zeros(1, 2, dtype=torch.bool))
+    for key in ("ratio/min", "ratio/mean", "ratio/max"):
+        assert empty[key].dtype == torch.float64 and float(empty[key]) == 1.0, key
+    assert float(empty["clip_frac/low"]) == 0.0 and float(empty["clip_frac/high"]) == 0.0

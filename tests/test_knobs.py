@@ -22,7 +22,7 @@ from grpo import algorithm
 from grpo.batch import Rollout, Scored
 from grpo.config import Config, build_config
 from grpo.logprobs import completion_logprobs as original_logprobs
-from grpo.rollout import decode_completions
+from grpo.rollout import decode_completions, sampling_of
 from grpo.trainer import Trainer
 
 MAX_NEW = 12
@@ -114,6 +114,8 @@ def test_the_trainer_passes_each_knob_to_the_math(knob_config, rollout, monkeypa
         optim={"micro_batch_size": 4},
     )
     trainer = Trainer(config)
+    # the shared rollout was sampled at T 1; mark it as the engine would have at this config
+    rollout = dataclasses.replace(rollout, sampling=sampling_of(config.rollout))
     scored = scored_by(trainer, rollout)
     losses = spy_on(monkeypatch, algorithm, "policy_loss")
     entropy = spy_on(monkeypatch, algorithm, "top_entropy_mask")
@@ -127,7 +129,7 @@ def test_the_trainer_passes_each_knob_to_the_math(knob_config, rollout, monkeypa
     assert [c["quantile"] for c in entropy] == [0.5, 0.5]  # once per micro-batch, first pass
     # reference and old log-probs (mu 2), then each pass's gradient forwards: all at T 0.7
     assert len(logprobs) == 2 + 2 + 2 * 2
-    assert {c["temperature"] for c in logprobs} == {0.7}
+    assert {c["sampling"].temperature for c in logprobs} == {0.7}
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])

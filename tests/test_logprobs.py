@@ -6,7 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.logprobs import completion_logprobs, token_logprobs
+from grpo.logprobs import (
+    completion_logprobs,
+    full_sequence_logprobs,
+    position_ids_from_mask,
+    token_logprobs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +89,53 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
     # each sequence packs 7 prompt + 3 completion tokens (the last predicts nothing); 4 completion
     # tokens need 4 predicting positions, not 10
     assert seen["logits"][:2] == (3, 4)
+
+
+def test_position_ids_skip_left_padding() -> None:
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_full_sequences_default_to_temperature_one_without_entropy(model) -> None:
+    prompt_ids = torch.tensor([[10, 11, 12]])
+    prompt_mask = torch.ones(1, 3, dtype=torch.bool)
+    completion_ids = torch.tensor([[20, 21]])
+    completion_mask = torch.ones(1, 2, dtype=torch.bool)
+    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    with torch.no_grad():
+        default, entropy = full_sequence_logprobs(*args)
+        at_one, _ = full_sequence_logprobs(*args, 1.0)
+    assert entropy is None
+    assert torch.equal(default, at_one)
+    expected, _ = _naive(model, [10, 11, 12], [20, 21], 1.0)
+    assert torch.allclose(default[0], expected, atol=1e-5)
+
+
+def _gpt2(vocab: int) -> torch.nn.Module:
+    """A tiny GPT-2: absolute position embeddings, so a wrong position id changes the output."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_full_sequences_with_padding_match_each_row_alone(model, which: str) -> None:
+    net = model if which == "llama" else _gpt2(model.config.vocab_size)
+    prompts, completions = [[10, 11, 12, 13, 14], [20, 21]], [[30, 31, 32], [40]]
+    s, t = 5, 3
+    prompt_ids = torch.zeros(2, s, dtype=torch.long)
+    prompt_mask = torch.zeros(2, s, dtype=torch.bool)
+    completion_ids = torch.zeros(2, t, dtype=torch.long)
+    completion_mask = torch.zeros(2, t, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        prompt_ids[i, s - len(p) :], prompt_mask[i, s - len(p) :] = torch.tensor(p), True
+        completion_ids[i, : len(c)], completion_mask[i, : len(c)] = torch.tensor(c), True
+    with torch.no_grad():
+        logp, _ = full_sequence_logprobs(
+            net, prompt_ids, prompt_mask, completion_ids, completion_mask
+        )
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            expected, _ = _naive(net, p, c, 1.0)
+            assert torch.allclose(logp[i, : len(c)], expected, atol=1e-5), i

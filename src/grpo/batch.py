@@ -25,6 +25,11 @@ class Rollout:
     sampler_logp: [N, T] log-probs the sampler assigned, when the engine reports them.
     sampling: the controls the tokens were sampled under (the trainer scores with the same).
     rows: the P dataset rows the prompts came from (one per group).
+    sampled_mask: [N, T] multi-turn rollouts only: True on the tokens the policy sampled, False on
+        tool outputs and template tokens between turns (in the sequence, never in the loss).
+    turns: multi-turn rollouts only: each completion's turns, dicts with the turn's ``text``, its
+        tool ``call`` (code or None), the tool's ``output``, ``error`` and ``time_s`` (None when
+        no call ran). The last turn's text is the completion's answer.
     """
 
     prompt_ids: Tensor
@@ -37,11 +42,27 @@ class Rollout:
     rows: list[dict[str, Any]]
     group_size: int
     sampler_logp: Tensor | None = None
+    sampled_mask: Tensor | None = None
+    turns: list[list[dict[str, Any]]] | None = None
     sampling: Sampling = field(default_factory=Sampling)
 
     @property
     def num_completions(self) -> int:
         return self.completion_ids.shape[0]
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """[N, T] True on the tokens the loss counts: the policy's own completion tokens."""
+        if self.sampled_mask is None:
+            return self.completion_mask
+        return self.completion_mask & self.sampled_mask
+
+    @property
+    def answers(self) -> list[str]:
+        """The text rewards judge: the last turn of a multi-turn completion, else all of it."""
+        if self.turns is None:
+            return self.completions
+        return [turns[-1]["text"] for turns in self.turns]
 
     def select_groups(self, groups: list[int]) -> Rollout:
         """The rollout restricted to the given group indices (in order)."""
@@ -58,6 +79,8 @@ class Rollout:
             rows=[self.rows[i] for i in groups],
             group_size=g,
             sampler_logp=None if self.sampler_logp is None else self.sampler_logp[idx],
+            sampled_mask=None if self.sampled_mask is None else self.sampled_mask[idx],
+            turns=None if self.turns is None else [self.turns[i] for i in idx.tolist()],
             sampling=self.sampling,
         )
 
@@ -97,6 +120,8 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         raise ValueError("rollouts sampled under different controls cannot share a step")
     pad_id = 0
     has_logp = all(p.sampler_logp is not None for p in parts)
+    # a rank's empty share of a round has no turns; its (zero) rows count as the policy's own
+    multi_turn = any(p.sampled_mask is not None for p in parts)
     return Rollout(
         prompt_ids=torch.cat([pad(p.prompt_ids, s, True, pad_id) for p in parts]),
         prompt_mask=torch.cat([pad(p.prompt_mask, s, True, False) for p in parts]),
@@ -110,5 +135,9 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         sampler_logp=torch.cat([pad(p.sampler_logp, t, False, 0.0) for p in parts])
         if has_logp
         else None,
+        sampled_mask=torch.cat([pad(p.loss_mask, t, False, False) for p in parts])
+        if multi_turn
+        else None,
+        turns=[x for p in parts for x in p.turns or []] if multi_turn else None,
         sampling=parts[0].sampling,
     )

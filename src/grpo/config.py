@@ -115,6 +115,16 @@ class RolloutConfig(Section):
     """Weight dtype inside vLLM ("auto": the policy's); pushed weights are cast to it."""
     vllm_max_model_len: int | None = Field(None, ge=1)
     """vLLM context length (prompt + completion); null: the model's own limit."""
+    tools: list[Literal["python"]] = []
+    """Tools the policy may call mid-completion (multi-turn rollouts, README: Tools); [] = one turn."""
+    max_turns: int = Field(4, ge=1)
+    """With tools: model turns per completion at most (tool calls and the answer); max_new_tokens bounds all turns, tool outputs and template tokens together."""
+    tool_call_format: Literal["fence", "template"] = "fence"
+    """How the model calls a tool: a fenced ```python block ending its turn, or the chat template's <tool_call> JSON syntax (templates that render tools)."""
+    tool_timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock (and CPU) limit of one tool call; a call cut here is reported to the model as an error."""
+    tool_max_output_chars: int = Field(1000, ge=1)
+    """Characters of a call's output shown to the model; longer output is cut and reported as an error."""
 
 
 class RewardSpec(Section):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,9 +176,14 @@ def evaluate(
     prompt_format: PromptFormat,
     settings: EvalSettings = EvalSettings(),
     rewards: RewardRunner | None = None,
+    complete: Callable[[list[str]], list[str]] | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy (and pass@k / maj@k when settings.samples > 1) over ``rows`` when every
-    row has a gold ``answer``, and the ``rewards`` (the recipe's functions) when given."""
+    row has a gold ``answer``, and the ``rewards`` (the recipe's functions) when given.
+
+    ``complete`` maps rendered prompts to greedy answers in place of plain generation (the
+    trainer's multi-turn tool loop); pass@k and maj@k need plain generation.
+    """
     prompts = [prompt_format.render(tokenizer, r) for r in rows]
     golds = [r.get("answer") for r in rows]
     has_gold = all(g is not None for g in golds)
@@ -187,7 +192,11 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        raw = [group[0] for group in _generate(model, tokenizer, prompts, settings, 1, True)]
+        raw = (
+            complete(prompts)
+            if complete is not None
+            else [group[0] for group in _generate(model, tokenizer, prompts, settings, 1, True)]
+        )
         greedy = scored_texts(prompts, raw)  # judged with the tag the prompt opened
         sampled = (
             [

@@ -41,6 +41,8 @@ from grpo.processors import Sampling
 from grpo.prompts import prompt_format_for, scored_texts
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine
+from grpo.rollout.hf import HFEngine
+from grpo.rollout.turns import MultiTurnEngine, greedy_answers, tool_metrics
 from grpo.run_dir import (
     Checkpoint,
     RunDir,
@@ -116,6 +118,7 @@ class MicroBatch:
     prompt_mask: Tensor
     completion_ids: Tensor
     completion_mask: Tensor
+    loss_mask: Tensor  # completion_mask without tool outputs and template tokens (multi-turn)
     advantages: Tensor
     sampling: Sampling  # the controls the rollout was sampled under: the log-probs' distribution
 
@@ -151,6 +154,7 @@ def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[Micro
                 prompt_mask=pm[:, -s_keep:],
                 completion_ids=rollout.completion_ids[idx, :t_keep],
                 completion_mask=cm[:, :t_keep],
+                loss_mask=rollout.loss_mask[idx, :t_keep],
                 advantages=advantages[idx],
                 sampling=rollout.sampling,
             )
@@ -387,6 +391,8 @@ class Trainer:
             tokenizer=self.tokenizer,
             config=config.rollout,
         )
+        if config.rollout.tools and not isinstance(self.engine, MultiTurnEngine):
+            self.engine = MultiTurnEngine(self.engine, self.tokenizer, config.rollout)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params,
@@ -482,9 +488,14 @@ class Trainer:
             for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
         ]
         prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
+        if rollout.turns is not None:
+            columns["turns"] = rollout.turns  # rewards judge rollout.answers, the last turns
         if rollout.rows:
-            # a completion that starts inside a tag the prompt opened is judged with that tag
-            texts = scored_texts(rollout.prompts, rollout.completions)
+            # the answer (the last turn of a multi-turn completion); a single-turn completion that
+            # starts inside a tag the prompt opened is judged with that tag
+            texts = (
+                rollout.answers if rollout.turns else scored_texts(rollout.prompts, rollout.answers)
+            )
             out = self.rewards(texts, prompts, columns, ids)
         else:  # this rank has no prompt this round; it still joins the collectives below
             names = self.rewards.names
@@ -594,7 +605,7 @@ class Trainer:
             if cfg.mask_truncated_completions
             else torch.ones_like(rollout.truncated)
         )
-        counted = rollout.completion_mask & keep[:, None]
+        counted = rollout.loss_mask & keep[:, None]
         keep = keep.to(self.dist.device)
         normalizer = algorithm.Normalizer(
             num_sequences=rollout.num_completions,
@@ -618,7 +629,7 @@ class Trainer:
                     old = logp.detach() if old_all is None else old_all[mb.index, :t]
                     ref = None if ref_all is None else ref_all[mb.index, :t]
                     sampler = None if sampler_all is None else sampler_all[mb.index, :t]
-                    loss_mask = mb.completion_mask & keep[mb.index, None]
+                    loss_mask = mb.loss_mask & keep[mb.index, None]
                     weights = None
                     if sampler is not None and cfg.tis_cap is not None:
                         weights = algorithm.truncated_importance_weights(old, sampler, cfg.tis_cap)
@@ -680,6 +691,8 @@ class Trainer:
             "truncated_frac": float(rollout.truncated.float().mean()),
             "reflection_rate": reflection_rate(rollout.completions),
         }
+        if rollout.turns is not None:
+            out.update(tool_metrics(rollout.turns))
         for k, name in enumerate(scored.function_names):
             column = scored.per_function[:, k]
             valid = column[~column.isnan()]
@@ -712,6 +725,8 @@ class Trainer:
                     "truncated": bool(scored.rollout.truncated[i]),
                 }
             )
+            if scored.rollout.turns is not None:
+                records[-1]["turns"] = scored.rollout.turns[i]
         self.run.write_completions(self.step, records)
 
     def _manifest_meta(self) -> dict[str, Any]:
@@ -918,6 +933,22 @@ class Trainer:
         """``eval/*`` metrics of the current policy on the held-out rows (see grpo.eval)."""
         t0 = time.perf_counter()
         settings = settings_for(self.config, self.config.train.eval_samples)
+        complete, turns = None, []
+        if self.config.rollout.tools:
+            # greedy answers through the same tool loop as the rollouts
+            rollout_cfg = self.config.rollout
+            engine = MultiTurnEngine(
+                HFEngine(self.policy, self.tokenizer, rollout_cfg),
+                self.tokenizer,
+                rollout_cfg,
+                greedy=True,
+            )
+
+            def complete(prompts: list[str]) -> list[str]:
+                answers, seen = greedy_answers(engine, prompts, settings.batch_size)
+                turns.extend(seen)
+                return answers
+
         # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
         with distributed.full_parameters(self.policy):
             result = evaluate(
@@ -927,7 +958,10 @@ class Trainer:
                 self.prompt_format,
                 settings,
                 self.rewards,
+                complete,
             )
+        if turns:
+            result.update(tool_metrics(turns))
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
         return out

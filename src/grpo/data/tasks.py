@@ -79,6 +79,35 @@ def arithmetic_rows(
     ]
 
 
+def multiplication_rows(
+    split: str = "train", seed: int = 0, size: int = 1000, digits: tuple[int, int] = (3, 3)
+) -> list[dict[str, Any]]:
+    """Seeded "What is 482 * 917?" problems (a ``digits[0]``-digit times a ``digits[1]``-digit
+    number): too large to multiply in one's head, one line of Python with a tool. Train and test
+    draw from disjoint random streams and test excludes the train problems."""
+    low = [10 ** (d - 1) for d in digits]
+    if min(digits) < 1 or 2 * size > 9 * low[0] * 9 * low[1]:
+        raise TypeError(f"digits={list(digits)} give too few distinct problems for size={size}")
+
+    def draw(rng: random.Random, n: int, exclude: set) -> list[tuple[int, int]]:
+        seen, out = set(exclude), []
+        while len(out) < n:
+            item = tuple(rng.randint(lo, 10 * lo - 1) for lo in low)
+            if item not in seen:
+                seen.add(item)
+                out.append(item)
+        return out
+
+    train = draw(_split_rng("train", seed), size, set())
+    items = train if split == "train" else draw(_split_rng(split, seed), size, set(train))
+    return [{"prompt": f"What is {a} * {b}?", "answer": str(a * b)} for a, b in items]
+
+
+MULTIPLICATION_SYSTEM = (
+    "Solve the multiplication problem. Write the final answer as a number inside "
+    "<answer></answer> tags."
+)
+
 COUNTDOWN_SYSTEM = (
     "You are a helpful assistant. Think step by step inside <think> </think>, then give only an "
     "arithmetic expression inside <answer> </answer>. Example: <think>3 * 8 = 24</think>"
@@ -203,6 +232,14 @@ TASKS: dict[str, Task] = {
         name="arithmetic",
         description="seeded two-number arithmetic ('What is 12 + 7?'); answer is the integer",
         rows=arithmetic_rows,
+    ),
+    "multiplication": Task(
+        name="multiplication",
+        description="seeded multi-digit multiplication ('What is 482 * 917?'); exact integer "
+        "answer, the task of the Python tool recipe",
+        rows=multiplication_rows,
+        system_prompt=MULTIPLICATION_SYSTEM,
+        default_rewards=["accuracy"],
     ),
     "countdown": Task(
         name="countdown",

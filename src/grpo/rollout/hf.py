@@ -22,6 +22,7 @@ from grpo.config import ConfigError, RolloutConfig
 from grpo.logprobs import position_ids_from_mask
 from grpo.processors import Sampling, process_logits
 from grpo.rollout import grouped_rollout, sampling_of
+from grpo.rollout.turns import TurnRequest, TurnSample
 
 # transformers 5.20 renamed the cache argument (the old name still works there, with a warning);
 # vLLM's CPU build pins transformers < 5.20, where an unknown name would silently drop the cache
@@ -321,3 +322,65 @@ class HFEngine:
             torch.stack(chooser.logps, dim=1)[:, :t].cpu(),
             sampling,
         )
+
+    @torch.no_grad()
+    def generate_turns(
+        self,
+        requests: list[TurnRequest],
+        stop: list[str],
+        greedy: bool = False,
+        temperature: float | None = None,
+    ) -> list[list[TurnSample]]:
+        """One turn for each request (see ``grpo.rollout.turns``); requests share one ``n``.
+
+        Contexts are left padded into one batch; each request's n samples come from its own seed,
+        under the same controls as ``generate``. A turn ends at EOS, at the token that completes
+        one of ``stop`` (or ``rollout.stop``), or at the request's ``max_tokens``. ``greedy``
+        takes the most likely token (no log-probs reported).
+        """
+        n = requests[0].n
+        if any(r.n != n for r in requests):
+            raise ValueError("generate_turns: every request of a call must ask for the same n")
+        device = self.model.device
+        width = max(len(r.context) for r in requests)
+        ids = torch.full((len(requests), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(ids.shape, dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.context) :] = torch.tensor(r.context, dtype=torch.long)
+            mask[i, width - len(r.context) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        chooser = Chooser(
+            sampling_of(self.config, temperature),
+            SeededGroupSampler([r.seed for r in requests], n, device),
+            ids.repeat_interleave(n, dim=0),
+            mask.repeat_interleave(n, dim=0),
+            self.extra,
+        )
+        strings = [*stop, *self.config.stop]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = sample_groups(
+                self.model,
+                ids,
+                mask,
+                n,
+                (lambda _, scores: scores) if greedy else chooser,
+                max(r.max_tokens for r in requests),
+                self.eos,
+                self.tokenizer.pad_token_id,
+                StopStrings(self.tokenizer, strings) if strings else None,
+            )
+        finally:
+            self.model.train(was_training)
+        tokens, lengths = out.tokens.cpu(), out.lengths.tolist()
+        logps = None if greedy else torch.stack(chooser.logps, dim=1).cpu()  # [N, t]
+        samples = []
+        for row in range(tokens.shape[0]):
+            k = min(lengths[row], requests[row // n].max_tokens)
+            samples.append(
+                TurnSample(
+                    tokens[row, :k].tolist(), None if logps is None else logps[row, :k].tolist()
+                )
+            )
+        return [samples[i * n : (i + 1) * n] for i in range(len(requests))]

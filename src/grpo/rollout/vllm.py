@@ -30,6 +30,7 @@ from grpo.models import is_lora
 from grpo.processors import Sampling
 from grpo.rollout import grouped_rollout, sampling_of
 from grpo.rollout.hf import eos_ids
+from grpo.rollout.turns import TurnRequest, TurnSample
 
 # set through rollout.* fields (or by the engine itself), never through generation_kwargs
 OWN_FIELDS = {
@@ -164,7 +165,16 @@ class VLLMEngine:
         # cached prompt KV was computed with the old weights
         self.llm.reset_prefix_cache()
 
-    def _params(self, group_size: int, seed: int, sampling: Sampling) -> Any:
+    def _params(
+        self,
+        group_size: int,
+        seed: int,
+        sampling: Sampling,
+        max_tokens: int | None = None,
+        stop: list[str] | None = None,
+    ) -> Any:
+        """vLLM's SamplingParams; a turn of a multi-turn rollout passes its own token limit and
+        the call format's stop strings."""
         cfg = self.config
         return self.sampling_params(
             n=group_size,
@@ -173,9 +183,9 @@ class VLLMEngine:
             top_k=sampling.top_k or -1,  # vLLM: -1 considers every token
             min_p=sampling.min_p,
             repetition_penalty=sampling.repetition_penalty,
-            max_tokens=cfg.max_new_tokens,
+            max_tokens=cfg.max_new_tokens if max_tokens is None else max_tokens,
             stop_token_ids=self.eos,
-            stop=list(cfg.stop),
+            stop=[*(stop or []), *cfg.stop],
             include_stop_str_in_output=True,  # the text is decoded from the tokens, as for hf
             logprobs=0,  # the sampled token's log-prob only
             seed=seed,
@@ -224,6 +234,38 @@ class VLLMEngine:
             sampler_logp,
             sampling,
         )
+
+    @torch.no_grad()
+    def generate_turns(
+        self,
+        requests: list[TurnRequest],
+        stop: list[str],
+        greedy: bool = False,
+        temperature: float | None = None,
+    ) -> list[list[TurnSample]]:
+        """One turn for each request (see ``grpo.rollout.turns``): its context continued n times
+        from its seed, ending at EOS, at a stop string (kept in the output) or at max_tokens.
+        The context is passed as token ids, so generation resumes exactly after an observation.
+        vLLM samples greedily only with n=1, so a greedy request for n becomes n requests."""
+        sampling = sampling_of(self.config, 0.0 if greedy else temperature)
+        copies = [r.n if greedy else 1 for r in requests]
+        flat = [r for r, k in zip(requests, copies, strict=True) for _ in range(k)]
+        params = [
+            self._params(1 if greedy else r.n, r.seed, sampling, r.max_tokens, stop) for r in flat
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": r.context} for r in flat], params, use_tqdm=False
+        )
+        samples = [
+            TurnSample(
+                list(c.token_ids),
+                [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)],
+            )
+            for out in outputs
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        starts = [sum(r.n for r in requests[:i]) for i in range(len(requests))]
+        return [samples[s : s + r.n] for s, r in zip(starts, requests, strict=True)]
 
 
 def _left_pad(seqs: Iterable[list[int]], pad: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,593 @@
+"""Multi-turn rollouts with the sandboxed Python tool: the tool, the turn loop, the loss mask.
+
+The scripted policy is the tiny model trained to memorise one two-turn exchange: it writes a
+python block, stops, sees the tool's output, and answers. Greedy decoding then replays it through
+the real HF engine and the real sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.batch import Rollout, Scored
+from grpo.config import ConfigError, ModelConfig, RolloutConfig
+from grpo.logprobs import full_sequence_logprobs
+from grpo.models import load_policy, load_tokenizer
+from grpo.rollout import render_prompt
+from grpo.rollout.hf import HFEngine
+from grpo.rollout.tools import PythonTool, notebook_source
+from grpo.rollout.turns import (
+    MultiTurnEngine,
+    TurnRequest,
+    TurnSample,
+    fence_call,
+    template_call,
+    template_observation,
+    tool_metrics,
+    turn_seed,
+)
+from grpo.trainer import Trainer, train
+
+QUESTION = "What is 12 * 34?"
+CALL = "```python\nprint(12*34)\n```\n"
+ANSWER = "<answer>408</answer>"
+
+
+# ------------------------------------------------------------------------------ the tool
+
+
+def test_python_tool_prints_output_and_the_last_expression() -> None:
+    tool = PythonTool(timeout_s=5)
+    assert tool("print(12 * 34)").observation == "408"
+    # like a notebook, a final bare expression is shown
+    assert tool("x = 12\nx * 34").observation == "408"
+    assert tool("print('a')\nNone").observation == "a"
+
+
+def test_notebook_source_leaves_statements_and_bad_syntax_alone() -> None:
+    assert notebook_source("x = 1") == "x = 1"
+    assert notebook_source("def f(:") == "def f(:"
+    assert "print(repr(__value))" in notebook_source("1 + 1")
+
+
+def test_python_tool_errors_are_one_line_for_the_model() -> None:
+    result = PythonTool(timeout_s=5)("print(1)\n1 / 0")
+    assert result.output == "1"
+    assert result.error == "ZeroDivisionError: division by zero"
+    assert result.observation == "1\nError: ZeroDivisionError: division by zero"
+
+
+def test_a_hanging_call_is_cut_at_its_time_limit() -> None:
+    result = PythonTool(timeout_s=1)("import time\ntime.sleep(60)")
+    assert result.error == "timed out after 1 s"
+    assert result.time_s < 10
+
+
+def test_a_flooding_call_is_cut_at_its_output_cap() -> None:
+    result = PythonTool(timeout_s=2, max_output_chars=100)("while True:\n    print('x' * 50)")
+    assert len(result.output) == 100
+    assert result.error.startswith("output cut at 100 characters")
+    fits = PythonTool(timeout_s=5, max_output_chars=100)("print('y' * 100)")
+    assert fits.output == "y" * 100 and fits.error is None
+
+
+def test_the_tool_cannot_reach_the_network_or_the_trainers_files(tmp_path: Path) -> None:
+    # the same sandbox as the code reward (its adversarial suite is tests/test_sandbox.py)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cret")
+    tool = PythonTool(timeout_s=5)
+    wrote = tool(f"open({str(secret)!r}, 'w').write('pwned')")
+    assert wrote.error is not None and secret.read_text() == "s3cret"
+    net = tool("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
+    assert net.error is not None
+
+
+# ------------------------------------------------------------------------------ call formats
+
+
+def test_fence_call_is_a_python_block_that_ends_the_turn() -> None:
+    assert fence_call("Let me compute.\n" + CALL).code == "print(12*34)\n"
+    assert fence_call("```py\n1+1\n```").code == "1+1\n"
+    assert fence_call(CALL + "So the answer is 408.") is None  # the block does not end the turn
+    assert fence_call("The answer is 408.") is None
+
+
+def test_template_call_parses_the_tool_call_json() -> None:
+    call = template_call('<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>')
+    assert call.code == "1+1"
+    as_string = '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"2\\"}"}</tool_call>'
+    assert template_call(as_string).code == "2"
+    bad = template_call("<tool_call>{not json}</tool_call>")
+    assert bad.code is None and "arguments" in bad.error
+    other = template_call('<tool_call>{"name": "web", "arguments": {"code": "x"}}</tool_call>')
+    assert other.code is None and "unknown tool 'web'" in other.error
+
+
+def test_tool_output_goes_through_the_chat_template(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    # the assistant message is closed, then a tool message, then a new assistant message
+    assert template_observation(tokenizer, "408") == "<|end|><|tool|>408<|end|><|assistant|>"
+
+
+# ------------------------------------------------------------------------------ a scripted engine
+
+
+class ScriptedEngine:
+    """Takes turns from a script: the first turn of every completion writes ``CALL`` (or the
+    code given), the next answers with the last tool output it sees. Records every request."""
+
+    def __init__(self, tokenizer, code: str = "print(12*34)", call: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.eos = [tokenizer.eos_token_id]
+        self.call = call or f"```python\n{code}\n```\n"
+        self.requests: list[TurnRequest] = []
+
+    def sync_weights(self, model) -> None:
+        pass
+
+    def generate_turns(self, requests, stop, greedy=False, temperature=None):
+        out = []
+        for r in requests:
+            self.requests.append(r)
+            text = self.tokenizer.decode(r.context, skip_special_tokens=False)
+            if "<|tool|>" not in text:  # the call ends at the stop string, without EOS
+                reply, end = self.call, []
+            else:
+                shown = text.rsplit("<|tool|>", 1)[1].split("<|end|>", 1)[0]
+                reply, end = f"<answer>{shown}</answer>", self.eos
+            ids = [*self.tokenizer(reply, add_special_tokens=False).input_ids, *end]
+            ids = ids[: r.max_tokens]
+            out.append([TurnSample(list(ids)) for _ in range(r.n)])
+        return out
+
+
+def _rollout_config(**kw) -> RolloutConfig:
+    return RolloutConfig(tools=["python"], group_size=2, max_new_tokens=200, **kw)
+
+
+def test_turn_loop_runs_the_call_and_masks_the_observation(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    engine = MultiTurnEngine(ScriptedEngine(tokenizer), tokenizer, _rollout_config())
+    prompt = render_prompt(tokenizer, QUESTION, None)
+    rollout = engine.generate([prompt], [{"answer": "408"}], 2, seeds=[7])
+    call_ids = tokenizer(CALL, add_special_tokens=False).input_ids
+    shown = tokenizer("<|end|><|tool|>408<|end|><|assistant|>", add_special_tokens=False).input_ids
+    answer_ids = [*tokenizer(ANSWER, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    expected = call_ids + shown + answer_ids
+    for i in range(2):
+        n = int(rollout.completion_mask[i].sum())
+        assert rollout.completion_ids[i, :n].tolist() == expected
+        # the loss mask is False exactly on the observation (tool output and template tokens)
+        own = [True] * len(call_ids) + [False] * len(shown) + [True] * len(answer_ids)
+        assert rollout.sampled_mask[i, :n].tolist() == own
+        assert rollout.loss_mask[i].sum() == len(call_ids) + len(answer_ids)
+    assert rollout.answers == [ANSWER, ANSWER]
+    turns = rollout.turns[0]
+    assert [t["call"] for t in turns] == ["print(12*34)\n", None]
+    assert turns[0]["output"] == "408" and turns[0]["error"] is None
+    assert not rollout.truncated.any()
+    metrics = tool_metrics(rollout.turns)
+    assert metrics["tools/calls_per_completion"] == 1.0
+    assert metrics["tools/turns_per_completion"] == 2.0
+    assert metrics["tools/error_rate"] == 0.0
+
+
+def test_later_turns_are_seeded_by_prompt_seed_member_and_request(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    scripted = ScriptedEngine(tokenizer)
+    engine = MultiTurnEngine(scripted, tokenizer, _rollout_config())
+    engine.generate(["a", "b"], [{}, {}], 2, seeds=[5, 9])
+    first, later = scripted.requests[:2], scripted.requests[2:]
+    assert [(r.n, r.seed) for r in first] == [(2, 5), (2, 9)]
+    assert [r.seed for r in later] == [turn_seed(s, m, 1) for s in (5, 9) for m in (0, 1)]
+    assert len({turn_seed(5, m, k) for m in range(4) for k in range(4)}) == 16
+
+
+def test_a_failing_call_is_shown_as_an_error_and_the_rollout_goes_on(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    scripted = ScriptedEngine(tokenizer, code="import time\ntime.sleep(60)")
+    engine = MultiTurnEngine(scripted, tokenizer, _rollout_config(tool_timeout_s=1))
+    rollout = engine.generate(["q"], [{}], 2, seeds=[0])
+    assert rollout.turns[0][0]["error"] == "timed out after 1 s"
+    assert rollout.answers[0] == "<answer>Error: timed out after 1 s</answer>"
+    assert tool_metrics(rollout.turns)["tools/error_rate"] == 1.0
+
+
+def test_max_turns_and_the_token_budget_end_a_completion(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    one_turn = MultiTurnEngine(ScriptedEngine(tokenizer), tokenizer, _rollout_config(max_turns=1))
+    rollout = one_turn.generate(["q"], [{}], 2, seeds=[0])
+    # the last allowed turn is a call: it is not run, the completion ends there
+    assert [len(t) for t in rollout.turns] == [1, 1]
+    assert rollout.turns[0][0]["call"] == "print(12*34)\n" and rollout.turns[0][0]["time_s"] is None
+    assert not rollout.truncated.any()
+    call_len = len(tokenizer(CALL, add_special_tokens=False).input_ids)
+    # room for the call and part of the observation only: truncated, never past the budget
+    tight = RolloutConfig(tools=["python"], group_size=2, max_new_tokens=call_len + 5)
+    rollout = MultiTurnEngine(ScriptedEngine(tokenizer), tokenizer, tight).generate(
+        ["q"], [{}], 2, seeds=[0]
+    )
+    assert rollout.completion_mask.sum(dim=1).tolist() == [call_len + 5] * 2
+    assert rollout.truncated.all()
+    assert rollout.loss_mask.sum(dim=1).tolist() == [call_len] * 2
+
+
+def test_template_call_format_runs_the_json_call(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    plain = tokenizer.chat_template
+    with pytest.raises(ConfigError, match="no tool-call syntax"):
+        MultiTurnEngine(
+            ScriptedEngine(tokenizer), tokenizer, _rollout_config(tool_call_format="template")
+        )
+    # a template that renders the tool list (as Qwen's and Hermes' do)
+    tokenizer.chat_template = (
+        "{% if tools %}<|system|>{{ tools | tojson }}<|end|>{% endif %}" + plain
+    )
+    call = '<tool_call>{"name": "python", "arguments": {"code": "12 * 34"}}</tool_call>'
+    config = _rollout_config(tool_call_format="template")
+    engine = MultiTurnEngine(ScriptedEngine(tokenizer, call=call), tokenizer, config)
+    rollout = engine.generate(["q"], [{}], 2, seeds=[0])
+    assert engine.format.stop == ["</tool_call>"]
+    assert rollout.turns[0][0]["call"] == "12 * 34" and rollout.turns[0][0]["output"] == "408"
+    assert rollout.answers == [ANSWER, ANSWER]
+
+
+def test_template_without_a_tool_role_is_a_config_error(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{% if m['role'] != 'tool' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    with pytest.raises(ConfigError, match="tool"):
+        MultiTurnEngine(ScriptedEngine(tokenizer), tokenizer, _rollout_config())
+
+
+def test_without_a_chat_template_output_is_a_plain_block(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = None
+    engine = MultiTurnEngine(ScriptedEngine(tokenizer), tokenizer, _rollout_config())
+    ids = engine.observation_ids(PythonTool()("print(2)"), ended_with_eos=False)
+    assert tokenizer.decode(ids) == "<output>\n2\n</output>\n"
+
+
+# ------------------------------------------------------------------------------ gradients
+
+
+def _two_turn_rollout(tokenizer) -> tuple[Rollout, int, int, int]:
+    """One group of two hand-built completions: call, observation, answer (the second shorter)."""
+    prompt = tokenizer(render_prompt(tokenizer, QUESTION, None), add_special_tokens=False).input_ids
+    call = tokenizer(CALL, add_special_tokens=False).input_ids
+    shown = tokenizer("<|end|><|tool|>408<|end|><|assistant|>", add_special_tokens=False).input_ids
+    answer = [*tokenizer(ANSWER, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    rows = [call + shown + answer, call + shown + answer[:4]]
+    width = len(rows[0])
+    ids = torch.full((2, width), tokenizer.pad_token_id)
+    mask = torch.zeros(2, width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = True
+    sampled = mask.clone()
+    sampled[:, len(call) : len(call) + len(shown)] = False
+    rollout = Rollout(
+        prompt_ids=torch.tensor([prompt, prompt]),
+        prompt_mask=torch.ones(2, len(prompt), dtype=torch.bool),
+        completion_ids=ids,
+        completion_mask=mask,
+        truncated=torch.tensor([False, True]),
+        prompts=["p", "p"],
+        completions=["", ""],
+        rows=[{}],
+        group_size=2,
+        sampled_mask=sampled,
+    )
+    return rollout, len(prompt), len(call), len(shown)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_trainer_gradient_equals_a_loop_over_the_models_own_tokens(tiny_config, loss_type) -> None:
+    config = tiny_config(
+        rollout={"tools": ["python"], "group_size": 2},
+        algorithm={"beta": 0.0, "loss_type": loss_type},
+        optim={"max_grad_norm": None, "micro_batch_size": 2},
+    )
+    trainer = Trainer(config)
+    tokenizer = trainer.tokenizer
+    rollout, _, n_call, n_shown = _two_turn_rollout(tokenizer)
+    advantages = torch.tensor([1.0, -1.0])
+    scored = Scored(rollout, torch.zeros(2, 1), ["x"], torch.zeros(2), advantages)
+    start = {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+    trainer.optimize(scored)
+    got = {k: p.grad.detach().clone() for k, p in trainer.policy.named_parameters()}
+
+    # reference: a fresh copy of the starting weights, one on-policy pass (ratio 1, gradient of
+    # ratio = gradient of logp): grpo: loss = -1/G sum_i A_i mean_t logp_i,t; dapo: loss =
+    # -sum_i A_i sum_t logp_i,t / (own tokens of both); t runs over the model's own tokens only,
+    # each log-prob from one forward over the whole sequence
+    model = load_policy(ModelConfig(name=config.model.name), config.model.name)
+    model.load_state_dict(start)
+    model.train()
+    loss = torch.zeros(())
+    own_total = int(rollout.loss_mask.sum())
+    for i in range(2):
+        n = int(rollout.completion_mask[i].sum())
+        seq = torch.cat([rollout.prompt_ids[i], rollout.completion_ids[i, :n]])[None]
+        logits = model(input_ids=seq).logits[0].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        s = rollout.prompt_ids.shape[1]
+        own = [t for t in range(n) if not n_call <= t < n_call + n_shown]
+        terms = torch.stack([logp[s + t - 1, rollout.completion_ids[i, t]] for t in own])
+        if loss_type == "grpo":
+            loss = loss - advantages[i] * terms.mean() / 2
+        else:
+            loss = loss - advantages[i] * terms.sum() / own_total
+    loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_observation_tokens_get_exactly_zero_weight(tiny_model_dir) -> None:
+    from grpo.algorithm import policy_loss
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
+    rollout, _, n_call, n_shown = _two_turn_rollout(tokenizer)
+    logp, _ = full_sequence_logprobs(
+        model,
+        rollout.prompt_ids,
+        rollout.prompt_mask,
+        rollout.completion_ids,
+        rollout.completion_mask,
+    )
+    logp = logp.detach().requires_grad_(True)
+    loss, _ = policy_loss(
+        logp,
+        logp.detach(),
+        torch.tensor([1.0, -1.0]),
+        rollout.loss_mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        beta=0.0,
+        loss_type="grpo",
+    )
+    loss.backward()
+    shown = slice(n_call, n_call + n_shown)
+    assert torch.equal(logp.grad[:, shown], torch.zeros_like(logp.grad[:, shown]))
+    assert (logp.grad[:, :n_call] != 0).all()
+    # and changing the log-probs there changes nothing
+    moved = logp.detach().clone()
+    moved[:, shown] += 3.0
+    again, _ = policy_loss(
+        moved,
+        logp.detach(),
+        torch.tensor([1.0, -1.0]),
+        rollout.loss_mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        beta=0.0,
+        loss_type="grpo",
+    )
+    assert torch.equal(again, loss)
+
+
+# ------------------------------------------------------------------------------ scripted policy
+
+
+def train_scripted(model_dir: Path, out: Path) -> Path:
+    """The model at ``model_dir`` trained to replay: question -> CALL -> (tool output) -> ANSWER
+    + EOS, saved at ``out``."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_policy(ModelConfig(name=str(model_dir)), str(model_dir))
+    text = render_prompt(tokenizer, QUESTION, None) + CALL
+    text += template_observation(tokenizer, "408") + ANSWER
+    ids = torch.tensor(
+        [[*tokenizer(text, add_special_tokens=False).input_ids, tokenizer.eos_token_id]]
+    )
+    torch.manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 5e-3:  # ~70 steps; the whole exchange then has probability ~0.7
+            break
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    return train_scripted(tiny_model_dir, tmp_path_factory.mktemp("scripted"))
+
+
+def test_hf_engine_replays_the_scripted_exchange(scripted_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(scripted_model_dir)
+    model = load_policy(ModelConfig(name=str(scripted_model_dir)), str(scripted_model_dir))
+    config = _rollout_config()
+    engine = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config, greedy=True)
+    prompt = render_prompt(tokenizer, QUESTION, None)
+    rollout = engine.generate([prompt], [{}], 2, seeds=[0])
+    # the stop string ended turn 1 at the closing fence; the real sandbox ran the call
+    assert rollout.turns[0][0]["text"] == CALL
+    assert rollout.turns[0][0]["output"] == "408"
+    assert rollout.answers == [ANSWER, ANSWER]
+    # sampled (not greedy) completions depend on the prompt's seed only, not on the batch
+    sampling = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config)
+    alone = sampling.generate([prompt], [{}], 2, seeds=[3])
+    both = sampling.generate([prompt, prompt + "x"], [{}, {}], 2, seeds=[3, 4])
+    n = alone.completion_ids.shape[1]
+    assert torch.equal(alone.completion_ids, both.completion_ids[:2, :n])
+    assert torch.equal(alone.sampled_mask, both.sampled_mask[:2, :n])
+
+
+def _tool_recipe(tiny_config, scripted_model_dir: Path, tmp_path: Path, **train_args):
+    reward = tmp_path / "used_tool.py"
+    reward.write_text(
+        "def used_tool(completions, turns, answer, **kw):\n"
+        "    # the final answer text and the turns arrive as keyword data\n"
+        "    return [float(a in c) + 0.5 * sum(t['output'] == a for t in ts)\n"
+        "            for c, ts, a in zip(completions, turns, answer)]\n"
+    )
+    return tiny_config(
+        model={"name": str(scripted_model_dir)},
+        data={"task": None, "path": str(_question_file(tmp_path))},
+        rollout={"tools": ["python"], "max_new_tokens": 120, "max_turns": 3},
+        rewards={"functions": [{"name": f"{reward}:used_tool"}]},
+        train={"save_every": 1, "log_completions": 2, **train_args},
+    )
+
+
+def _question_file(tmp_path: Path) -> Path:
+    path = tmp_path / "q.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": QUESTION, "answer": "408"}) + "\n" for _ in range(4))
+    )
+    return path
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    """Each step's metrics (event rows, such as where a resume continued, left out)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "event" not in row]
+
+
+def test_multi_turn_grpo_runs_from_a_recipe_and_resumes_exactly(
+    tiny_config, scripted_model_dir: Path, tmp_path: Path
+) -> None:
+    straight = train(_tool_recipe(tiny_config, scripted_model_dir, tmp_path, steps=2, run_name="a"))
+    metrics = _metrics(straight)
+    assert metrics[0]["tools/calls_per_completion"] > 0.5
+    # a replayed exchange earns 1.5 (the answer, and it matches the tool's output), others ~0
+    assert metrics[0]["reward/mean"] > 0.5
+    record = json.loads(
+        (straight / "completions" / "step-000001.jsonl").read_text().splitlines()[0]
+    )
+    assert record["turns"][0]["output"] == "408"
+    train(_tool_recipe(tiny_config, scripted_model_dir, tmp_path, steps=1, run_name="b"))
+    resumed = train(_tool_recipe(tiny_config, scripted_model_dir, tmp_path, steps=2, run_name="b"))
+
+    def strip(ms: list[dict]) -> list[dict]:
+        return [{k: v for k, v in m.items() if "time" not in k and k != "tokens_per_s"} for m in ms]
+
+    assert strip(_metrics(resumed)) == strip(metrics)
+
+
+def test_every_tool_metric_is_in_the_glossary(
+    tiny_config, scripted_model_dir: Path, tmp_path: Path
+) -> None:
+    from test_glossary import documented_metrics
+
+    config = _tool_recipe(tiny_config, scripted_model_dir, tmp_path, steps=1)
+    logged = set(_metrics(train(config))[0])
+    tools = {k for k in logged if k.startswith("tools/")}
+    assert tools == {
+        "tools/calls_per_completion",
+        "tools/call_frac",
+        "tools/error_rate",
+        "tools/time_s",
+        "tools/turns_per_completion",
+    }
+    assert tools <= documented_metrics()
+
+
+def test_error_rate_is_undefined_without_calls() -> None:
+    metrics = tool_metrics(
+        [[{"text": "4", "call": None, "output": None, "error": None, "time_s": None}]]
+    )
+    assert metrics["tools/calls_per_completion"] == 0.0
+    assert math.isnan(metrics["tools/error_rate"])
+
+
+# ------------------------------------------------------------------------------ vLLM engine
+
+
+class ScriptedLLM:
+    """vllm.LLM's ``generate`` over ``ScriptedEngine``'s script: each sampled token's log-prob
+    is -0.5; the sampling parameters of every request are recorded."""
+
+    def __init__(self, tokenizer) -> None:
+        self.script = ScriptedEngine(tokenizer)
+        self.params: list[dict] = []
+
+    def generate(self, requests, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        out = []
+        for request, p in zip(requests, params, strict=True):
+            self.params.append(p)
+            turn = TurnRequest(request["prompt_token_ids"], p["n"], p["seed"], p["max_tokens"])
+            samples = self.script.generate_turns([turn], p["stop"])[0]
+            outputs = [
+                SimpleNamespace(
+                    index=k,
+                    token_ids=s.token_ids,
+                    logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in s.token_ids],
+                )
+                for k, s in enumerate(samples)
+            ]
+            out.append(SimpleNamespace(outputs=outputs[::-1]))
+        return out
+
+    def apply_model(self, func):
+        return []
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+def test_vllm_engine_takes_turns_through_the_same_loop(tiny_model_dir) -> None:
+    from grpo.rollout.vllm import VLLMEngine
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
+    config = _rollout_config(temperature=0.8)
+    llm = ScriptedLLM(tokenizer)
+    vllm = VLLMEngine(model, tokenizer, config, llm=llm, sampling_params=dict)
+    engine = MultiTurnEngine(vllm, tokenizer, config)
+    rollout = engine.generate([render_prompt(tokenizer, QUESTION, None)], [{}], 2, seeds=[4])
+    assert rollout.answers == [ANSWER, ANSWER]
+    first, second = llm.params[0], llm.params[1]
+    assert (first["n"], first["seed"], second["n"]) == (2, 4, 1)
+    assert first["stop"] == ["```\n"] and first["include_stop_str_in_output"]
+    assert first["temperature"] == 0.8 and first["stop_token_ids"] == [tokenizer.eos_token_id]
+    # the sampler's log-probs on the model's tokens, 0 on the observation
+    own = rollout.sampled_mask & rollout.completion_mask
+    assert torch.equal(rollout.sampler_logp[own], torch.full((int(own.sum()),), -0.5))
+    assert (rollout.sampler_logp[~own] == 0).all()
+
+
+def test_vllm_greedy_turns_ask_for_one_sample_per_request(tiny_model_dir) -> None:
+    from grpo.rollout.vllm import VLLMEngine
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
+    llm = ScriptedLLM(tokenizer)
+    vllm = VLLMEngine(model, tokenizer, _rollout_config(), llm=llm, sampling_params=dict)
+    out = vllm.generate_turns([TurnRequest([5], 3, 1, 9), TurnRequest([6], 3, 2, 9)], [], True)
+    assert [len(group) for group in out] == [3, 3]
+    # vLLM refuses n > 1 with greedy sampling: 6 requests of n=1 at temperature 0
+    assert [(p["n"], p["temperature"], p["seed"]) for p in llm.params] == [(1, 0.0, 1)] * 3 + [
+        (1, 0.0, 2)
+    ] * 3
+
+
+@pytest.mark.slow
+def test_real_vllm_replays_the_scripted_exchange(tmp_path: Path) -> None:
+    """vLLM's CPU build (when installed): greedy turns replay the scripted exchange."""
+    pytest.importorskip("vllm")
+    from grpo.models import build_tiny_model
+    from grpo.rollout.vllm import VLLMEngine
+
+    # vLLM's CPU attention takes head sizes like 64, not the tiny model's 16
+    wide = build_tiny_model(tmp_path / "wide", hidden_size=256)
+    scripted_model_dir = train_scripted(wide, tmp_path / "scripted")
+    tokenizer = load_tokenizer(scripted_model_dir)
+    model = load_policy(ModelConfig(name=str(scripted_model_dir)), str(scripted_model_dir))
+    config = _rollout_config(vllm_gpu_memory_utilization=0.1, vllm_dtype="float32")
+    engine = MultiTurnEngine(VLLMEngine(model, tokenizer, config), tokenizer, config, greedy=True)
+    rollout = engine.generate([render_prompt(tokenizer, QUESTION, None)], [{}], 2, seeds=[0])
+    assert rollout.turns[0][0]["output"] == "408"
+    assert rollout.answers == [ANSWER, ANSWER]
