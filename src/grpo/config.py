@@ -241,6 +241,8 @@ class OptimConfig(Section):
     """Clip the gradient's global norm (null = off)."""
     micro_batch_size: int = Field(8, ge=1)
     """Completions per forward/backward; gradients accumulate over the step."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Also cut micro-batches at this many packed positions (prompt once per group + completions), as verl's dynamic batch size (null = rows only)."""
 
 
 class TrainConfig(Section):
