@@ -2,13 +2,15 @@
 
     .venv/bin/python -m benchmarks.vs_trl --setup tiny --rounds 2
     .venv/bin/python -m benchmarks.vs_trl --setup smollm2 --rounds 2 --steps 8
+    .venv/bin/python -m benchmarks.vs_trl --setup smollm2-fast --rounds 1   # both at their fastest
 
 Runs alternate A B A B (TRL, grpo, TRL, grpo, ...), each in its own process so peak RSS is per
 run, and round r uses seed r for both. Both trainers see the same prompts in the same order
 (TRL's sampler is fed grpo's seeded prompt stream with shuffling off), the same chat template and
 system prompt, the same reward functions, G, prompts per step, max new tokens, learning rate
 (constant), AdamW betas, gradient clipping, beta, loss aggregation, micro-batch size and gradient
-checkpointing (on: TRL's default), in float32. Writes the per-run JSON and a summary: ratios of
+checkpointing (on: TRL's default; the ``-fast`` set-ups turn it off on both sides and train the
+whole step as one micro-batch, each trainer's fastest settings here), in float32. Writes the per-run JSON and a summary: ratios of
 median step time and of peak RSS (grpo / TRL), and both reward curves.
 """
 

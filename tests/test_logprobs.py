@@ -91,6 +91,110 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
     assert seen["logits"][:2] == (3, 4)
 
 
+def test_packing_pays_by_hand() -> None:
+    from grpo.logprobs import ScoringCost
+
+    cost = ScoringCost(position=1.0, pair=1.0)
+    # prompt 10, two completions of 2: packed 10 + 1 + 1 = 12 -> 12 + 144 = 156;
+    # rows 2 x (12 + 12^2 / 2) = 168: packing pays
+    assert cost.packing_pays(10, [2, 2])
+    # prompt 4, two completions of 3: packed 4 + 2 + 2 = 8 -> 8 + 64 = 72;
+    # rows 2 x (7 + 49 / 2) = 63: one row per completion
+    assert not cost.packing_pays(4, [3, 3])
+
+
+def _batch(prompts, completions, s: int, t: int):
+    b = len(prompts)
+    prompt_ids = torch.zeros(b, s, dtype=torch.long)
+    prompt_mask = torch.zeros(b, s, dtype=torch.bool)
+    completion_ids = torch.zeros(b, t, dtype=torch.long)
+    completion_mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        prompt_ids[i, s - len(p) :] = torch.tensor(p)
+        prompt_mask[i, s - len(p) :] = True
+        completion_ids[i, : len(c)] = torch.tensor(c)
+        completion_mask[i, : len(c)] = True
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+@pytest.mark.parametrize("penalised", [False, True])
+def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch, penalised) -> None:
+    # group A (prompt of 5) is packed, group B (prompt of 3) scored one row per completion:
+    # values and gradients equal one padded sequence per row (also under a repetition penalty
+    # and top-k, which read each row's history)
+    from grpo import logprobs
+    from grpo.processors import Sampling
+
+    sampling = Sampling(0.7, top_k=20, repetition_penalty=1.3) if penalised else 0.7
+
+    monkeypatch.setattr(
+        logprobs.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
+    )
+    a, b = [10, 11, 12, 13, 14], [20, 21, 22]
+    prompts = [a, b, a, b]
+    completions = [[30, 31, 1], [40, 41, 42, 43], [32], [44, 45]]
+    batch = _batch(prompts, completions, s=5, t=4)
+    mask = batch[3]
+    model.zero_grad()
+    mixed, entropy = completion_logprobs(model, *batch, sampling, with_entropy=True)
+    (mixed * mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    padded, want_entropy = logprobs.full_sequence_logprobs(model, *batch, sampling, True)
+    (padded * mask).sum().backward()
+    assert torch.allclose(mixed[mask], padded[mask], atol=1e-5)
+    assert torch.allclose(entropy[mask], want_entropy[mask], atol=1e-5)
+    for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    model.zero_grad()
+
+
+def test_long_completions_build_no_square_mask(model, monkeypatch) -> None:
+    # two completions of 200 after a 5-token prompt: the rule gives each its own row, and the
+    # model is called without any attention mask (plain causal attention, linear memory)
+    from grpo.logprobs import ScoringCost
+
+    with torch.no_grad():
+        want, _ = _naive(model, [10, 11, 12, 13, 14], [31] * 150, 1.0)
+    calls = []
+    original = model.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("attention_mask"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    assert not ScoringCost.of(model.config).packing_pays(5, [200, 200])
+    batch = _batch([[10, 11, 12, 13, 14]] * 2, [[30] * 200, [31] * 150], s=5, t=200)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, *batch)
+    assert calls == [None]
+    assert torch.allclose(logp[1, :150], want, atol=1e-5)
+
+
+def test_scoring_path_says_why() -> None:
+    from types import SimpleNamespace
+
+    from grpo.logprobs import scoring_path
+
+    def model(**config):
+        return SimpleNamespace(config=SimpleNamespace(**config))
+
+    assert scoring_path(model(_attn_implementation="sdpa"))[0] == "packed"
+    path, why = scoring_path(model(_attn_implementation="flash_attention_2"))
+    assert (path, why) == ("rows", "flash_attention_2 attention takes no custom mask")
+    path, why = scoring_path(model(_attn_implementation="sdpa", sliding_window=4096))
+    assert path == "rows" and "sliding window" in why
+
+
+def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:
+    from grpo.trainer import Trainer
+
+    Trainer(tiny_config())
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("scoring")]
+    assert len(lines) == 1 and lines[0].startswith("scoring log-probs: packed (sdpa attention")
+
+
 def test_position_ids_skip_left_padding() -> None:
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
@@ -139,3 +243,68 @@ def test_full_sequences_with_padding_match_each_row_alone(model, which: str) -> 
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             expected, _ = _naive(net, p, c, 1.0)
             assert torch.allclose(logp[i, : len(c)], expected, atol=1e-5), i
+
+
+def _padded_batch() -> tuple[torch.Tensor, ...]:
+    prompt_ids = torch.tensor([[0, 10, 11, 12], [20, 21, 22, 23]])
+    prompt_mask = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    completion_ids = torch.tensor([[30, 31, 0], [40, 41, 42]])
+    completion_mask = torch.tensor([[True, True, False], [True, True, True]])
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def test_completion_logprobs_defaults_and_the_windowed_path(tiny_model_dir, monkeypatch) -> None:
+    import grpo.logprobs as logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    batch = _padded_batch()
+    mask = batch[3]
+    with torch.no_grad():
+        packed, entropy = completion_logprobs(model, *batch)  # defaults: T 1, no entropy
+        at_one, _ = completion_logprobs(model, *batch, 1.0)
+        full, _ = full_sequence_logprobs(model, *batch)
+        assert entropy is None and torch.equal(packed, at_one)
+        assert torch.allclose(packed[mask], full[mask], atol=1e-5)
+        # a sliding window sends the batch through full sequences, arguments and all
+        model.config.sliding_window = 4
+        windowed = completion_logprobs(model, *batch, 0.7, with_entropy=True)
+        expected = full_sequence_logprobs(model, *batch, 0.7, with_entropy=True)
+    assert torch.equal(windowed[0], expected[0]) and torch.equal(windowed[1], expected[1])
+    # a window the config turns off (Qwen2's use_sliding_window: false) packs again
+    calls = []
+    monkeypatch.setattr(
+        logprobs, "full_sequence_logprobs", lambda *a, **k: calls.append(1) or (None, None)
+    )
+    model.config.use_sliding_window = False
+    with torch.no_grad():
+        completion_logprobs(model, *batch)
+    assert calls == []
+
+
+class _Wrapper(torch.nn.Module):
+    """A DDP-like wrapper: the model (and its config) on ``.module``, or no config at all."""
+
+    def __init__(self, model: torch.nn.Module, expose: bool) -> None:
+        super().__init__()
+        if expose:
+            self.module = model
+        else:
+            self.inner = model
+
+    def forward(self, **kwargs):
+        return (self.module if hasattr(self, "module") else self.inner)(**kwargs)
+
+
+def test_wrapped_models_pack_and_models_without_a_config_do_not(tiny_model_dir, monkeypatch):
+    import grpo.logprobs as logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    calls = []
+    monkeypatch.setattr(
+        logprobs, "full_sequence_logprobs", lambda *a, **k: calls.append(1) or (None, None)
+    )
+    with torch.no_grad():
+        completion_logprobs(_Wrapper(model, expose=True), *_padded_batch())
+        assert calls == []  # the config is found on .module: packed
+        completion_logprobs(_Wrapper(model, expose=False), *_padded_batch())
+        assert calls == [1]  # no config: nothing says a custom mask is safe

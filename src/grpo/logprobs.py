@@ -3,12 +3,16 @@
 Completions that share a prompt (a group's G samples) are packed into one sequence: the prompt
 once, then each completion, with an attention mask that lets every completion see the prompt and
 its own earlier tokens, nothing else. A group then costs one prompt forward (and backward) instead
-of G, and no position is spent on padding. The LM head runs only on the positions that predict
-completion tokens (``logits_to_keep``), and the log-softmax is taken a few positions at a time
-through ``logsumexp``, so no float32 [positions, vocab] log-softmax is ever materialised. Logits
-go through the sampling controls the engine used (temperature, and when set repetition penalty,
-min-p, top-k, top-p: ``grpo.processors``), so the log-probs are those of the distribution the
-tokens were sampled from.
+of G, and no position is spent on padding. The mask is dense ([L, L] for a group of L tokens) and
+the attention over it covers the whole square, so for long completions a cost rule
+(``ScoringCost.packing_pays``) gives the group one row per completion instead: the prompt
+repeated, no mask at all (plain causal attention), memory linear in the tokens scored. The LM
+head runs only on the positions that predict completion tokens (``logits_to_keep``), and the
+log-softmax is taken a few positions at a time through ``logsumexp``, so no float32
+[positions, vocab] log-softmax is ever materialised. Logits go through the sampling controls the
+engine used (temperature, and when set repetition penalty, min-p, top-k, top-p:
+``grpo.processors``), so the log-probs are those of the distribution the tokens were sampled
+from.
 """
 
 from __future__ import annotations
@@ -52,8 +56,11 @@ def token_logprobs(
         return _processed_logprobs(logits, at, targets, sampling, with_entropy, chunk, history)
     temperature = sampling.temperature
     lse, entropies = [], []
-    for start in range(0, logits.shape[0], chunk):
-        part = logits[start : start + chunk].float()  # a view when float32
+    # one split, not a slice per chunk: a slice's backward writes its gradient into a zero
+    # tensor of the whole [M, V] logits, so slicing cost O(M^2 V / chunk) in backward (larger
+    # micro-batches were slower per token); split's backward concatenates the chunks once
+    for part in logits.split(chunk):
+        part = part.float()  # a view when float32
         if temperature != 1.0:  # dividing by 1 would still copy [chunk, V] and keep it for backward
             part = part / temperature
         lse.append(torch.logsumexp(part, dim=-1))
@@ -114,8 +121,9 @@ def _processed_logprobs(
     sorted_at = flat_at[order]
     owners = history.owners(at, m) if sampling.repetition_penalty != 1.0 else None
     lse, cutoffs, entropies, picked = [], [], [], []
-    for start in range(0, m, chunk):
-        stop = min(start + chunk, m)
+    for k, part in enumerate(logits.split(chunk)):  # one split: see token_logprobs
+        start = k * chunk
+        stop = start + part.shape[0]
         seen = None
         if owners is not None:
             rows, index = owners[0][start:stop], owners[1][start:stop]
@@ -126,7 +134,7 @@ def _processed_logprobs(
                 index,
                 vocab,
             )
-        shaped = shape_logits(logits[start:stop].float(), sampling, seen)  # [c, V]
+        shaped = shape_logits(part.float(), sampling, seen)  # [c, V]
         lo, hi = torch.searchsorted(sorted_at, torch.tensor([start, stop], device=at.device))
         mine = order[lo:hi]
         picked.append(shaped[flat_at[mine] - start, targets.flatten()[mine]])
@@ -160,17 +168,12 @@ def completion_logprobs(
 
     prompt_ids/mask: [B, S] left padded; completion_ids/mask: [B, T] right padded.
     Returns logp [B, T] (and entropy [B, T]); values at masked positions are meaningless.
-    Rows are packed by prompt (``pack``) when the model's attention takes a custom mask and has
-    no sliding window.
+    Rows that share a prompt are packed (``pack``) while that costs less than one row per
+    completion (``packing_pays``); other groups get one unmasked row per completion
+    (``group_rows_logprobs``). Models that cannot take the packed mask get one padded row per
+    completion (``scoring_path`` says which and why).
     """
-    config = _config(model)
-    implementation = getattr(config, "_attn_implementation", None)
-    # the custom mask replaces the model's own, a sliding window included: such models (and
-    # attention without custom masks) get one full sequence per row
-    windowed = getattr(config, "sliding_window", None) and getattr(
-        config, "use_sliding_window", True
-    )
-    if implementation not in PACKABLE or windowed:
+    if scoring_path(model)[0] != "packed":
         return full_sequence_logprobs(
             model,
             prompt_ids,
@@ -180,7 +183,116 @@ def completion_logprobs(
             sampling,
             with_entropy,
         )
+    distinct, prompt_of_row = torch.unique(
+        torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True
+    )
+    lengths = completion_mask.sum(dim=1)
+    cost = ScoringCost.of(_config(model))
+    packed_rows: list[Tensor] = []
+    row_groups: list[tuple[Tensor, Tensor]] = []
+    for u in range(len(distinct)):
+        rows = (prompt_of_row == u).nonzero()[:, 0]
+        prompt = distinct[u, : prompt_ids.shape[1]][distinct[u, prompt_ids.shape[1] :].bool()]
+        if cost.packing_pays(len(prompt), lengths[rows].tolist()):
+            packed_rows.append(rows)
+        else:
+            row_groups.append((rows, prompt))
+    parts: list[tuple[Tensor, tuple[Tensor, Tensor | None]]] = []
+    if packed_rows:
+        rows = torch.cat(packed_rows)
+        every = len(rows) == len(prompt_ids)
+        ids, pm, cids, cm = (
+            (prompt_ids, prompt_mask, completion_ids, completion_mask)
+            if every
+            else (prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+        )
+        result = packed_logprobs(model, ids, pm, cids, cm, sampling, with_entropy)
+        if every:
+            return result
+        parts.append((rows, result))
+    for rows, prompt in row_groups:
+        result = group_rows_logprobs(
+            model, prompt, completion_ids[rows], lengths[rows], sampling, with_entropy
+        )
+        parts.append((rows, result))
+    return _merge(parts, completion_ids.shape[1], with_entropy)
+
+
+def _merge(
+    parts: list[tuple[Tensor, tuple[Tensor, Tensor | None]]],
+    t: int,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Rows scored in separate forwards back in their places: [B, T] (and entropy)."""
+    order = torch.cat([rows for rows, _ in parts])
+    where = torch.empty_like(order)
+    where[order] = torch.arange(len(order), device=order.device)
+
+    def column(k: int) -> Tensor:
+        padded = [nn.functional.pad(r[k], (0, t - r[k].shape[1])) for _, r in parts]
+        return torch.cat(padded)[where]
+
+    return column(0), column(1) if with_entropy else None
+
+
+def scoring_path(model: nn.Module) -> tuple[str, str]:
+    """("packed" | "rows", why): how ``completion_logprobs`` scores this model's completions."""
+    config = _config(model)
+    implementation = getattr(config, "_attn_implementation", None)
+    windowed = getattr(config, "sliding_window", None) and getattr(
+        config, "use_sliding_window", True
+    )
+    if implementation not in PACKABLE:
+        return "rows", f"{implementation} attention takes no custom mask"
+    if windowed:
+        # the custom mask would replace the model's own, sliding window included
+        return "rows", "the model has a sliding window, which the packed mask would replace"
+    return "packed", (
+        f"{implementation} attention takes a custom mask; a group switches to one row per "
+        "completion when packing costs more (long completions)"
+    )
+
+
+@dataclass(frozen=True)
+class ScoringCost:
+    """Model FLOPs of a forward, per position (the projections and MLP) and per query-key pair
+    (attention scores and their weighted sum), from the model's config."""
+
+    position: float
+    pair: float
+
+    @staticmethod
+    def of(config) -> ScoringCost:
+        h = config.hidden_size
+        mlp = getattr(config, "intermediate_size", 4 * h)
+        layers = config.num_hidden_layers
+        return ScoringCost(position=2.0 * layers * (4 * h * h + 3 * h * mlp), pair=4.0 * layers * h)
+
+    def packing_pays(self, prompt_len: int, completion_lens: list[int]) -> bool:
+        """One packed sequence (the prompt once, then every completion; its attention covers
+        the whole square, the mask does not skip work) against one row per completion (the
+        prompt repeated, padded to the longest completion, causal attention: half the square).
+        The packed mask also costs memory quadratic in the group's length; this rule stops
+        packing long before that matters, since the square is what makes it slower."""
+        packed = prompt_len + sum(max(n - 1, 0) for n in completion_lens)
+        row = prompt_len + max(completion_lens)
+        packed_cost = self.position * packed + self.pair * packed * packed
+        rows_cost = len(completion_lens) * (self.position * row + self.pair * row * row / 2)
+        return packed_cost <= rows_cost
+
+
+def packed_logprobs(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    sampling: Sampling | float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``completion_logprobs`` with every row packed by prompt (see ``pack``)."""
     packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    implementation = getattr(_config(model), "_attn_implementation", None)
     dtype = PACKABLE[implementation] or next(model.parameters()).dtype
     out = model(
         input_ids=packed.input_ids,
@@ -193,6 +305,35 @@ def completion_logprobs(
     history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
     return token_logprobs(
         logits, packed.at, completion_ids, sampling, with_entropy, history=history
+    )
+
+
+def group_rows_logprobs(
+    model: nn.Module,
+    prompt: Tensor,
+    completion_ids: Tensor,
+    lengths: Tensor,
+    sampling: Sampling | float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """One group's completions as one row each, its prompt repeated, without an attention mask.
+
+    prompt: [S] the group's real prompt tokens; completion_ids: [g, T] right padded; lengths:
+    [g]. Every row starts with the same unpadded prompt and is padded only after its last real
+    token, so plain causal attention is exact for every real token and no [L, L] mask is ever
+    built: memory grows linearly with the tokens scored. Returns logp [g, t] (t = the longest
+    completion) and entropy.
+    """
+    g, t = completion_ids.shape[0], max(int(lengths.max()), 1)
+    ids = torch.cat([prompt.expand(g, -1), completion_ids[:, :t]], dim=1)  # [g, S + t]
+    out = model(input_ids=ids, logits_to_keep=t + 1, use_cache=False)
+    logits = out.logits[:, :-1].reshape(g * t, -1)  # position S-1+j predicts completion token j
+    at = torch.arange(g * t, device=logits.device).view(g, t)
+    completion_mask = torch.arange(t, device=ids.device)[None, :] < lengths[:, None]  # [g, t]
+    prompt_mask = torch.ones(g, len(prompt), dtype=torch.bool, device=ids.device)
+    history = History(prompt.expand(g, -1), prompt_mask, completion_ids[:, :t], completion_mask)
+    return token_logprobs(
+        logits, at, completion_ids[:, :t], sampling, with_entropy, history=history
     )
 
 

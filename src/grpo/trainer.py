@@ -26,7 +26,7 @@ from grpo.batch import Rollout, Scored
 from grpo.config import Config, ConfigError, dump_config
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.eval import evaluate, heldout_rows, settings_for
-from grpo.logprobs import completion_logprobs
+from grpo.logprobs import completion_logprobs, scoring_path
 from grpo.memory import set_malloc_policy
 from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate
 from grpo.models import (
@@ -38,8 +38,9 @@ from grpo.models import (
     save_hf,
 )
 from grpo.processors import Sampling
+from grpo.prompts import prompt_format_for, scored_texts
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
-from grpo.rollout import RolloutEngine, build_engine, render_prompt
+from grpo.rollout import RolloutEngine, build_engine
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.turns import MultiTurnEngine, greedy_answers, tool_metrics
 from grpo.run_dir import (
@@ -52,6 +53,7 @@ from grpo.run_dir import (
     math_changes,
 )
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
+from grpo.temperature import TemperatureController
 
 # the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
 # is zero: in the loss, k1 does not pull the policy towards the reference
@@ -134,14 +136,71 @@ def micro_batch_order(prompt_len: Tensor, completion_len: Tensor, group_size: in
     return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
 
 
-def micro_batches(rollout: Rollout, advantages: Tensor, size: int) -> list[MicroBatch]:
-    """Split into micro-batches (see ``micro_batch_order``), each trimmed of pure padding."""
-    order = micro_batch_order(
-        rollout.prompt_mask.sum(dim=1), rollout.completion_mask.sum(dim=1), rollout.group_size
+def cut_micro_batches(
+    prompt_len: list[int],
+    completion_len: list[int],
+    order: list[int],
+    group_size: int,
+    size: int,
+    max_tokens: int | None = None,
+    count: int = 1,
+) -> list[list[int]]:
+    """Cut rows (taken in ``order``) into micro-batches of at most ``size`` rows and, with
+    ``max_tokens``, at most that many packed positions (a group's prompt once per micro-batch,
+    plus its completions; a row larger than the budget goes alone). Then, while there are fewer
+    than ``count`` micro-batches, the one with most positions is halved (ranks must run the same
+    number of backward passes). Returns row indices per micro-batch."""
+    budget = max_tokens or math.inf
+    cuts: list[list[int]] = []
+    tokens: list[int] = []
+    groups: set[int] = set()
+    for row in order:
+        group = row // group_size
+        cost = completion_len[row] + (0 if group in groups else prompt_len[row])
+        if not cuts or len(cuts[-1]) == size or tokens[-1] + cost > budget:
+            cuts.append([])
+            tokens.append(0)
+            groups = set()
+            cost = completion_len[row] + prompt_len[row]
+        cuts[-1].append(row)
+        tokens[-1] += cost
+        groups.add(group)
+    while len(cuts) < count:
+        splittable = [k for k, rows in enumerate(cuts) if len(rows) > 1]
+        if not splittable:
+            raise RuntimeError(f"{len(order)} rows cannot make the {count} micro-batches of a rank")
+        k = max(splittable, key=lambda k: tokens[k])
+        rows, half = cuts[k], len(cuts[k]) // 2
+        cuts[k : k + 1] = [rows[:half], rows[half:]]
+        share = tokens[k] * half // len(rows)  # an estimate is enough to pick the next to halve
+        tokens[k : k + 1] = [share, tokens[k] - share]
+    return cuts
+
+
+def micro_batches(
+    rollout: Rollout,
+    advantages: Tensor,
+    size: int,
+    max_tokens: int | None = None,
+    count: int = 1,
+) -> list[MicroBatch]:
+    """Split into micro-batches (see ``micro_batch_order`` and ``cut_micro_batches``), each
+    trimmed of pure padding."""
+    prompt_len = rollout.prompt_mask.sum(dim=1)
+    completion_len = rollout.completion_mask.sum(dim=1)
+    order = micro_batch_order(prompt_len, completion_len, rollout.group_size)
+    cuts = cut_micro_batches(
+        prompt_len.tolist(),
+        completion_len.tolist(),
+        order.tolist(),
+        rollout.group_size,
+        size,
+        max_tokens,
+        count,
     )
     out = []
-    for start in range(0, len(order), size):
-        idx = order[start : start + size]
+    for rows in cuts:
+        idx = torch.tensor(rows, dtype=torch.long)
         pm, cm = rollout.prompt_mask[idx], rollout.completion_mask[idx]
         s_keep = int(pm.sum(dim=1).max())  # prompts are left padded: keep the last columns
         t_keep = max(int(cm.sum(dim=1).max()), 1)  # completions right padded: keep the first
@@ -349,7 +408,7 @@ class Trainer:
         random.seed(config.train.seed)
         # everything that can fail on bad input happens before the run directory is touched
         self.rows = load_dataset_rows(config.data, config.train.seed)
-        self.system_prompt = system_prompt_for(config.data)
+        self.prompt_format = prompt_format_for(config.data, system_prompt_for(config.data))
         self.eval_rows = (
             heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
         )
@@ -373,8 +432,12 @@ class Trainer:
     def _build(self, model_path: str, engine: RolloutEngine | None) -> None:
         config = self.config
         self.tokenizer = load_tokenizer(model_path)
+        self.prompt_format.check(self.tokenizer, self.rows)
         self.policy = load_policy(config.model, model_path).to(self.dist.device)
         self.policy.train()
+        if self.dist.is_main:
+            path, why = scoring_path(self.policy)
+            print(f"scoring log-probs: {path} ({why})")
         self.reference = Reference(self.policy) if config.algorithm.beta > 0 else None
         # training forwards go through the DDP wrapper / the FSDP2-sharded policy; generation and
         # saving use self.policy (the same module, and the same object under FSDP2)
@@ -406,6 +469,7 @@ class Trainer:
             lr_lambda(config.optim.warmup_steps, total, config.optim.schedule),
         )
         self.stream = PromptStream(self.rows, config.train.seed, config.data.shuffle)
+        self.temperature = TemperatureController(config)
         sampling = config.sampling
         self.prompt_filter = (
             PromptFilter(sampling.greso_history, sampling.greso_skip_prob, config.train.seed)
@@ -460,12 +524,18 @@ class Trainer:
             return empty_rollout(self.config.rollout.group_size)
         rows = [self.rows[d.index] for d in draws[start:stop]]
         seeds = [sampling_seed(self.config.train.seed, d.position) for d in draws[start:stop]]
-        prompts = [render_prompt(self.tokenizer, r["prompt"], self.system_prompt) for r in rows]
+        prompts = [self.prompt_format.render(self.tokenizer, r) for r in rows]
         # HF generate on an FSDP2 policy needs whole weights: ranks stop decoding at different steps
         gather = self.config.rollout.engine == "hf"
         params = distributed.full_parameters(self.policy) if gather else contextlib.nullcontext()
         with params, self._autocast():
-            return self.engine.generate(prompts, rows, self.config.rollout.group_size, seeds=seeds)
+            return self.engine.generate(
+                prompts,
+                rows,
+                self.config.rollout.group_size,
+                seeds=seeds,
+                temperature=self.temperature.for_step(self.step),
+            )
 
     def score(self, rollout: Rollout) -> Scored:
         g = rollout.group_size
@@ -481,7 +551,12 @@ class Trainer:
         if rollout.turns is not None:
             columns["turns"] = rollout.turns  # rewards judge rollout.answers, the last turns
         if rollout.rows:
-            out = self.rewards(rollout.answers, prompts, columns, ids)
+            # the answer (the last turn of a multi-turn completion); a single-turn completion that
+            # starts inside a tag the prompt opened is judged with that tag
+            texts = (
+                rollout.answers if rollout.turns else scored_texts(rollout.prompts, rollout.answers)
+            )
+            out = self.rewards(texts, prompts, columns, ids)
         else:  # this rank has no prompt this round; it still joins the collectives below
             names = self.rewards.names
             out = RewardOutput(torch.zeros(0, len(names)), names, torch.zeros(len(names)), {})
@@ -578,11 +653,15 @@ class Trainer:
         """``num_iterations`` optimizer steps on one scored batch; returns the update's metrics."""
         cfg = self.config.algorithm
         rollout = scored.rollout
-        batches = micro_batches(rollout, scored.advantages, self.config.optim.micro_batch_size)
+        optim = self.config.optim
+        size, budget = optim.micro_batch_size, optim.micro_batch_tokens
+        batches = micro_batches(rollout, scored.advantages, size, budget)
+        most = int(distributed.all_reduce(len(batches), "max"))
+        if most != len(batches):
+            # DDP/FSDP reduce once per backward: every rank runs the same number of them (token
+            # budgets cut each rank's rows differently)
+            batches = micro_batches(rollout, scored.advantages, size, budget, count=most)
         batches = [mb.to(self.dist.device) for mb in batches]
-        if distributed.all_reduce(len(batches), "max") != len(batches):
-            # DDP/FSDP reduce once per backward: every rank must run the same number of them
-            raise RuntimeError("ranks disagree on the number of micro-batches in this step")
         ref_all, old_all = self.frozen_logprobs(batches, tuple(rollout.completion_ids.shape))
         # mask_truncated_completions: a cut-off completion contributes no token to the loss
         keep = (
@@ -741,6 +820,7 @@ class Trainer:
                     "greso": None
                     if self.prompt_filter is None
                     else self.prompt_filter.state_dict(),
+                    "temperature": self.temperature.state_dict(),
                     "reference": None if self.reference is None else self.reference.state_dict(),
                     "trainable": {
                         k: v
@@ -816,6 +896,8 @@ class Trainer:
             )
         if self.prompt_filter is not None and state.get("greso"):
             self.prompt_filter.load_state_dict(state["greso"])
+        if state.get("temperature"):
+            self.temperature.load_state_dict(state["temperature"])
         if self.reference is not None and state.get("reference"):
             self.reference.load_state_dict(state["reference"])
         self.stream.consumed = state["consumed"]
@@ -934,7 +1016,13 @@ class Trainer:
         # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
         with distributed.full_parameters(self.policy):
             result = evaluate(
-                self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings, complete
+                self.policy,
+                self.tokenizer,
+                self.eval_rows,
+                self.prompt_format,
+                settings,
+                self.rewards,
+                complete,
             )
         if turns:
             result.update(tool_metrics(turns))
@@ -985,6 +1073,8 @@ class Trainer:
         metrics.update(self.step_metrics(everyone))
         metrics.update(update)
         metrics.update(self.sampling_metrics(batch, clock))
+        metrics["rollout/temperature"] = self.temperature.for_step(self.step)
+        self.temperature.observe(metrics)  # adaptive: the next step's temperature
         tokens = float(everyone.rollout.completion_mask.sum())
         metrics.update(
             {
@@ -1008,6 +1098,13 @@ def empty_rollout(group_size: int) -> Rollout:
     return Rollout(ids, mask, ids, mask, torch.zeros(0, dtype=torch.bool), [], [], [], group_size)
 
 
+def _kind(value: Any) -> Any:
+    """What a gathered field holds: a tensor's dtype, "list", or None."""
+    if isinstance(value, Tensor):
+        return value.dtype
+    return "list" if isinstance(value, list) else None
+
+
 def gather_scored(scored: Scored) -> Scored:
     """Every rank's scored groups concatenated in rank order (itself on one process).
 
@@ -1022,11 +1119,15 @@ def gather_scored(scored: Scored) -> Scored:
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            # a rank without prompts this round has no sampler log-probs; the others decide
-            if f.name in skip or not distributed.all_reduce(value is not None, "max"):
+            if f.name in skip:
+                continue
+            # a rank without prompts this round has None where the others have rows (sampler
+            # log-probs, multi-turn masks and turns): it sends an empty value of their kind
+            kinds = [k for k in distributed.all_gather_list([_kind(value)]) if k is not None]
+            if not kinds:
                 continue
             if value is None:
-                value = torch.zeros(0, 1)
+                value = [] if kinds[0] == "list" else torch.zeros(0, 1, dtype=kinds[0])
             if f.name in ("prompt_ids", "prompt_mask"):
                 width = int(distributed.all_reduce(value.shape[1], "max"))
                 value = torch.nn.functional.pad(value, (width - value.shape[1], 0))
@@ -1036,7 +1137,13 @@ def gather_scored(scored: Scored) -> Scored:
                 out[f.name] = distributed.all_gather_list(value)
         return out
 
-    rollout = dataclasses.replace(scored.rollout, **gather(scored.rollout, set()))
+    # the sampling controls of a rank that sampled (a rank without prompts has the defaults)
+    sampled = distributed.all_gather_list(
+        [(scored.rollout.num_completions, scored.rollout.sampling)]
+    )
+    sampling = next((s for n, s in sampled if n), scored.rollout.sampling)
+    gathered = gather(scored.rollout, {"sampling"})
+    rollout = dataclasses.replace(scored.rollout, sampling=sampling, **gathered)
     errors = {
         name: int(distributed.all_reduce(scored.errors.get(name, 0)))
         for name in scored.function_names
