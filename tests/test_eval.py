@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import torch
 from torch import nn
 
 from grpo.cli import main
+from grpo.config import RewardsConfig, RewardSpec
+from grpo.data import DataError
 from grpo.eval import (
     DEFAULT_EXTRACT,
     EvalSettings,
@@ -25,6 +28,8 @@ from grpo.eval import (
     score_samples,
 )
 from grpo.models import load_tokenizer
+from grpo.prompts import PromptFormat
+from grpo.rewards import RewardRunner
 from grpo.trainer import train
 
 # ------------------------------------------------------------------------------------ pass@k
@@ -139,7 +144,7 @@ def test_evaluate_with_scripted_model(tiny_model_dir: Path) -> None:
         {"prompt": "What is 5 + 5?", "answer": "10"},  # greedy wrong, c = 1
     ]
     settings = EvalSettings(samples=3, max_new_tokens=32, batch_size=3)
-    out = evaluate(model, tokenizer, rows, "sys", settings)
+    out = evaluate(model, tokenizer, rows, PromptFormat(system="sys"), settings)
     assert out["accuracy"] == pytest.approx(2 / 4, abs=1e-12)
     assert out["answer_rate"] == 1.0
     # pass@k = 1 - C(n - c, k) / C(n, k) with n = 3, averaged over the four problems:
@@ -152,6 +157,41 @@ def test_evaluate_with_scripted_model(tiny_model_dir: Path) -> None:
     assert out["maj@3"] == pytest.approx(2 / 4, abs=1e-12)
     assert out["examples"] == 4
     assert model.training  # evaluation restores the training mode
+
+
+def test_evaluate_judges_with_the_recipes_rewards(tiny_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    model = ScriptedModel(tokenizer)
+    rows = [
+        {"prompt": "What is 2 + 3?", "answer": "5"},  # greedy right
+        {"prompt": "What is 7 - 1?", "answer": "6"},  # greedy wrong
+        {"prompt": "What is 4 * 4?", "answer": "16"},  # greedy right
+    ]
+    rewards = RewardRunner(
+        RewardsConfig(
+            functions=[
+                RewardSpec(name="accuracy", args={"math_verify": False}),
+                RewardSpec(name="format", weight=0.5),
+            ]
+        )
+    )
+    settings = EvalSettings(max_new_tokens=32, reward_threshold=1.5)
+    try:
+        out = evaluate(model, tokenizer, rows, PromptFormat(), settings, rewards)
+        # totals: right answers 1 + 0.5 (format) = 1.5, the wrong one 0 + 0.5
+        assert out["reward/mean"] == pytest.approx((1.5 + 0.5 + 1.5) / 3, abs=1e-6)
+        assert out["reward/pass_rate"] == pytest.approx(2 / 3, abs=1e-6)  # totals >= 1.5
+        assert out["reward/accuracy/mean"] == pytest.approx(2 / 3, abs=1e-6)
+        assert out["reward/format/mean"] == 1.0
+        # rows without gold answers: judged by the rewards alone (accuracy's None is left out)
+        bare = [{"prompt": r["prompt"]} for r in rows]
+        out = evaluate(model, tokenizer, bare, PromptFormat(), settings, rewards)
+        assert "accuracy" not in out and math.isnan(out["reward/accuracy/mean"])
+        assert out["reward/mean"] == 0.5 and out["reward/pass_rate"] == 0.0
+    finally:
+        rewards.close()
+    with pytest.raises(DataError, match="answer"):
+        evaluate(model, tokenizer, bare, PromptFormat(), settings)
 
 
 # ------------------------------------------------------------------------- trainer and CLI
@@ -194,7 +234,7 @@ def test_cli_eval_json(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     assert set(metrics) >= {"accuracy", "answer_rate", "pass@1", "pass@2", "maj@2"}
     assert metrics["examples"] == 3
     assert metrics["pass@1"] <= metrics["pass@2"] + 1e-12  # more tries never hurt
-    assert printed["task"] == "arithmetic"
+    assert printed["data"]["task"] == "arithmetic" and printed["data"]["split"] == "test"
 
 
 def test_cli_eval_of_a_run_dir_uses_its_recipe(tiny_config, capsys) -> None:
@@ -205,7 +245,7 @@ def test_cli_eval_of_a_run_dir_uses_its_recipe(tiny_config, capsys) -> None:
     assert main(["eval", str(run_dir), "rollout.max_new_tokens=4", "--examples", "2"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["model"] == str(run_dir / "final")
-    assert printed["task_args"] == {"size": 64, "max_value": 9}
+    assert printed["data"]["task_args"] == {"size": 64, "max_value": 9}
 
 
 def test_cli_eval_bad_input_is_one_line(tiny_model_dir: Path, capsys) -> None:

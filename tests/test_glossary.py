@@ -24,6 +24,8 @@ def _as_documented(key: str, functions: set[str]) -> str:
     parts = key.split("/")
     if parts[0] == "reward" and len(parts) == 3 and parts[1] in functions:
         return f"reward/<fn>/{parts[2]}"
+    if parts[:2] == ["eval", "reward"] and len(parts) == 4 and parts[2] in functions:
+        return f"eval/reward/<fn>/{parts[3]}"
     return key
 
 

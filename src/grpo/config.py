@@ -66,12 +66,22 @@ class DataConfig(Section):
     """Column holding the gold answer; passed to rewards as `answer`."""
     system_prompt: str | None = None
     """System message put before string prompts (overrides the task's own)."""
+    template: str | None = None
+    """Prompt template: a built-in name (`r1_zero`) or text with `{column}` fields filled from each row (`{prompt}`, `{system}`, any data column). See README, Prompt templates."""
+    chat_template: bool | None = None
+    """Wrap prompts in the tokenizer's chat template: null = when it has one and `template` is unset; true = always (the filled template is the user message); false = never (plain text)."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for the chat template (e.g. `enable_thinking: false`)."""
+    response_prefix: str = ""
+    """Text appended after the rendered prompt, where the answer starts (e.g. `<answer>`); a tag it opens counts as part of the completion for rewards and eval."""
     num_examples: int | None = Field(None, ge=1)
     """Use only the first N rows (after task generation)."""
     shuffle: bool = True
     """Visit rows in a seeded random order, reshuffled every epoch."""
     task_args: dict[str, Any] = {}
     """Keyword arguments for the built-in task's generator (size, digit ranges, ...)."""
+    eval_path: str | None = None
+    """Held-out data for evaluation (training's `eval/*` and `grpo eval`), same format and fields as `path`; default: the task's or the `datasets` folder's test split."""
 
 
 class RolloutConfig(Section):
@@ -191,6 +201,31 @@ class SamplingConfig(Section):
     """Probability of skipping such a prompt at a visit (seeded by train.seed, prompt and epoch)."""
 
 
+class TemperatureConfig(Section):
+    schedule: Literal["constant", "linear", "cosine", "adaptive"] = "constant"
+    """Rollout temperature over the steps: constant (`rollout.temperature`), linear or cosine from `rollout.temperature` to `end`, or adaptive (README, Temperatures)."""
+    end: float = Field(1.0, gt=0)
+    """linear/cosine: the temperature at the last step."""
+    min: float = Field(0.5, gt=0)
+    """adaptive: lowest temperature."""
+    max: float = Field(1.5, gt=0)
+    """adaptive: highest temperature."""
+    step: float = Field(0.1, gt=0)
+    """adaptive: change per step."""
+    raise_above: float = Field(0.5, ge=0, le=1)
+    """adaptive: raise the temperature when the mean frac_zero_std of the last `window` steps is above this."""
+    window: int = Field(3, ge=1)
+    """adaptive: steps averaged for the raise rule."""
+    degenerate_above: float = Field(0.5, ge=0, le=1)
+    """adaptive: lower the temperature when the last step's truncated_frac is above this (degenerate, rambling completions)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> TemperatureConfig:
+        if self.min > self.max:
+            raise ValueError(f"temperature.min ({self.min}) is above temperature.max ({self.max})")
+        return self
+
+
 class OptimConfig(Section):
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate (AdamW)."""
@@ -233,6 +268,8 @@ class TrainConfig(Section):
     """Held-out examples per evaluation."""
     eval_samples: int = Field(1, ge=1)
     """Sampled completions per held-out problem for pass@k and maj@k (1 = greedy accuracy only)."""
+    eval_reward_threshold: float = 1.0
+    """A held-out completion passes when its total reward reaches this (`eval/reward/pass_rate`)."""
     sinks: list[str] = ["jsonl", "tensorboard"]
     """Metric sinks: jsonl (always on), tensorboard, wandb, trackio (offline)."""
     progress: bool = True
@@ -252,6 +289,7 @@ class Config(Section):
     rewards: RewardsConfig = RewardsConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     sampling: SamplingConfig = SamplingConfig()
+    temperature: TemperatureConfig = TemperatureConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
 
@@ -433,11 +471,45 @@ def build_config(tree: dict[str, Any]) -> Config:
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Recipe (or the default recipe) + dotted overrides -> validated Config."""
     path = Path(recipe) if recipe is not None else default_recipe_path()
-    tree = read_recipe(path)
+    tree = resolve_recipe_paths(read_recipe(path), path.parent)
     if "run_name" not in tree.get("train", {}):
         # a recipe's runs land in runs/<recipe name> unless it says otherwise
         tree = _merge(tree, {"train": {"run_name": path.stem}})
     return build_config(_merge(tree, parse_overrides(overrides or [])))
+
+
+def resolve_recipe_paths(tree: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A recipe's relative file paths as paths from the recipe's folder, so a recipe runs the
+    same from any working directory: data files, reward files (`file.py:function`) and a model
+    that is a folder or file next to the recipe (aliases and hub ids stay as they are).
+    Command-line overrides stay relative to the working directory; so does train.output_dir."""
+
+    def local(value: Any) -> Any:
+        if not isinstance(value, str) or not value or Path(value).is_absolute():
+            return value
+        return str(folder / value)
+
+    tree = _merge(tree, {})
+    data = tree.get("data")
+    if isinstance(data, dict):
+        tree["data"] = {**data, **{k: local(data[k]) for k in ("path", "eval_path") if k in data}}
+    model = tree.get("model")
+    if isinstance(model, dict) and isinstance(model.get("name"), str):
+        candidate = folder / model["name"]
+        if not Path(model["name"]).is_absolute() and candidate.exists():
+            tree["model"] = {**model, "name": str(candidate)}
+    rewards = tree.get("rewards")
+    functions = rewards.get("functions") if isinstance(rewards, dict) else None
+    if isinstance(functions, list):
+        specs = []
+        for spec in functions:
+            name = spec.get("name") if isinstance(spec, dict) else None
+            if isinstance(name, str) and ".py:" in name:
+                file, _, fn = name.rpartition(":")
+                spec = {**spec, "name": f"{local(file)}:{fn}"}
+            specs.append(spec)
+        tree["rewards"] = {**rewards, "functions": specs}
+    return tree
 
 
 def default_recipe_path() -> Path:

@@ -9,6 +9,13 @@
   completions without an answer do not vote) is judged against the gold answer.
 - ``answer_rate``: share of greedy completions that contain an <answer> tag at all.
 - ``completion_len``: mean length of the greedy completions, in tokens.
+- ``reward/mean``, ``reward/<fn>/mean``, ``reward/pass_rate``: the recipe's own reward functions
+  on the greedy completions (the total, each function, and the share whose total reaches
+  ``train.eval_reward_threshold``). Data without gold answers gets these (and ``answer_rate``,
+  ``completion_len``) only.
+
+The held-out rows are ``data.eval_path`` when set, else the task's (or ``datasets`` folder's) test
+split.
 
 ``grpo eval`` prints the result as JSON; the trainer calls ``evaluate`` every
 ``train.eval_every`` steps and logs each value as ``eval/<name>``.
@@ -29,8 +36,9 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config
 from grpo.data import DataError, load_dataset_rows, system_prompt_for
+from grpo.prompts import PromptFormat, prompt_format_for, scored_texts
+from grpo.rewards import RewardOutput, RewardRunner
 from grpo.rewards.accuracy import DEFAULT_EXTRACT, AccuracyReward, answers_match, extract_answer
-from grpo.rollout import render_prompt
 from grpo.rollout.hf import eos_ids
 
 
@@ -74,6 +82,7 @@ class EvalSettings:
     temperature: float = 1.0
     batch_size: int = 32
     extract: tuple[str, ...] = DEFAULT_EXTRACT
+    reward_threshold: float = 1.0
 
 
 @torch.no_grad()
@@ -132,64 +141,106 @@ def score_samples(
     return out
 
 
+def reward_metrics(output: RewardOutput, threshold: float) -> dict[str, float]:
+    """The recipe's rewards on held-out completions: total mean, share of totals >= threshold,
+    and each function's mean over the completions it applied to."""
+    total = output.total
+    out = {
+        "reward/mean": float(total.mean()),
+        "reward/pass_rate": float((total >= threshold).float().mean()),
+    }
+    for k, name in enumerate(output.names):
+        column = output.per_function[:, k]
+        valid = column[~column.isnan()]
+        out[f"reward/{name}/mean"] = float(valid.mean()) if valid.numel() else math.nan
+    return out
+
+
+def judge_with_rewards(
+    rewards: RewardRunner,
+    rows: list[dict[str, Any]],
+    texts: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    raw: list[str],
+) -> RewardOutput:
+    """Score one completion per row as training does: dataset columns as keyword lists."""
+    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
+    ids = [tokenizer(c, add_special_tokens=False).input_ids for c in raw]
+    return rewards(texts, [row["prompt"] for row in rows], columns, ids)
+
+
 def evaluate(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict[str, Any]],
-    system_prompt: str | None,
+    prompt_format: PromptFormat,
     settings: EvalSettings = EvalSettings(),
+    rewards: RewardRunner | None = None,
     complete: Callable[[list[str]], list[str]] | None = None,
 ) -> dict[str, float]:
-    """Greedy accuracy (and pass@k / maj@k when settings.samples > 1) over ``rows``.
+    """Greedy accuracy (and pass@k / maj@k when settings.samples > 1) over ``rows`` when every
+    row has a gold ``answer``, and the ``rewards`` (the recipe's functions) when given.
 
     ``complete`` maps rendered prompts to greedy answers in place of plain generation (the
     trainer's multi-turn tool loop); pass@k and maj@k need plain generation.
     """
-    prompts = [render_prompt(tokenizer, r["prompt"], system_prompt) for r in rows]
+    prompts = [prompt_format.render(tokenizer, r) for r in rows]
     golds = [r.get("answer") for r in rows]
-    if any(g is None for g in golds):
-        raise DataError("evaluation rows need an 'answer' column")
+    has_gold = all(g is not None for g in golds)
+    if not has_gold and rewards is None:
+        raise DataError("evaluation rows need an 'answer' column (or reward functions to judge)")
     was_training = model.training
     model.eval()
     try:
-        greedy = (
+        raw = (
             complete(prompts)
             if complete is not None
             else [group[0] for group in _generate(model, tokenizer, prompts, settings, 1, True)]
         )
+        greedy = scored_texts(prompts, raw)  # judged with the tag the prompt opened
         sampled = (
-            _generate(model, tokenizer, prompts, settings, settings.samples, False)
+            [
+                scored_texts([p] * len(group), group)
+                for p, group in zip(
+                    prompts,
+                    _generate(model, tokenizer, prompts, settings, settings.samples, False),
+                    strict=True,
+                )
+            ]
             if settings.samples > 1
             else None
         )
     finally:
         model.train(was_training)
     out = {
-        "accuracy": sum(
-            is_correct(c, g, settings.extract) for c, g in zip(greedy, golds, strict=True)
-        )
-        / len(rows),
         "answer_rate": sum(extract_answer(c, ("answer",)) is not None for c in greedy) / len(rows),
-        "completion_len": sum(len(tokenizer(c).input_ids) for c in greedy) / len(rows),
+        "completion_len": sum(len(tokenizer(c, add_special_tokens=False).input_ids) for c in raw)
+        / len(rows),
         "examples": float(len(rows)),
     }
-    if sampled is not None:
-        out.update(score_samples(sampled, golds, settings.extract))
-    return out
+    if has_gold:
+        correct = [is_correct(c, g, settings.extract) for c, g in zip(greedy, golds, strict=True)]
+        out["accuracy"] = sum(correct) / len(rows)
+        if sampled is not None:
+            out.update(score_samples(sampled, golds, settings.extract))
+    if rewards is not None:
+        judged = judge_with_rewards(rewards, rows, greedy, tokenizer, raw)
+        out.update(reward_metrics(judged, settings.reward_threshold))
+    return dict(sorted(out.items()))
 
 
 def heldout_rows(config: Config, examples: int | None) -> list[dict[str, Any]]:
-    """The first ``examples`` rows of the held-out split: a task's test split, or the 'test'
-    split of a `datasets` folder. A single data file has no held-out split."""
-    data = config.data
-    if data.path is not None and not Path(data.path).is_dir():
+    """The first ``examples`` held-out rows: ``data.eval_path`` when set, else a task's test
+    split or the 'test' split of a `datasets` folder. A single training file has none."""
+    data = config.data.model_copy(update={"num_examples": None})
+    if data.eval_path is not None:
+        data = data.model_copy(update={"path": data.eval_path})
+    elif data.path is not None and not Path(data.path).is_dir():
         raise DataError(
             f"data.path {data.path}: a single file has no held-out split for evaluation "
-            "(use a built-in task or a datasets folder with a 'test' split)"
+            "(set data.eval_path, or use a built-in task or a datasets folder with a 'test' split)"
         )
-    rows = load_dataset_rows(
-        data.model_copy(update={"num_examples": None}), config.train.seed, "test"
-    )
+    rows = load_dataset_rows(data, config.train.seed, "test")
     return rows[:examples] if examples else rows
 
 
@@ -207,12 +258,24 @@ def settings_for(config: Config, samples: int) -> EvalSettings:
         max_new_tokens=config.rollout.max_new_tokens,
         temperature=config.rollout.temperature,
         extract=extract_of(config),
+        reward_threshold=config.train.eval_reward_threshold,
     )
+
+
+def eval_data_of(config: Config) -> dict[str, Any]:
+    """What ``heldout_rows`` reads, for the JSON output: a file or folder, or a task."""
+    data = config.data
+    if data.eval_path is not None:
+        return {"path": str(Path(data.eval_path).resolve())}
+    if data.path is not None:
+        return {"path": str(Path(data.path).resolve()), "split": "test"}
+    return {"task": data.task, "task_args": data.task_args, "split": "test"}
 
 
 def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[str, float]:
     """Load ``config.model.name`` (full weights, no adapters) and evaluate it on the held-out
-    split of ``config.data`` with the rollout's token limit and temperature."""
+    rows of ``config.data`` with the rollout's token limit and temperature, judged also by the
+    recipe's reward functions."""
     from grpo.config import ModelConfig
     from grpo.models import load_policy, load_tokenizer, resolve_model_path
 
@@ -222,4 +285,9 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     path = resolve_model_path(config.model.name)
     model = load_policy(ModelConfig(name=path, dtype=config.model.dtype), path)
     settings = settings_for(config, samples)
-    return evaluate(model, load_tokenizer(path), rows, system_prompt_for(config.data), settings)
+    prompt_format = prompt_format_for(config.data, system_prompt_for(config.data))
+    rewards = RewardRunner(config.rewards)
+    try:
+        return evaluate(model, load_tokenizer(path), rows, prompt_format, settings, rewards)
+    finally:
+        rewards.close()

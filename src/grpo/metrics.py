@@ -95,8 +95,10 @@ def wandb_run_id(run_dir: Path) -> str:
 
 
 class TrackioSink:
-    """Trackio, local only (a SQLite database under TRACKIO_DIR, default <run_dir>/trackio; no
-    Space is created), project "grpo", one trackio run per run directory."""
+    """Trackio, local only (a SQLite database, no Space is created), project "grpo", one trackio
+    run per run directory. The database is under TRACKIO_DIR, which trackio reads once, when it
+    is first imported: <run_dir>/trackio unless set before, or trackio was imported earlier in
+    the process. The folder used is printed."""
 
     def __init__(self, run_dir: Path, keep_through_step: int) -> None:
         os.environ.setdefault("TRACKIO_DIR", str(run_dir / "trackio"))
@@ -104,6 +106,8 @@ class TrackioSink:
 
         self.trackio = trackio
         trackio.init(project="grpo", name=run_dir.name, resume="allow")
+        utils = getattr(trackio, "utils", None)  # trackio's own record of the folder it uses
+        print(f"metrics sink 'trackio': {getattr(utils, 'TRACKIO_DIR', os.environ['TRACKIO_DIR'])}")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.trackio.log(metrics, step=step)
@@ -122,27 +126,54 @@ OPTIONAL_SINKS = {"wandb", "trackio"}
 
 
 class MetricsLogger:
-    """Fans each step's metrics out to the configured sinks."""
+    """Fans each step's metrics out to the configured sinks.
+
+    An optional sink (wandb, trackio) that cannot start, or fails while logging, costs one line
+    on the console and is dropped; the run and the other sinks go on. jsonl and tensorboard
+    failures stop the run (the run directory itself is broken then).
+    """
 
     def __init__(self, run_dir: Path, sinks: list[str], keep_through_step: int = 0) -> None:
-        self.sinks: list[Sink] = []
+        self.sinks: dict[str, Sink] = {}
         for name in dict.fromkeys(["jsonl", *sinks]):
             if name not in SINKS:
                 raise ValueError(f"train.sinks: unknown sink '{name}' (use {', '.join(SINKS)})")
             try:
-                self.sinks.append(SINKS[name](run_dir, keep_through_step))
+                self.sinks[name] = SINKS[name](run_dir, keep_through_step)
             except ImportError:
                 if name not in OPTIONAL_SINKS:
                     raise
                 print(f"metrics sink '{name}' skipped: package not installed")
+            except Exception as err:  # a third-party sink may fail in any way: never the run
+                if name not in OPTIONAL_SINKS:
+                    raise
+                print(
+                    f"metrics sink '{name}' failed to start, run goes on without it: {_line(err)}"
+                )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        for sink in self.sinks:
-            sink.log(step, metrics)
+        for name, sink in list(self.sinks.items()):
+            try:
+                sink.log(step, metrics)
+            except Exception as err:  # as above: an optional sink's failure must not end the run
+                if name not in OPTIONAL_SINKS:
+                    raise
+                print(f"metrics sink '{name}' failed at step {step}, dropped: {_line(err)}")
+                del self.sinks[name]
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        for name, sink in self.sinks.items():
+            try:
+                sink.close()
+            except Exception as err:  # the run's own files are complete; say so and go on
+                if name not in OPTIONAL_SINKS:
+                    raise
+                print(f"metrics sink '{name}' failed to close: {_line(err)}")
+
+
+def _line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 class ProgressBar:

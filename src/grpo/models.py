@@ -143,19 +143,39 @@ def is_cached(alias: str) -> bool:
     return (cache_root() / alias / "config.json").is_file()
 
 
+def _build_once(target: Path, build: Callable[[Path], Path]) -> str:
+    """``target`` built by ``build`` unless it is already there (an HF folder with config.json),
+    under a temporary name renamed when complete, so an interrupted build is never mistaken
+    for a model."""
+    if not (target / "config.json").is_file():
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.replace(target)
+    return str(target)
+
+
+def gguf_cache_folder(gguf: Path) -> Path:
+    """Where a GGUF file's dequantized HF folder is cached: keyed by its path, size and mtime,
+    so an edited or replaced file is converted again."""
+    import hashlib
+
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return cache_root() / f"gguf-{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
 def resolve_model_path(name: str) -> str:
-    """An alias (built into the cache on first use), a local folder, or a hub id as given."""
+    """An alias or a ``.gguf`` file (either converted once into the cache), a local folder, or a
+    hub id as given."""
     if name in ALIASES:
-        target = cache_root() / name
-        if not is_cached(name):
-            # build under a temporary name so an interrupted build is never mistaken for a model
-            tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            ALIASES[name](tmp)
-            shutil.rmtree(target, ignore_errors=True)
-            tmp.replace(target)
-        return str(target)
+        return _build_once(cache_root() / name, ALIASES[name])
     path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {path}")
+        return _build_once(gguf_cache_folder(path), lambda target: dequantize_gguf(path, target))
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelError(f"model folder {path} has no config.json")

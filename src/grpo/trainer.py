@@ -38,8 +38,9 @@ from grpo.models import (
     save_hf,
 )
 from grpo.processors import Sampling
+from grpo.prompts import prompt_format_for, scored_texts
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
-from grpo.rollout import RolloutEngine, build_engine, render_prompt
+from grpo.rollout import RolloutEngine, build_engine
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.turns import MultiTurnEngine, greedy_answers, tool_metrics
 from grpo.run_dir import (
@@ -52,6 +53,7 @@ from grpo.run_dir import (
     math_changes,
 )
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
+from grpo.temperature import TemperatureController
 
 # the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
 # is zero: in the loss, k1 does not pull the policy towards the reference
@@ -406,7 +408,7 @@ class Trainer:
         random.seed(config.train.seed)
         # everything that can fail on bad input happens before the run directory is touched
         self.rows = load_dataset_rows(config.data, config.train.seed)
-        self.system_prompt = system_prompt_for(config.data)
+        self.prompt_format = prompt_format_for(config.data, system_prompt_for(config.data))
         self.eval_rows = (
             heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
         )
@@ -430,6 +432,7 @@ class Trainer:
     def _build(self, model_path: str, engine: RolloutEngine | None) -> None:
         config = self.config
         self.tokenizer = load_tokenizer(model_path)
+        self.prompt_format.check(self.tokenizer, self.rows)
         self.policy = load_policy(config.model, model_path).to(self.dist.device)
         self.policy.train()
         if self.dist.is_main:
@@ -466,6 +469,7 @@ class Trainer:
             lr_lambda(config.optim.warmup_steps, total, config.optim.schedule),
         )
         self.stream = PromptStream(self.rows, config.train.seed, config.data.shuffle)
+        self.temperature = TemperatureController(config)
         sampling = config.sampling
         self.prompt_filter = (
             PromptFilter(sampling.greso_history, sampling.greso_skip_prob, config.train.seed)
@@ -520,12 +524,18 @@ class Trainer:
             return empty_rollout(self.config.rollout.group_size)
         rows = [self.rows[d.index] for d in draws[start:stop]]
         seeds = [sampling_seed(self.config.train.seed, d.position) for d in draws[start:stop]]
-        prompts = [render_prompt(self.tokenizer, r["prompt"], self.system_prompt) for r in rows]
+        prompts = [self.prompt_format.render(self.tokenizer, r) for r in rows]
         # HF generate on an FSDP2 policy needs whole weights: ranks stop decoding at different steps
         gather = self.config.rollout.engine == "hf"
         params = distributed.full_parameters(self.policy) if gather else contextlib.nullcontext()
         with params, self._autocast():
-            return self.engine.generate(prompts, rows, self.config.rollout.group_size, seeds=seeds)
+            return self.engine.generate(
+                prompts,
+                rows,
+                self.config.rollout.group_size,
+                seeds=seeds,
+                temperature=self.temperature.for_step(self.step),
+            )
 
     def score(self, rollout: Rollout) -> Scored:
         g = rollout.group_size
@@ -541,7 +551,12 @@ class Trainer:
         if rollout.turns is not None:
             columns["turns"] = rollout.turns  # rewards judge rollout.answers, the last turns
         if rollout.rows:
-            out = self.rewards(rollout.answers, prompts, columns, ids)
+            # the answer (the last turn of a multi-turn completion); a single-turn completion that
+            # starts inside a tag the prompt opened is judged with that tag
+            texts = (
+                rollout.answers if rollout.turns else scored_texts(rollout.prompts, rollout.answers)
+            )
+            out = self.rewards(texts, prompts, columns, ids)
         else:  # this rank has no prompt this round; it still joins the collectives below
             names = self.rewards.names
             out = RewardOutput(torch.zeros(0, len(names)), names, torch.zeros(len(names)), {})
@@ -805,6 +820,7 @@ class Trainer:
                     "greso": None
                     if self.prompt_filter is None
                     else self.prompt_filter.state_dict(),
+                    "temperature": self.temperature.state_dict(),
                     "reference": None if self.reference is None else self.reference.state_dict(),
                     "trainable": {
                         k: v
@@ -880,6 +896,8 @@ class Trainer:
             )
         if self.prompt_filter is not None and state.get("greso"):
             self.prompt_filter.load_state_dict(state["greso"])
+        if state.get("temperature"):
+            self.temperature.load_state_dict(state["temperature"])
         if self.reference is not None and state.get("reference"):
             self.reference.load_state_dict(state["reference"])
         self.stream.consumed = state["consumed"]
@@ -998,7 +1016,13 @@ class Trainer:
         # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
         with distributed.full_parameters(self.policy):
             result = evaluate(
-                self.policy, self.tokenizer, self.eval_rows, self.system_prompt, settings, complete
+                self.policy,
+                self.tokenizer,
+                self.eval_rows,
+                self.prompt_format,
+                settings,
+                self.rewards,
+                complete,
             )
         if turns:
             result.update(tool_metrics(turns))
@@ -1049,6 +1073,8 @@ class Trainer:
         metrics.update(self.step_metrics(everyone))
         metrics.update(update)
         metrics.update(self.sampling_metrics(batch, clock))
+        metrics["rollout/temperature"] = self.temperature.for_step(self.step)
+        self.temperature.observe(metrics)  # adaptive: the next step's temperature
         tokens = float(everyone.rollout.completion_mask.sum())
         metrics.update(
             {

@@ -50,17 +50,12 @@ def sampling_of(config: RolloutConfig, temperature: float | None = None) -> Samp
 def render_prompt(
     tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]], system: str | None
 ) -> str:
-    """A dataset prompt (string or chat messages) as the text the model continues.
+    """A dataset prompt (string or chat messages) as the text the model continues: the chat
+    template when the tokenizer has one, else plain text, the system prompt first (the default
+    ``grpo.prompts.PromptFormat``; recipes may set a template)."""
+    from grpo.prompts import PromptFormat
 
-    Uses the tokenizer's chat template when it has one; otherwise plain text, the system prompt
-    first.
-    """
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if system and messages[0].get("role") != "system":
-        messages = [{"role": "system", "content": system}, *messages]
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "\n\n".join(m["content"] for m in messages) + "\n"
+    return PromptFormat(system=system).render(tokenizer, {"prompt": prompt})
 
 
 def completion_mask_and_truncation(
