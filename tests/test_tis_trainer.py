@@ -27,8 +27,8 @@ class OtherPolicySampler(HFEngine):
                 p.add_(0.05 * torch.randn(p.shape, generator=gen))
         super().__init__(other, tokenizer, config)
 
-    def generate(self, prompts, rows, group_size, seeds=None):
-        rollout = super().generate(prompts, rows, group_size, seeds=seeds)
+    def generate(self, prompts, rows, group_size, seeds=None, temperature=None):
+        rollout = super().generate(prompts, rows, group_size, seeds=seeds, temperature=temperature)
         with torch.no_grad():
             logp, _ = self.logprobs(
                 rollout.prompt_ids,
