@@ -1,12 +1,16 @@
 """How often SmolLM2-135M-Instruct writes the <answer> tag, and answers right, before any training,
 under candidate prompts for the default recipe (issue 14, point 7). 16 "a + b" problems (1-30),
-24 new tokens; greedy, and 4 samples at temperature 1. Prints (tagged, exactly one tagged
-answer, correct) shares per variant. Run: .venv/bin/python -m benchmarks.format_probe [variant ...]
+24 new tokens; greedy, and 4 samples at temperature 1. Prints and writes to
+benchmarks/results/format_probe.json the (tagged, exactly one tagged answer, correct) shares per
+variant. Run: .venv/bin/python -m benchmarks.format_probe [variant ...]
 """
 
+import json
 import random
 import re
 import sys
+import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -33,6 +37,11 @@ def main() -> None:
         "shot": (BASE, "", True),
     }
     only = sys.argv[1:] or list(variants)
+    report = {
+        "command": " ".join(["python -m benchmarks.format_probe", *sys.argv[1:]]),
+        "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "columns": ["tagged share", "exactly <answer>...</answer> share", "correct share"],
+    }
     for name in only:
         system, prefix, shot = variants[name]
         prompts = []
@@ -84,6 +93,9 @@ def main() -> None:
             [t[:60] for t in ex],
             flush=True,
         )
+        report[name] = {k: [round(x, 4) for x in v] for k, v in res.items()}
+    out = Path("benchmarks/results/format_probe.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
