@@ -203,6 +203,16 @@ def test_memory_held_in_memfds_is_capped():
         assert "Too many open files" in result.stderr or "File too large" in result.stderr
 
 
+def bound_back(folder: str) -> list[str]:
+    """Names the interpreter's folders add inside a masked ``folder`` (a checkout under /tmp
+    brings its venv back, read-only): the only entries a run may see there besides its own."""
+    names = set()
+    for root in interpreter_folders():
+        if root.is_relative_to(folder) and root != Path(folder):
+            names.add(root.relative_to(folder).parts[0])
+    return sorted(names)
+
+
 def test_writing_outside_the_workdir_fails(tmp_path: Path):
     target = tmp_path / "pwned.txt"
     result = run_python(f"open({str(target)!r}, 'w').write('x')")
@@ -214,7 +224,7 @@ def test_writing_outside_the_workdir_fails(tmp_path: Path):
     result = run_python(
         "open('/tmp/mine', 'w').write('x')\nimport os\nprint(sorted(os.listdir('/tmp')))"
     )
-    assert result.stdout == "['main.py', 'mine']\n"
+    assert result.stdout == f"{sorted(['main.py', 'mine', *bound_back('/tmp')])}\n"
     assert not Path("/tmp/mine").exists()
 
 
@@ -227,14 +237,14 @@ def test_trainer_files_and_environment_are_out_of_sight(
     program = (
         "import os\n"
         "print('GRPO_TEST_SECRET' in os.environ)\n"
-        f"print(os.path.exists({str(secret)!r}), os.listdir(os.path.expanduser('~')))\n"
+        f"print(os.path.exists({str(secret)!r}), sorted(os.listdir(os.path.expanduser('~'))))\n"
         f"print(os.path.exists('/proc/{os.getpid()}'))\n"
         "print(sorted(os.listdir('/proc'))[:1], [p for p in os.listdir('/proc') if p.isdigit()])\n"
     )
     result = run_python(program)
     lines = result.stdout.splitlines()
     assert lines[0] == "False"
-    assert lines[1] == "False ['main.py']"
+    assert lines[1] == f"False {sorted(['main.py', *bound_back('/tmp')])}"
     # its own /proc: the trainer's pid means nothing there; PID 1 is the init, 2 the program
     assert lines[3].endswith("['1', '2']")
 

@@ -152,9 +152,11 @@ def _closed_ancestor(path: Path) -> Path | None:
 
 
 def interpreter_folders() -> list[Path]:
-    """Folders the run's Python must read: prefixes and import path."""
+    """Folders the run's Python must read: its prefixes and the boot code's folder. The trainer's
+    other import paths (a project folder, pytest's test folder) may hold data or tests, so they
+    stay hidden: the sandboxed interpreter runs isolated (-I) and imports nothing from them."""
     roots = {Path(p).resolve() for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-    roots |= {Path(p).resolve() for p in sys.path if p and Path(p).is_dir()}
+    roots.add(BOOT.parent.resolve())
     return sorted(roots)
 
 
