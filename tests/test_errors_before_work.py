@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
+from test_cli import _recipe as cli_recipe
 
 import grpo.models
 import grpo.trainer
@@ -15,21 +15,8 @@ from grpo.config import ConfigError, load_config
 
 
 def _recipe(tmp_path: Path, tiny_model_dir: Path, **train: object) -> Path:
-    tree = {
-        "model": {"name": str(tiny_model_dir)},
-        "data": {"task": "arithmetic", "task_args": {"size": 16}},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
-        "train": {
-            "steps": 1,
-            "output_dir": str(tmp_path / "runs"),
-            "progress": False,
-            "sinks": ["jsonl"],
-            **train,
-        },
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
+    """test_cli's one-step recipe, with ``train.*`` overrides."""
+    return cli_recipe(tmp_path, tiny_model_dir, train=train)
 
 
 def _one_line(capsys) -> str:
