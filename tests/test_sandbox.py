@@ -474,3 +474,17 @@ def test_signals_and_limits_behave_as_for_any_process():
     assert (result.stdout, result.exit_code) == ("", -15)
     result = run_python("while True:\n    pass", cpu_s=1, wall_s=20)
     assert result.exit_code == -24 and result.error == "killed by SIGXCPU"
+
+
+def test_a_project_folder_on_the_import_path_stays_hidden(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # a trainer's import path may hold the user's project (its data, its hidden tests): only the
+    # interpreter is bound back into a run, never the folders the trainer imports from
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "answers.jsonl").write_text('{"answer": 42}\n')
+    monkeypatch.syspath_prepend(str(project))
+    result = run_python(f"print(open({str(project / 'answers.jsonl')!r}).read())")
+    assert result.exit_code == 1 and "42" not in result.stdout
+    assert "FileNotFoundError" in result.stderr
