@@ -24,7 +24,8 @@ Files, for an output path ``OUT.jsonl``:
 - ``OUT.yaml``: the recipe, resolved, training on ``OUT.jsonl``; a built-in task's system prompt
   is written into it, and its held-out split into ``OUT.heldout.jsonl`` (``data.eval_path``).
 - ``OUT.curate.json``: the settings the samples depend on (a resume must match them) and the
-  summary (pass-rate histogram, share of zero-variance groups, rows kept).
+  summary (pass-rate histogram, share of zero-variance groups, rows kept, prompts sampled by
+  this invocation and its sampling seconds).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -339,6 +341,7 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
                 "changed since): pass --output elsewhere, or delete it to start over"
             )
     todo = [i for i, number in enumerate(rows.numbers) if number not in done]
+    sampling_s = 0.0
     heldout = heldout_sources(config)
     if not paths.scores.exists():
         _write_atomic(paths.meta, json.dumps({"settings": wanted}, indent=2) + "\n")
@@ -348,7 +351,9 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
             + (f" ({len(rows) - len(todo)} already in {paths.scores})" if done else ""),
             file=sys.stderr,
         )
+        start = time.perf_counter()
         scored, errors = sample_and_score(config, settings, rows, todo, paths.scores)
+        sampling_s = time.perf_counter() - start
         done.update(scored)
         failing = {name: count for name, count in errors.items() if count}
         if failing:
@@ -395,7 +400,11 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
         "# written by grpo curate: the recipe below, training on the kept prompts\n"
         + yaml.safe_dump(curated_recipe(config, paths, heldout is not None), sort_keys=False),
     )
-    summary = summarize(records, settings, rows.skipped)
+    summary = {
+        **summarize(records, settings, rows.skipped),
+        "sampled_now": len(todo),
+        "sampling_s": round(sampling_s, 1),
+    }
     _write_atomic(paths.meta, json.dumps({"settings": wanted, "summary": summary}, indent=2) + "\n")
     return {**summary, "files": {k: str(v) for k, v in vars(paths).items()}}
 
