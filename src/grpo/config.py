@@ -53,6 +53,11 @@ class ModelConfig(Section):
     """Parameter-efficient training."""
 
 
+class ChatMessage(Section):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
 class DataConfig(Section):
     task: str | None = "arithmetic"
     """Built-in task (see `grpo tasks`); ignored when `path` is set."""
@@ -72,6 +77,8 @@ class DataConfig(Section):
     """Wrap prompts in the tokenizer's chat template: null = when it has one and `template` is unset; true = always (the filled template is the user message); false = never (plain text)."""
     chat_template_kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the chat template (e.g. `enable_thinking: false`)."""
+    few_shot: list[ChatMessage] = []
+    """Example turns ({role, content}: user, assistant, tool) put after the system prompt and before every prompt, as real chat turns (or plain text without a chat template). See README, Prompt templates."""
     response_prefix: str = ""
     """Text appended after the rendered prompt, where the answer starts (e.g. `<answer>`); a tag it opens counts as part of the completion for rewards and eval."""
     num_examples: int | None = Field(None, ge=1)

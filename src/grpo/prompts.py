@@ -4,12 +4,13 @@ A dataset row becomes the text the model continues in one of two ways:
 
 - **chat template** (the default when the tokenizer has one and ``data.template`` is unset): the
   row's prompt (or ``data.template`` filled from the row, as the user message), after the system
-  prompt, through ``tokenizer.apply_chat_template`` with ``data.chat_template_kwargs`` (and the
-  tool schemas, ``tools=[...]``, when the model calls tools in its template's own syntax:
-  ``rollout.tool_call_format: template``).
+  prompt and the ``data.few_shot`` example turns, through ``tokenizer.apply_chat_template`` with
+  ``data.chat_template_kwargs`` (and the tool schemas, ``tools=[...]``, when the model calls tools
+  in its template's own syntax: ``rollout.tool_call_format: template``).
 - **plain template** (``data.template`` set, or a tokenizer without a chat template): the
   template filled from the row's columns (``{prompt}``, ``{system}``, any other column), or the
-  system prompt and the prompt joined by blank lines when there is no template.
+  system prompt, the few-shot turns and the prompt joined by blank lines when there is no
+  template (a plain template has its own place for examples: few-shot turns are refused there).
 
 ``data.response_prefix`` is appended in both cases: the text the answer starts with.
 
@@ -105,6 +106,7 @@ class PromptFormat:
     template: str | None = None
     chat_template: bool | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    few_shot: tuple[dict[str, str], ...] = ()
     response_prefix: str = ""
 
     def uses_chat_template(self, tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -145,6 +147,11 @@ class PromptFormat:
             )
         if self.template is None:
             return
+        if self.few_shot and not self.uses_chat_template(tokenizer):
+            raise DataError(
+                "data.few_shot needs the chat template: with a plain data.template, "
+                "write the examples into the template"
+            )
         for i, row in enumerate(rows, start=1):
             self.fill(row, i)
         plain = not self.uses_chat_template(tokenizer)
@@ -155,10 +162,14 @@ class PromptFormat:
             )
 
     def _messages(self, content: str | list[dict[str, str]]) -> list[dict[str, str]]:
+        """System prompt, then the few-shot turns, then the row's own turns; a row that brings
+        its own system message keeps it (and the few-shot turns go after it)."""
         messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
-        if self.system and messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": self.system}, *messages]
-        return list(messages)
+        head = [messages[0]] if messages and messages[0].get("role") == "system" else []
+        if not head and self.system:
+            head = [{"role": "system", "content": self.system}]
+        rest = messages[1:] if messages and messages[0].get("role") == "system" else messages
+        return [*head, *(dict(turn) for turn in self.few_shot), *rest]
 
     def render(self, tokenizer: PreTrainedTokenizerBase, row: dict[str, Any]) -> str:
         """The text the model continues for a row (a dict with at least ``prompt``)."""
@@ -191,5 +202,6 @@ def prompt_format_for(
         template=data.template,
         chat_template=data.chat_template,
         chat_template_kwargs=dict(data.chat_template_kwargs),
+        few_shot=tuple(turn.model_dump() for turn in data.few_shot),
         response_prefix=data.response_prefix,
     )

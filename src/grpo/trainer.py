@@ -38,9 +38,9 @@ from grpo.models import (
     save_hf,
 )
 from grpo.processors import Sampling
-from grpo.prompts import prompt_format_for, scored_texts
+from grpo.prompts import prompt_format_for
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
-from grpo.rollout import RolloutEngine, build_engine
+from grpo.rollout import RolloutEngine, build_engine, reward_inputs
 from grpo.rollout.turns import MultiTurnEngine, chat_tools, tool_metrics
 from grpo.run_dir import (
     Checkpoint,
@@ -540,24 +540,8 @@ class Trainer:
 
     def score(self, rollout: Rollout) -> Scored:
         g = rollout.group_size
-        columns: dict[str, list[Any]] = {}
-        for key in rollout.rows[0] if rollout.rows else {}:
-            if key != "prompt":
-                columns[key] = [row.get(key) for row in rollout.rows for _ in range(g)]
-        ids = [
-            ids[mask].tolist()
-            for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
-        ]
-        prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
-        if rollout.turns is not None:
-            columns["turns"] = rollout.turns  # rewards judge rollout.answers, the last turns
         if rollout.rows:
-            # the answer (the last turn of a multi-turn completion); a single-turn completion that
-            # starts inside a tag the prompt opened is judged with that tag
-            texts = (
-                rollout.answers if rollout.turns else scored_texts(rollout.prompts, rollout.answers)
-            )
-            out = self.rewards(texts, prompts, columns, ids)
+            out = self.rewards(*reward_inputs(rollout))
         else:  # this rank has no prompt this round; it still joins the collectives below
             names = self.rewards.names
             out = RewardOutput(torch.zeros(0, len(names)), names, torch.zeros(len(names)), {})
