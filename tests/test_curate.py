@@ -163,7 +163,10 @@ def test_resume_samples_only_the_missing_rows_and_matches_a_fresh_run(
 
     def counting(config, settings, rows, todo, path):
         sampled.extend(rows.numbers[i] for i in todo)
-        return real(config, settings, rows, todo, path)
+        result = real(config, settings, rows, todo, path)
+        # before the final rewrite: the new batches went after the last whole line
+        assert [r["source_row"] for r in _read(path)] == list(range(1, 13))
+        return result
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(grpo.curate, "sample_and_score", counting)
