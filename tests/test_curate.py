@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 import yaml
 
 import grpo.curate
+import grpo.rollout
 from grpo.cli import main
 from grpo.curate import CurateSettings, group_scores, pass_rate, score_columns, summarize
 from grpo.rewards import RewardOutput
@@ -160,7 +163,10 @@ def test_resume_samples_only_the_missing_rows_and_matches_a_fresh_run(
 
     def counting(config, settings, rows, todo, path):
         sampled.extend(rows.numbers[i] for i in todo)
-        return real(config, settings, rows, todo, path)
+        result = real(config, settings, rows, todo, path)
+        # before the final rewrite: the new batches went after the last whole line
+        assert [r["source_row"] for r in _read(path)] == list(range(1, 13))
+        return result
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(grpo.curate, "sample_and_score", counting)
@@ -170,6 +176,41 @@ def test_resume_samples_only_the_missing_rows_and_matches_a_fresh_run(
     # seeded by row number: batches and the resume change nothing
     assert _read(scores) == _read(tmp_path / "fresh.scores.jsonl")
     assert _read(out) == _read(fresh)
+
+
+def test_a_stopped_run_keeps_its_batches_and_resumes(
+    tmp_path: Path, tiny_model_dir: Path, capsys
+) -> None:
+    _data(tmp_path)
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    out = tmp_path / "kept.jsonl"
+    args = ["curate", str(recipe), "--samples", "4", "--output", str(out), "--batch-size", "16"]
+    real = grpo.rollout.build_engine
+
+    def build_engine(*a, **k):
+        engine = real(*a, **k)
+        generate, calls = engine.generate, []
+
+        def stopping(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:  # SIGTERM (what a scheduler sends) during the second batch
+                os.kill(os.getpid(), signal.SIGTERM)
+            return generate(*a, **k)
+
+        engine.generate = stopping
+        return engine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grpo.rollout, "build_engine", build_engine)
+        assert main(args) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "curate stopped by SIGTERM" in err and "run the same command to resume" in err
+    scores = tmp_path / "kept.scores.jsonl"
+    assert [r["source_row"] for r in _read(scores)] == [1, 2, 3, 4]  # the first batch, whole
+    assert not out.exists()
+    assert main(args) == 0
+    assert "8 prompts x 4 samples to score (4 already in" in capsys.readouterr().err
+    assert [r["source_row"] for r in _read(scores)] == list(range(1, 13))
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:

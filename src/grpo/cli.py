@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -163,9 +164,10 @@ def pass_band(text: str) -> tuple[float, float]:
 
 
 def cmd_curate(args: argparse.Namespace) -> int:
-    from grpo.curate import CurateSettings, curate
+    from grpo.curate import CuratePaths, CurateSettings, curate, default_output
 
     config = _config_from_args(args)
+    output = Path(args.output) if args.output else default_output(config)
     settings = CurateSettings(
         samples=args.samples,
         band=args.keep,
@@ -173,7 +175,26 @@ def cmd_curate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         limit=args.limit,
     )
-    summary = curate(config, settings, Path(args.output) if args.output else None)
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        summary = curate(config, settings, output)
+    except KeyboardInterrupt:
+        signum = stopped_by[0] if stopped_by else signal.SIGINT
+        print(
+            f"grpo: curate stopped by {signal.Signals(signum).name}: the prompts scored so far "
+            f"are in {CuratePaths.of(output).scores}; run the same command to resume",
+            file=sys.stderr,
+        )
+        return 128 + signum
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     files = summary["files"]
     low, high = settings.band
     print(json.dumps({k: v for k, v in summary.items() if k != "files"}))

@@ -231,7 +231,8 @@ def read_scores(paths: CuratePaths, settings: dict[str, Any]) -> dict[int, dict[
             f"{paths.scores} was sampled with other settings ({describe_changes(changes)}): "
             "pass --output elsewhere, or delete it to start over"
         )
-    lines = paths.scores.read_text().split("\n")
+    text = paths.scores.read_text()
+    lines = text.split("\n")
     done: dict[int, dict[str, Any]] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -241,13 +242,17 @@ def read_scores(paths: CuratePaths, settings: dict[str, Any]) -> dict[int, dict[
         except json.JSONDecodeError:
             if number == len(lines):  # no newline after it: cut short by a kill
                 print(
-                    f"warning: {paths.scores}: dropped a partial last line; its prompts are "
+                    f"warning: {paths.scores}: dropped a partial last line; its prompt is "
                     "sampled again",
                     file=sys.stderr,
                 )
                 continue
             raise DataError(f"{paths.scores}: line {number} is not valid JSON") from None
+        if not isinstance(record, dict) or not isinstance(record.get("source_row"), int):
+            raise DataError(f"{paths.scores}: line {number} has no 'source_row'")
         done[record["source_row"]] = record
+    if text and not text.endswith("\n"):  # new batches are appended after whole lines only
+        _write_atomic(paths.scores, "".join(_json_line(r, "") for r in done.values()))
     return done
 
 
