@@ -316,3 +316,23 @@ def test_gemma3_270m_alias_is_the_base_model_and_scores_like_a_plain_forward() -
             logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
             want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
             torch.testing.assert_close(logp[i, : len(c)], want, atol=5e-5, rtol=0)
+
+
+def test_gemma_r1_zero_recipe_is_a_base_model_prompted_inside_think(tiny_model_dir: Path) -> None:
+    from grpo.config import load_config
+    from grpo.data import system_prompt_for
+    from grpo.prompts import prompt_format_for
+
+    recipe = Path(models.__file__).parent / "recipes" / "gemma-r1-zero.yaml"
+    config = load_config(recipe)
+    assert config.model.name == "gemma3-270m" and config.data.template == "r1_zero"
+    assert config.rollout.stop == ["</answer>"]  # a base model writes on after its answer
+    assert {spec.name for spec in config.rewards.functions} == {"accuracy", "format", "tag_count"}
+    # the plain template wins over a chat template, and the prompt opens <think>
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    assert tokenizer.chat_template
+    text = prompt_format_for(config.data, system_prompt_for(config.data)).render(
+        tokenizer, {"prompt": "What is 2 + 3?"}
+    )
+    assert text.startswith("A conversation between User and Assistant.")
+    assert text.endswith("User: What is 2 + 3?. Assistant: <think>")
