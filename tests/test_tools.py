@@ -244,14 +244,30 @@ def test_template_call_format_runs_the_json_call(tiny_model_dir) -> None:
     assert rollout.answers == [ANSWER, ANSWER]
 
 
-def test_template_calls_show_the_tool_schema_in_every_prompt(
-    tiny_config, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    model_dir = tmp_path / "hermes"
+@pytest.fixture(scope="module")
+def hermes_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """The tiny model with a chat template that lists tools (``HERMES_LIKE``)."""
+    model_dir = tmp_path_factory.mktemp("hermes") / "model"
     shutil.copytree(tiny_model_dir, model_dir)
     tokenizer = load_tokenizer(model_dir)
     tokenizer.chat_template = HERMES_LIKE
     tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def _tool_prompt(tokenizer) -> str:
+    """The question as the template shows it with the python tool listed."""
+    user = [{"role": "user", "content": QUESTION}]
+    return tokenizer.apply_chat_template(
+        user, tools=[PYTHON_TOOL_SCHEMA], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_template_calls_show_the_tool_schema_in_every_prompt(
+    tiny_config, hermes_model_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = hermes_model_dir
+    tokenizer = load_tokenizer(model_dir)
     call = '<tool_call>{"name": "python", "arguments": {"code": "12 * 34"}}</tool_call>'
     engine = ScriptedEngine(tokenizer, call=call)
     config = tiny_config(
@@ -262,14 +278,43 @@ def test_template_calls_show_the_tool_schema_in_every_prompt(
     )
     train(config, engine)
     # the prompts the engine was given: the template's tool list, the schema in it, the question
-    user = [{"role": "user", "content": QUESTION}]
-    shown = tokenizer.apply_chat_template(
-        user, tools=[PYTHON_TOOL_SCHEMA], tokenize=False, add_generation_prompt=True
-    )
+    shown = _tool_prompt(tokenizer)
     assert shown.startswith('<|system|><tools>{"type": "function", "function": {"name": "python"')
     firsts = [r.context for r in engine.requests if r.n == config.rollout.group_size]
     assert len(firsts) == config.rollout.prompts_per_step
     assert {tokenizer.decode(ids) for ids in firsts} == {shown}
+
+
+def test_curate_shows_the_tool_schema_too(
+    hermes_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    from grpo.cli import main
+    from grpo.prompts import PromptFormat
+
+    rendered: list[str] = []
+    render = PromptFormat.render
+    monkeypatch.setattr(
+        PromptFormat, "render", lambda self, *a: rendered.append(render(self, *a)) or rendered[-1]
+    )
+    recipe = tmp_path / "recipe.json"  # JSON is YAML
+    recipe.write_text(
+        json.dumps(
+            {
+                "model": {"name": str(hermes_model_dir)},
+                "data": {"task": None, "path": str(_question_file(tmp_path))},
+                "rollout": {
+                    "tools": ["python"],
+                    "tool_call_format": "template",
+                    "max_new_tokens": 8,
+                },
+                "rewards": {"functions": [{"name": "accuracy"}]},
+                "train": {"progress": False},
+            }
+        )
+    )
+    out = tmp_path / "kept.jsonl"
+    assert main(["curate", str(recipe), "--samples", "2", "--output", str(out)]) == 0
+    assert len(rendered) == 4 and set(rendered) == {_tool_prompt(load_tokenizer(hermes_model_dir))}
 
 
 def test_fence_calls_leave_prompts_unchanged(tiny_model_dir: Path) -> None:
