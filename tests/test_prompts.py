@@ -128,15 +128,57 @@ def test_format_reward_scores_a_completion_that_starts_inside_think() -> None:
 
 def test_config_fields_reach_the_format() -> None:
     data = DataConfig(
-        template="r1_zero", chat_template=False, chat_template_kwargs={"x": 1}, response_prefix="p"
+        template="r1_zero",
+        chat_template=False,
+        chat_template_kwargs={"x": 1},
+        few_shot=[{"role": "user", "content": "q"}],
+        response_prefix="p",
     )
     fmt = prompt_format_for(data, "sys")
-    assert (fmt.template, fmt.chat_template, fmt.chat_template_kwargs, fmt.response_prefix) == (
-        "r1_zero",
-        False,
-        {"x": 1},
-        "p",
+    assert (
+        fmt.template,
+        fmt.chat_template,
+        fmt.chat_template_kwargs,
+        fmt.few_shot,
+        fmt.response_prefix,
+    ) == ("r1_zero", False, {"x": 1}, ({"role": "user", "content": "q"},), "p")
+
+
+SHOT = (
+    {"role": "user", "content": "1 + 1?"},
+    {"role": "assistant", "content": "<answer>2</answer>"},
+)
+
+
+def test_few_shot_turns_go_between_the_system_prompt_and_the_prompt(tiny_model_dir) -> None:
+    tok = load_tokenizer(str(tiny_model_dir))
+    text = PromptFormat(system="S", few_shot=SHOT).render(tok, ROW)
+    assert text == (
+        "<|system|>S<|end|><|user|>1 + 1?<|end|><|assistant|><answer>2</answer><|end|>"
+        "<|user|>What is 2 + 3?<|end|><|assistant|>"
     )
+    # a conversational row keeps its own system message, and the examples follow it
+    row = {"prompt": [{"role": "system", "content": "R"}, {"role": "user", "content": "Q"}]}
+    assert PromptFormat(system="S", few_shot=SHOT).render(tok, row) == (
+        "<|system|>R<|end|><|user|>1 + 1?<|end|><|assistant|><answer>2</answer><|end|>"
+        "<|user|>Q<|end|><|assistant|>"
+    )
+    # without a chat template: plain text, turn by turn
+    tok.chat_template = None
+    assert PromptFormat(few_shot=SHOT).render(tok, ROW) == (
+        "1 + 1?\n\n<answer>2</answer>\n\nWhat is 2 + 3?\n"
+    )
+
+
+def test_few_shot_with_a_plain_template_is_refused(tiny_model_dir) -> None:
+    tok = load_tokenizer(str(tiny_model_dir))
+    with pytest.raises(DataError, match="few_shot needs the chat template"):
+        PromptFormat(template="Q: {prompt}", few_shot=SHOT).check(tok, [ROW])
+
+
+def test_a_few_shot_turn_with_an_unknown_role_names_the_field() -> None:
+    with pytest.raises(ValueError, match="few_shot"):
+        DataConfig(few_shot=[{"role": "narrator", "content": "x"}])
 
 
 def test_training_rewards_see_the_opened_tag(tiny_config, tmp_path: Path) -> None:

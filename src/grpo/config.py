@@ -53,6 +53,11 @@ class ModelConfig(Section):
     """Parameter-efficient training."""
 
 
+class ChatMessage(Section):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
 class DataConfig(Section):
     task: str | None = "arithmetic"
     """Built-in task (see `grpo tasks`); ignored when `path` is set."""
@@ -72,6 +77,8 @@ class DataConfig(Section):
     """Wrap prompts in the tokenizer's chat template: null = when it has one and `template` is unset; true = always (the filled template is the user message); false = never (plain text)."""
     chat_template_kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the chat template (e.g. `enable_thinking: false`)."""
+    few_shot: list[ChatMessage] = []
+    """Example turns ({role, content}: user, assistant, tool) put after the system prompt and before every prompt, as real chat turns (or plain text without a chat template). See README, Prompt templates."""
     response_prefix: str = ""
     """Text appended after the rendered prompt, where the answer starts (e.g. `<answer>`); a tag it opens counts as part of the completion for rewards and eval."""
     num_examples: int | None = Field(None, ge=1)
@@ -120,7 +127,7 @@ class RolloutConfig(Section):
     max_turns: int = Field(4, ge=1)
     """With tools: model turns per completion at most (tool calls and the answer); max_new_tokens bounds all turns, tool outputs and template tokens together."""
     tool_call_format: Literal["fence", "template"] = "fence"
-    """How the model calls a tool: a fenced ```python block ending its turn, or the chat template's <tool_call> JSON syntax (templates that render tools)."""
+    """How the model calls a tool: a fenced ```python block ending its turn, or the chat template's <tool_call> JSON syntax (templates that render tools: every prompt then lists the tool's schema)."""
     tool_timeout_s: float = Field(5.0, gt=0)
     """Wall-clock (and CPU) limit of one tool call; a call cut here is reported to the model as an error."""
     tool_max_output_chars: int = Field(1000, ge=1)

@@ -4,10 +4,13 @@ A dataset row becomes the text the model continues in one of two ways:
 
 - **chat template** (the default when the tokenizer has one and ``data.template`` is unset): the
   row's prompt (or ``data.template`` filled from the row, as the user message), after the system
-  prompt, through ``tokenizer.apply_chat_template`` with ``data.chat_template_kwargs``.
+  prompt and the ``data.few_shot`` example turns, through ``tokenizer.apply_chat_template`` with
+  ``data.chat_template_kwargs`` (and the tool schemas, ``tools=[...]``, when the model calls tools
+  in its template's own syntax: ``rollout.tool_call_format: template``).
 - **plain template** (``data.template`` set, or a tokenizer without a chat template): the
   template filled from the row's columns (``{prompt}``, ``{system}``, any other column), or the
-  system prompt and the prompt joined by blank lines when there is no template.
+  system prompt, the few-shot turns and the prompt joined by blank lines when there is no
+  template (a plain template has its own place for examples: few-shot turns are refused there).
 
 ``data.response_prefix`` is appended in both cases: the text the answer starts with.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,9 +102,11 @@ class PromptFormat:
     """How rows become prompt text (see the module docstring)."""
 
     system: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # tool schemas for the chat template
     template: str | None = None
     chat_template: bool | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    few_shot: tuple[dict[str, str], ...] = ()
     response_prefix: str = ""
 
     def uses_chat_template(self, tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -126,10 +132,26 @@ class PromptFormat:
         return text.format(**values)
 
     def check(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]) -> None:
-        """Fill the template from every row once, so a missing column fails before training; say
-        so when a plain template leaves the system prompt out."""
+        """Fail before training on what cannot render (tool schemas without the chat template; a
+        column the template uses and a row lacks: every row is filled once); say so when a plain
+        template leaves the system prompt out."""
+        if self.tools and not self.uses_chat_template(tokenizer):
+            raise DataError(
+                "rollout.tool_call_format=template needs the chat template to describe the tool: "
+                "unset data.template (or use tool_call_format: fence)"
+            )
+        if self.tools and "tools" in self.chat_template_kwargs:
+            raise DataError(
+                "data.chat_template_kwargs.tools: the template already gets the schemas of "
+                "rollout.tools; leave tools out of chat_template_kwargs"
+            )
         if self.template is None:
             return
+        if self.few_shot and not self.uses_chat_template(tokenizer):
+            raise DataError(
+                "data.few_shot needs the chat template: with a plain data.template, "
+                "write the examples into the template"
+            )
         for i, row in enumerate(rows, start=1):
             self.fill(row, i)
         plain = not self.uses_chat_template(tokenizer)
@@ -140,20 +162,25 @@ class PromptFormat:
             )
 
     def _messages(self, content: str | list[dict[str, str]]) -> list[dict[str, str]]:
+        """System prompt, then the few-shot turns, then the row's own turns; a row that brings
+        its own system message keeps it (and the few-shot turns go after it)."""
         messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
-        if self.system and messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": self.system}, *messages]
-        return list(messages)
+        head = [messages[0]] if messages and messages[0].get("role") == "system" else []
+        if not head and self.system:
+            head = [{"role": "system", "content": self.system}]
+        rest = messages[1:] if messages and messages[0].get("role") == "system" else messages
+        return [*head, *(dict(turn) for turn in self.few_shot), *rest]
 
     def render(self, tokenizer: PreTrainedTokenizerBase, row: dict[str, Any]) -> str:
         """The text the model continues for a row (a dict with at least ``prompt``)."""
         if self.uses_chat_template(tokenizer):
             content = self.fill(row) if self.template is not None else row["prompt"]
+            tools = {"tools": list(self.tools)} if self.tools else {}
             text = tokenizer.apply_chat_template(
                 self._messages(content),
                 tokenize=False,
                 add_generation_prompt=True,
-                **self.chat_template_kwargs,
+                **{**self.chat_template_kwargs, **tools},
             )
             return text + self.response_prefix
         if self.template is not None:
@@ -164,11 +191,17 @@ class PromptFormat:
         return bos + text + self.response_prefix
 
 
-def prompt_format_for(data: DataConfig, system: str | None) -> PromptFormat:
+def prompt_format_for(
+    data: DataConfig, system: str | None, tools: Sequence[dict[str, Any]] = ()
+) -> PromptFormat:
+    """The prompt format of ``data``; ``tools`` are the tool schemas the chat template renders
+    (``grpo.rollout.turns.chat_tools``)."""
     return PromptFormat(
         system=system,
+        tools=tuple(tools),
         template=data.template,
         chat_template=data.chat_template,
         chat_template_kwargs=dict(data.chat_template_kwargs),
+        few_shot=tuple(turn.model_dump() for turn in data.few_shot),
         response_prefix=data.response_prefix,
     )
