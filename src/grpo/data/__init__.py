@@ -118,9 +118,13 @@ def parse_gold(value: Any) -> str | None:
 
 
 class Rows(list):
-    """Loaded rows (a list of dicts); ``skipped`` counts rows dropped for an unusable gold answer."""
+    """Loaded rows (a list of dicts); ``skipped`` counts rows dropped for an unusable gold answer;
+    ``sources[i]`` is row i as the data holds it (before field mapping), ``numbers[i]`` its
+    1-based row number there."""
 
     skipped: int = 0
+    sources: list[dict[str, Any]]
+    numbers: list[int]
 
 
 def normalise_rows(
@@ -133,6 +137,7 @@ def normalise_rows(
     """
     has_answers = any(answer_field in row for row in rows)
     out = Rows()
+    out.sources, out.numbers = [], []
     skipped_rows: list[int] = []
     for i, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
@@ -155,6 +160,8 @@ def normalise_rows(
                 continue
             new["answer"] = gold
         out.append(new)
+        out.sources.append(row)
+        out.numbers.append(i)
     out.skipped = len(skipped_rows)
     if skipped_rows:
         shown = ", ".join(map(str, skipped_rows[:10])) + (" ..." if len(skipped_rows) > 10 else "")
@@ -192,7 +199,8 @@ def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -
         source = f"task '{config.task}'"
     rows = normalise_rows(rows, config.prompt_field, config.answer_field, source)
     if config.num_examples is not None:
-        del rows[config.num_examples :]
+        for kept in (rows, rows.sources, rows.numbers):
+            del kept[config.num_examples :]
     return rows
 
 

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from grpo.batch import Rollout
 from grpo.config import RolloutConfig
 from grpo.processors import Sampling
+from grpo.prompts import scored_texts
 
 
 class RolloutEngine(Protocol):
@@ -70,7 +71,7 @@ def completion_mask_and_truncation(
     )
     positions = torch.arange(t).unsqueeze(0)  # [1, T]
     mask = positions <= first_eos.unsqueeze(1)  # [N, T]
-    return mask & (positions < t), ~has_eos
+    return mask, ~has_eos
 
 
 def decode_completions(
@@ -116,6 +117,29 @@ def grouped_rollout(
         else sampler_logp.masked_fill(~completion_mask, 0.0),
         sampling=sampling or Sampling(),
     )
+
+
+def reward_inputs(
+    rollout: Rollout,
+) -> tuple[list[str], list[Any], dict[str, list[Any]], list[list[int]]]:
+    """What the reward functions get for a rollout's N = P*G completions: the texts judged (the
+    last turn of a multi-turn completion; a single-turn completion with the tag its prompt
+    opened), each one's dataset prompt, the dataset columns (and ``turns``) repeated per
+    completion, and the counted completion token ids."""
+    g = rollout.group_size
+    columns: dict[str, list[Any]] = {}
+    for key in rollout.rows[0] if rollout.rows else {}:
+        if key != "prompt":
+            columns[key] = [row.get(key) for row in rollout.rows for _ in range(g)]
+    if rollout.turns is not None:
+        columns["turns"] = rollout.turns
+    ids = [
+        ids[mask].tolist()
+        for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
+    ]
+    prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
+    texts = rollout.answers if rollout.turns else scored_texts(rollout.prompts, rollout.answers)
+    return texts, prompts, columns, ids
 
 
 def build_engine(name: str, **kwargs: Any) -> RolloutEngine:

@@ -1,0 +1,64 @@
+"""Zero-variance groups before and after prompt curation, read from a `grpo curate` summary
+and two short runs of the same recipe (on the original prompts and on the kept ones).
+
+    python -m benchmarks.curation CURATE_JSON RUN_BEFORE RUN_AFTER
+
+Per run: ``frac_zero_std`` and ``reward/mean`` at each step and their means over the steps,
+the share of groups whose rewards were all equal, which carry no gradient. The JSON goes to
+benchmarks/results/curation_default.json (README, "Prompt curation").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results" / "curation_default.json"
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "frac_zero_std" in r]
+    zero = [r["frac_zero_std"] for r in steps]
+    reward = [r["reward/mean"] for r in steps]
+    return {
+        "run": str(run_dir),
+        "data": _data_of(run_dir),
+        "steps": len(steps),
+        "frac_zero_std_by_step": zero,
+        "frac_zero_std_mean": sum(zero) / len(zero),
+        "reward_by_step": reward,
+        "reward_mean": sum(reward) / len(reward),
+        "step_s_median": statistics.median(
+            r["time/rollout_s"] + r["time/reward_s"] + r["time/train_s"] for r in steps
+        ),
+    }
+
+
+def _data_of(run_dir: Path) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
+    return {k: data[k] for k in ("task", "task_args", "path")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("curate_json", type=Path)
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    args = parser.parse_args()
+    result = {
+        "curate": json.loads(args.curate_json.read_text())["summary"],
+        "before": run_summary(args.before),
+        "after": run_summary(args.after),
+    }
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
