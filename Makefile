@@ -35,11 +35,10 @@ format: $(STAMP)
 docs: $(STAMP)
 	$(PY) -c "import pathlib; from grpo.config import reference_markdown as r; p = pathlib.Path('README.md'); s = p.read_text(); a, b = '<!-- config-reference:start -->\n', '<!-- config-reference:end -->'; p.write_text(s.split(a)[0] + a + r() + b + s.split(b)[1])"
 
-# mutation testing of the math and the log-probs (README, "Tests that bite"); not part of `make test`
+# mutation testing (README, "Mutation testing"); not part of `make test`: hours on 2 cores
 mutate: $(STAMP)
 	rm -rf mutants
-	.venv/bin/mutmut run --max-children 2
-	.venv/bin/mutmut results
+	$(PY) -m benchmarks.mutation --max-children 2
 
 bench: $(STAMP)
 	$(PIP) install -q -e '.[dev,bench]'

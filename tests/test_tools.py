@@ -23,7 +23,7 @@ from grpo.models import CHAT_TEMPLATE, load_policy, load_tokenizer
 from grpo.prompts import prompt_format_for
 from grpo.rollout import render_prompt
 from grpo.rollout.hf import HFEngine
-from grpo.rollout.tools import PythonTool, notebook_source
+from grpo.rollout.tools import PythonTool, last_error_line, notebook_source
 from grpo.rollout.turns import (
     PYTHON_TOOL_SCHEMA,
     MultiTurnEngine,
@@ -101,6 +101,13 @@ def test_the_tool_cannot_reach_the_network_or_the_trainers_files(tmp_path: Path)
 # ------------------------------------------------------------------------------ call formats
 
 
+def test_a_failure_without_stderr_still_tells_the_model_it_failed() -> None:
+    traceback = "Traceback (most recent call last):\n  ...\nValueError: bad\n\n"
+    assert last_error_line(traceback) == "ValueError: bad"
+    assert last_error_line("") == "the program failed without a message"
+    assert last_error_line(" \n\n") == "the program failed without a message"
+
+
 def test_fence_call_is_a_python_block_that_ends_the_turn() -> None:
     assert fence_call("Let me compute.\n" + CALL).code == "print(12*34)\n"
     assert fence_call("```py\n1+1\n```").code == "1+1\n"
@@ -108,15 +115,23 @@ def test_fence_call_is_a_python_block_that_ends_the_turn() -> None:
     assert fence_call("The answer is 408.") is None
 
 
+CALL_JSON = '<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>'
+
+
 def test_template_call_parses_the_tool_call_json() -> None:
-    call = template_call('<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>')
+    call = template_call(CALL_JSON)
     assert call.code == "1+1"
+    # whitespace after the call (a newline before the turn's end) still ends the turn with it
+    assert template_call(CALL_JSON + "\n ").code == "1+1"
+    assert template_call(" " + CALL_JSON + " and more") is None
     as_string = '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"2\\"}"}</tool_call>'
     assert template_call(as_string).code == "2"
     bad = template_call("<tool_call>{not json}</tool_call>")
-    assert bad.code is None and "arguments" in bad.error
+    # the model reads these errors as the call's output
+    assert bad.code is None
+    assert bad.error == 'a tool call is {"name": "python", "arguments": {"code": "..."}}'
     other = template_call('<tool_call>{"name": "web", "arguments": {"code": "x"}}</tool_call>')
-    assert other.code is None and "unknown tool 'web'" in other.error
+    assert other.code is None and other.error == "unknown tool 'web' (tools: python)"
 
 
 def test_tool_output_goes_through_the_chat_template(tiny_model_dir) -> None:
@@ -139,7 +154,7 @@ class ScriptedEngine:
         self.requests: list[TurnRequest] = []
 
     def sync_weights(self, model) -> None:
-        pass
+        self.synced = model
 
     def generate_turns(self, requests, stop, greedy=False, temperature=None):
         out = []
@@ -186,6 +201,13 @@ def test_turn_loop_runs_the_call_and_masks_the_observation(tiny_model_dir) -> No
     assert metrics["tools/calls_per_completion"] == 1.0
     assert metrics["tools/turns_per_completion"] == 2.0
     assert metrics["tools/error_rate"] == 0.0
+
+
+def test_the_turn_loop_pushes_the_trainers_weights_to_its_engine(tiny_model_dir) -> None:
+    scripted = ScriptedEngine(load_tokenizer(tiny_model_dir))
+    policy = torch.nn.Linear(1, 1)
+    MultiTurnEngine(scripted, scripted.tokenizer, _rollout_config()).sync_weights(policy)
+    assert scripted.synced is policy
 
 
 def test_later_turns_are_seeded_by_prompt_seed_member_and_request(tiny_model_dir) -> None:

@@ -84,6 +84,7 @@ class EvalSettings:
     batch_size: int = 32
     extract: tuple[str, ...] = DEFAULT_EXTRACT
     reward_threshold: float = 1.0
+    stop: tuple[str, ...] = ()  # stop strings, as in training (``rollout.stop``)
 
 
 @torch.no_grad()
@@ -102,6 +103,8 @@ def _generate(
         if greedy
         else {"do_sample": True, "temperature": settings.temperature, "top_k": None, "top_p": 1.0}
     )
+    if settings.stop:  # a row ends with the token that completes a stop string, as in training
+        sampling |= {"stop_strings": list(settings.stop), "tokenizer": tokenizer}
     out: list[list[str]] = []
     per_batch = max(1, settings.batch_size // num)
     for start in range(0, len(prompts), per_batch):
@@ -283,6 +286,7 @@ def settings_for(config: Config, samples: int) -> EvalSettings:
         temperature=config.rollout.temperature,
         extract=extract_of(config),
         reward_threshold=config.train.eval_reward_threshold,
+        stop=tuple(config.rollout.stop),
     )
 
 

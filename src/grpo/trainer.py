@@ -619,19 +619,20 @@ class Trainer:
                 with_entropy=entropy,
             )
 
-    @torch.no_grad()
     def frozen_logprobs(self, batches: list[MicroBatch], shape: tuple[int, int]):
         """Reference log-probs (beta > 0) and old log-probs (mu > 1): [N, T] each, or None."""
         ref = old = None
-        if self.reference is not None:
-            ref = torch.zeros(shape, device=self.dist.device)
-            with self.reference.model() as model:
+        # no_grad as a block, not a decorator: mutmut skips decorated functions (make mutate)
+        with torch.no_grad():
+            if self.reference is not None:
+                ref = torch.zeros(shape, device=self.dist.device)
+                with self.reference.model() as model:
+                    for mb in batches:
+                        _scatter(ref, mb, self._logprobs(model, mb)[0])
+            if self.config.algorithm.num_iterations > 1:
+                old = torch.zeros(shape, device=self.dist.device)
                 for mb in batches:
-                    _scatter(ref, mb, self._logprobs(model, mb)[0])
-        if self.config.algorithm.num_iterations > 1:
-            old = torch.zeros(shape, device=self.dist.device)
-            for mb in batches:
-                _scatter(old, mb, self._logprobs(self.policy, mb)[0])
+                    _scatter(old, mb, self._logprobs(self.policy, mb)[0])
         return ref, old
 
     def optimize(self, scored: Scored) -> dict[str, float]:
