@@ -130,6 +130,19 @@ def test_band_keeps_the_mixed_rows_with_their_own_columns(
     assert meta["summary"]["kept"] == len(mixed) and meta["summary"]["prompts"] == 12
     assert meta["summary"]["zero_std_frac_kept"] == 0.0
 
+    # the recipe's own prompt_field reads the kept file: training sees only the kept rows
+    train = ["train", str(recipe), f"data.path={out}", "train.steps=2", "train.log_completions=8"]
+    assert main(train) == 0
+    logged = [
+        r
+        for f in sorted((tmp_path / "runs" / "recipe" / "completions").iterdir())
+        for r in _read(f)
+    ]
+    questions = {f"What is {i} + {i}?" for i in mixed}
+    assert len(logged) == 16 and all(
+        sum(q in row["prompt"] for q in questions) == 1 for row in logged
+    )
+
     # a new band and threshold re-filter the stored rewards without sampling again
     def no_sampling(*a, **k):
         raise AssertionError("sampled again")
