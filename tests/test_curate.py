@@ -17,7 +17,14 @@ import yaml
 import grpo.curate
 import grpo.rollout
 from grpo.cli import main
-from grpo.curate import CurateSettings, group_scores, pass_rate, score_columns, summarize
+from grpo.curate import (
+    CurateSettings,
+    default_output,
+    group_scores,
+    pass_rate,
+    score_columns,
+    summarize,
+)
 from grpo.rewards import RewardOutput
 
 HASHED = {"name": f"{Path(__file__).with_name('toy_rewards.py')}:hashed_pass"}
@@ -96,6 +103,14 @@ def test_summary_counts_band_and_zero_variance() -> None:
     assert summary["zero_std_frac"] == 0.5 and summary["zero_std_frac_kept"] == 0.0
     assert summary["pass_rate_mean"] == pytest.approx(0.4375)
     assert summary["skipped_rows"] == 1
+
+
+def test_default_output_is_next_to_the_data() -> None:
+    from grpo.config import build_config
+
+    tree = {"data": {"path": "/data/train.parquet"}}
+    assert default_output(build_config(tree)) == Path("/data/train.curated.jsonl")
+    assert default_output(build_config({})) == Path("arithmetic-train.curated.jsonl")
 
 
 # ------------------------------------------------------------------------------- end to end
