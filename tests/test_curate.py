@@ -27,7 +27,8 @@ from grpo.curate import (
 )
 from grpo.rewards import RewardOutput
 
-HASHED = {"name": f"{Path(__file__).with_name('toy_rewards.py')}:hashed_pass"}
+TOY = Path(__file__).with_name("toy_rewards.py")
+HASHED = {"name": f"{TOY}:hashed_pass"}
 K = 8
 
 
@@ -239,6 +240,29 @@ def test_a_stopped_run_keeps_its_batches_and_resumes(
     assert main(args) == 0
     assert "8 prompts x 4 samples to score (4 already in" in capsys.readouterr().err
     assert [r["source_row"] for r in _read(scores)] == list(range(1, 13))
+
+
+def test_samples_are_those_training_draws(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # unshuffled, the trainer's step 1 rolls out rows 1 and 2 at stream positions 0 and 1: the
+    # same seeds, prompts, engine and rewards as curate's (batched otherwise), so the same
+    # completions and rewards, float for float
+    _data(tmp_path)
+    recipe = _recipe(
+        tmp_path,
+        tiny_model_dir,
+        data={"shuffle": False},
+        rewards={"functions": [{"name": f"{TOY}:lowercase_share"}]},
+        train={"log_completions": 8},
+    )
+    out = tmp_path / "kept.jsonl"
+    assert main(["curate", str(recipe), "--samples", "4", "--output", str(out)]) == 0
+    assert main(["train", str(recipe)]) == 0
+    logged = _read(tmp_path / "runs" / "recipe" / "completions" / "step-000001.jsonl")
+    scores = _read(tmp_path / "kept.scores.jsonl")
+    assert [r["reward"] for r in logged] == scores[0]["sample_rewards"] + scores[1][
+        "sample_rewards"
+    ]
+    assert len(set(scores[0]["sample_rewards"])) > 1  # not one value repeated
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
