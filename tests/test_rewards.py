@@ -9,7 +9,7 @@ import pytest
 from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards import REGISTRY, RewardError, RewardRunner, resolve_reward
 from grpo.rewards.builtin import tag_credit
-from grpo.rewards.countdown import countdown_correct, evaluate_expression
+from grpo.rewards.countdown import InvalidExpression, countdown_correct, evaluate_expression
 from grpo.rewards.length import repeated_fraction, soft_overlong
 
 
@@ -88,6 +88,9 @@ def test_tag_credit(text: str, credit: float):
         ("__import__('os').system('true')", [1], 1, False),
         ("2 ** 3", [2, 3], 8, False),  # power is not allowed
         ("5 / (3 - 3)", [5, 3, 3], 0, False),  # division by zero
+        ("3 * 5", [2, 3, 5], 15, False),  # every number must be used by default: 2 is not
+        ("3 × 5 ÷ 5 × 2", [2, 3, 5, 5], 6, True),  # the signs models write
+        ("3 \\times 5 \\div 5 \\times 2", [2, 3, 5, 5], 6, True),  # and in LaTeX
     ],
 )
 def test_countdown(answer: str, numbers: list[int], target: int, ok: bool):
@@ -104,6 +107,29 @@ def test_countdown_subset_option_and_evaluation():
         1.0,
         0.0,
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "empty or too long"),
+        (" = 16", "empty or too long"),
+        ("10" + "+1" * 100, "empty or too long"),  # 202 characters, past the 200 allowed
+        ("3 +", "invalid syntax (<unknown>, line 1)"),
+        ("__import__('os').system('true')", "Call is not allowed"),
+        ("2 ** 3", "BinOp is not allowed"),
+        ("5 / (3 - 3)", "division by zero"),
+    ],
+)
+def test_invalid_expressions_say_why(text: str, why: str):
+    with pytest.raises(InvalidExpression) as err:
+        evaluate_expression(text)
+    assert str(err.value) == why
+
+
+def test_the_longest_expression_allowed_is_evaluated():
+    value, used = evaluate_expression("10" + "+1" * 99)  # 200 characters
+    assert value == 109 and len(used) == 100
 
 
 def test_soft_overlong_matches_dapo():

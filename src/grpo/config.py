@@ -127,7 +127,7 @@ class RolloutConfig(Section):
     max_turns: int = Field(4, ge=1)
     """With tools: model turns per completion at most (tool calls and the answer); max_new_tokens bounds all turns, tool outputs and template tokens together."""
     tool_call_format: Literal["fence", "template"] = "fence"
-    """How the model calls a tool: a fenced ```python block ending its turn, or the chat template's <tool_call> JSON syntax (templates that render tools)."""
+    """How the model calls a tool: a fenced ```python block ending its turn, or the chat template's <tool_call> JSON syntax (templates that render tools: every prompt then lists the tool's schema)."""
     tool_timeout_s: float = Field(5.0, gt=0)
     """Wall-clock (and CPU) limit of one tool call; a call cut here is reported to the model as an error."""
     tool_max_output_chars: int = Field(1000, ge=1)

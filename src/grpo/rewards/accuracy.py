@@ -180,7 +180,7 @@ def as_number(text: str) -> Fraction | None:
 
 
 def _is_percent(text: str) -> bool:
-    return text.replace("\\%", "%").rstrip().endswith("%")
+    return text.endswith("%")  # normalised text: stripped; "50\\%" ends with "%" too
 
 
 def _numbers_match(pred: str, ref: str, pred_num: Fraction, ref_num: Fraction) -> bool:

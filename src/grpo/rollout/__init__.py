@@ -71,7 +71,7 @@ def completion_mask_and_truncation(
     )
     positions = torch.arange(t).unsqueeze(0)  # [1, T]
     mask = positions <= first_eos.unsqueeze(1)  # [N, T]
-    return mask & (positions < t), ~has_eos
+    return mask, ~has_eos
 
 
 def decode_completions(

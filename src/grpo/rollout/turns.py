@@ -148,6 +148,23 @@ PYTHON_TOOL_SCHEMA = {
         },
     },
 }
+TOOL_SCHEMAS = {"python": PYTHON_TOOL_SCHEMA}
+
+
+def chat_tools(config: RolloutConfig) -> list[dict[str, Any]]:
+    """The schemas of ``rollout.tools`` that prompts give the chat template (``tools=``), so the
+    model sees them described as its template was trained to show them: with the template's own
+    call syntax only (fenced calls are explained by the prompt)."""
+    if config.tool_call_format != "template":
+        return []
+    return [TOOL_SCHEMAS[name] for name in config.tools]
+
+
+def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template shows a tool list given as ``tools=``."""
+    chat = [{"role": "user", "content": "u"}]
+    bare = tokenizer.apply_chat_template(chat, tokenize=False)
+    return bare != tokenizer.apply_chat_template(chat, tools=[PYTHON_TOOL_SCHEMA], tokenize=False)
 
 
 # ------------------------------------------------------------------------------ observations
@@ -232,10 +249,12 @@ class MultiTurnEngine:
         self.use_template = bool(tokenizer.chat_template)
         if self.use_template:  # a template that cannot show tool output fails now, not mid-run
             template_observation(tokenizer, "x")
-        if config.tool_call_format == "template" and "tool" not in (tokenizer.chat_template or ""):
+        # the template must show the tool list (its call syntax comes with it in Hermes/Qwen)
+        template_calls = config.tool_call_format == "template"
+        if template_calls and not (self.use_template and renders_tools(tokenizer)):
             raise ConfigError(
-                "rollout.tool_call_format=template: the tokenizer's chat template has no tool-call "
-                "syntax (use fence)"
+                "rollout.tool_call_format=template: the tokenizer's chat template does not render "
+                "a tool list, so it has no tool-call syntax (use fence)"
             )
         self.eos_texts = {tokenizer.decode([i]) for i in engine.eos}
 

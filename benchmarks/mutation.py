@@ -1,0 +1,189 @@
+"""``make mutate``: mutation testing with mutmut over the math, the log-probs, the rollout and
+reward logic and the trainer's wiring, then the table README shows ("Mutation testing").
+
+The files are ``only_mutate`` in ``[tool.mutmut]`` (pyproject.toml); ``SCOPE`` below narrows a
+file to the functions that are in scope, and says why the rest is not. mutmut runs each mutant
+against only the tests that reached its function while it measured the suite once, so a mutant
+costs its function's tests, not the whole selection. Writes benchmarks/results/mutation.json.
+
+Run: .venv/bin/python -m benchmarks.mutation [--max-children N]   (the whole run)
+     .venv/bin/python -m benchmarks.mutation --table                (the table of the last run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import json
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "benchmarks" / "results" / "mutation.json"
+
+# file -> the functions in scope ("Class.method" or "function"); files not named here are in
+# scope whole. What is left out runs processes, touches the disk or builds models: its tests
+# take seconds each, and it holds no formula or config wiring.
+SCOPE: dict[str, list[str]] = {
+    # the trainer's wiring: config -> rollout, rewards, advantages, micro-batches, log-probs,
+    # loss, optimizer step. Left out: model and run-directory set-up, checkpoints, signals, the
+    # loop, held-out eval, metric bookkeeping, the multi-rank gather
+    "src/grpo/trainer.py": [
+        "PromptStream.*",
+        "sampling_seed",
+        "micro_batch_order",
+        "cut_micro_batches",
+        "micro_batches",
+        "_scatter",
+        "lr_lambda",
+        "Trainer.rollout",
+        "Trainer.score",
+        "Trainer.sample",
+        "Trainer.collect",
+        "Trainer._logprobs",
+        "Trainer.frozen_logprobs",
+        "Trainer.optimize",
+        "Trainer._clip_and_step",
+        "Trainer.refresh_reference",
+    ],
+    # left out: the math-verify worker processes (MathVerifier)
+    "src/grpo/rewards/accuracy.py": [
+        "_*",
+        "extract_answer",
+        "normalise",
+        "as_number",
+        "equivalent_in_process",
+        "answers_match",
+        "AccuracyReward.*",
+    ],
+    # left out: the runs in the sandbox (passed_io_cases, passed_tests)
+    "src/grpo/rewards/code.py": ["extract_code", "with_prefix", "normalise_output", "_as_tests"],
+    # left out: the worker pool of user functions (RewardRunner.__init__, close)
+    "src/grpo/rewards/__init__.py": [
+        "resolve_reward",
+        "_name_of",
+        "weighted_total",
+        "RewardRunner.__call__",
+        "RewardRunner._fail",
+        "RewardRunner._report",
+        "RewardRunner._store",
+        "ErrorWatch.*",
+    ],
+    # left out: the Python tool's run in the sandbox (PythonTool)
+    "src/grpo/rollout/tools.py": ["notebook_source", "last_error_line"],
+}
+
+
+def mangled(module: str, function: str) -> str:
+    """mutmut's name for a function's mutants: grpo.m.x_f__mutmut_N, grpo.m.xǁCǁf__mutmut_N."""
+    cls, _, name = function.rpartition(".")
+    return f"{module}.x{'ǁ' + cls + 'ǁ' if cls else '_'}{name}__mutmut_*"
+
+
+def module_of(path: str) -> str:
+    parts = Path(path).with_suffix("").parts[1:]  # src/grpo/x/y.py -> grpo.x.y
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def files() -> list[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    return config["only_mutate"]
+
+
+def patterns() -> dict[str, list[str]]:
+    """file -> mutant-name patterns of what is in scope."""
+    return {
+        path: [mangled(module_of(path), f) for f in SCOPE.get(path, ["*"])]
+        if path in SCOPE
+        else [f"{module_of(path)}.*"]
+        for path in files()
+    }
+
+
+STATUS = {1: "killed", 3: "killed", 0: "survived", None: "not checked", 33: "no tests"}
+
+
+def table() -> list[dict]:
+    """One row per file from mutmut's records (mutants/**/*.meta)."""
+    rows = []
+    for path, pats in patterns().items():
+        meta = ROOT / "mutants" / f"{path}.meta"
+        codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+        scoped = {k: v for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in pats)}
+        status = [
+            STATUS.get(v, "timeout" if v in (24, -24, 36, 152, 255) else "other")
+            for v in scoped.values()
+        ]
+        killed = status.count("killed") + status.count("timeout")
+        checked = killed + status.count("survived")
+        rows.append(
+            {
+                "module": path.removeprefix("src/grpo/"),
+                "mutants": len(codes),
+                "in_scope": len(scoped),
+                "checked": checked,
+                "killed": killed,
+                "survived": status.count("survived"),
+                "no_tests": status.count("no tests"),
+                "other": status.count("other"),
+                "survivors": sorted(k for k, v in scoped.items() if v == 0),
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| module | mutants | in scope | checked | killed | survived | killed / checked |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    total = {
+        k: sum(r[k] for r in rows) for k in ("mutants", "in_scope", "checked", "killed", "survived")
+    }
+    for r in [*rows, {"module": "all", **total}]:
+        share = f"{100 * r['killed'] / r['checked']:.1f} %" if r["checked"] else "-"
+        name = f"`{r['module']}`" if r["module"] != "all" else "**all**"
+        lines.append(
+            f"| {name} | {r['mutants']} | {r['in_scope']} | {r['checked']} | {r['killed']} "
+            f"| {r['survived']} | {share} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-children", type=int, default=2)
+    parser.add_argument("--table", action="store_true", help="only the table of the last run")
+    args = parser.parse_args()
+    wall = None
+    if not args.table:
+        names = [p for pats in patterns().values() for p in pats]
+        start = time.perf_counter()
+        mutmut = [str(Path(sys.executable).with_name("mutmut")), "run"]
+        subprocess.run(
+            [*mutmut, "--max-children", str(args.max_children), *names], cwd=ROOT, check=True
+        )
+        wall = time.perf_counter() - start
+    rows = table()
+    print(markdown(rows))
+    checked = sum(r["checked"] for r in rows)
+    out = {
+        "date": datetime.date.today().isoformat(),
+        "mutmut": version("mutmut"),
+        "max_children": args.max_children,
+        "wall_s": wall,
+        "s_per_mutant": wall / checked if wall and checked else None,
+        "rows": rows,
+    }
+    if wall is not None:
+        RESULT.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
