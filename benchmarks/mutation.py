@@ -7,6 +7,8 @@ against only the tests that reached its function while it measured the suite onc
 costs its function's tests, not the whole selection. Writes benchmarks/results/mutation.json.
 
 Run: .venv/bin/python -m benchmarks.mutation [--max-children N]   (the whole run)
+     .venv/bin/python -m benchmarks.mutation --resume   (only what is unchecked, e.g. after an
+                                                         edit or a stopped run)
      .venv/bin/python -m benchmarks.mutation --table                (the table of the last run)
 """
 
@@ -101,7 +103,7 @@ def patterns() -> dict[str, list[str]]:
     return {
         path: [mangled(module_of(path), f) for f in SCOPE.get(path, ["*"])]
         if path in SCOPE
-        else [f"{module_of(path)}.*"]
+        else [f"{module_of(path)}.x*"]
         for path in files()
     }
 
@@ -109,13 +111,20 @@ def patterns() -> dict[str, list[str]]:
 STATUS = {1: "killed", 3: "killed", 0: "survived", None: "not checked", 33: "no tests"}
 
 
+def results(path: str) -> dict[str, int | None]:
+    """mutant -> mutmut's exit code (None: not checked) of the in-scope mutants of a file."""
+    meta = ROOT / "mutants" / f"{path}.meta"
+    codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+    return {k: v for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in patterns()[path])}
+
+
 def table() -> list[dict]:
     """One row per file from mutmut's records (mutants/**/*.meta)."""
     rows = []
-    for path, pats in patterns().items():
+    for path in files():
         meta = ROOT / "mutants" / f"{path}.meta"
         codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
-        scoped = {k: v for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in pats)}
+        scoped = results(path)
         status = [
             STATUS.get(v, "timeout" if v in (24, -24, 36, 152, 255) else "other")
             for v in scoped.values()
@@ -160,15 +169,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--table", action="store_true", help="only the table of the last run")
+    parser.add_argument("--resume", action="store_true", help="only the unchecked mutants")
     args = parser.parse_args()
     wall = None
     if not args.table:
+        # mutmut re-checks every mutant it is given by name, so a resumed run names only the
+        # unchecked ones, after a first call (one cheap mutant) has refreshed the mutants
+        mutmut = [str(Path(sys.executable).with_name("mutmut")), "run"]
+        mutmut += ["--max-children", str(args.max_children)]
         names = [p for pats in patterns().values() for p in pats]
         start = time.perf_counter()
-        mutmut = [str(Path(sys.executable).with_name("mutmut")), "run"]
-        subprocess.run(
-            [*mutmut, "--max-children", str(args.max_children), *names], cwd=ROOT, check=True
-        )
+        if args.resume:
+            subprocess.run([*mutmut, "grpo.rewards.length.x_soft_overlong__mutmut_1"], cwd=ROOT)
+            names = [k for path in files() for k, v in results(path).items() if v is None]
+        if names:
+            subprocess.run([*mutmut, *names], cwd=ROOT, check=True)
         wall = time.perf_counter() - start
     rows = table()
     print(markdown(rows))
