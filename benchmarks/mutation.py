@@ -9,6 +9,8 @@ costs its function's tests, not the whole selection. Writes benchmarks/results/m
 Run: .venv/bin/python -m benchmarks.mutation [--max-children N]   (the whole run)
      .venv/bin/python -m benchmarks.mutation --resume   (only what is unchecked, e.g. after an
                                                          edit or a stopped run)
+     .venv/bin/python -m benchmarks.mutation --resume --files logprobs.py rewards/*.py
+                                                        (some files only)
      .venv/bin/python -m benchmarks.mutation --table                (the table of the last run)
 """
 
@@ -170,6 +172,7 @@ def main() -> None:
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--table", action="store_true", help="only the table of the last run")
     parser.add_argument("--resume", action="store_true", help="only the unchecked mutants")
+    parser.add_argument("--files", nargs="+", help="only these (e.g. logprobs.py rewards/*.py)")
     args = parser.parse_args()
     wall = None
     if not args.table:
@@ -177,11 +180,16 @@ def main() -> None:
         # unchecked ones, after a first call (one cheap mutant) has refreshed the mutants
         mutmut = [str(Path(sys.executable).with_name("mutmut")), "run"]
         mutmut += ["--max-children", str(args.max_children)]
-        names = [p for pats in patterns().values() for p in pats]
+        chosen = [
+            path
+            for path in files()
+            if not args.files or any(fnmatch.fnmatch(path, f"src/grpo/{f}") for f in args.files)
+        ]
+        names = [p for path in chosen for p in patterns()[path]]
         start = time.perf_counter()
         if args.resume:
             subprocess.run([*mutmut, "grpo.rewards.length.x_soft_overlong__mutmut_1"], cwd=ROOT)
-            names = [k for path in files() for k, v in results(path).items() if v is None]
+            names = [k for path in chosen for k, v in results(path).items() if v is None]
         # a busy machine can fail a timed test in mutmut's clean runs, which stops the run
         for attempt in range(3 if names else 0):
             if subprocess.run([*mutmut, *names], cwd=ROOT).returncode == 0:
@@ -190,17 +198,23 @@ def main() -> None:
         wall = time.perf_counter() - start
     rows = table()
     print(markdown(rows))
-    checked = sum(r["checked"] for r in rows)
+    if wall is None:
+        return
+    ran = len(names) if args.resume else sum(r["checked"] for r in rows)
+    run = {"files": args.files or "all", "mutants": ran, "wall_s": round(wall)}
+    run["s_per_mutant"] = round(wall / ran, 2) if ran else None
+    # a resumed run adds its timing to the runs before it; the table is always the whole state
+    before = (
+        json.loads(RESULT.read_text()).get("runs", []) if args.resume and RESULT.exists() else []
+    )
     out = {
         "date": datetime.date.today().isoformat(),
         "mutmut": version("mutmut"),
         "max_children": args.max_children,
-        "wall_s": wall,
-        "s_per_mutant": wall / checked if wall and checked else None,
+        "runs": [*before, run],
         "rows": rows,
     }
-    if wall is not None:
-        RESULT.write_text(json.dumps(out, indent=1) + "\n")
+    RESULT.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
