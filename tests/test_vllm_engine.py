@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,12 @@ from grpo.logprobs import completion_logprobs
 from grpo.models import build_tiny_model, load_policy, load_tokenizer
 from grpo.processors import Sampling
 from grpo.rollout import build_engine
-from grpo.rollout.vllm import VLLMEngine, create_llm, merged_weights
+from grpo.rollout.vllm import (
+    VLLMEngine,
+    create_llm,
+    merged_weights,
+    not_a_rotary_reload_notice,
+)
 from grpo.trainer import Trainer, train
 
 
@@ -401,3 +407,11 @@ def test_generation_kwargs_pass_through_and_clashes(parts) -> None:
     # the stand-in's SamplingParams has no such field: vLLM's TypeError becomes one line
     with pytest.raises(ConfigError, match=r"rollout\.generation_kwargs: .*presence_penalty"):
         _engine(model, tok, llm, generation_kwargs={"presence_penalty": 0.5})
+
+
+def test_the_rotary_reload_false_alarm_is_dropped_and_nothing_else() -> None:
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("vllm", logging.WARNING, __file__, 1, message, None, None)
+
+    assert not not_a_rotary_reload_notice(record("RotaryEmbedding: Failed to load weights"))
+    assert not_a_rotary_reload_notice(record("LlamaMLP: Failed to load weights"))

@@ -15,6 +15,7 @@ policy is gathered first. vLLM is imported only when this engine is built.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -57,12 +58,22 @@ MISSING = (
 CPU_KV_CACHE_GB = 1.0
 
 
+def not_a_rotary_reload_notice(record: logging.LogRecord) -> bool:
+    """False for vLLM's "RotaryEmbedding: Failed to load weights", printed at every push: a
+    rotary layer's only tensor is its cos/sin cache, which no checkpoint carries, and vLLM puts
+    the cache back. A false alarm on every step would teach users to ignore real warnings."""
+    return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
 def create_llm(model: nn.Module, config: RolloutConfig) -> tuple[Any, Callable[..., Any]]:
     """A colocated ``vllm.LLM`` for ``model``'s checkpoint, and vLLM's ``SamplingParams``."""
     try:
         import vllm
     except ImportError:
         raise ConfigError(MISSING) from None
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not_a_rotary_reload_notice not in reload_log.filters:
+        reload_log.addFilter(not_a_rotary_reload_notice)
     # the engine core runs in this process, so weights can be loaded into it without copies
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # vLLM drops torch to one thread for serving unless OMP_NUM_THREADS is set: in-process that
