@@ -11,7 +11,7 @@ Run: .venv/bin/python -m benchmarks.mutation [--max-children N]   (the whole run
                                                          edit or a stopped run)
      .venv/bin/python -m benchmarks.mutation --resume --files logprobs.py rewards/*.py
                                                         (some files only)
-     .venv/bin/python -m benchmarks.mutation --table                (the table of the last run)
+     .venv/bin/python -m benchmarks.mutation --table      (the table of mutants/ as it stands)
 """
 
 from __future__ import annotations
@@ -198,20 +198,19 @@ def main() -> None:
         wall = time.perf_counter() - start
     rows = table()
     print(markdown(rows))
-    if wall is None:
-        return
-    ran = len(names) if args.resume else sum(r["checked"] for r in rows)
-    run = {"files": args.files or "all", "mutants": ran, "wall_s": round(wall)}
-    run["s_per_mutant"] = round(wall / ran, 2) if ran else None
-    # a resumed run adds its timing to the runs before it; the table is always the whole state
-    before = (
-        json.loads(RESULT.read_text()).get("runs", []) if args.resume and RESULT.exists() else []
-    )
+    # a resumed run (and --table) keeps the timings of the runs before it; the table is always
+    # the whole state of mutants/
+    keep = (args.resume or args.table) and RESULT.exists()
+    runs = json.loads(RESULT.read_text()).get("runs", []) if keep else []
+    if wall is not None:
+        ran = len(names) if args.resume else sum(r["checked"] for r in rows)
+        run = {"files": args.files or "all", "mutants": ran, "wall_s": round(wall)}
+        runs.append({**run, "s_per_mutant": round(wall / ran, 2) if ran else None})
     out = {
         "date": datetime.date.today().isoformat(),
         "mutmut": version("mutmut"),
         "max_children": args.max_children,
-        "runs": [*before, run],
+        "runs": runs,
         "rows": rows,
     }
     RESULT.write_text(json.dumps(out, indent=1) + "\n")
