@@ -1,11 +1,12 @@
 """Zero-variance groups before and after prompt curation, read from a `grpo curate` summary
-and two short runs of the same recipe (on the original prompts and on the kept ones).
+and short runs of the same recipe (on the original prompts, then on kept ones).
 
-    python -m benchmarks.curation CURATE_JSON RUN_BEFORE RUN_AFTER
+    python -m benchmarks.curation CURATE_JSON RUN_BEFORE RUN_AFTER [RUN_AFTER ...] [--output F]
 
-Per run: ``frac_zero_std`` and ``reward/mean`` at each step and their means over the steps,
-the share of groups whose rewards were all equal, which carry no gradient. The JSON goes to
-benchmarks/results/curation_default.json (README, "Prompt curation").
+Per run: ``frac_zero_std`` and ``reward/mean`` at each step and their means over the steps
+(the share of groups whose rewards were all equal, which carry no gradient), and the median
+step time. The JSON goes to benchmarks/results/curation_default.json unless --output says
+otherwise (README, "Prompt curation").
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 RESULTS = Path(__file__).parent / "results" / "curation_default.json"
 
 
@@ -24,9 +27,12 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     steps = [r for r in rows if "frac_zero_std" in r]
     zero = [r["frac_zero_std"] for r in steps]
     reward = [r["reward/mean"] for r in steps]
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    data = config["data"]
     return {
         "run": str(run_dir),
-        "data": _data_of(run_dir),
+        "data": {k: data[k] for k in ("task", "task_args", "path", "few_shot")},
+        "rewards": config["rewards"]["functions"],
         "steps": len(steps),
         "frac_zero_std_by_step": zero,
         "frac_zero_std_mean": sum(zero) / len(zero),
@@ -38,25 +44,17 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _data_of(run_dir: Path) -> dict[str, Any]:
-    import yaml
-
-    data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
-    return {k: data[k] for k in ("task", "task_args", "path")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("curate_json", type=Path)
-    parser.add_argument("before", type=Path)
-    parser.add_argument("after", type=Path)
+    parser.add_argument("runs", nargs="+", type=Path, help="the run on the original prompts first")
+    parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     result = {
         "curate": json.loads(args.curate_json.read_text())["summary"],
-        "before": run_summary(args.before),
-        "after": run_summary(args.after),
+        "runs": [run_summary(run) for run in args.runs],
     }
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

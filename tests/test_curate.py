@@ -17,10 +17,18 @@ import yaml
 import grpo.curate
 import grpo.rollout
 from grpo.cli import main
-from grpo.curate import CurateSettings, group_scores, pass_rate, score_columns, summarize
+from grpo.curate import (
+    CurateSettings,
+    default_output,
+    group_scores,
+    pass_rate,
+    score_columns,
+    summarize,
+)
 from grpo.rewards import RewardOutput
 
-HASHED = {"name": f"{Path(__file__).with_name('toy_rewards.py')}:hashed_pass"}
+TOY = Path(__file__).with_name("toy_rewards.py")
+HASHED = {"name": f"{TOY}:hashed_pass"}
 K = 8
 
 
@@ -98,6 +106,14 @@ def test_summary_counts_band_and_zero_variance() -> None:
     assert summary["skipped_rows"] == 1
 
 
+def test_default_output_is_next_to_the_data() -> None:
+    from grpo.config import build_config
+
+    tree = {"data": {"path": "/data/train.parquet"}}
+    assert default_output(build_config(tree)) == Path("/data/train.curated.jsonl")
+    assert default_output(build_config({})) == Path("arithmetic-train.curated.jsonl")
+
+
 # ------------------------------------------------------------------------------- end to end
 
 
@@ -129,6 +145,19 @@ def test_band_keeps_the_mixed_rows_with_their_own_columns(
     meta = json.loads((tmp_path / "kept.curate.json").read_text())
     assert meta["summary"]["kept"] == len(mixed) and meta["summary"]["prompts"] == 12
     assert meta["summary"]["zero_std_frac_kept"] == 0.0
+
+    # the recipe's own prompt_field reads the kept file: training sees only the kept rows
+    train = ["train", str(recipe), f"data.path={out}", "train.steps=2", "train.log_completions=8"]
+    assert main(train) == 0
+    logged = [
+        r
+        for f in sorted((tmp_path / "runs" / "recipe" / "completions").iterdir())
+        for r in _read(f)
+    ]
+    questions = {f"What is {i} + {i}?" for i in mixed}
+    assert len(logged) == 16 and all(
+        sum(q in row["prompt"] for q in questions) == 1 for row in logged
+    )
 
     # a new band and threshold re-filter the stored rewards without sampling again
     def no_sampling(*a, **k):
@@ -211,6 +240,29 @@ def test_a_stopped_run_keeps_its_batches_and_resumes(
     assert main(args) == 0
     assert "8 prompts x 4 samples to score (4 already in" in capsys.readouterr().err
     assert [r["source_row"] for r in _read(scores)] == list(range(1, 13))
+
+
+def test_samples_are_those_training_draws(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # unshuffled, the trainer's step 1 rolls out rows 1 and 2 at stream positions 0 and 1: the
+    # same seeds, prompts, engine and rewards as curate's (batched otherwise), so the same
+    # completions and rewards, float for float
+    _data(tmp_path)
+    recipe = _recipe(
+        tmp_path,
+        tiny_model_dir,
+        data={"shuffle": False},
+        rewards={"functions": [{"name": f"{TOY}:lowercase_share"}]},
+        train={"log_completions": 8},
+    )
+    out = tmp_path / "kept.jsonl"
+    assert main(["curate", str(recipe), "--samples", "4", "--output", str(out)]) == 0
+    assert main(["train", str(recipe)]) == 0
+    logged = _read(tmp_path / "runs" / "recipe" / "completions" / "step-000001.jsonl")
+    scores = _read(tmp_path / "kept.scores.jsonl")
+    assert [r["reward"] for r in logged] == scores[0]["sample_rewards"] + scores[1][
+        "sample_rewards"
+    ]
+    assert len(set(scores[0]["sample_rewards"])) > 1  # not one value repeated
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:

@@ -295,3 +295,20 @@ def test_eval_judges_answers_like_the_recipes_accuracy_reward(tiny_config) -> No
     assert not is_correct("<answer>8</answer> or 7", "7", extract_of(config))
     scored = score_samples([["3 + 4 = 7", "<answer>7</answer>"]], ["7"], extract_of(config))
     assert scored["pass@1"] == 1.0 and scored["maj@2"] == 1.0
+
+
+def test_eval_without_math_verify_when_the_recipe_turns_it_off(tiny_config) -> None:
+    """An arithmetic answer that restates the question is 53 to math-verify; a recipe that turns
+    math-verify off (recipes/gemma-r1-zero.yaml) must see it judged wrong in eval too."""
+    spec = {"name": "accuracy", "args": {"extract": ["answer"], "math_verify": False}}
+    strict = settings_for(tiny_config(rewards={"functions": [spec]}), 2)
+    assert not strict.symbolic and settings_for(tiny_config(), 2).symbolic
+    restated = "<answer>23 + 30</answer>"
+    assert is_correct(restated, "53", ("answer",))  # the default: symbolic equivalence
+    assert not is_correct(restated, "53", strict.extract, strict.symbolic)
+    assert is_correct("<answer>53</answer>", "53", strict.extract, strict.symbolic)
+    # sampled: two restated, one right: strict, pass@1 = 1/3 and the majority answer is wrong
+    samples = [[restated, restated, "<answer>53</answer>"]]
+    assert score_samples(samples, ["53"], ("answer",))["maj@3"] == 1.0
+    scored = score_samples(samples, ["53"], strict.extract, strict.symbolic)
+    assert scored["pass@1"] == pytest.approx(1 / 3, abs=1e-12) and scored["maj@3"] == 0.0

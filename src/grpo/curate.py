@@ -424,8 +424,9 @@ def sample_and_score(
     """Sample K completions for each row index in ``todo`` with the recipe's model and engine,
     score them with its rewards, and append each batch's records to ``scores_path``.
 
-    Prompt i's samples are seeded by its row number, so they depend on neither the batch nor a
-    resume. Returns the records and each reward function's error count."""
+    Row i's samples are seeded as the trainer seeds the prompt it draws at stream position i,
+    so they depend on neither the batch nor a resume, and equal the first epoch's groups of an
+    unshuffled run (``data.shuffle=false``). Returns the records and each reward function's error count."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -481,7 +482,7 @@ def sample_and_score(
                     [prompt_format.render(tokenizer, row) for row in batch],
                     batch,
                     k,
-                    seeds=[sampling_seed(config.train.seed, rows.numbers[i]) for i in chunk],
+                    seeds=[sampling_seed(config.train.seed, i) for i in chunk],
                 )
                 judged = rewards(*reward_inputs(rollout))
                 for name, count in judged.errors.items():

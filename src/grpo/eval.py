@@ -38,7 +38,13 @@ from grpo.config import Config, RolloutConfig
 from grpo.data import DataError, load_dataset_rows, system_prompt_for
 from grpo.prompts import PromptFormat, prompt_format_for, scored_texts
 from grpo.rewards import RewardOutput, RewardRunner
-from grpo.rewards.accuracy import DEFAULT_EXTRACT, AccuracyReward, answers_match, extract_answer
+from grpo.rewards.accuracy import (
+    DEFAULT_EXTRACT,
+    AccuracyReward,
+    answers_match,
+    equivalent_in_process,
+    extract_answer,
+)
 from grpo.rollout.hf import HFEngine, eos_ids
 from grpo.rollout.turns import MultiTurnEngine, chat_tools, greedy_answers, tool_metrics
 
@@ -62,9 +68,17 @@ def majority_answer(answers: Sequence[str | None]) -> str | None:
     return next(a.strip() for a in answers if a is not None and votes[a.strip()] == best)
 
 
-def is_correct(completion: str, gold: Any, extract: tuple[str, ...] = DEFAULT_EXTRACT) -> bool:
+def is_correct(
+    completion: str, gold: Any, extract: tuple[str, ...] = DEFAULT_EXTRACT, symbolic: bool = True
+) -> bool:
+    """The extracted answer matches the gold one; ``symbolic`` adds math-verify's equivalence
+    (without it "23 + 30" is not 53)."""
     predicted = extract_answer(completion, extract)
-    return predicted is not None and answers_match(predicted, str(gold))
+    return predicted is not None and _match(predicted, gold, symbolic)
+
+
+def _match(predicted: str, gold: Any, symbolic: bool) -> bool:
+    return answers_match(predicted, str(gold), equivalent_in_process if symbolic else None)
 
 
 def k_values(n: int) -> list[int]:
@@ -85,6 +99,7 @@ class EvalSettings:
     extract: tuple[str, ...] = DEFAULT_EXTRACT
     reward_threshold: float = 1.0
     stop: tuple[str, ...] = ()  # stop strings, as in training (``rollout.stop``)
+    symbolic: bool = True  # math-verify equivalence, as the recipe's accuracy reward's math_verify
 
 
 @torch.no_grad()
@@ -127,20 +142,23 @@ def _generate(
 
 
 def score_samples(
-    samples: list[list[str]], golds: list[Any], extract: tuple[str, ...] = DEFAULT_EXTRACT
+    samples: list[list[str]],
+    golds: list[Any],
+    extract: tuple[str, ...] = DEFAULT_EXTRACT,
+    symbolic: bool = True,
 ) -> dict[str, float]:
     """pass@k for k = 1, 2, 4, ... n and maj@n from n samples per problem."""
     n = len(samples[0])
     out: dict[str, float] = {}
     correct = [
-        sum(is_correct(s, g, extract) for s in group)
+        sum(is_correct(s, g, extract, symbolic) for s in group)
         for group, g in zip(samples, golds, strict=True)
     ]
     for k in k_values(n):
         out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(golds)
     votes = [majority_answer([extract_answer(s, extract) for s in group]) for group in samples]
     out[f"maj@{n}"] = sum(
-        v is not None and answers_match(v, str(g)) for v, g in zip(votes, golds, strict=True)
+        v is not None and _match(v, g, symbolic) for v, g in zip(votes, golds, strict=True)
     ) / len(golds)
     return out
 
@@ -223,10 +241,11 @@ def evaluate(
         "examples": float(len(rows)),
     }
     if has_gold:
-        correct = [is_correct(c, g, settings.extract) for c, g in zip(greedy, golds, strict=True)]
+        judge = (settings.extract, settings.symbolic)
+        correct = [is_correct(c, g, *judge) for c, g in zip(greedy, golds, strict=True)]
         out["accuracy"] = sum(correct) / len(rows)
         if sampled is not None:
-            out.update(score_samples(sampled, golds, settings.extract))
+            out.update(score_samples(sampled, golds, *judge))
     if rewards is not None:
         judged = judge_with_rewards(rewards, rows, greedy, tokenizer, raw)
         out.update(reward_metrics(judged, settings.reward_threshold))
@@ -279,6 +298,14 @@ def extract_of(config: Config) -> tuple[str, ...]:
     return DEFAULT_EXTRACT
 
 
+def symbolic_of(config: Config) -> bool:
+    """Whether the recipe's ``accuracy`` reward accepts math-verify's equivalence (its default)."""
+    for spec in config.rewards.functions:
+        if spec.name == "accuracy":
+            return bool(spec.args.get("math_verify", True))
+    return True
+
+
 def settings_for(config: Config, samples: int) -> EvalSettings:
     return EvalSettings(
         samples=samples,
@@ -287,6 +314,7 @@ def settings_for(config: Config, samples: int) -> EvalSettings:
         extract=extract_of(config),
         reward_threshold=config.train.eval_reward_threshold,
         stop=tuple(config.rollout.stop),
+        symbolic=symbolic_of(config),
     )
 
 
