@@ -45,6 +45,7 @@ import torch
 from grpo.config import Config, ConfigError
 from grpo.data import DataError, Rows, load_dataset_rows, system_prompt_for
 from grpo.rewards import RewardOutput
+from grpo.run_dir import write_atomic
 
 # columns curation adds to a scored row; the data may not already have them
 SCORE_COLUMNS = (
@@ -192,15 +193,6 @@ def _json_line(row: dict[str, Any], where: str) -> str:
         raise DataError(f"{where} cannot be written as JSON ({err})") from None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def default_output(config: Config) -> Path:
     """Next to the data file (``data.jsonl`` -> ``data.curated.jsonl``), or for a built-in task
     ``<task>-<split>.curated.jsonl`` in the working directory."""
@@ -252,7 +244,7 @@ def read_scores(paths: CuratePaths, settings: dict[str, Any]) -> dict[int, dict[
             raise DataError(f"{paths.scores}: line {number} has no 'source_row'")
         done[record["source_row"]] = record
     if text and not text.endswith("\n"):  # new batches are appended after whole lines only
-        _write_atomic(paths.scores, "".join(_json_line(r, "") for r in done.values()))
+        write_atomic(paths.scores, "".join(_json_line(r, "") for r in done.values()))
     return done
 
 
@@ -349,7 +341,7 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
     sampling_s = 0.0
     heldout = heldout_sources(config)
     if not paths.scores.exists():
-        _write_atomic(paths.meta, json.dumps({"settings": wanted}, indent=2) + "\n")
+        write_atomic(paths.meta, json.dumps({"settings": wanted}, indent=2) + "\n")
     if todo:
         print(
             f"curate: {len(todo)} prompts x {settings.samples} samples to score"
@@ -379,7 +371,7 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
                 settings.threshold,
             )
         )
-    _write_atomic(
+    write_atomic(
         paths.scores,
         "".join(_json_line(done[n], f"row {n}") for n in sorted(done)),
     )
@@ -390,17 +382,17 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
             f"{paths.kept} is empty (see the pass rates in {paths.scores})",
             file=sys.stderr,
         )
-    _write_atomic(
+    write_atomic(
         paths.kept, "".join(_json_line(source_of(r), f"row {r['source_row']}") for r in kept)
     )
     if heldout is not None:
-        _write_atomic(
+        write_atomic(
             paths.heldout,
             "".join(_json_line(row, f"held-out row {i}") for i, row in enumerate(heldout, 1)),
         )
     import yaml
 
-    _write_atomic(
+    write_atomic(
         paths.recipe,
         "# written by grpo curate: the recipe below, training on the kept prompts\n"
         + yaml.safe_dump(curated_recipe(config, paths, heldout is not None), sort_keys=False),
@@ -410,7 +402,7 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
         "sampled_now": len(todo),
         "sampling_s": round(sampling_s, 1),
     }
-    _write_atomic(paths.meta, json.dumps({"settings": wanted, "summary": summary}, indent=2) + "\n")
+    write_atomic(paths.meta, json.dumps({"settings": wanted, "summary": summary}, indent=2) + "\n")
     return {**summary, "files": {k: str(v) for k, v in vars(paths).items()}}
 
 
