@@ -1,6 +1,6 @@
 """How often SmolLM2-135M-Instruct writes the <answer> tag, and answers right, before any training,
-under candidate prompts for the default recipe (issue 14, point 7). 16 "a + b" problems (1-30),
-24 new tokens; greedy, and 4 samples at temperature 1. Prints and writes to
+under candidate prompts for the default recipe (issue 14, point 7). 24 "a + b" problems (1-30),
+48 new tokens (the recipe's limit); greedy, and 4 samples at temperature 1. Prints and writes to
 benchmarks/results/format_probe.json the (tagged, exactly one tagged answer, correct) shares per
 variant. Run: .venv/bin/python -m benchmarks.format_probe [variant ...]
 """
@@ -26,15 +26,25 @@ def main() -> None:
     tok.padding_side = "left"
     m = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
     random.seed(7)
-    probs = [(random.randint(1, 30), random.randint(1, 30)) for _ in range(16)]
+    probs = [(random.randint(1, 30), random.randint(1, 30)) for _ in range(24)]
     BASE = "Solve the arithmetic problem. Write the final answer as a number inside <answer></answer> tags."
     EX = BASE + " Example: What is 2 + 3? <answer>5</answer>"
+    # earlier chat turns (data.few_shot): one bare answer, two bare answers, two worked answers
+    one = [("What is 2 + 3?", "<answer>5</answer>")]
+    bare = [("What is 7 + 15?", "<answer>22</answer>"), ("What is 21 + 9?", "<answer>30</answer>")]
+    worked = [
+        ("What is 7 + 15?", "7 + 15 = 22\n<answer>22</answer>"),
+        ("What is 21 + 9?", "21 + 9 = 30\n<answer>30</answer>"),
+    ]
     variants = {
-        "prefix": (BASE, "<answer>", False),
-        "prefix+example": (EX, "<answer>", False),
-        "example": (EX, "", False),
-        "prefix+shot": (BASE, "<answer>", True),
-        "shot": (BASE, "", True),
+        "plain": (BASE, "", []),
+        "prefix": (BASE, "<answer>", []),
+        "prefix+example": (EX, "<answer>", []),
+        "example": (EX, "", []),
+        "prefix+shot": (BASE, "<answer>", one),
+        "shot": (BASE, "", one),
+        "two-shots": (BASE, "", bare),
+        "two-worked-shots": (BASE, "", worked),  # the default recipe's few_shot
     }
     only = sys.argv[1:] or list(variants)
     report = {
@@ -43,14 +53,14 @@ def main() -> None:
         "columns": ["tagged share", "exactly <answer>...</answer> share", "correct share"],
     }
     for name in only:
-        system, prefix, shot = variants[name]
+        system, prefix, shots = variants[name]
         prompts = []
         for a, b in probs:
             msgs = [{"role": "system", "content": system}]
-            if shot:
+            for question, answer in shots:
                 msgs += [
-                    {"role": "user", "content": "What is 2 + 3?"},
-                    {"role": "assistant", "content": "<answer>5</answer>"},
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": answer},
                 ]
             msgs.append({"role": "user", "content": f"What is {a} + {b}?"})
             prompts.append(
@@ -69,7 +79,7 @@ def main() -> None:
         ):
             torch.manual_seed(0)
             with torch.no_grad():
-                out = m.generate(**enc, max_new_tokens=24, pad_token_id=tok.pad_token_id, **kw)
+                out = m.generate(**enc, max_new_tokens=48, pad_token_id=tok.pad_token_id, **kw)
             texts = [
                 prefix + t
                 for t in tok.batch_decode(

@@ -7,7 +7,11 @@ against only the tests that reached its function while it measured the suite onc
 costs its function's tests, not the whole selection. Writes benchmarks/results/mutation.json.
 
 Run: .venv/bin/python -m benchmarks.mutation [--max-children N]   (the whole run)
-     .venv/bin/python -m benchmarks.mutation --table                (the table of the last run)
+     .venv/bin/python -m benchmarks.mutation --resume   (only what is unchecked, e.g. after an
+                                                         edit or a stopped run)
+     .venv/bin/python -m benchmarks.mutation --resume --files logprobs.py rewards/*.py
+                                                        (some files only)
+     .venv/bin/python -m benchmarks.mutation --table      (the table of mutants/ as it stands)
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ def patterns() -> dict[str, list[str]]:
     return {
         path: [mangled(module_of(path), f) for f in SCOPE.get(path, ["*"])]
         if path in SCOPE
-        else [f"{module_of(path)}.*"]
+        else [f"{module_of(path)}.x*"]
         for path in files()
     }
 
@@ -109,13 +113,20 @@ def patterns() -> dict[str, list[str]]:
 STATUS = {1: "killed", 3: "killed", 0: "survived", None: "not checked", 33: "no tests"}
 
 
+def results(path: str) -> dict[str, int | None]:
+    """mutant -> mutmut's exit code (None: not checked) of the in-scope mutants of a file."""
+    meta = ROOT / "mutants" / f"{path}.meta"
+    codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+    return {k: v for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in patterns()[path])}
+
+
 def table() -> list[dict]:
     """One row per file from mutmut's records (mutants/**/*.meta)."""
     rows = []
-    for path, pats in patterns().items():
+    for path in files():
         meta = ROOT / "mutants" / f"{path}.meta"
         codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
-        scoped = {k: v for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in pats)}
+        scoped = results(path)
         status = [
             STATUS.get(v, "timeout" if v in (24, -24, 36, 152, 255) else "other")
             for v in scoped.values()
@@ -160,29 +171,49 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--table", action="store_true", help="only the table of the last run")
+    parser.add_argument("--resume", action="store_true", help="only the unchecked mutants")
+    parser.add_argument("--files", nargs="+", help="only these (e.g. logprobs.py rewards/*.py)")
     args = parser.parse_args()
     wall = None
     if not args.table:
-        names = [p for pats in patterns().values() for p in pats]
-        start = time.perf_counter()
+        # mutmut re-checks every mutant it is given by name, so a resumed run names only the
+        # unchecked ones, after a first call (one cheap mutant) has refreshed the mutants
         mutmut = [str(Path(sys.executable).with_name("mutmut")), "run"]
-        subprocess.run(
-            [*mutmut, "--max-children", str(args.max_children), *names], cwd=ROOT, check=True
-        )
+        mutmut += ["--max-children", str(args.max_children)]
+        chosen = [
+            path
+            for path in files()
+            if not args.files or any(fnmatch.fnmatch(path, f"src/grpo/{f}") for f in args.files)
+        ]
+        names = [p for path in chosen for p in patterns()[path]]
+        start = time.perf_counter()
+        if args.resume:
+            subprocess.run([*mutmut, "grpo.rewards.length.x_soft_overlong__mutmut_1"], cwd=ROOT)
+            names = [k for path in chosen for k, v in results(path).items() if v is None]
+        # a busy machine can fail a timed test in mutmut's clean runs, which stops the run
+        for attempt in range(3 if names else 0):
+            if subprocess.run([*mutmut, *names], cwd=ROOT).returncode == 0:
+                break
+            print(f"mutmut failed (attempt {attempt + 1} of 3)", file=sys.stderr)
         wall = time.perf_counter() - start
     rows = table()
     print(markdown(rows))
-    checked = sum(r["checked"] for r in rows)
+    # a resumed run (and --table) keeps the timings of the runs before it; the table is always
+    # the whole state of mutants/
+    keep = (args.resume or args.table) and RESULT.exists()
+    runs = json.loads(RESULT.read_text()).get("runs", []) if keep else []
+    if wall is not None:
+        ran = len(names) if args.resume else sum(r["checked"] for r in rows)
+        run = {"files": args.files or "all", "mutants": ran, "wall_s": round(wall)}
+        runs.append({**run, "s_per_mutant": round(wall / ran, 2) if ran else None})
     out = {
         "date": datetime.date.today().isoformat(),
         "mutmut": version("mutmut"),
         "max_children": args.max_children,
-        "wall_s": wall,
-        "s_per_mutant": wall / checked if wall and checked else None,
+        "runs": runs,
         "rows": rows,
     }
-    if wall is not None:
-        RESULT.write_text(json.dumps(out, indent=1) + "\n")
+    RESULT.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

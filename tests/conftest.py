@@ -45,8 +45,16 @@ def _warm_up_for_mutation() -> None:
         model(ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
 
 
-if "MUTANT_UNDER_TEST" in os.environ:  # set by mutmut in all its processes
+MUTATION_RUN = "MUTANT_UNDER_TEST" in os.environ  # set by mutmut in all its processes
+if MUTATION_RUN:
     _warm_up_for_mutation()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if MUTATION_RUN:
+        # a mutant stops at its first failing test: the unit tests first, those that build a
+        # model after them, so a killed mutant rarely waits for a trainer
+        items.sort(key=lambda item: "tiny_model_dir" in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from grpo.rewards.accuracy import (
     MathVerifier,
     answers_match,
     as_number,
+    equivalent_in_process,
     extract_answer,
 )
 
@@ -119,6 +120,22 @@ def test_table_size():
 )
 def test_extraction(text: str, strategies: tuple[str, ...], expected: str | None):
     assert extract_answer(text, strategies) == expected
+
+
+@pytest.mark.parametrize(
+    ("gold", "prediction", "expected"),
+    [
+        ("\\sqrt{2}", "2^{1/2}", True),
+        ("x^2+2x+1", "(x+1)^2", True),
+        ("\\boxed{3}", "3", True),  # a boxed side is not boxed again
+        ("[1,3]", "[1,3)", False),
+        ("x+1", "", False),  # nothing parsed on one side
+    ],
+)
+def test_in_process_check_agrees_with_the_verifier(gold: str, prediction: str, expected: bool):
+    # `grpo eval` checks answers in its own process (equivalent_in_process), the reward runner
+    # in worker processes (MathVerifier): the same verdicts
+    assert equivalent_in_process(gold, prediction) is expected
 
 
 def test_a_percentage_on_either_side_reads_as_a_fraction():

@@ -126,6 +126,9 @@ def test_stdin_stdout_cases_compare_normalised_output():
     assert fn([f"```python\n{program}```"], tests=[cases]) == [1.0]
     wrong = [{"input": "3\n", "output": "0 1 2 3"}, {"input": "2", "output": "0 1"}]
     assert fn([f"```python\n{program}```"], tests=[wrong]) == [0.5]
+
+
+def test_normalised_output_collapses_whitespace_and_drops_blank_ends():
     assert normalise_output("\n a  b \n\nc\n\n") == ["a b", "", "c"]
 
 

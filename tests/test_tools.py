@@ -31,6 +31,7 @@ from grpo.rollout.turns import (
     TurnSample,
     chat_tools,
     fence_call,
+    greedy_answers,
     template_call,
     template_observation,
     tool_metrics,
@@ -208,6 +209,18 @@ def test_the_turn_loop_pushes_the_trainers_weights_to_its_engine(tiny_model_dir)
     policy = torch.nn.Linear(1, 1)
     MultiTurnEngine(scripted, scripted.tokenizer, _rollout_config()).sync_weights(policy)
     assert scripted.synced is policy
+
+
+def test_greedy_answers_give_each_prompt_one_completion_in_batches(tiny_model_dir) -> None:
+    scripted = ScriptedEngine(load_tokenizer(tiny_model_dir))
+    engine = MultiTurnEngine(scripted, scripted.tokenizer, _rollout_config(), greedy=True)
+    answers, turns = greedy_answers(engine, ["a", "b", "c"], batch_size=2)
+    assert answers == [ANSWER] * 3
+    assert [[t["output"] for t in completion] for completion in turns] == [["408", None]] * 3
+    # batches of 2 then 1 prompt: the batch's call turns (seed 0), then its answer turns (the
+    # seed of turn 1 of member 0), one sample each
+    first, later = (1, 0), (1, turn_seed(0, 0, 1))
+    assert [(r.n, r.seed) for r in scripted.requests] == [first, first, later, later, first, later]
 
 
 def test_later_turns_are_seeded_by_prompt_seed_member_and_request(tiny_model_dir) -> None:
