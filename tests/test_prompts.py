@@ -179,6 +179,8 @@ def test_few_shot_with_a_plain_template_is_refused(tiny_model_dir) -> None:
 def test_a_few_shot_turn_with_an_unknown_role_names_the_field() -> None:
     with pytest.raises(ValueError, match="few_shot"):
         DataConfig(few_shot=[{"role": "narrator", "content": "x"}])
+    with pytest.raises(ValueError, match="few_shot"):  # the system prompt has its own field
+        DataConfig(few_shot=[{"role": "system", "content": "x"}])
 
 
 def test_training_rewards_see_the_opened_tag(tiny_config, tmp_path: Path) -> None:

@@ -54,7 +54,8 @@ class ModelConfig(Section):
 
 
 class ChatMessage(Section):
-    role: Literal["system", "user", "assistant", "tool"]
+    # no "system": the system prompt leads the conversation, and templates refuse one mid-way
+    role: Literal["user", "assistant", "tool"]
     content: str
 
 
