@@ -45,12 +45,16 @@ def main() -> None:
         "shot": (BASE, "", one),
         "two-shots": (BASE, "", bare),
         "two-worked-shots": (BASE, "", worked),  # the default recipe's few_shot
+        "one-worked-shot": (BASE, "", worked[:1]),
     }
     only = sys.argv[1:] or list(variants)
-    report = {
+    # variants measured earlier stay in the JSON, each with its own command and time
+    out = Path("benchmarks/results/format_probe.json")
+    report = json.loads(out.read_text()) if out.exists() else {}
+    report["columns"] = ["tagged share", "exactly <answer>...</answer> share", "correct share"]
+    run = {
         "command": " ".join(["python -m benchmarks.format_probe", *sys.argv[1:]]),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "columns": ["tagged share", "exactly <answer>...</answer> share", "correct share"],
     }
     for name in only:
         system, prefix, shots = variants[name]
@@ -103,8 +107,7 @@ def main() -> None:
             [t[:60] for t in ex],
             flush=True,
         )
-        report[name] = {k: [round(x, 4) for x in v] for k, v in res.items()}
-    out = Path("benchmarks/results/format_probe.json")
+        report[name] = {**run, **{k: [round(x, 4) for x in v] for k, v in res.items()}}
     out.write_text(json.dumps(report, indent=2) + "\n")
 
 
