@@ -1,0 +1,105 @@
+"""Rollout containers: joining rollouts of several rounds and selecting groups keep every field
+of every completion, padded where the layout says (prompts left, completions right)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.batch import Rollout, concat_rollouts
+from grpo.processors import Sampling
+
+
+def rollout(
+    prompt: list[list[int]],
+    completion: list[list[int]],
+    tag: str,
+    logp: bool = True,
+    turns: bool = False,
+    sampling: Sampling | None = None,
+) -> Rollout:
+    """One group per two rows (G = 2); ids > 0 are real tokens, 0 is padding already in place."""
+    prompt_ids = torch.tensor(prompt)
+    completion_ids = torch.tensor(completion)
+    n = len(prompt)
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_ids > 0,
+        completion_ids=completion_ids,
+        completion_mask=completion_ids > 0,
+        truncated=torch.tensor([i % 2 == 1 for i in range(n)]),
+        prompts=[f"{tag}p{i}" for i in range(n)],
+        completions=[f"{tag}c{i}" for i in range(n)],
+        rows=[{"prompt": f"{tag}{i}"} for i in range(n // 2)],
+        group_size=2,
+        sampler_logp=-completion_ids.float() / 10 if logp else None,
+        sampled_mask=(completion_ids % 2 == 1) if turns else None,
+        turns=[[{"text": f"{tag}t{i}"}] for i in range(n)] if turns else None,
+        sampling=sampling or Sampling(),
+    )
+
+
+A = rollout([[1, 2], [0, 3]], [[4, 5, 6], [7, 0, 0]], "a")
+B = rollout([[8, 9, 10], [11, 12, 13]], [[14], [15]], "b")
+
+
+def test_concat_pads_prompts_left_and_completions_right() -> None:
+    joined = concat_rollouts([A, B])
+    assert joined.prompt_ids.tolist() == [[0, 1, 2], [0, 0, 3], [8, 9, 10], [11, 12, 13]]
+    assert joined.prompt_mask.tolist() == [[0, 1, 1], [0, 0, 1], [1, 1, 1], [1, 1, 1]]
+    assert joined.completion_ids.tolist() == [[4, 5, 6], [7, 0, 0], [14, 0, 0], [15, 0, 0]]
+    assert joined.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    assert joined.prompt_ids.dtype == torch.long and joined.completion_mask.dtype == torch.bool
+    assert joined.truncated.tolist() == [False, True, False, True]
+    assert joined.sampler_logp is not None
+    assert torch.allclose(
+        joined.sampler_logp,
+        torch.tensor([[-0.4, -0.5, -0.6], [-0.7, 0, 0], [-1.4, 0, 0], [-1.5, 0, 0]]),
+    )
+    assert joined.prompts == ["ap0", "ap1", "bp0", "bp1"]
+    assert joined.completions == ["ac0", "ac1", "bc0", "bc1"]
+    assert joined.rows == [{"prompt": "a0"}, {"prompt": "b0"}]
+    assert joined.group_size == 2
+    assert joined.sampled_mask is None and joined.turns is None
+
+
+def test_concat_of_one_rollout_is_that_rollout() -> None:
+    assert concat_rollouts([A]) is A
+
+
+def test_concat_drops_sampler_logprobs_unless_every_part_has_them() -> None:
+    plain = rollout([[8, 9]], [[14]], "b", logp=False)
+    assert concat_rollouts([A, plain]).sampler_logp is None
+
+
+def test_concat_keeps_multi_turn_masks_and_counts_single_turn_tokens_as_sampled() -> None:
+    tools = rollout([[1, 2], [3, 4]], [[5, 6, 7], [9, 0, 0]], "t", turns=True)
+    joined = concat_rollouts([tools, B])
+    assert joined.sampled_mask is not None and joined.turns is not None
+    # the multi-turn part keeps its tool-output holes; the plain part's tokens all count
+    assert joined.sampled_mask.tolist() == [
+        [True, False, True],
+        [True, False, False],
+        [True, False, False],
+        [True, False, False],
+    ]
+    assert [t[0]["text"] for t in joined.turns] == ["tt0", "tt1"]
+
+
+def test_concat_refuses_rollouts_sampled_under_different_controls() -> None:
+    hot = rollout([[8, 9]], [[14]], "b", sampling=Sampling(temperature=1.3))
+    with pytest.raises(ValueError, match="different controls"):
+        concat_rollouts([A, B, hot])
+    same = rollout([[8, 9]], [[14]], "b", sampling=Sampling(temperature=1.3))
+    assert concat_rollouts([hot, same]).sampling == Sampling(temperature=1.3)
+
+
+def test_select_groups_keeps_the_chosen_groups_in_order() -> None:
+    joined = concat_rollouts([A, B])
+    picked = joined.select_groups([1, 0])
+    assert picked.completions == ["bc0", "bc1", "ac0", "ac1"]
+    assert picked.rows == [{"prompt": "b0"}, {"prompt": "a0"}]
+    assert picked.prompt_ids.tolist() == [[8, 9, 10], [11, 12, 13], [0, 1, 2], [0, 0, 3]]
+    assert picked.truncated.tolist() == [False, True, False, True]
+    assert picked.sampler_logp is not None
+    assert torch.equal(picked.sampler_logp, joined.sampler_logp[[2, 3, 0, 1]])
