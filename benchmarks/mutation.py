@@ -11,6 +11,8 @@ Run: .venv/bin/python -m benchmarks.mutation [--max-children N]   (the whole run
                                                          edit or a stopped run)
      .venv/bin/python -m benchmarks.mutation --resume --files logprobs.py rewards/*.py
                                                         (some files only)
+     .venv/bin/python -m benchmarks.mutation --survivors  (re-check the survivors, e.g. after
+                                                         adding tests for them)
      .venv/bin/python -m benchmarks.mutation --table      (the table of mutants/ as it stands)
 """
 
@@ -172,6 +174,7 @@ def main() -> None:
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--table", action="store_true", help="only the table of the last run")
     parser.add_argument("--resume", action="store_true", help="only the unchecked mutants")
+    parser.add_argument("--survivors", action="store_true", help="only the surviving mutants")
     parser.add_argument("--files", nargs="+", help="only these (e.g. logprobs.py rewards/*.py)")
     args = parser.parse_args()
     wall = None
@@ -187,9 +190,10 @@ def main() -> None:
         ]
         names = [p for path in chosen for p in patterns()[path]]
         start = time.perf_counter()
-        if args.resume:
+        if args.resume or args.survivors:
             subprocess.run([*mutmut, "grpo.rewards.length.x_soft_overlong__mutmut_1"], cwd=ROOT)
-            names = [k for path in chosen for k, v in results(path).items() if v is None]
+            wanted = 0 if args.survivors else None
+            names = [k for path in chosen for k, v in results(path).items() if v == wanted]
         # a busy machine can fail a timed test in mutmut's clean runs, which stops the run
         for attempt in range(3 if names else 0):
             if subprocess.run([*mutmut, *names], cwd=ROOT).returncode == 0:
@@ -200,11 +204,13 @@ def main() -> None:
     print(markdown(rows))
     # a resumed run (and --table) keeps the timings of the runs before it; the table is always
     # the whole state of mutants/
-    keep = (args.resume or args.table) and RESULT.exists()
+    keep = (args.resume or args.survivors or args.table) and RESULT.exists()
     runs = json.loads(RESULT.read_text()).get("runs", []) if keep else []
     if wall is not None:
-        ran = len(names) if args.resume else sum(r["checked"] for r in rows)
-        run = {"files": args.files or "all", "mutants": ran, "wall_s": round(wall)}
+        partial = args.resume or args.survivors
+        ran = len(names) if partial else sum(r["checked"] for r in rows)
+        what = "survivors" if args.survivors else "unchecked" if args.resume else "all"
+        run = {"files": args.files or "all", "which": what, "mutants": ran, "wall_s": round(wall)}
         runs.append({**run, "s_per_mutant": round(wall / ran, 2) if ran else None})
     out = {
         "date": datetime.date.today().isoformat(),
