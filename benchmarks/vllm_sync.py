@@ -23,7 +23,6 @@ from transformers import AutoModelForCausalLM
 from grpo.config import load_config
 from grpo.logprobs import completion_logprobs
 from grpo.models import resolve_model_path
-from grpo.rollout import render_prompt
 from grpo.trainer import Trainer
 
 
@@ -67,7 +66,7 @@ def main() -> None:
     trainer = Trainer(config)
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model.name)).eval()
     probe = trainer.rows[-4:]
-    prompts = [render_prompt(trainer.tokenizer, r["prompt"], trainer.system_prompt) for r in probe]
+    prompts = [trainer.prompt_format.render(trainer.tokenizer, r) for r in probe]
     trainer.open_run_dir()
     results = []
     try:
