@@ -11,6 +11,10 @@ Run: .venv/bin/python -m benchmarks.mutation [--max-children N]   (the whole run
                                                          edit or a stopped run)
      .venv/bin/python -m benchmarks.mutation --resume --files logprobs.py rewards/*.py
                                                         (some files only)
+     .venv/bin/python -m benchmarks.mutation --resume --sample 400
+                                                        (a seeded random sample of the unchecked
+                                                         ones: an unbiased kill rate when the
+                                                         whole run does not fit the time)
      .venv/bin/python -m benchmarks.mutation --survivors  (re-check the survivors, e.g. after
                                                          adding tests for them)
      .venv/bin/python -m benchmarks.mutation --table      (the table of mutants/ as it stands)
@@ -22,6 +26,7 @@ import argparse
 import datetime
 import fnmatch
 import json
+import random
 import subprocess
 import sys
 import time
@@ -175,6 +180,7 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="only the table of the last run")
     parser.add_argument("--resume", action="store_true", help="only the unchecked mutants")
     parser.add_argument("--survivors", action="store_true", help="only the surviving mutants")
+    parser.add_argument("--sample", type=int, help="with --resume: this many, drawn at random")
     parser.add_argument("--files", nargs="+", help="only these (e.g. logprobs.py rewards/*.py)")
     args = parser.parse_args()
     wall = None
@@ -194,6 +200,8 @@ def main() -> None:
             subprocess.run([*mutmut, "grpo.rewards.length.x_soft_overlong__mutmut_1"], cwd=ROOT)
             wanted = 0 if args.survivors else None
             names = [k for path in chosen for k, v in results(path).items() if v == wanted]
+            if args.sample is not None and args.sample < len(names):
+                names = sorted(random.Random(0).sample(names, args.sample))
         # a busy machine can fail a timed test in mutmut's clean runs, which stops the run
         for attempt in range(3 if names else 0):
             if subprocess.run([*mutmut, *names], cwd=ROOT).returncode == 0:
@@ -210,6 +218,7 @@ def main() -> None:
         partial = args.resume or args.survivors
         ran = len(names) if partial else sum(r["checked"] for r in rows)
         what = "survivors" if args.survivors else "unchecked" if args.resume else "all"
+        what += f" (random sample of {args.sample})" if args.sample is not None else ""
         run = {"files": args.files or "all", "which": what, "mutants": ran, "wall_s": round(wall)}
         runs.append({**run, "s_per_mutant": round(wall / ran, 2) if ran else None})
     out = {

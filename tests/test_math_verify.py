@@ -3,6 +3,8 @@ misses, through the same path the accuracy reward uses (worker process + hard ti
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from grpo.rewards.accuracy import (
@@ -130,12 +132,62 @@ def test_extraction(text: str, strategies: tuple[str, ...], expected: str | None
         ("\\boxed{3}", "3", True),  # a boxed side is not boxed again
         ("[1,3]", "[1,3)", False),
         ("x+1", "", False),  # nothing parsed on one side
+        ("3", "\\boxed{3", False),  # an unclosed box (a cut-off answer) is no answer
     ],
 )
 def test_in_process_check_agrees_with_the_verifier(gold: str, prediction: str, expected: bool):
     # `grpo eval` checks answers in its own process (equivalent_in_process), the reward runner
     # in worker processes (MathVerifier): the same verdicts
     assert equivalent_in_process(gold, prediction) is expected
+
+
+def test_in_process_check_is_bounded_on_the_main_thread_and_answers_off_it(monkeypatch):
+    # math-verify's time limits use signal.alarm: on the main thread each parse and the
+    # comparison get timeout_s (5 s unless told); on another thread math-verify refuses a
+    # limit (ValueError), so none is passed and the check still answers
+    import math_verify
+
+    limits: list[tuple[str, dict]] = []
+
+    def spy(name: str, real):
+        def call(*args, **kwargs):
+            limits.append((name, kwargs))
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(math_verify, "parse", spy("parse", math_verify.parse))
+    monkeypatch.setattr(math_verify, "verify", spy("verify", math_verify.verify))
+
+    def expected(limit: int | None) -> list[tuple[str, dict]]:
+        parse = ("parse", {"parsing_timeout": limit})
+        return [parse, parse, ("verify", {"timeout_seconds": limit})]
+
+    assert equivalent_in_process("\\frac{1}{2}", "0.5")
+    assert limits == expected(5)
+    limits.clear()
+    assert equivalent_in_process("\\frac{1}{2}", "0.5", timeout_s=2)
+    assert limits == expected(2)
+
+    limits.clear()
+    verdicts: list[bool] = []
+    worker = threading.Thread(
+        target=lambda: verdicts.append(equivalent_in_process("\\frac{1}{2}", "0.5"))
+    )
+    worker.start()
+    worker.join()
+    assert verdicts == [True]
+    assert limits == expected(None)
+
+
+def test_closing_the_reward_closes_its_verifier():
+    plain = AccuracyReward(math_verify=False)
+    assert plain(["<answer>7</answer>"], answer=["7"]) == [1.0]
+    plain.close()  # no workers: nothing to close, no error
+    reward = AccuracyReward(processes=1)
+    reward.close()
+    with pytest.raises(RuntimeError, match="math verifier is closed"):
+        reward(["<answer>\\frac{1}{2}</answer>"], answer=["0.5"])
 
 
 def test_a_percentage_on_either_side_reads_as_a_fraction():

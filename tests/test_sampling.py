@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,19 @@ def test_filter_with_a_fixed_seed() -> None:
     assert [d.index for d in draws] == [1, 2, 3, 4, 5, 6, 7] and skipped == 1
     # the decision depends on (seed, prompt, epoch) only: asking again gives the same answer
     assert [f.skip(i, 1) for i in range(8)] == [f.skip(i, 1) for i in range(8)]
+
+
+def test_skip_prob_is_the_chance_of_a_skip(monkeypatch) -> None:
+    # the draw u is uniform on [0, 1): skipping when u < skip_prob skips with probability
+    # skip_prob exactly, so 0 never skips, even on a draw of exactly 0
+    f = scripted_filter(0.0)
+    monkeypatch.setattr(f, "draw", lambda index, epoch: 0.0)
+    assert not any(f.skip(i, 1) for i in range(8))
+    f.skip_prob = 0.25
+    monkeypatch.setattr(f, "draw", lambda index, epoch: 0.25)
+    assert not any(f.skip(i, 1) for i in range(8))
+    monkeypatch.setattr(f, "draw", lambda index, epoch: 0.2499)
+    assert [i for i in range(8) if f.skip(i, 1)] == [0, 3, 6, 7]
 
 
 def test_max_skips_bounds_the_filter() -> None:
@@ -187,9 +201,14 @@ def test_without_dynamic_sampling_every_group_is_kept() -> None:
 
 def test_select_and_concat() -> None:
     a = fake_scored([INFO, ZERO, (0.0, 3.0)], "a")
+    a = replace(a, advantages=torch.arange(6.0))
     picked = select_groups(a, [2, 0])
     assert picked.rewards.tolist() == [0.0, 3.0, 1.0, 0.0]
+    assert picked.advantages.tolist() == [4.0, 5.0, 0.0, 1.0]  # each completion keeps its own
     assert [r["prompt"] for r in picked.rollout.rows] == ["a2", "a0"]
+    none = select_groups(a, [])  # no group: an empty batch of the same layout
+    assert none.rewards.numel() == none.advantages.numel() == 0
+    assert none.per_function.shape == (0, 1) and none.rollout.completions == []
     joined = concat_scored([picked, fake_scored([ZERO], "b")])
     assert joined.rollout.completions == ["a2", "a2", "a0", "a0", "b0", "b0"]
     assert joined.per_function.shape == (6, 1)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from grpo.rewards import sandbox
-from grpo.rewards.code import code_reward, extract_code, normalise_output, with_prefix
+from grpo.rewards.code import _as_tests, code_reward, extract_code, normalise_output, with_prefix
 from grpo.rewards.sandbox import (
     Limits,
     SandboxResult,
@@ -343,6 +343,10 @@ def test_mount_plan_masks_home_cwd_and_temp_but_keeps_the_interpreter():
         ("Here:\n```python\nx = 1\n```\nand\n```py\nx = 2\n```", "x = 2\n"),
         ("<think>plan</think><answer>x = 3</answer>", "x = 3"),
         ("<think>plan</think>\nx = 4\n", "x = 4"),
+        # a body-only answer keeps its indentation (it is appended to the row's signature) and
+        # everything but the blank lines around it
+        ("<answer>\n    return X\n</answer>", "    return X"),
+        ("<think>plan</think>\n    return X\n", "    return X"),
     ],
 )
 def test_extract_code(text: str, expected: str):
@@ -351,8 +355,54 @@ def test_extract_code(text: str, expected: str):
 
 def test_prefix_added_only_when_the_function_is_missing():
     prefix = "def add(a, b):\n"
-    assert with_prefix("    return a + b\n", prefix, "add") == prefix + "    return a + b\n"
+    body = "    return a + b\n"
+    assert with_prefix(body, prefix, "add") == prefix + body
     assert with_prefix(GOOD, prefix, "add") == GOOD
+    # without a prefix, or without the entry point that says which function it defines, the
+    # program runs as written
+    assert with_prefix(body, None, "add") == body
+    assert with_prefix(body, prefix, None) == body
+
+
+IO_CASES = [{"input": "1 2\n", "output": "3"}, {"input": "2 2\n", "output": "4", "note": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("tests", "expected"),
+    [
+        ("check(add)", ["check(add)"]),
+        (
+            ("assert add(1, 2) == 3", "assert add(0, 0) == 0"),
+            ["assert add(1, 2) == 3", "assert add(0, 0) == 0"],
+        ),
+        (IO_CASES, IO_CASES),
+        ([{"input": "1", "output": "1"}], [{"input": "1", "output": "1"}]),
+        ([], []),
+    ],
+)
+def test_tests_column_forms(tests, expected):
+    assert _as_tests(tests) == expected
+
+
+@pytest.mark.parametrize(
+    ("tests", "kind"),
+    [
+        ({"assert add(1, 2) == 3": 1}, "dict"),  # a mapping is no list of tests
+        ([1, 2], "list"),
+        (["assert True", {"input": "1", "output": "1"}], "list"),  # mixed forms
+        ([{"input": "1"}], "list"),  # a case without its expected output
+        ([{"output": "1"}], "list"),
+        (3, "int"),
+    ],
+)
+def test_a_malformed_tests_column_is_an_error_naming_its_type(tests, kind: str):
+    expected = (
+        "tests must be a string, a list of strings, or a list of {input, output} cases, "
+        f"got {kind}"
+    )
+    with pytest.raises(TypeError) as raised:
+        _as_tests(tests)
+    assert str(raised.value) == expected
 
 
 NO_USERNS = """

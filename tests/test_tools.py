@@ -32,6 +32,7 @@ from grpo.rollout.turns import (
     chat_tools,
     fence_call,
     greedy_answers,
+    renders_tools,
     template_call,
     template_observation,
     tool_metrics,
@@ -261,6 +262,34 @@ def test_max_turns_and_the_token_budget_end_a_completion(tiny_model_dir) -> None
     assert rollout.completion_mask.sum(dim=1).tolist() == [call_len + 5] * 2
     assert rollout.truncated.all()
     assert rollout.loss_mask.sum(dim=1).tolist() == [call_len] * 2
+
+
+# tool lists as real templates write them: ChatML (Hermes, Qwen) joins the message's fields
+# with "+" (a missing field is an error), Mistral shows the tools just before the last user
+# message and refuses any role but user and assistant
+CHATML_TOOLS = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+)
+MISTRAL_TOOLS = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% if tools and loop.last %}"
+    "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m['content'] }}"
+    "[/INST]{% elif m['role'] == 'assistant' %}{{ m['content'] }}</s>{% else %}"
+    "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "shows"),
+    [(CHATML_TOOLS, True), (MISTRAL_TOOLS, True), (HERMES_LIKE, True), (CHAT_TEMPLATE, False)],
+)
+def test_renders_tools_tells_whether_the_template_lists_tools(
+    tiny_model_dir, template: str, shows: bool
+) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = template
+    assert renders_tools(tokenizer) is shows
 
 
 def test_template_call_format_runs_the_json_call(tiny_model_dir) -> None:

@@ -424,7 +424,7 @@ def tool_metrics(turns: list[list[dict[str, Any]]]) -> dict[str, float]:
 
 
 def greedy_answers(
-    engine: MultiTurnEngine, prompts: list[str], batch_size: int = 32
+    engine: MultiTurnEngine, prompts: list[str], batch_size: int
 ) -> tuple[list[str], list[list[dict[str, Any]]]]:
     """One greedy multi-turn completion per prompt: (answers, turns), ``batch_size`` at a time."""
     answers: list[str] = []
