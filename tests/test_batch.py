@@ -103,3 +103,51 @@ def test_select_groups_keeps_the_chosen_groups_in_order() -> None:
     assert picked.truncated.tolist() == [False, True, False, True]
     assert picked.sampler_logp is not None
     assert torch.equal(picked.sampler_logp, joined.sampler_logp[[2, 3, 0, 1]])
+
+
+def test_concat_keeps_each_fields_dtype_when_it_pads() -> None:
+    # an engine's int32 token ids stay int32: the padding takes the field's dtype
+    small = rollout([[1, 2]], [[4, 5, 6]], "a")
+    small.prompt_ids, small.completion_ids = small.prompt_ids.int(), small.completion_ids.int()
+    wide = rollout([[8, 9, 10]], [[14]], "b")
+    wide.prompt_ids, wide.completion_ids = wide.prompt_ids.int(), wide.completion_ids.int()
+    joined = concat_rollouts([small, wide])
+    assert joined.prompt_ids.dtype == joined.completion_ids.dtype == torch.int32
+    assert joined.prompt_ids.tolist() == [[0, 1, 2], [8, 9, 10]]
+    assert joined.completion_ids.tolist() == [[4, 5, 6], [14, 0, 0]]
+
+
+def test_concat_names_the_mixed_controls_in_its_error() -> None:
+    hot = rollout([[8, 9]], [[14]], "b", sampling=Sampling(temperature=1.3))
+    with pytest.raises(
+        ValueError, match=r"^rollouts sampled under different controls cannot share a step$"
+    ):
+        concat_rollouts([A, hot])
+
+
+def test_select_groups_keeps_multi_turn_fields_and_the_sampling_controls() -> None:
+    hot = Sampling(temperature=1.3, top_k=5)
+    tools = rollout(
+        [[1, 2], [3, 4], [5, 6], [7, 8]], [[5, 6], [9, 0], [3, 3], [1, 2]], "t", True, True, hot
+    )
+    picked = tools.select_groups([1, 0])
+    assert picked.sampling == hot
+    assert picked.sampler_logp is not None and picked.sampled_mask is not None
+    assert torch.equal(picked.sampler_logp, tools.sampler_logp[[2, 3, 0, 1]])
+    assert picked.sampled_mask.tolist() == [
+        [True, True],
+        [True, False],
+        [True, False],
+        [True, False],
+    ]
+    assert picked.turns is not None
+    assert [t[0]["text"] for t in picked.turns] == ["tt2", "tt3", "tt0", "tt1"]
+
+
+def test_selecting_no_group_gives_an_empty_rollout() -> None:
+    # a rank whose share of a round is empty selects no group
+    empty = A.select_groups([])
+    assert empty.num_completions == 0 and empty.prompts == [] and empty.rows == []
+    assert empty.prompt_ids.shape == (0, 2) and empty.completion_ids.shape == (0, 3)
+    assert empty.prompt_ids.dtype == torch.long
+    assert empty.sampler_logp is not None and empty.sampler_logp.shape == (0, 3)

@@ -118,6 +118,21 @@ def test_processed_logprobs_match_a_slow_reference(sampling: Sampling) -> None:
     assert logits.grad.abs().sum() > 0
 
 
+def test_truncation_without_a_penalty_needs_no_history_and_no_entropy() -> None:
+    # top-k/top-p read no history, so a caller without one gets the same log-probs; the entropy
+    # is None unless asked for
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 9, generator=gen)
+    at = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    targets = logits.argsort(dim=-1, descending=True)[at.flatten(), torch.tensor([0, 1, 2] * 2)]
+    sampling = Sampling(temperature=0.7, top_k=4, top_p=0.95)
+    for chunk in (2, 64):
+        got, entropy = token_logprobs(logits, at, targets.view(2, 3), sampling, chunk=chunk)
+        assert entropy is None
+        want = torch.log_softmax(process_logits(logits, sampling), dim=-1)[at.flatten(), targets]
+        assert torch.allclose(got.flatten(), want, atol=1e-6)
+
+
 def test_training_scores_under_the_controls_it_sampled_with(tiny_config) -> None:
     # top-k/top-p/penalty on: the HF engine's sampler log-probs and the trainer's must agree
     # (before the fix the trainer scored with the temperature only: gaps of ~1 nat)

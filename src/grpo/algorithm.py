@@ -295,7 +295,8 @@ def top_entropy_mask(entropy: Tensor, loss_mask: Tensor, quantile: float) -> Ten
         return keep
     values = entropy.detach()[keep].float()  # [counted]
     threshold = torch.quantile(values, 1.0 - quantile)
-    return keep & (entropy.detach() >= threshold.to(entropy.dtype))
+    # a 0-dim threshold takes the entropy's dtype in the comparison (torch's promotion rule)
+    return keep & (entropy.detach() >= threshold)
 
 
 # --------------------------------------------------------------------------------------- reference

@@ -117,7 +117,9 @@ def _processed_logprobs(
     """
     m, vocab = logits.shape
     flat_at = at.flatten()  # [B*T]
-    order = torch.argsort(flat_at, stable=True)  # targets grouped by the chunk of their position
+    # targets grouped by the chunk of their position; any order within a position will do, since
+    # each value is put back in its place by the inverse permutation
+    order = torch.argsort(flat_at)
     sorted_at = flat_at[order]
     owners = history.owners(at, m) if sampling.repetition_penalty != 1.0 else None
     lse, cutoffs, entropies, picked = [], [], [], []
