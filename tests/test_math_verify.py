@@ -83,6 +83,7 @@ PAIRS = [
     # a word after the number that changes its value is not a unit
     ("18", "18 thousand", False),
     ("18", "18 hundred", False),
+    ("18", "$18 thousand", False),
     ("18", "18k", False),
     ("3", "3 dozen", False),
     ("2", "2 and a half", False),
@@ -115,6 +116,7 @@ def test_table_size():
         ("I think it is 12, no 13.", ("answer", "last_number"), "13"),
         ("no digits at all", ("last_number",), None),
         ("unbalanced \\boxed{1", ("boxed",), None),
+        ("cut off \\boxed{12", ("boxed",), None),
         ("So we add them.\nThe answer is 3.5. Done", ("sentence",), "3.5"),
         ("the answer is unclear.\nFinal answer: $\\frac{1}{2}$.", ("sentence",), "$\\frac{1}{2}$"),
         ("The answer is **18**.", ("sentence",), "18"),
@@ -232,3 +234,13 @@ def test_accuracy_reward_gives_none_without_gold_and_uses_last_number_option():
     golds = ["7", "7", None]
     assert plain(texts, answer=golds) == [1.0, 0.0, None]
     assert fallback(texts, answer=golds) == [1.0, 1.0, None]
+    assert plain(["<answer>7</answer>"], answer=["  "]) == [None]  # a blank gold is no gold
+    # math_verify: false means no symbolic check at all, in this process or any other
+    assert plain(["<answer>\\frac{1}{2}</answer>"], answer=["0.5"]) == [0.0]
+
+
+def test_accuracy_reward_builds_its_verifier_from_its_arguments():
+    # workers start on first use: building the reward starts none
+    assert (AccuracyReward().verifier.processes, AccuracyReward().verifier.timeout_s) == (2, 5.0)
+    tuned = AccuracyReward(processes=3, timeout_s=1.5).verifier
+    assert (tuned.processes, tuned.timeout_s) == (3, 1.5)

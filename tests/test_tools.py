@@ -276,7 +276,8 @@ CHATML_TOOLS = (
 MISTRAL_TOOLS = (
     "{% for m in messages %}{% if m['role'] == 'user' %}{% if tools and loop.last %}"
     "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m['content'] }}"
-    "[/INST]{% elif m['role'] == 'assistant' %}{{ m['content'] }}</s>{% else %}"
+    "[/INST]{% elif m['role'] == 'assistant' %}{{ m['content'] }}</s>{% elif m['role'] == 'tool' %}"
+    "[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]{% else %}"
     "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
 )
 
@@ -293,12 +294,33 @@ def test_renders_tools_tells_whether_the_template_lists_tools(
     assert renders_tools(tokenizer) is shows
 
 
+def test_tool_output_as_mistrals_template_shows_it(tiny_model_dir) -> None:
+    # the assistant message is closed, then the tool results; a template that refuses any role
+    # but its own still renders the probe conversation
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = MISTRAL_TOOLS
+    assert template_observation(tokenizer, "408") == "</s>[TOOL_RESULTS]408[/TOOL_RESULTS]"
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        "{% for m in messages %}", "{% for m in messages if m['role'] != 'tool' %}"
+    )
+    with pytest.raises(ConfigError) as raised:
+        template_observation(tokenizer, "408")
+    assert str(raised.value) == (
+        "rollout.tools: the tokenizer's chat template does not render a 'tool' message "
+        "after an assistant message"
+    )
+
+
 def test_template_call_format_runs_the_json_call(tiny_model_dir) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
-    with pytest.raises(ConfigError, match="no tool-call syntax"):
+    with pytest.raises(ConfigError) as raised:
         MultiTurnEngine(
             ScriptedEngine(tokenizer), tokenizer, _rollout_config(tool_call_format="template")
         )
+    assert str(raised.value) == (
+        "rollout.tool_call_format=template: the tokenizer's chat template does not render "
+        "a tool list, so it has no tool-call syntax (use fence)"
+    )
     tokenizer.chat_template = HERMES_LIKE
     call = '<tool_call>{"name": "python", "arguments": {"code": "12 * 34"}}</tool_call>'
     config = _rollout_config(tool_call_format="template")
@@ -841,7 +863,8 @@ def test_greedy_temperature_and_drawn_seeds_reach_every_request(tiny_model_dir) 
     tokenizer = load_tokenizer(tiny_model_dir)
     scripted = ReplyEngine(tokenizer, [NO_CALL, ANSWER + END])
     engine = MultiTurnEngine(scripted, tokenizer, _rollout_config(), greedy=True)
-    engine.generate(["q"] * 8, [{}] * 8, 1, temperature=0.7)  # no seeds: drawn
+    rollout = engine.generate(["q"] * 8, [{}] * 8, 1, temperature=0.7)  # no seeds: drawn
+    assert rollout.sampling.temperature == 0.7  # recorded as sampled
     assert len(scripted.requests) == 16
     assert all(greedy is True and t == 0.7 for _, greedy, t in scripted.requests)
     seeds = [r.seed for r, *_ in scripted.requests[:8]]
