@@ -27,6 +27,7 @@ from grpo.rollout.tools import PythonTool, last_error_line, notebook_source
 from grpo.rollout.turns import (
     PYTHON_TOOL_SCHEMA,
     MultiTurnEngine,
+    Trajectory,
     TurnRequest,
     TurnSample,
     chat_tools,
@@ -175,7 +176,7 @@ class ScriptedEngine:
 
 
 def _rollout_config(**kw) -> RolloutConfig:
-    return RolloutConfig(tools=["python"], group_size=2, max_new_tokens=200, **kw)
+    return RolloutConfig(**{"tools": ["python"], "group_size": 2, "max_new_tokens": 200, **kw})
 
 
 def test_turn_loop_runs_the_call_and_masks_the_observation(tiny_model_dir) -> None:
@@ -774,3 +775,168 @@ def test_real_vllm_replays_the_scripted_exchange(tmp_path: Path) -> None:
     assert texts == [[t["text"] for t in turns] for turns in expected.turns]
     assert torch.equal(rollout.completion_ids, expected.completion_ids)
     assert torch.equal(rollout.sampled_mask, expected.sampled_mask)
+
+
+# ------------------------------------------------------------------------------ the loop's edges
+
+
+class ReplyEngine:
+    """Replies from a script: the k-th batch of requests gets ``replies[k]`` (the last one
+    repeated), cut to each request's token budget; "<|end|>" is its EOS. Records every request
+    with the greedy flag and temperature it came with."""
+
+    def __init__(self, tokenizer, replies: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.eos = [tokenizer.convert_tokens_to_ids("<|end|>")]
+        self.replies = replies
+        self.batches = 0
+        self.requests: list[tuple[TurnRequest, bool, float | None]] = []
+
+    def sync_weights(self, model) -> None:
+        pass
+
+    def generate_turns(self, requests, stop, greedy=False, temperature=None):
+        reply = self.replies[min(self.batches, len(self.replies) - 1)]
+        self.batches += 1
+        ids = self.tokenizer(reply, add_special_tokens=False).input_ids
+        self.requests += [(r, greedy, temperature) for r in requests]
+        return [[TurnSample(ids[: r.max_tokens]) for _ in range(r.n)] for r in requests]
+
+
+END = "<|end|>"
+NO_CALL = "```text\nhi\n```\n"  # ends at the fence's stop string, yet is no python call
+
+
+def _turn(text: str, call=None, output=None, error=None, time_s=None) -> dict:
+    return {"text": text, "call": call, "output": output, "error": error, "time_s": time_s}
+
+
+def _run(tokenizer, replies: list[str], seeds=(3,), **config):
+    scripted = ReplyEngine(tokenizer, replies)
+    engine = MultiTurnEngine(scripted, tokenizer, _rollout_config(**config))
+    rollout = engine.generate(["q"] * len(seeds), [{}] * len(seeds), 1, seeds=list(seeds))
+    return rollout, scripted.requests
+
+
+def test_a_stop_string_that_closes_no_call_continues_the_turn(tiny_model_dir) -> None:
+    # the turn goes on (however short its pieces) until EOS; its text is every piece
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rollout, requests = _run(tokenizer, [NO_CALL, "x", ANSWER + END])
+    assert rollout.turns == [[_turn(NO_CALL + "x" + ANSWER)]]
+    # later requests are seeded by the request count: 1, then 2
+    assert [r.seed for r, *_ in requests] == [3, turn_seed(3, 0, 1), turn_seed(3, 0, 2)]
+    sizes = [len(tokenizer(t, add_special_tokens=False).input_ids) for t in (NO_CALL, "x")]
+    assert [r.max_tokens for r, *_ in requests] == [200, 200 - sizes[0], 200 - sum(sizes)]
+    assert not rollout.truncated.any()
+
+
+def test_an_empty_turn_ends_the_completion(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rollout, requests = _run(tokenizer, ["", ANSWER + END])
+    assert len(requests) == 1 and rollout.turns == [[_turn("")]]
+    assert not rollout.truncated.any()
+
+
+def test_greedy_temperature_and_drawn_seeds_reach_every_request(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    scripted = ReplyEngine(tokenizer, [NO_CALL, ANSWER + END])
+    engine = MultiTurnEngine(scripted, tokenizer, _rollout_config(), greedy=True)
+    engine.generate(["q"] * 8, [{}] * 8, 1, temperature=0.7)  # no seeds: drawn
+    assert len(scripted.requests) == 16
+    assert all(greedy is True and t == 0.7 for _, greedy, t in scripted.requests)
+    seeds = [r.seed for r, *_ in scripted.requests[:8]]
+    # 62-bit seeds, as turn_seed's; 8 draws below 2**32 would be a 1 in 2**240 event
+    assert all(0 <= s < 2**62 for s in seeds) and max(seeds) >= 2**32
+    assert [r.seed for r, *_ in scripted.requests[8:]] == [turn_seed(s, 0, 1) for s in seeds]
+    with pytest.raises(ValueError):  # one seed per prompt
+        engine.generate(["q", "q"], [{}, {}], 1, seeds=[1])
+
+
+def test_turn_seeds_are_pinned() -> None:
+    # a function of (seed, member, request) only: the same numbers on every machine and version
+    assert turn_seed(0, 0, 1) == 161281735863300736
+    assert turn_seed(5, 1, 2) == 4373636395895995945
+
+
+def test_sampler_logprobs_hold_only_when_every_sampled_piece_had_them() -> None:
+    path = Trajectory()
+    path.add([1, 2], True, [-0.1, -0.2])
+    path.add([3], False)  # an observation needs none
+    assert path.sampler_logprobs
+    path.add([4], True)  # a sampled piece without log-probs
+    path.add([5], True, [-0.3])
+    assert not path.sampler_logprobs
+
+
+CODE_CALL = "```python\nprint(12*34)\n```\n"
+
+
+def test_the_token_budget_and_max_turns_decide_whether_a_call_runs(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    size = len(tokenizer(CODE_CALL, add_special_tokens=False).input_ids)
+    code = "print(12*34)\n"
+    # the call fills the budget: no room for its output, it does not run; cut by length
+    rollout, _ = _run(tokenizer, [CODE_CALL], max_new_tokens=size)
+    assert rollout.turns == [[_turn(CODE_CALL, call=code)]] and rollout.truncated.all()
+    # one token of room: it runs, its output is cut to that token, cut by length
+    rollout, _ = _run(tokenizer, [CODE_CALL], max_new_tokens=size + 1)
+    assert rollout.turns[0][0]["output"] == "408" and rollout.truncated.all()
+    assert int(rollout.completion_mask.sum()) == size + 1
+    # max_turns = 1: the call cannot run (its output would need a second turn); not truncated
+    rollout, _ = _run(tokenizer, [CODE_CALL], max_new_tokens=size + 1, max_turns=1)
+    assert rollout.turns == [[_turn(CODE_CALL, call=code)]] and not rollout.truncated.any()
+    # max_turns = 2: a call and the answer
+    rollout, _ = _run(tokenizer, [CODE_CALL, ANSWER + END], max_turns=2)
+    assert [t["output"] for t in rollout.turns[0]] == ["408", None]
+    metrics = tool_metrics(rollout.turns)
+    assert metrics["tools/time_s"] == rollout.turns[0][0]["time_s"] > 0  # the call's run time
+    # a turn that is no call with one token of room left goes on, with a budget of one token
+    size = len(tokenizer(NO_CALL, add_special_tokens=False).input_ids)
+    rollout, requests = _run(tokenizer, [NO_CALL, ANSWER + END], max_new_tokens=size + 1)
+    assert [r.max_tokens for r, *_ in requests] == [size + 1, 1] and rollout.truncated.all()
+
+
+def test_a_call_that_cannot_run_answers_with_its_error(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = HERMES_LIKE
+    web = '<tool_call>{"name": "web", "arguments": {"code": "x"}}</tool_call>'
+    rollout, requests = _run(tokenizer, [web, ANSWER + END], tool_call_format="template")
+    error = "unknown tool 'web' (tools: python)"
+    assert rollout.turns == [
+        [_turn(web, output="", error=error, time_s=0.0), _turn(ANSWER)]
+    ]  # nothing ran: no output, no time
+    seen = tokenizer.decode(requests[1][0].context)
+    assert seen.endswith(f"<|tool|>Error: {error}<|end|><|assistant|>")
+    assert tool_metrics(rollout.turns)["tools/error_rate"] == 1.0
+
+
+def test_the_models_eos_closes_its_message_before_the_tool_output(tiny_model_dir) -> None:
+    # the template's tool message starts by closing the assistant message ("<|end|>"): when
+    # the model's own EOS closed it, that text is not added a second time
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    block = "```python\nprint(12*34)\n```"
+    for call, shown in [(block + END, "<|tool|>408"), (CODE_CALL, "<|end|><|tool|>408")]:
+        rollout, _ = _run(tokenizer, [call, ANSWER + END])
+        n = int(rollout.completion_mask[0].sum())
+        observation = ids(shown + "<|end|><|assistant|>")
+        expected = ids(call) + observation + ids(ANSWER + END)
+        assert rollout.completion_ids[0, :n].tolist() == expected
+
+
+def test_a_tokenizer_that_adds_bos_adds_none_to_prompts_or_tool_output(tiny_model_dir) -> None:
+    # Llama's and gemma's tokenizers prepend BOS; the rendered prompt already holds it and a
+    # tool observation sits mid-sequence: neither is tokenized with special tokens
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    bos = tokenizer.convert_tokens_to_ids("<|system|>")  # stands in for a BOS token
+    single = TemplateProcessing(single="<|system|> $A", special_tokens=[("<|system|>", bos)])
+    tokenizer.backend_tokenizer.post_processor = single
+    assert tokenizer("q").input_ids[0] == bos
+    rollout, requests = _run(tokenizer, [CODE_CALL, ANSWER + END])
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    assert requests[0][0].context == ids("q")
+    n = int(rollout.completion_mask[0].sum())
+    shown = ids("<|end|><|tool|>408<|end|><|assistant|>")
+    assert rollout.completion_ids[0, :n].tolist() == ids(CODE_CALL) + shown + ids(ANSWER + END)
