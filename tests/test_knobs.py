@@ -44,7 +44,7 @@ def knob_config(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, 
             "train": {"output_dir": str(output_dir), "progress": False, "sinks": ["jsonl"]},
         }
         for key, value in sections.items():
-            tree[key] = {**tree[key], **value}
+            tree[key] = {**tree.get(key, {}), **value}
         return build_config(tree)
 
     return make
@@ -130,6 +130,39 @@ def test_the_trainer_passes_each_knob_to_the_math(knob_config, rollout, monkeypa
     # reference and old log-probs (mu 2), then each pass's gradient forwards: all at T 0.7
     assert len(logprobs) == 2 + 2 + 2 * 2
     assert {c["sampling"].temperature for c in logprobs} == {0.7}
+
+
+def test_quantile_one_filters_no_token_and_the_engine_gets_the_update(
+    knob_config, rollout, monkeypatch
+) -> None:
+    # top_entropy_quantile 1 (the default) is the filter off: no mask, no kept-fraction metric;
+    # after the update the engine is handed the policy (vLLM copies its weights from it)
+    trainer = Trainer(knob_config())
+    scored = scored_by(trainer, rollout)
+    losses = spy_on(monkeypatch, algorithm, "policy_loss")
+    entropy = spy_on(monkeypatch, algorithm, "top_entropy_mask")
+    synced = spy_on(monkeypatch, trainer.engine, "sync_weights")
+    metrics = trainer.optimize(scored)
+    assert entropy == [] and losses and all(c["pg_mask"] is None for c in losses)
+    assert "entropy/kept_frac" not in metrics and "entropy" in metrics
+    assert [c["model"] for c in synced] == [trainer.policy]
+
+
+def test_dynamic_sampling_recomputes_advantages_with_the_configured_eps(
+    knob_config, monkeypatch
+) -> None:
+    # the kept groups' advantages are recomputed over the kept batch with algorithm.adv_eps, as
+    # each round's are (a large eps shrinks every advantage, so it shows in the values)
+    config = knob_config(algorithm={"adv_eps": 0.5}, sampling={"dynamic": True, "max_rounds": 2})
+    trainer = Trainer(config)
+    calls = spy_on(monkeypatch, algorithm, "group_advantages")
+    batch = trainer.collect({"rollout": 0.0, "reward": 0.0, "skipped": 0.0})
+    assert batch.train is not None and len(calls) >= 2  # each round's, then the kept batch's
+    assert [c["eps"] for c in calls] == [0.5] * len(calls)
+    r = batch.train.rewards.double().view(-1, 4)
+    centred = r - r.mean(dim=1, keepdim=True)
+    expected = centred / (centred.pow(2).mean(dim=1, keepdim=True) + 0.5).sqrt()
+    assert torch.allclose(batch.train.advantages, expected.flatten().float(), atol=1e-6)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])

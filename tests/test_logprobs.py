@@ -103,6 +103,22 @@ def test_packing_pays_by_hand() -> None:
     assert not cost.packing_pays(4, [3, 3])
 
 
+def test_scoring_cost_reads_the_models_config() -> None:
+    from transformers import GPT2Config, LlamaConfig
+
+    from grpo.logprobs import ScoringCost
+
+    llama = LlamaConfig(hidden_size=32, intermediate_size=80, num_hidden_layers=3)
+    assert ScoringCost.of(llama) == ScoringCost(
+        position=2.0 * 3 * (4 * 32 * 32 + 3 * 32 * 80), pair=4.0 * 3 * 32
+    )
+    # GPT-2's config names no intermediate size: its MLP is 4 x hidden
+    gpt2 = GPT2Config(n_embd=32, n_layer=2)
+    assert ScoringCost.of(gpt2) == ScoringCost(
+        position=2.0 * 2 * (4 * 32 * 32 + 3 * 32 * 128), pair=4.0 * 2 * 32
+    )
+
+
 def _batch(prompts, completions, s: int, t: int):
     b = len(prompts)
     prompt_ids = torch.zeros(b, s, dtype=torch.long)
@@ -180,11 +196,18 @@ def test_scoring_path_says_why() -> None:
     def model(**config):
         return SimpleNamespace(config=SimpleNamespace(**config))
 
-    assert scoring_path(model(_attn_implementation="sdpa"))[0] == "packed"
+    assert scoring_path(model(_attn_implementation="sdpa")) == (
+        "packed",
+        "sdpa attention takes a custom mask; a group switches to one row per completion when "
+        "packing costs more (long completions)",
+    )
     path, why = scoring_path(model(_attn_implementation="flash_attention_2"))
     assert (path, why) == ("rows", "flash_attention_2 attention takes no custom mask")
     path, why = scoring_path(model(_attn_implementation="sdpa", sliding_window=4096))
-    assert path == "rows" and "sliding window" in why
+    assert (path, why) == (
+        "rows",
+        "the model has a sliding window, which the packed mask would replace",
+    )
 
 
 def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:

@@ -15,6 +15,8 @@ PROMPTS, COMPLETIONS, ORDER = [10] * 6, [5, 3, 4, 4, 2, 1], list(range(6))
 
 def test_rows_only() -> None:
     assert cut_micro_batches(PROMPTS, COMPLETIONS, ORDER, 2, size=4) == [[0, 1, 2, 3], [4, 5]]
+    # by default (one rank) rows that fit make one micro-batch: nothing is halved
+    assert cut_micro_batches(PROMPTS, COMPLETIONS, ORDER, 2, size=8) == [ORDER]
 
 
 def test_token_budget_counts_each_groups_prompt_once() -> None:
@@ -63,6 +65,31 @@ def test_micro_batch_tokens_reaches_the_trainer(tiny_config, monkeypatch) -> Non
         sizes[budget] = list(seen)
     assert sizes[None] == [8]
     assert len(sizes[40]) > 1 and sum(sizes[40]) == 8
+
+
+def test_a_rank_with_fewer_micro_batches_splits_to_match_the_others(
+    tiny_config, monkeypatch
+) -> None:
+    # DDP reduces gradients once per backward, so every rank runs as many as the rank with most
+    # micro-batches: here another rank (faked by the max all-reduce) needs one more than this one
+    trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 8}))
+    scored = trainer.score(trainer.rollout())
+    original = grpo.trainer.distributed.all_reduce
+
+    def another_rank_needs_one_more(value, op="sum"):
+        return value + 1 if op == "max" and isinstance(value, int) else original(value, op)
+
+    monkeypatch.setattr(grpo.trainer.distributed, "all_reduce", another_rank_needs_one_more)
+    seen: list[int] = []
+    original_logprobs = grpo.trainer.completion_logprobs
+
+    def count(model, prompt_ids, *args, **kwargs):
+        seen.append(prompt_ids.shape[0])
+        return original_logprobs(model, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(grpo.trainer, "completion_logprobs", count)
+    trainer.optimize(scored)
+    assert seen == [4, 4]  # one micro-batch of 8 rows halved: two backward passes, every row
 
 
 def test_logprob_backward_splits_the_logits_once() -> None:

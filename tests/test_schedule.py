@@ -31,3 +31,19 @@ def test_prompt_stream_is_seeded_and_covers_each_epoch() -> None:
     second = a.take(5)
     assert sorted(r["i"] for r in second) == list(range(5))
     assert [r["i"] for r in PromptStream(rows, 0, shuffle=False).take(7)] == [0, 1, 2, 3, 4, 0, 1]
+
+
+PINNED_ORDERS = {  # two epochs of 8 rows for seeds 0 and 7 (Python's seeded random.shuffle)
+    0: [4, 1, 5, 2, 0, 3, 7, 6, 3, 6, 1, 5, 7, 0, 4, 2],
+    7: [3, 1, 6, 2, 5, 4, 7, 0, 5, 0, 3, 6, 4, 1, 7, 2],
+}
+
+
+def test_prompt_order_is_a_fixed_function_of_seed_and_epoch() -> None:
+    # a checkpoint stores only the number of rows consumed: a run resumed by another build of
+    # grpo must see the same stream, so each (seed, epoch) order is pinned here
+    rows = [{"i": i} for i in range(8)]
+    orders = {
+        seed: [r["i"] for r in PromptStream(rows, seed, shuffle=True).take(16)] for seed in (0, 7)
+    }
+    assert orders == PINNED_ORDERS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def test_short_run_writes_metrics_completions_and_a_loadable_checkpoint(
     # the trainable reward gives every step a gradient, and the logged numbers say so
     for m in metrics:
         assert m["advantage/abs_mean"] > 0.1 and m["grad_norm"] > 0, m
+        assert m["time/rollout_s"] > 0 and m["time/reward_s"] > 0, m
 
 
 def test_keep_last_prunes_old_checkpoints(tiny_config) -> None:
@@ -263,3 +265,40 @@ def test_micro_batches_keep_groups_whole_longest_first_with_their_advantages(
         assert torch.equal(b.completion_ids, rollout.completion_ids[rows, :t])
         assert torch.equal(b.completion_mask, rollout.completion_mask[rows, :t])
         assert torch.equal(b.prompt_ids, rollout.prompt_ids[rows, -s:])
+
+
+def test_a_rank_without_prompts_rolls_out_and_scores_nothing(tiny_config) -> None:
+    # dynamic sampling's later rounds may hold fewer prompts than ranks: rank 2 of 4 gets none
+    # of 2, and still returns a rollout and scores that join the others' (group size, names)
+    trainer = Trainer(tiny_config(rollout={"prompts_per_step": 4, "group_size": 2}))
+    trainer.dist = dataclasses.replace(trainer.dist, rank=2, world_size=4)
+    draws = [trainer.stream.next_draw() for _ in range(2)]
+    empty = trainer.rollout(draws)
+    assert empty.num_completions == 0 and empty.rows == [] and empty.group_size == 2
+    scored = trainer.score(empty)
+    assert scored.function_names == trainer.rewards.names
+    assert scored.per_function.shape == (0, len(trainer.rewards.names))
+    assert scored.rewards.shape == scored.advantages.shape == (0,)
+
+
+def test_only_the_hf_engine_generates_from_gathered_parameters(tiny_config, monkeypatch) -> None:
+    # HF generate runs the policy itself (an FSDP2 policy must be whole for it); vLLM generates
+    # from its own copy of the weights, so nothing is gathered for it
+    import contextlib
+
+    import grpo.trainer
+
+    trainer = Trainer(tiny_config(rollout={"prompts_per_step": 1, "group_size": 2}))
+    gathered: list = []
+
+    @contextlib.contextmanager
+    def record(model):
+        gathered.append(model)
+        yield
+
+    monkeypatch.setattr(grpo.trainer.distributed, "full_parameters", record)
+    trainer.rollout()
+    assert gathered == [trainer.policy]
+    trainer.config.rollout.engine = "vllm"  # the engine object stays; only the choice is read
+    trainer.rollout()
+    assert gathered == [trainer.policy]
