@@ -178,8 +178,11 @@ def test_builtins_registered():
 
 
 def test_unknown_reward_and_bad_args():
-    with pytest.raises(RewardError, match="unknown reward"):
+    with pytest.raises(RewardError, match="unknown reward") as raised:
         resolve_reward(RewardSpec(name="nope"))
+    # the message lists the built-ins to choose from
+    assert "built-ins: accuracy, code, " in str(raised.value)
+    assert str(raised.value).endswith("; or module:function)")
     with pytest.raises(RewardError, match="unknown extract"):
         resolve_reward(RewardSpec(name="accuracy", args={"extract": ["tea_leaves"]}))
     with pytest.raises(RewardError, match="mode"):

@@ -92,3 +92,25 @@ def test_generation_kwargs_cannot_override_a_rollout_field(tiny_model_dir) -> No
         HFEngine(model, tok, RolloutConfig(generation_kwargs={"top_p": 0.5}))
     with pytest.raises(ConfigError, match=r"generation_kwargs\.nonsense: not a transformers"):
         HFEngine(model, tok, RolloutConfig(generation_kwargs={"nonsense": 1}))
+
+
+def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
+    from grpo.batch import Rollout
+    from grpo.rollout import reward_inputs
+
+    n = 4  # 2 prompts, G = 2
+    rollout = Rollout(
+        prompt_ids=torch.ones(n, 3, dtype=torch.long),
+        prompt_mask=torch.ones(n, 3, dtype=torch.bool),
+        completion_ids=torch.tensor([[7, 8], [7, 0], [9, 9], [9, 0]]),
+        completion_mask=torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0]], dtype=torch.bool),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        prompts=["p0", "p0", "p1", "p1"],
+        completions=["a", "b", "c", "d"],
+        rows=[{"prompt": "q0", "answer": "1"}, {"prompt": "q1", "answer": "2"}],
+        group_size=2,
+    )
+    _, prompts, columns, ids = reward_inputs(rollout)
+    assert prompts == ["q0", "q0", "q1", "q1"]
+    assert columns == {"answer": ["1", "1", "2", "2"]}  # the prompt is passed as prompts
+    assert ids == [[7, 8], [7], [9, 9], [9]]
