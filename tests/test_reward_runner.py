@@ -200,7 +200,7 @@ def test_a_call_past_the_memory_ceiling_is_killed(user_module: Path, capsys):
     assert "passed rewards.max_worker_rss_mb=150 during a call" in capsys.readouterr().err
 
 
-def test_error_watch_prints_counts_and_stops_after_patience(capsys):
+def test_error_watch_prints_counts_and_stops_when_patience_runs_out(capsys):
     watch = ErrorWatch(max_frac=0.5, patience=2)
     watch.observe(1, {"a": 3, "b": 0}, 4, announce=True)  # a over 0.5: streak 1
     watch.observe(2, {"a": 2, "b": 0}, 4, announce=True)  # 2/4 is not more than half: reset
