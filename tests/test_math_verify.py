@@ -84,6 +84,8 @@ PAIRS = [
     ("18", "18 thousand", False),
     ("18", "18 hundred", False),
     ("18", "$18 thousand", False),
+    # a gold equation keeps the prediction's left side: "y = 5" does not answer "x = 5"
+    ("x = 5", "y = 5", False),
     ("18", "18k", False),
     ("3", "3 dozen", False),
     ("2", "2 and a half", False),
