@@ -183,6 +183,8 @@ def main() -> None:
     parser.add_argument("--sample", type=int, help="with --resume: this many, drawn at random")
     parser.add_argument("--files", nargs="+", help="only these (e.g. logprobs.py rewards/*.py)")
     args = parser.parse_args()
+    if args.sample is not None and not args.resume:
+        parser.error("--sample draws from the unchecked mutants: use it with --resume")
     wall = None
     if not args.table:
         # mutmut re-checks every mutant it is given by name, so a resumed run names only the
@@ -197,9 +199,18 @@ def main() -> None:
         names = [p for path in chosen for p in patterns()[path]]
         start = time.perf_counter()
         if args.resume or args.survivors:
+            before = {k: v for path in chosen for k, v in results(path).items()}
             subprocess.run([*mutmut, "grpo.rewards.length.x_soft_overlong__mutmut_1"], cwd=ROOT)
+            after = {k: v for path in chosen for k, v in results(path).items()}
+            dropped = sum(v is not None and after.get(k) is None for k, v in before.items())
+            if dropped:
+                # mutmut forgets a result when the tests or the source it depends on changed
+                print(f"mutmut dropped {dropped} earlier results (tests or sources changed)")
+            # survivors as recorded before the refresh, so a refresh cannot empty the list;
+            # names mutmut no longer makes (the source changed) are left out
+            records = before if args.survivors else after
             wanted = 0 if args.survivors else None
-            names = [k for path in chosen for k, v in results(path).items() if v == wanted]
+            names = [k for k, v in records.items() if v == wanted and k in after]
             if args.sample is not None and args.sample < len(names):
                 names = sorted(random.Random(0).sample(names, args.sample))
         # a busy machine can fail a timed test in mutmut's clean runs, which stops the run

@@ -1,0 +1,66 @@
+"""benchmarks/mutation.py picks the mutants to run from mutmut's records (no mutmut run here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import mutation
+
+FILE = "src/grpo/rewards/length.py"
+KILLED, SURVIVOR, UNCHECKED = (
+    f"grpo.rewards.length.x_soft_overlong__mutmut_{i}" for i in (1, 3, 7)
+)
+
+
+def write_meta(root: Path, codes: dict[str, int | None]) -> None:
+    meta = root / "mutants" / f"{FILE}.meta"
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps({"exit_code_by_key": codes}))
+
+
+def run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], forget: bool):
+    """main() with a fake mutmut whose first (refresh) call forgets every result when
+    ``forget``; returns the mutant names of each call."""
+    monkeypatch.setattr(mutation, "ROOT", tmp_path)
+    monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
+    monkeypatch.setattr(mutation, "files", lambda: [FILE])
+    write_meta(tmp_path, {KILLED: 1, SURVIVOR: 0, UNCHECKED: None})
+    calls: list[list[str]] = []
+
+    class Done:
+        returncode = 0
+
+    def fake_run(cmd: list[str], cwd: Path) -> Done:
+        names = [c for c in cmd if c.startswith("grpo.")]
+        calls.append(names)
+        if forget and len(calls) == 1:
+            write_meta(tmp_path, {KILLED: None, SURVIVOR: None, UNCHECKED: None})
+        return Done()
+
+    monkeypatch.setattr(mutation.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["mutation", *argv])
+    mutation.main()
+    return calls
+
+
+@pytest.mark.parametrize("forget", [False, True])
+def test_survivors_are_rerun_even_when_the_refresh_forgets_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, forget: bool
+) -> None:
+    calls = run_main(tmp_path, monkeypatch, ["--survivors"], forget)
+    assert calls[1] == [SURVIVOR]
+    assert ("dropped 2 earlier results" in capsys.readouterr().out) == forget
+
+
+def test_resume_runs_only_the_unchecked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = run_main(tmp_path, monkeypatch, ["--resume"], forget=False)
+    assert calls[1] == [UNCHECKED]
+
+
+def test_a_sample_needs_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit):
+        run_main(tmp_path, monkeypatch, ["--sample", "3"], forget=False)
