@@ -29,7 +29,7 @@ def main() -> None:
     probs = [(random.randint(1, 30), random.randint(1, 30)) for _ in range(24)]
     BASE = "Solve the arithmetic problem. Write the final answer as a number inside <answer></answer> tags."
     EX = BASE + " Example: What is 2 + 3? <answer>5</answer>"
-    # earlier chat turns (data.few_shot): one bare answer, two bare answers, two worked answers
+    # earlier chat turns (data.few_shot): bare or worked answers, one or two of them
     one = [("What is 2 + 3?", "<answer>5</answer>")]
     bare = [("What is 7 + 15?", "<answer>22</answer>"), ("What is 21 + 9?", "<answer>30</answer>")]
     worked = [
@@ -44,8 +44,8 @@ def main() -> None:
         "prefix+shot": (BASE, "<answer>", one),
         "shot": (BASE, "", one),
         "two-shots": (BASE, "", bare),
-        "two-worked-shots": (BASE, "", worked),  # the default recipe's few_shot
-        "one-worked-shot": (BASE, "", worked[:1]),
+        "two-worked-shots": (BASE, "", worked),
+        "one-worked-shot": (BASE, "", worked[:1]),  # the default recipe's few_shot
     }
     only = sys.argv[1:] or list(variants)
     # variants measured earlier stay in the JSON, each with its own command and time
