@@ -202,6 +202,21 @@ def test_a_percentage_on_either_side_reads_as_a_fraction():
     assert not answers_match("30%", "0.5", None)
 
 
+def test_a_value_word_after_a_dollar_amount_is_not_waved_through_by_the_symbolic_check():
+    # math-verify tells "$18 thousand" from 18 anyway; a checker that says yes to anything shows
+    # the scaled-number rule itself rejects it, with a currency sign inside the number too
+    def says_yes(gold: str, prediction: str) -> bool:
+        return True
+
+    for prediction, gold in [
+        ("$18 thousand", "18"),
+        ("18 thousand", "18"),
+        ("-$18 thousand", "-18"),
+    ]:
+        assert not answers_match(prediction, gold, says_yes), prediction
+    assert answers_match("-$18", "-18", None)
+
+
 def test_answers_are_normalised_before_comparing():
     # without math-verify, only normalisation can make these equal
     assert answers_match("x+1.", "x+1", None)

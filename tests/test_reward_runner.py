@@ -11,13 +11,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 import yaml
 
+import grpo.rewards
 from grpo.config import RewardsConfig, RewardSpec
-from grpo.rewards import ErrorWatch, RewardError, RewardFailure, RewardRunner
+from grpo.rewards import REGISTRY, ErrorWatch, RewardError, RewardFailure, RewardRunner
+from grpo.rewards.pool import Outcome
 
 USER_REWARDS = """
 import math, os, time
@@ -103,6 +106,80 @@ def test_weights_none_and_errors_with_the_first_error_printed(user_module: Path,
     assert err.count("reward 'flaky' raised") == 1 and err.count("Traceback") == 1
     assert "ValueError: bad completion boom" in err and "user_rewards.py" in err
     assert err.count("reward 'wrong_length' returned 2 values for 1 completions") == 1
+
+
+def test_built_ins_score_the_completions_token_ids():
+    runner = _runner(RewardSpec(name="token_budget", args={"budget": 1, "per_token": 0.25}))
+    try:
+        out = runner(["a", "b", "c"], ["p"] * 3, {}, [[7], [7, 8], [7, 8, 9, 10]])
+    finally:
+        runner.close()
+    assert out.errors == {"token_budget": 0}
+    assert out.per_function[:, 0].tolist() == [0.0, -0.25, -0.75]
+
+
+def test_a_built_in_that_returns_a_malformed_value_scores_the_fallback(monkeypatch, capsys):
+    monkeypatch.setitem(REGISTRY, "two_values", lambda: lambda completions, **_: [1.0, 2.0])
+    runner = _runner(RewardSpec(name="two_values"), RewardSpec(name="format"), fallback=-0.5)
+    try:
+        out = _score(runner, ["a", "b"])
+        _score(runner, ["c"])
+    finally:
+        runner.close()
+    assert out.errors == {"two_values": 2, "format": 0}
+    assert out.per_function[:, 0].tolist() == [-0.5, -0.5]
+    err = capsys.readouterr().err
+    line = "reward 'two_values' returned 2 values for 1 completions (its first malformed value"
+    assert err.count(line) == 1
+
+
+class ScriptedPool:
+    """A WorkerPool stand-in whose calls end as the script says: every outcome kind, no timing."""
+
+    script: ClassVar[list[Outcome]] = []
+
+    def __init__(self, names: list[str], workers: int, max_rss_mb: float) -> None:
+        pass
+
+    def run(self, calls: list, timeout_s: float) -> list[Outcome]:
+        assert len(calls) == len(self.script)
+        return self.script
+
+    def close(self) -> None:
+        pass
+
+
+def test_each_kind_of_worker_outcome_scores_and_prints_its_own_line(
+    user_module: Path, monkeypatch, capsys
+):
+    monkeypatch.setattr(grpo.rewards, "WorkerPool", ScriptedPool)
+    monkeypatch.setattr(
+        ScriptedPool,
+        "script",
+        [
+            Outcome("ok", values=[0.5], recycled=True),
+            Outcome("timeout", detail="a call still ran after rewards.timeout_s=1 s"),
+            Outcome("memory", detail="its worker passed rewards.max_worker_rss_mb=9 during a call"),
+            Outcome("bad", detail="reward 'flaky' returned nan at position 0"),
+            Outcome("timeout", detail="again"),
+        ],
+    )
+    runner = _runner(RewardSpec(name=f"{user_module}:flaky"), fallback=-1.0, max_worker_rss_mb=9)
+    try:
+        out = _score(runner, ["a", "b", "c", "d", "e"])
+    finally:
+        runner.close()
+    assert out.per_function[:, 0].tolist() == [0.5, -1.0, -1.0, -1.0, -1.0]
+    assert out.errors == {"flaky": 4}
+    later = "(first time; later ones are counted per step)"
+    assert capsys.readouterr().err.splitlines() == [
+        "reward 'flaky': its worker passed rewards.max_worker_rss_mb=9 after a call, so it was "
+        "replaced",
+        f"reward 'flaky': a call still ran after rewards.timeout_s=1 s {later}",
+        f"reward 'flaky': its worker passed rewards.max_worker_rss_mb=9 during a call {later}",
+        "reward 'flaky' returned nan at position 0 (its first malformed value; later ones are "
+        "counted per step)",
+    ]
 
 
 @pytest.mark.parametrize(
