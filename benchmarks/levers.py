@@ -29,6 +29,7 @@ from grpo.config import RolloutConfig
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
 from grpo.models import load_tokenizer, resolve_model_path
+from grpo.prefix_attention import PREFIX
 from grpo.processors import process_logits
 from grpo.rollout import render_prompt, sampling_of
 from grpo.rollout.hf import HFEngine, SeededGroupSampler, sample_groups
@@ -160,6 +161,37 @@ def logprob_levers(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     }
 
 
+def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
+    """Packed scoring with SDPA over the dense [L, L] mask against prefix attention (each
+    completion reads its prompt and its own tokens: ``grpo.prefix_attention``), forward and
+    forward + backward; the same packed positions either way."""
+    batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
+
+    def run(implementation: str, grad: bool) -> Callable[[], None]:
+        def go() -> None:
+            model.config._attn_implementation = implementation
+            for mb in batches:
+                with torch.set_grad_enabled(grad):
+                    logp, _ = completion_logprobs(
+                        model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask
+                    )
+                    if grad:
+                        (logp * mb.completion_mask).sum().backward()
+            model.zero_grad(set_to_none=True)
+
+        return go
+
+    model.train()
+    return {
+        "reference_forward_prefix": alternate(
+            {"mask": run("sdpa", False), "prefix": run(PREFIX, False)}, repeats
+        ),
+        "update_prefix": alternate(
+            {"mask": run("sdpa", True), "prefix": run(PREFIX, True)}, repeats
+        ),
+    }
+
+
 def optimizer_lever(model, repeats: int) -> dict:
     """One AdamW step over every parameter: the foreach implementation against the fused one."""
     for p in model.parameters():
@@ -215,8 +247,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compile", action="store_true", help="only the torch.compile lever (minutes to compile)"
     )
+    parser.add_argument("--attention", action="store_true", help="only the prefix attention lever")
+    parser.add_argument(
+        "--precision", choices=["float32", "bfloat16"], help="default: the set-up's"
+    )
     args = parser.parse_args(argv)
-    setup = common.SETUPS[args.setup]
+    setup = common.with_precision(common.SETUPS[args.setup], args.precision)
+    # bf16 autocast over float32 weights, as grpo's model.autocast runs every forward
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup["precision"] == "bfloat16"):
+        run_levers(args, setup)
+
+
+def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
     torch.manual_seed(0)
     path = resolve_model_path(setup["model"])
     tokenizer = load_tokenizer(path)
@@ -240,7 +282,14 @@ def main(argv: list[str] | None = None) -> None:
         "prompt_tokens": int(enc.attention_mask.sum()) // config.prompts_per_step,
         "completion_tokens_mean": float(rollout.completion_mask.sum(dim=1).float().mean()),
         "threads": torch.get_num_threads(),
+        "precision": setup["precision"],
     }
+    if args.attention:
+        result.update(attention_lever(model, rollout, setup["micro_batch_size"], args.repeats))
+        out = args.out or RESULTS / f"levers_attention_{args.setup}.json"
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result, indent=1))
+        return
     if args.compile:
         result["compile_rollout"] = compile_lever(engine, prompts, rows, g)
         out = args.out or RESULTS / f"levers_compile_{args.setup}.json"

@@ -34,6 +34,8 @@ def config_tree(setup: dict[str, Any], steps: int, seed: int, output_dir: str) -
         "model": {
             "name": setup["model"],
             "gradient_checkpointing": setup["gradient_checkpointing"],
+            # mixed precision as TRL's bf16=True: bf16 autocast over float32 weights
+            "autocast": setup["precision"] == "bfloat16",
         },
         "data": setup["data"],
         "rollout": {
@@ -106,7 +108,9 @@ def module_mb(model: torch.nn.Module | None) -> float:
 
 def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
     """Build a trainer, time ``config.train.steps`` steps; everything the JSON holds."""
-    peak_before = common.matmul_peak_flops(seconds=warmup_peak_s)
+    bf16 = config.model.autocast or config.model.dtype == "bfloat16"
+    dtype = torch.bfloat16 if bf16 else torch.float32  # the MFU peak is the compute precision's
+    peak_before = common.matmul_peak_flops(seconds=warmup_peak_s, dtype=dtype)
     t_load = time.perf_counter()
     trainer = Trainer(config)
     load_s = time.perf_counter() - t_load
@@ -137,9 +141,10 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
                 "completion_len": metrics["completion_len/mean"],
             }
         )
-    peak_after = common.matmul_peak_flops(seconds=warmup_peak_s)
+    peak_after = common.matmul_peak_flops(seconds=warmup_peak_s, dtype=dtype)
     trainer.rewards.close()
-    return summarize(steps, trainer, peak_before, peak_after, load_s)
+    summary = summarize(steps, trainer, peak_before, peak_after, load_s)
+    return {"precision": str(dtype).removeprefix("torch."), **summary}
 
 
 def summarize(
@@ -196,9 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="steps to time (default: the set-up's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="JSON file to write (default: stdout only)")
+    parser.add_argument(
+        "--precision", choices=["float32", "bfloat16"], help="default: the set-up's"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted grpo config overrides key=value")
     args = parser.parse_args(argv)
-    setup = common.SETUPS[args.setup]
+    setup = common.with_precision(common.SETUPS[args.setup], args.precision)
     with tempfile.TemporaryDirectory() as tmp:
         tree = config_tree(setup, args.steps or setup["steps"], args.seed, tmp)
         config = build_config(merge_trees(tree, parse_overrides(args.overrides)))

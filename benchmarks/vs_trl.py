@@ -10,7 +10,10 @@ run, and round r uses seed r for both. Both trainers see the same prompts in the
 system prompt, the same reward functions, G, prompts per step, max new tokens, learning rate
 (constant), AdamW betas, gradient clipping, beta, loss aggregation, micro-batch size and gradient
 checkpointing (on: TRL's default; the ``-fast`` set-ups turn it off on both sides and train the
-whole step as one micro-batch, each trainer's fastest settings here), in float32. Writes the per-run JSON and a summary: ratios of
+whole step as one micro-batch, each trainer's fastest settings here) and precision: float32, or
+in the ``-fast`` set-ups bf16 autocast over float32 weights on both sides (TRL's ``bf16=True``,
+its default; grpo's ``model.autocast``) where this CPU's bf16 matrix product is clearly faster,
+decided once per comparison by measuring both. Writes the per-run JSON and a summary: ratios of
 median step time and of peak RSS (grpo / TRL), and both reward curves.
 """
 
@@ -91,7 +94,8 @@ def run_trl(setup: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:
             if logs and "reward" in logs:
                 self.logs.append(dict(logs))
 
-    peak_before = common.matmul_peak_flops()
+    dtype = common.DTYPES[setup["precision"]]
+    peak_before = common.matmul_peak_flops(dtype=dtype)
     t_load = time.perf_counter()
     path = resolve_model_path(setup["model"])
     tokenizer = load_tokenizer(path)
@@ -124,7 +128,7 @@ def run_trl(setup: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:
             seed=seed,
             shuffle_dataset=False,
             use_cpu=True,
-            bf16=False,
+            bf16=setup["precision"] == "bfloat16",
             logging_steps=1,
             report_to="none",
             save_strategy="no",
@@ -143,11 +147,12 @@ def run_trl(setup: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:
         load_s = time.perf_counter() - t_load
         trainer.train()
     step_s = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
-    peak_after = common.matmul_peak_flops()
+    peak_after = common.matmul_peak_flops(dtype=dtype)
     return {
         "engine": "trl",
         "threads": torch.get_num_threads(),
         "load_s": load_s,
+        "precision": setup["precision"],
         "matmul_peak_gflops": {"before": peak_before / 1e9, "after": peak_after / 1e9},
         "median_step_s": common.median(step_s),
         "peak_rss_mb": common.peak_rss_mb(),
@@ -168,13 +173,15 @@ def run_trl(setup: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ driver
 
 
-def run_one(engine: str, setup: str, steps: int, seed: int, out: Path) -> dict[str, Any]:
+def run_one(
+    engine: str, setup: str, precision: str, steps: int, seed: int, out: Path
+) -> dict[str, Any]:
     """One run in a fresh process (so its peak RSS is its own)."""
     if engine == "trl":
         cmd = ["-m", "benchmarks.vs_trl", "--worker", "--setup", setup]
     else:
         cmd = ["-m", "benchmarks.step", "--setup", setup]
-    cmd += ["--steps", str(steps), "--seed", str(seed), "--out", str(out)]
+    cmd += ["--precision", precision, "--steps", str(steps), "--seed", str(seed), "--out", str(out)]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     subprocess.run([sys.executable, *cmd], check=True, env=env, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
@@ -207,9 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="A B pairs to alternate")
     parser.add_argument("--seed", type=int, default=0, help="worker only")
     parser.add_argument("--out", type=Path, help="JSON file to write")
+    parser.add_argument(
+        "--precision", choices=["float32", "bfloat16"], help="default: the set-up's"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    setup = common.SETUPS[args.setup]
+    # decided once here, so both trainers run in the same precision
+    setup = common.with_precision(common.SETUPS[args.setup], args.precision)
     steps = args.steps or setup["steps"]
     if args.worker:
         result = {"setup": args.setup, **run_trl(setup, steps, args.seed)}
@@ -219,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for engine in ("trl", "grpo"):
-                result = run_one(engine, args.setup, steps, r, Path(tmp) / f"{engine}-{r}.json")
+                out = Path(tmp) / f"{engine}-{r}.json"
+                result = run_one(engine, args.setup, setup["precision"], steps, r, out)
                 print(
                     f"round {r} {engine:4s}: median step {result['median_step_s']:.3f} s, "
                     f"peak RSS {result['peak_rss_mb']:.0f} MiB, "
@@ -227,7 +239,13 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
                 runs.append({"round": r, **result})
-    summary = {"setup": args.setup, "steps": steps, "rounds": args.rounds, **compare(runs)}
+    summary = {
+        "setup": args.setup,
+        "precision": setup["precision"],
+        "steps": steps,
+        "rounds": args.rounds,
+        **compare(runs),
+    }
     out = args.out or RESULTS / f"vs_trl_{args.setup}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**summary, "runs": runs}, indent=1) + "\n")

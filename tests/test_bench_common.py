@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from benchmarks import common
+from benchmarks.step import config_tree
 
 
 def test_mfu_is_achieved_flops_over_peak() -> None:
@@ -147,3 +149,19 @@ def test_update_mfu_counts_the_positions_computed(tiny_config) -> None:
     assert only["generated_tokens"] < only["update_positions"] < only["trained_tokens"]
     assert only["update_logits"] <= only["update_positions"]
     assert 0 < result["mfu_update"] < 1
+
+
+@pytest.mark.parametrize(("bf16_gflops", "chosen"), [(1000.0, "bfloat16"), (250.0, "float32")])
+def test_the_fast_set_ups_take_bf16_only_where_it_multiplies_clearly_faster(
+    monkeypatch, bf16_gflops: float, chosen: str
+) -> None:
+    peaks = {torch.float32: 200e9, torch.bfloat16: bf16_gflops * 1e9}
+    monkeypatch.setattr(common, "matmul_peak_flops", lambda dtype, **_: peaks[dtype])
+    fast = common.with_precision(common.SETUPS["smollm2-fast"], None)
+    assert fast["precision"] == chosen
+    # a set-up in float32 stays there, and a precision given by hand wins
+    assert common.with_precision(common.SETUPS["smollm2"], None)["precision"] == "float32"
+    assert common.with_precision(fast, "float32")["precision"] == "float32"
+    # grpo runs the chosen precision as TRL's bf16=True does: autocast over float32 weights
+    tree = config_tree(fast, steps=1, seed=0, output_dir="out")
+    assert tree["model"]["autocast"] is (chosen == "bfloat16")

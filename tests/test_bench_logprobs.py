@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
+from grpo.prefix_attention import PREFIX
 from grpo.processors import Sampling
 
 
@@ -39,6 +40,9 @@ def _batch():
         (0.7, "eager"),
         # a penalty reads each row's history (its prompt and completion so far) on both paths
         (Sampling(temperature=0.7, repetition_penalty=1.3, top_k=20), "sdpa"),
+        # no mask: each completion attends to its prompt and itself (grpo.prefix_attention)
+        (0.7, PREFIX),
+        (Sampling(temperature=0.7, repetition_penalty=1.3, top_k=20), PREFIX),
     ],
 )
 def test_packed_matches_full_sequences(

@@ -215,7 +215,11 @@ def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:
 
     Trainer(tiny_config())
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("scoring")]
-    assert len(lines) == 1 and lines[0].startswith("scoring log-probs: packed (sdpa attention")
+    assert lines == [
+        "scoring log-probs: packed (prefix attention: each completion reads its prompt and its "
+        "own tokens, no [L, L] mask; a group switches to one row per completion when packing "
+        "costs more (long completions))"
+    ]
 
 
 def test_position_ids_skip_left_padding() -> None:

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from grpo.prefix_attention import PREFIX, prefix_layout
 from grpo.processors import Sampling, seen_tokens, shape_logits, truncate
 
-# attention implementations that take a custom 4D mask (others get one full sequence per row)
-PACKABLE = {"sdpa": torch.bool, "eager": None}
+# attention implementations that take a custom 4D mask (others get one full sequence per row);
+# PREFIX takes a packed layout instead, and the mask only when it cannot (attention dropout)
+PACKABLE = {"sdpa": torch.bool, "eager": None, PREFIX: torch.bool}
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -249,9 +251,14 @@ def scoring_path(model: nn.Module) -> tuple[str, str]:
     if windowed:
         # the custom mask would replace the model's own, sliding window included
         return "rows", "the model has a sliding window, which the packed mask would replace"
+    how = (
+        "prefix attention: each completion reads its prompt and its own tokens, no [L, L] mask"
+        if implementation == PREFIX
+        else f"{implementation} attention takes a custom mask"
+    )
     return "packed", (
-        f"{implementation} attention takes a custom mask; a group switches to one row per "
-        "completion when packing costs more (long completions)"
+        f"{how}; a group switches to one row per completion when packing costs more "
+        "(long completions)"
     )
 
 
@@ -294,15 +301,28 @@ def packed_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` with every row packed by prompt (see ``pack``)."""
     packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    implementation = getattr(_config(model), "_attn_implementation", None)
-    dtype = PACKABLE[implementation] or next(model.parameters()).dtype
-    out = model(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask(dtype),
-        position_ids=packed.position_ids,
-        logits_to_keep=packed.keep,
-        use_cache=False,
-    )
+    config = _config(model)
+    implementation = getattr(config, "_attn_implementation", None)
+    inputs = {
+        "input_ids": packed.input_ids,
+        "position_ids": packed.position_ids,
+        "logits_to_keep": packed.keep,
+        "use_cache": False,
+    }
+    dropout = model.training and getattr(config, "attention_dropout", 0.0)
+    if implementation == PREFIX and not dropout:
+        # no [L, L] mask: the layout says what each token reads (grpo.prefix_attention)
+        layout = prefix_layout(packed.segment)
+        mask = torch.ones_like(packed.input_ids)
+        out = model(**inputs, attention_mask=mask, prefix_layout=layout)
+        if not layout.uses[0]:
+            raise RuntimeError(
+                f"{type(model).__name__} does not pass keyword arguments to its attention, so "
+                "packed scoring cannot use prefix attention: load it with attn_implementation='sdpa'"
+            )
+    else:
+        dtype = PACKABLE[implementation] or next(model.parameters()).dtype
+        out = model(**inputs, attention_mask=packed.attention_mask(dtype))
     logits = out.logits.reshape(-1, out.logits.shape[-1])  # [U * keep, V]
     history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
     return token_logprobs(

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from grpo.algorithm import soft_update_
 from grpo.config import ModelConfig
+from grpo.prefix_attention import use_prefix_attention
 
 
 class ModelError(ValueError):
@@ -348,6 +349,7 @@ def load_policy(config: ModelConfig, path: str) -> nn.Module:
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     with _loading(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    use_prefix_attention(model)  # packed groups skip their masked-out attention (SDPA otherwise)
     if config.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
             model.activation_checkpointing_enable({"use_reentrant": False})

@@ -1,0 +1,172 @@
+"""Attention for packed groups that skips the masked-out square.
+
+A packed group (``logprobs.Packed``) is its prompt once, then every completion. Under the dense
+[L, L] mask, SDPA still computes every query-key pair, though a completion only reads the prompt
+and its own earlier tokens: at G = 8 and completions of the prompt's length, about four fifths of
+the square is masked out. Here each completion attends as its own short row, its prompt's keys
+followed by its own, and the prompt attends to itself: the same values (up to float rounding)
+for a fraction of the pairs, and no [L, L] mask. The projections and MLPs still see each prompt
+token once, which is what packing is for.
+
+The model runs the registered implementation ``PREFIX`` (``use_prefix_attention``): a forward
+given ``prefix_layout=PrefixLayout`` (``logprobs.packed_logprobs``) takes this path; every other
+forward (generation, plain rows) is SDPA's, unchanged. The layout travels as a keyword argument,
+so a recomputation under gradient checkpointing takes the same path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+PREFIX = "grpo_prefix"
+
+
+@dataclass
+class PrefixLayout:
+    """Where each token of a packed batch reads from, as indices into its U * L positions.
+
+    Prompt u's tokens attend causally to prompt u; completion r's tokens attend to all of its
+    prompt and causally to its own earlier tokens. Padding slots of the index tensors point at
+    position 0 and are blocked as keys; a padding query slot still sees its prompt (every prompt
+    has a token), so no softmax row is empty (an empty one is NaN, and so is its gradient).
+    """
+
+    prompt_at: Tensor  # [U, P] positions of each prompt, padded
+    prompt_blocked: Tensor  # [U, 1, P, P] True where a prompt token may not attend
+    rows_query: Tensor  # [R, N] positions of each completion's tokens, padded
+    rows_key: Tensor  # [R, P + N] its prompt's positions, then its own
+    rows_blocked: Tensor  # [R, 1, N, P + N]
+    target: Tensor  # [K] the real positions, prompts' then completions'
+    select: tuple[Tensor, Tensor]  # [U, P] and [R, N] masks of real query slots, in that order
+    uses: list[int] = field(default_factory=lambda: [0])  # attention calls that took this path
+
+
+def prefix_layout(segment: Tensor) -> PrefixLayout:
+    """The layout of packed sequences from ``Packed.segment`` ([U, L]: 0 prompt, k the k-th
+    completion, -1 padding)."""
+    u_count, length = segment.shape
+    device = segment.device
+    flat = torch.arange(u_count * length, device=device).view(u_count, length)
+    prompts = [flat[u][segment[u] == 0] for u in range(u_count)]
+    rows = [
+        (u, flat[u][segment[u] == k])
+        for u in range(u_count)
+        for k in range(1, int(segment[u].max()) + 1)
+    ]
+    p = max(len(x) for x in prompts)
+    n = max((len(x) for _, x in rows), default=1)
+    prompt_at, prompt_real = _padded(prompts, p, device)
+    rows_query, query_real = _padded([x for _, x in rows], n, device)
+    rows_key, key_real = _padded(
+        [torch.cat([prompt_at[u][prompt_real[u]], x]) for u, x in rows], p + n, device
+    )
+    # a completion's key j is its prompt's (j < P_u) or its own token j - P_u, seen up to itself
+    own_start = prompt_real.sum(dim=1)[[u for u, _ in rows]] if rows else torch.zeros(0)
+    i = torch.arange(n, device=device)[None, :, None]
+    j = torch.arange(p + n, device=device)[None, None, :]
+    start = own_start.to(device)[:, None, None]
+    rows_allowed = key_real[:, None, :] & ((j < start) | (j - start <= i))
+    causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()
+    prompt_allowed = causal[None] & prompt_real[:, None, :]
+    target = torch.cat([prompt_at[prompt_real], rows_query[query_real]])
+    return PrefixLayout(
+        prompt_at,
+        ~prompt_allowed[:, None],
+        rows_query,
+        rows_key,
+        ~rows_allowed[:, None],
+        target,
+        (prompt_real, query_real),
+    )
+
+
+def _padded(parts: list[Tensor], width: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Index lists as one [len(parts), width] tensor padded with 0, and where they are real."""
+    at = torch.zeros(len(parts), width, dtype=torch.long, device=device)
+    real = torch.zeros(len(parts), width, dtype=torch.bool, device=device)
+    for r, x in enumerate(parts):
+        at[r, : len(x)] = x
+        real[r, : len(x)] = True
+    return at, real
+
+
+def _gather(x: Tensor, at: Tensor) -> Tensor:
+    """Rows ``at`` ([B, n]) of x ([U * L, H, D]) as [B, n, H, D]; index_select's backward is a
+    plain index_add (advanced indexing's accumulates through a sort)."""
+    return x.index_select(0, at.flatten()).view(*at.shape, *x.shape[1:])
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor, scale: float) -> Tensor:
+    """Softmax attention over explicit scores. q: [B, n, Hq, D]; k, v: [B, m, Hkv, D]; blocked:
+    [B, 1, n, m] (True = may not attend). Returns [B, n, Hq, D]. Query heads share their key
+    head in groups (GQA) without repeating the keys. Explicit scores are faster than SDPA's CPU
+    kernel at these short rows; softmax runs in float32, as eager attention does."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    q = (q * scale).reshape(b, n, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, n, D]
+    k, v = k.permute(0, 2, 1, 3)[:, :, None], v.permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, m, D]
+    scores = (q @ k.transpose(-1, -2)).masked_fill(blocked[:, :, None], -math.inf)
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+    return (weights @ v).permute(0, 3, 1, 2, 4).reshape(b, n, hq, d)
+
+
+def prefix_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    prefix_layout: PrefixLayout | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """An ``AttentionInterface`` function: SDPA's, or with ``prefix_layout`` the packed groups'
+    attention above. query: [U, Hq, L, D]; key, value: [U, Hkv, L, D]; returns [U, L, Hq, D]."""
+    if prefix_layout is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if dropout or kwargs.get("softcap") is not None or kwargs.get("sliding_window"):
+        # packed_logprobs passes no layout to such models; reaching here is a bug, not a fallback
+        raise ValueError(
+            "prefix attention: plain softmax attention only (no dropout, softcap or window)"
+        )
+    u, hq, length, d = query.shape
+    scale = scaling if scaling is not None else d**-0.5
+    q, k, v = (t.transpose(1, 2).reshape(u * length, t.shape[1], d) for t in (query, key, value))
+    lay = prefix_layout
+    at, rows_q, rows_k = lay.prompt_at, lay.rows_query, lay.rows_key
+    prompts = _attend(_gather(q, at), _gather(k, at), _gather(v, at), lay.prompt_blocked, scale)
+    rows = _attend(
+        _gather(q, rows_q), _gather(k, rows_k), _gather(v, rows_k), lay.rows_blocked, scale
+    )
+    real = torch.cat([prompts[lay.select[0]], rows[lay.select[1]]])
+    out = q.new_zeros(q.shape).index_copy(0, lay.target, real)  # padding positions read 0
+    lay.uses[0] += 1
+    return out.view(u, length, hq, d), None
+
+
+def use_prefix_attention(model: nn.Module) -> bool:
+    """Switch a model on SDPA attention to ``PREFIX`` (SDPA except on packed groups); False, and
+    nothing changes, for other implementations or models that cannot switch."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    can = getattr(type(model), "_can_set_attn_implementation", None)
+    if can is None or not can():
+        return False
+    model.set_attn_implementation(PREFIX)
+    return True
+
+
+AttentionInterface.register(PREFIX, prefix_attention_forward)
+# masks as SDPA's for every forward that is not a packed group's (generation's padding, rows)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX, sdpa_mask)

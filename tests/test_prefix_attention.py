@@ -1,0 +1,140 @@
+"""Prefix attention: packed groups without the dense mask, the same numbers as the mask, and
+SDPA unchanged for every other forward (its equality with full sequences, values and gradients,
+is in tests/test_bench_logprobs.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from grpo.config import ModelConfig, RolloutConfig
+from grpo.logprobs import completion_logprobs, pack
+from grpo.models import load_policy, load_tokenizer
+from grpo.prefix_attention import PREFIX, prefix_layout, use_prefix_attention
+from grpo.rollout.hf import HFEngine
+
+
+def _batch():
+    # prompts of 4 and 2 tokens (left padded to 4); completions of 3, 1, 4 and 2 tokens
+    prompt_ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [0, 0, 9, 10], [0, 0, 9, 10]])
+    prompt_mask = prompt_ids != 0
+    completion_ids = torch.tensor(
+        [[11, 12, 13, 0], [14, 0, 0, 0], [15, 16, 17, 18], [19, 20, 0, 0]]
+    )
+    return prompt_ids, prompt_mask, completion_ids, completion_ids != 0
+
+
+def _pair(tiny_model_dir, **config):
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_model_dir, **config).train()
+    prefix = copy.deepcopy(sdpa)
+    assert use_prefix_attention(prefix)
+    assert prefix.config._attn_implementation == PREFIX
+    return sdpa, prefix
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_layout_reads_what_the_dense_mask_allows() -> None:
+    packed = pack(*_batch())
+    layout = prefix_layout(packed.segment)
+    dense = packed.attention_mask(torch.bool)[:, 0]  # [U, L, L]
+    u_count, length = packed.segment.shape
+    seen = torch.zeros(u_count * length, u_count * length, dtype=torch.bool)
+    for at, blocked, real in [
+        (layout.prompt_at, layout.prompt_blocked, layout.select[0]),
+        (layout.rows_query, layout.rows_blocked, layout.select[1]),
+    ]:
+        keys = layout.prompt_at if at is layout.prompt_at else layout.rows_key
+        for r in range(at.shape[0]):
+            for i in range(at.shape[1]):
+                if real[r, i]:
+                    seen[at[r, i], keys[r][~blocked[r, 0, i]]] = True
+    want = torch.block_diag(*dense)  # sequence u's positions are u * L ... u * L + L - 1
+    real_query = packed.segment.flatten() >= 0
+    assert torch.equal(seen[real_query], want[real_query])
+    # every real position is written back once, padding never
+    assert sorted(layout.target.tolist()) == real_query.nonzero()[:, 0].tolist()
+
+
+def test_prefix_scoring_equals_the_masked_one_under_checkpointing(tiny_model_dir) -> None:
+    # the layout travels as a keyword argument, so the recomputation in backward takes it too
+    sdpa, prefix = _pair(tiny_model_dir)
+    for model in (sdpa, prefix):
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    batch = _batch()
+    m = batch[-1]
+    want, _ = completion_logprobs(sdpa, *batch, 0.8)
+    got, _ = completion_logprobs(prefix, *batch, 0.8)
+    (want * m).sum().backward()
+    (got * m).sum().backward()
+    assert torch.allclose(got[m], want[m], atol=1e-5)
+    for a, b in zip(_grads(sdpa), _grads(prefix), strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert any(float(g.abs().sum()) > 0 for g in _grads(prefix))
+
+
+def test_attention_dropout_in_training_takes_the_mask(tiny_model_dir, monkeypatch) -> None:
+    _, prefix = _pair(tiny_model_dir, attention_dropout=0.5)
+    masks = []
+    forward = prefix.forward
+
+    def spy(*args, **kwargs):
+        masks.append((kwargs["attention_mask"].dim(), "prefix_layout" in kwargs))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(prefix, "forward", spy)
+    completion_logprobs(prefix, *_batch())
+    prefix.eval()  # no dropout outside training: the layout again
+    completion_logprobs(prefix, *_batch())
+    assert masks == [(4, False), (2, True)]
+
+
+def test_a_model_that_drops_the_layout_is_an_error_not_wrong_numbers(tiny_model_dir) -> None:
+    _, prefix = _pair(tiny_model_dir)
+
+    class Swallows(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.config = prefix, prefix.config
+
+        def forward(self, prefix_layout=None, **kwargs):
+            return self.inner(**kwargs)
+
+    with pytest.raises(RuntimeError, match="does not pass keyword arguments to its attention"):
+        completion_logprobs(Swallows(), *_batch())
+
+
+def test_generation_and_other_models_are_unchanged(tiny_model_dir) -> None:
+    sdpa, prefix = _pair(tiny_model_dir)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    config = RolloutConfig(group_size=3, max_new_tokens=8)
+    outs = [
+        HFEngine(model.eval(), tokenizer, config).generate(["ab", "abcd"], [{}, {}], 3, [1, 2])
+        for model in (sdpa, prefix)
+    ]
+    assert torch.equal(outs[0].completion_ids, outs[1].completion_ids)
+    assert torch.allclose(outs[0].sampler_logp, outs[1].sampler_logp, atol=1e-6)
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    assert not use_prefix_attention(eager) and eager.config._attn_implementation == "eager"
+    # the trainer's policy (and so its reference copy) is switched, LoRA too
+    for lora in (False, True):
+        policy = load_policy(ModelConfig(lora={"enabled": lora}), str(tiny_model_dir))
+        assert policy.config._attn_implementation == PREFIX
+
+
+def test_one_token_completions_only(tiny_model_dir) -> None:
+    # a completion's last token predicts nothing, so these pack to the prompts alone
+    sdpa, prefix = _pair(tiny_model_dir)
+    prompt_ids, prompt_mask, completion_ids, _ = _batch()
+    completion_mask = torch.zeros_like(completion_ids, dtype=torch.bool)
+    completion_mask[:, 0] = True
+    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    want, _ = completion_logprobs(sdpa, *batch)
+    got, _ = completion_logprobs(prefix, *batch)
+    assert torch.allclose(got[:, 0], want[:, 0], atol=1e-5)
