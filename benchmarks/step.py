@@ -138,6 +138,9 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
                 "update_logits": clock.logits,
                 "reward": metrics["reward/mean"],
                 "kl": metrics.get("kl", 0.0),
+                # |trainer - sampler| log-prob of the sampled tokens (precision shows here)
+                "logp_mismatch_mean": metrics.get("tis/mismatch_mean"),
+                "logp_mismatch_max": metrics.get("tis/mismatch_max"),
                 "completion_len": metrics["completion_len/mean"],
             }
         )

@@ -423,3 +423,32 @@ def test_top_k_and_top_p_restrict_what_the_sampler_draws(
     assert set(freq) == set(ranked[:kept])
     z = sum(prob[t] for t in ranked[:kept])
     assert freq[ranked[0]] == pytest.approx(prob[ranked[0]] / z, abs=0.05)
+
+
+# -------------------------------------------------------------------------------- precision
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
+    knob_config, monkeypatch, autocast: bool
+) -> None:
+    trainer = Trainer(knob_config(model={"autocast": autocast}, algorithm={"beta": 0.1}))
+    seen: list[tuple[str, bool, torch.dtype | None]] = []
+
+    def recorded(what: str, fn):
+        def wrapper(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            logp = result[0] if isinstance(result, tuple) else result.sampler_logp
+            seen.append((what, torch.is_autocast_enabled("cpu"), logp.dtype))
+            return result
+
+        return wrapper
+
+    monkeypatch.setattr(trainer.engine, "generate", recorded("sample", trainer.engine.generate))
+    monkeypatch.setattr(
+        grpo.trainer, "completion_logprobs", recorded("score", grpo.trainer.completion_logprobs)
+    )
+    trainer.step = 1
+    trainer.train_step()
+    # the rollout, the reference forward and the update's forward
+    assert seen == [(w, autocast, torch.float32) for w in ("sample", "score", "score")]

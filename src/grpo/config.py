@@ -42,9 +42,9 @@ class ModelConfig(Section):
     name: str = "tiny-random"
     """Built-in alias (see `grpo models`), local HF folder, or hub id (needs network)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weight dtype. float32 on CPU (bf16 matmul is slower there)."""
+    """Weight dtype. Train in float32 weights; for bf16 speed prefer `autocast` (README, Performance)."""
     autocast: bool = False
-    """bf16 autocast for forwards over float32 weights (mixed precision, for GPUs); log-probs stay float32."""
+    """bf16 autocast for forwards over float32 weights (mixed precision, TRL's bf16=True); log-probs stay float32. Pays on GPUs and CPUs with bf16 units (AVX512-BF16, AMX): steps 0.53x here; without them bf16 is slower (README, Performance: how to measure it)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute (README, Performance)."""
     disable_dropout: bool = True

@@ -1,12 +1,14 @@
 """Per-token log-probs (and entropy) of completion tokens only.
 
 Completions that share a prompt (a group's G samples) are packed into one sequence: the prompt
-once, then each completion, with an attention mask that lets every completion see the prompt and
-its own earlier tokens, nothing else. A group then costs one prompt forward (and backward) instead
-of G, and no position is spent on padding. The mask is dense ([L, L] for a group of L tokens) and
-the attention over it covers the whole square, so for long completions a cost rule
-(``ScoringCost.packing_pays``) gives the group one row per completion instead: the prompt
-repeated, no mask at all (plain causal attention), memory linear in the tokens scored. The LM
+once, then each completion, each completion seeing the prompt and its own earlier tokens, nothing
+else. A group then costs one prompt forward (and backward) instead of G, and no position is spent
+on padding. Models the trainer loads attend with ``grpo.prefix_attention``: each completion as a
+short row over its prompt, no mask; others take a dense [L, L] mask (a group of L tokens), whose
+attention covers the whole square. Either way, for long completions a cost rule
+(``ScoringCost.packing_pays``, priced for the square, so conservative for prefix attention) gives
+the group one row per completion instead: the prompt repeated, no mask at all (plain causal
+attention), memory linear in the tokens scored. The LM
 head runs only on the positions that predict completion tokens (``logits_to_keep``), and the
 log-softmax is taken a few positions at a time through ``logsumexp``, so no float32
 [positions, vocab] log-softmax is ever materialised. Logits go through the sampling controls the
