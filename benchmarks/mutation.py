@@ -120,20 +120,28 @@ def patterns() -> dict[str, list[str]]:
 STATUS = {1: "killed", 3: "killed", 0: "survived", None: "not checked", 33: "no tests"}
 
 
-def results(path: str) -> dict[str, int | None]:
-    """mutant -> mutmut's exit code (None: not checked) of the in-scope mutants of a file."""
+def recorded(path: str) -> dict[str, int | None]:
+    """mutant -> mutmut's exit code (None: not checked) of every mutant of a file."""
     meta = ROOT / "mutants" / f"{path}.meta"
-    codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+    return json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+
+
+def in_scope(path: str, codes: dict[str, int | None]) -> dict[str, int | None]:
     return {k: v for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in patterns()[path])}
 
 
-def table() -> list[dict]:
-    """One row per file from mutmut's records (mutants/**/*.meta)."""
+def results(path: str) -> dict[str, int | None]:
+    """mutant -> mutmut's exit code (None: not checked) of the in-scope mutants of a file."""
+    return in_scope(path, recorded(path))
+
+
+def table(records: dict[str, dict[str, int | None]] | None = None) -> list[dict]:
+    """One row per file from mutmut's records (mutants/**/*.meta), or from ``records``
+    (path -> mutant -> exit code) where given."""
     rows = []
     for path in files():
-        meta = ROOT / "mutants" / f"{path}.meta"
-        codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
-        scoped = results(path)
+        codes = records[path] if records and path in records else recorded(path)
+        scoped = in_scope(path, codes)
         status = [
             STATUS.get(v, "timeout" if v in (24, -24, 36, 152, 255) else "other")
             for v in scoped.values()
@@ -185,7 +193,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.sample is not None and not args.resume:
         parser.error("--sample draws from the unchecked mutants: use it with --resume")
-    wall = None
+    wall, dropped, names = None, 0, []
     if not args.table:
         # mutmut re-checks every mutant it is given by name, so a resumed run names only the
         # unchecked ones, after a first call (one cheap mutant) has refreshed the mutants
@@ -199,6 +207,7 @@ def main() -> None:
         names = [p for path in chosen for p in patterns()[path]]
         start = time.perf_counter()
         if args.resume or args.survivors:
+            before_all = {path: recorded(path) for path in chosen}
             before = {k: v for path in chosen for k, v in results(path).items()}
             subprocess.run([*mutmut, "grpo.rewards.length.x_soft_overlong__mutmut_1"], cwd=ROOT)
             after = {k: v for path in chosen for k, v in results(path).items()}
@@ -219,10 +228,19 @@ def main() -> None:
                 break
             print(f"mutmut failed (attempt {attempt + 1} of 3)", file=sys.stderr)
         wall = time.perf_counter() - start
-    rows = table()
+    merged = None
+    if args.survivors and dropped:
+        # the table stays the one measured before the refresh (tests only added since), with
+        # the survivors' new results: what a whole re-run would give, at a fraction of its cost
+        merged = {
+            path: {**codes, **{k: v for k, v in recorded(path).items() if k in names}}
+            for path, codes in before_all.items()
+        }
+        print(f"table: the {dropped} dropped results as recorded, the survivors re-checked")
+    rows = table(merged)
     print(markdown(rows))
-    # a resumed run (and --table) keeps the timings of the runs before it; the table is always
-    # the whole state of mutants/
+    # a resumed run (and --table) keeps the timings of the runs before it; the table is the
+    # whole state of mutants/ (after an emptying refresh, the records before it, as above)
     keep = (args.resume or args.survivors or args.table) and RESULT.exists()
     runs = json.loads(RESULT.read_text()).get("runs", []) if keep else []
     if wall is not None:
@@ -231,6 +249,9 @@ def main() -> None:
         what = "survivors" if args.survivors else "unchecked" if args.resume else "all"
         what += f" (random sample of {args.sample})" if args.sample is not None else ""
         run = {"files": args.files or "all", "which": what, "mutants": ran, "wall_s": round(wall)}
+        if args.survivors:
+            now = {k: v for path in chosen for k, v in results(path).items() if k in names}
+            run["killed_now"] = sorted(k for k, v in now.items() if v not in (0, None))
         runs.append({**run, "s_per_mutant": round(wall / ran, 2) if ran else None})
     out = {
         "date": datetime.date.today().isoformat(),

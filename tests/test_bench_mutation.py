@@ -39,6 +39,9 @@ def run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], f
         calls.append(names)
         if forget and len(calls) == 1:
             write_meta(tmp_path, {KILLED: None, SURVIVOR: None, UNCHECKED: None})
+        if names == [SURVIVOR]:  # a new test kills it
+            codes = mutation.recorded(FILE)
+            write_meta(tmp_path, {**codes, SURVIVOR: 1})
         return Done()
 
     monkeypatch.setattr(mutation.subprocess, "run", fake_run)
@@ -54,6 +57,11 @@ def test_survivors_are_rerun_even_when_the_refresh_forgets_them(
     calls = run_main(tmp_path, monkeypatch, ["--survivors"], forget)
     assert calls[1] == [SURVIVOR]
     assert ("dropped 2 earlier results" in capsys.readouterr().out) == forget
+    # the table keeps the killed mutant the refresh forgot, and the survivor's new result
+    (row,) = json.loads((tmp_path / "mutation.json").read_text())["rows"]
+    assert (row["checked"], row["killed"], row["survived"]) == (2, 2, 0)
+    run = json.loads((tmp_path / "mutation.json").read_text())["runs"][-1]
+    assert run["killed_now"] == [SURVIVOR]
 
 
 def test_resume_runs_only_the_unchecked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
