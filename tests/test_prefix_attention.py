@@ -138,3 +138,30 @@ def test_one_token_completions_only(tiny_model_dir) -> None:
     want, _ = completion_logprobs(sdpa, *batch)
     got, _ = completion_logprobs(prefix, *batch)
     assert torch.allclose(got[:, 0], want[:, 0], atol=1e-5)
+
+
+def test_rows_past_the_explicit_scores_budget_take_sdpa(tiny_model_dir, monkeypatch) -> None:
+    # SDPA keeps no scores for backward; the same numbers as the dense mask, gradients too
+    from grpo import prefix_attention
+
+    monkeypatch.setattr(prefix_attention, "EXPLICIT_SCORES_MAX", 0)
+    sdpa_calls = []
+    original = prefix_attention.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        sdpa_calls.append(kwargs["attn_mask"].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prefix_attention.F, "scaled_dot_product_attention", spy)
+    sdpa, prefix = _pair(tiny_model_dir)
+    batch = _batch()
+    m = batch[-1]
+    want, _ = completion_logprobs(sdpa, *batch, 0.8)
+    sdpa_calls.clear()  # the dense-mask path above calls SDPA too
+    got, _ = completion_logprobs(prefix, *batch, 0.8)
+    assert len(sdpa_calls) == 2 * 2  # prompts and completion rows, in each of the 2 layers
+    (want * m).sum().backward()
+    (got * m).sum().backward()
+    assert torch.allclose(got[m], want[m], atol=1e-5)
+    for a, b in zip(_grads(sdpa), _grads(prefix), strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -103,13 +104,26 @@ def _gather(x: Tensor, at: Tensor) -> Tensor:
     return x.index_select(0, at.flatten()).view(*at.shape, *x.shape[1:])
 
 
+# explicit scores are kept for backward (a float32 and a compute-dtype copy): beyond this many
+# per layer (~12 MiB) SDPA's kernel, which keeps none, attends instead
+EXPLICIT_SCORES_MAX = 2**21
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor, scale: float) -> Tensor:
-    """Softmax attention over explicit scores. q: [B, n, Hq, D]; k, v: [B, m, Hkv, D]; blocked:
-    [B, 1, n, m] (True = may not attend). Returns [B, n, Hq, D]. Query heads share their key
-    head in groups (GQA) without repeating the keys. Explicit scores are faster than SDPA's CPU
-    kernel at these short rows; softmax runs in float32, as eager attention does."""
+    """Softmax attention. q: [B, n, Hq, D]; k, v: [B, m, Hkv, D]; blocked: [B, 1, n, m] (True =
+    may not attend). Returns [B, n, Hq, D]; query heads share their key head in groups (GQA).
+
+    Short rows take explicit scores, with the softmax in float32 as eager attention does: faster
+    than SDPA's CPU kernel there (README, Performance). Longer ones take SDPA, whose memory does
+    not grow with the scores."""
     b, n, hq, d = q.shape
     hkv = k.shape[2]
+    if b * hq * n * k.shape[1] > EXPLICIT_SCORES_MAX:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, n or m, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=~blocked, scale=scale, enable_gqa=hq != hkv
+        )
+        return out.transpose(1, 2)
     q = (q * scale).reshape(b, n, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, n, D]
     k, v = k.permute(0, 2, 1, 3)[:, :, None], v.permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, m, D]
     scores = (q @ k.transpose(-1, -2)).masked_fill(blocked[:, :, None], -math.inf)
