@@ -63,7 +63,11 @@ def measure(path: str, group_size: int, length: int, model_dir: str) -> dict[str
         "padded_rows": logprobs.full_sequence_logprobs,
         "rule": logprobs.completion_logprobs,
     }
+    from grpo.prefix_attention import use_prefix_attention
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if path == "rule":
+        use_prefix_attention(model)  # the trainer's model, so "rule" is what the trainer does
     model.train()
     batch = workload(group_size, length, model.config.vocab_size)
     score = scorers[path]
