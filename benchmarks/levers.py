@@ -123,23 +123,29 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
     }
 
 
+def scoring(model, batches: list, logprobs: Callable[..., Any], grad: bool) -> Callable[[], None]:
+    """A timed workload: ``logprobs`` over every micro-batch, with backward when ``grad``."""
+
+    def go() -> None:
+        for mb in batches:
+            with torch.set_grad_enabled(grad):
+                logp, _ = logprobs(
+                    model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask
+                )
+                if grad:
+                    (logp * mb.completion_mask).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return go
+
+
 def logprob_levers(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """Forward (reference) and forward + backward (update) over the step's micro-batches: one
     full sequence per row against rows packed by prompt (``logprobs.pack``)."""
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
 
     def run(logprobs: Callable[..., Any], grad: bool) -> Callable[[], None]:
-        def go() -> None:
-            for mb in batches:
-                with torch.set_grad_enabled(grad):
-                    logp, _ = logprobs(
-                        model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask
-                    )
-                    if grad:
-                        (logp * mb.completion_mask).sum().backward()
-            model.zero_grad(set_to_none=True)
-
-        return go
+        return scoring(model, batches, logprobs, grad)
 
     model.train()
     full, packed = full_sequence_logprobs, completion_logprobs
@@ -168,18 +174,11 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
 
     def run(implementation: str, grad: bool) -> Callable[[], None]:
-        def go() -> None:
+        def scored(*args: Any) -> Any:
             model.config._attn_implementation = implementation
-            for mb in batches:
-                with torch.set_grad_enabled(grad):
-                    logp, _ = completion_logprobs(
-                        model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask
-                    )
-                    if grad:
-                        (logp * mb.completion_mask).sum().backward()
-            model.zero_grad(set_to_none=True)
+            return completion_logprobs(*args)
 
-        return go
+        return scoring(model, batches, scored, grad)
 
     model.train()
     return {
