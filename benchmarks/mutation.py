@@ -135,13 +135,45 @@ def results(path: str) -> dict[str, int | None]:
     return in_scope(path, recorded(path))
 
 
-def table(records: dict[str, dict[str, int | None]] | None = None) -> list[dict]:
+def head_commit() -> str:
+    """The commit the mutants are made from (recorded with every row and run)."""
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    return subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def earlier_rows() -> dict[str, dict]:
+    """module -> its row in the results file (the table as last written)."""
+    return (
+        {r["module"]: r for r in json.loads(RESULT.read_text())["rows"]} if RESULT.exists() else {}
+    )
+
+
+def rechecked(row: dict, now: dict[str, int | None], commit: str) -> dict:
+    """An earlier row whose survivors were run again at ``commit``, ``now`` their exit codes."""
+    killed = [k for k in row["survivors"] if now.get(k) not in (0, None)]
+    return {
+        **row,
+        "killed": row["killed"] + len(killed),
+        "survived": row["survived"] - len(killed),
+        "survivors": [k for k in row["survivors"] if k not in killed],
+        "survivors_rechecked_at": commit,
+    }
+
+
+def table(
+    records: dict[str, dict[str, int | None]] | None = None, commit: str | None = None
+) -> list[dict]:
     """One row per file from mutmut's records (mutants/**/*.meta), or from ``records``
-    (path -> mutant -> exit code) where given."""
-    rows = []
+    (path -> mutant -> exit code) where given. A file none of whose mutants has a result (a fresh
+    clone, or a run of other files) keeps its row from the results file, commit included."""
+    rows, earlier = [], earlier_rows()
     for path in files():
         codes = records[path] if records and path in records else recorded(path)
         scoped = in_scope(path, codes)
+        module = path.removeprefix("src/grpo/")
+        if all(v is None for v in scoped.values()) and module in earlier:
+            rows.append(earlier[module])
+            continue
         status = [
             STATUS.get(v, "timeout" if v in (24, -24, 36, 152, 255) else "other")
             for v in scoped.values()
@@ -150,7 +182,8 @@ def table(records: dict[str, dict[str, int | None]] | None = None) -> list[dict]
         checked = killed + status.count("survived")
         rows.append(
             {
-                "module": path.removeprefix("src/grpo/"),
+                "module": module,
+                "commit": commit,
                 "mutants": len(codes),
                 "in_scope": len(scoped),
                 "checked": checked,
@@ -193,7 +226,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sample is not None and not args.resume:
         parser.error("--sample draws from the unchecked mutants: use it with --resume")
-    wall, dropped, names = None, 0, []
+    wall, dropped, names, listed = None, 0, [], {}
+    commit = head_commit()
     if not args.table:
         # mutmut re-checks every mutant it is given by name, so a resumed run names only the
         # unchecked ones, after a first call (one cheap mutant) has refreshed the mutants
@@ -220,6 +254,17 @@ def main() -> None:
             records = before if args.survivors else after
             wanted = 0 if args.survivors else None
             names = [k for k, v in records.items() if v == wanted and k in after]
+            if args.survivors:
+                # files mutants/ holds no result for (a fresh clone or machine): the survivors
+                # the results file lists, where mutmut still makes them (same source)
+                earlier = earlier_rows()
+                for path in chosen:
+                    row = earlier.get(path.removeprefix("src/grpo/"))
+                    if row and all(before_all[path].get(k) is None for k in row["survivors"]):
+                        listed[path] = row
+                        names += [k for k in row["survivors"] if k in after]
+                if listed:
+                    print(f"survivors of {len(listed)} files as the results file lists them")
             if args.sample is not None and args.sample < len(names):
                 names = sorted(random.Random(0).sample(names, args.sample))
         # a busy machine can fail a timed test in mutmut's clean runs, which stops the run
@@ -237,18 +282,31 @@ def main() -> None:
             for path, codes in before_all.items()
         }
         print(f"table: the {dropped} dropped results as recorded, the survivors re-checked")
-    rows = table(merged)
+    rows = table(merged, commit)
+    # files re-checked from the results file: their earlier row, survivors' results updated
+    rows = [
+        rechecked(listed[p], recorded(p), commit)
+        if (p := f"src/grpo/{r['module']}") in listed
+        else r
+        for r in rows
+    ]
     print(markdown(rows))
     # a resumed run (and --table) keeps the timings of the runs before it; the table is the
     # whole state of mutants/ (after an emptying refresh, the records before it, as above)
-    keep = (args.resume or args.survivors or args.table) and RESULT.exists()
+    keep = (args.resume or args.survivors or args.table or args.files) and RESULT.exists()
     runs = json.loads(RESULT.read_text()).get("runs", []) if keep else []
     if wall is not None:
         partial = args.resume or args.survivors
         ran = len(names) if partial else sum(r["checked"] for r in rows)
         what = "survivors" if args.survivors else "unchecked" if args.resume else "all"
         what += f" (random sample of {args.sample})" if args.sample is not None else ""
-        run = {"files": args.files or "all", "which": what, "mutants": ran, "wall_s": round(wall)}
+        run = {
+            "files": args.files or "all",
+            "which": what,
+            "commit": commit,
+            "mutants": ran,
+            "wall_s": round(wall),
+        }
         if args.survivors:
             now = {k: v for path in chosen for k, v in results(path).items() if k in names}
             run["killed_now"] = sorted(k for k, v in now.items() if v not in (0, None))

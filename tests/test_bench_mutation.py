@@ -22,13 +22,21 @@ def write_meta(root: Path, codes: dict[str, int | None]) -> None:
     meta.write_text(json.dumps({"exit_code_by_key": codes}))
 
 
-def run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], forget: bool):
+def run_main(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    forget: bool,
+    first: dict[str, int | None] | None = None,
+):
     """main() with a fake mutmut whose first (refresh) call forgets every result when
-    ``forget``; returns the mutant names of each call."""
+    ``forget``, mutants/ holding ``first`` at the start (default: one of each kind); returns
+    the mutant names of each call."""
     monkeypatch.setattr(mutation, "ROOT", tmp_path)
     monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
     monkeypatch.setattr(mutation, "files", lambda: [FILE])
-    write_meta(tmp_path, {KILLED: 1, SURVIVOR: 0, UNCHECKED: None})
+    monkeypatch.setattr(mutation, "head_commit", lambda: "def5678")
+    write_meta(tmp_path, first or {KILLED: 1, SURVIVOR: 0, UNCHECKED: None})
     calls: list[list[str]] = []
 
     class Done:
@@ -72,3 +80,24 @@ def test_resume_runs_only_the_unchecked(tmp_path: Path, monkeypatch: pytest.Monk
 def test_a_sample_needs_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
         run_main(tmp_path, monkeypatch, ["--sample", "3"], forget=False)
+
+
+def test_a_fresh_checkout_rechecks_the_survivors_the_results_file_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what a whole run left in the results file; mutants/ is new, so it has no result at all
+    row = {"module": "rewards/length.py", "commit": "abc1234", "mutants": 3, "in_scope": 3}
+    row |= {"checked": 2, "killed": 1, "survived": 1, "no_tests": 0, "other": 0}
+    earlier = {"runs": [{"which": "all"}], "rows": [{**row, "survivors": [SURVIVOR]}]}
+    (tmp_path / "mutation.json").write_text(json.dumps(earlier))
+    monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
+    fresh = dict.fromkeys([KILLED, SURVIVOR, UNCHECKED])
+    calls = run_main(tmp_path, monkeypatch, ["--survivors"], forget=False, first=fresh)
+    assert calls[1] == [SURVIVOR]
+    out = json.loads((tmp_path / "mutation.json").read_text())
+    (new,) = out["rows"]
+    # the whole run's counts, the survivor now killed; the run's other numbers untouched
+    assert (new["checked"], new["killed"], new["survived"], new["survivors"]) == (2, 2, 0, [])
+    assert new["commit"] == "abc1234" and new["survivors_rechecked_at"] == "def5678"
+    assert new["mutants"] == 3
+    assert out["runs"][0] == {"which": "all"} and out["runs"][-1]["killed_now"] == [SURVIVOR]
