@@ -30,10 +30,13 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
 import tomllib
+from mutmut.mutation.file_mutation import mutate_file_contents
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "mutation.json"
@@ -148,15 +151,63 @@ def earlier_rows() -> dict[str, dict]:
     )
 
 
-def rechecked(row: dict, now: dict[str, int | None], commit: str) -> dict:
-    """An earlier row whose survivors were run again at ``commit``, ``now`` their exit codes."""
-    killed = [k for k in row["survivors"] if now.get(k) not in (0, None)]
+def function_of(mutant: str) -> str:
+    """grpo.m.x_f__mutmut_3 -> x_f (mutmut's mangled function name)."""
+    return mutant.rpartition("__mutmut_")[0].rpartition(".")[2]
+
+
+@dataclass
+class Changed:
+    """A file's functions whose source differs between a recorded run's commit and now, with
+    the in-scope mutants mutmut makes of them at that commit (``before``) and now (``now``)."""
+
+    functions: list[str]
+    before: list[str]
+    now: list[str]
+
+
+def changed_since(path: str, commit: str) -> Changed:
+    """What of ``path`` changed since ``commit``: its mutants there are not the ones named now."""
+    old = subprocess.run(
+        ["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    then, now = (mutate_file_contents(path, code) for code in (old, (ROOT / path).read_text()))
+    keys = set(then.hash_by_function_name) | set(now.hash_by_function_name)
+    functions = sorted(
+        k for k in keys if then.hash_by_function_name.get(k) != now.hash_by_function_name.get(k)
+    )
+    module = module_of(path)
+
+    def scoped(names: Sequence[str]) -> list[str]:
+        full = [f"{module}.{n}" for n in names if function_of(f"{module}.{n}") in functions]
+        return sorted(in_scope(path, dict.fromkeys(full)))
+
+    return Changed(functions, scoped(then.mutant_names), scoped(now.mutant_names))
+
+
+def rechecked(row: dict, now: dict[str, int | None], commit: str, changed: Changed) -> dict:
+    """An earlier row whose survivors were run again at ``commit`` (``now``: exit codes), and
+    whose ``changed`` functions were run whole: their earlier mutants leave the counts (all
+    killed but the row's survivors among them; the row was a whole run) and their new ones come in.
+    """
+    gone = [k for k in row["survivors"] if function_of(k) in changed.functions]
+    kept = [k for k in row["survivors"] if k not in gone]
+    killed = [k for k in kept if now.get(k) not in (0, None)]
+    fresh = [k for k in changed.now if now.get(k) is not None]
+    fresh_survivors = [k for k in fresh if now[k] == 0]
     return {
         **row,
-        "killed": row["killed"] + len(killed),
-        "survived": row["survived"] - len(killed),
-        "survivors": [k for k in row["survivors"] if k not in killed],
+        "in_scope": row["in_scope"] - len(changed.before) + len(changed.now),
+        "checked": row["checked"] - len(changed.before) + len(fresh),
+        "killed": row["killed"]
+        - (len(changed.before) - len(gone))
+        + len(killed)
+        + len(fresh)
+        - len(fresh_survivors),
+        "survived": row["survived"] - len(gone) - len(killed) + len(fresh_survivors),
+        "survivors": sorted([k for k in kept if k not in killed] + fresh_survivors),
         "survivors_rechecked_at": commit,
+        **({"changed_since": changed.functions} if changed.functions else {}),
     }
 
 
@@ -257,12 +308,25 @@ def main() -> None:
             if args.survivors:
                 # files mutants/ holds no result for (a fresh clone or machine): the survivors
                 # the results file lists, where mutmut still makes them (same source)
+                # the survivors the results file lists; a function changed since that run
+                # makes other mutants under the same names, so it is run whole instead
                 earlier = earlier_rows()
                 for path in chosen:
                     row = earlier.get(path.removeprefix("src/grpo/"))
                     if row and all(before_all[path].get(k) is None for k in row["survivors"]):
-                        listed[path] = row
-                        names += [k for k in row["survivors"] if k in after]
+                        changed = changed_since(path, row["commit"])
+                        listed[path] = (row, changed)
+                        names += [
+                            k
+                            for k in row["survivors"]
+                            if function_of(k) not in changed.functions and k in after
+                        ]
+                        names += changed.now
+                        if changed.functions:
+                            print(
+                                f"{path}: changed since {row['commit']}, run whole: "
+                                + ", ".join(changed.functions)
+                            )
                 if listed:
                     print(f"survivors of {len(listed)} files as the results file lists them")
             if args.sample is not None and args.sample < len(names):
@@ -285,7 +349,7 @@ def main() -> None:
     rows = table(merged, commit)
     # files re-checked from the results file: their earlier row, survivors' results updated
     rows = [
-        rechecked(listed[p], recorded(p), commit)
+        rechecked(listed[p][0], recorded(p), commit, listed[p][1])
         if (p := f"src/grpo/{r['module']}") in listed
         else r
         for r in rows

@@ -28,10 +28,12 @@ def run_main(
     argv: list[str],
     forget: bool,
     first: dict[str, int | None] | None = None,
+    outcomes: dict[str, int] | None = None,
 ):
     """main() with a fake mutmut whose first (refresh) call forgets every result when
-    ``forget``, mutants/ holding ``first`` at the start (default: one of each kind); returns
-    the mutant names of each call."""
+    ``forget``, mutants/ holding ``first`` at the start (default: one of each kind), and whose
+    runs give the mutants named in ``outcomes`` those exit codes (default: a new test kills the
+    survivor when it runs alone); returns the mutant names of each call."""
     monkeypatch.setattr(mutation, "ROOT", tmp_path)
     monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
     monkeypatch.setattr(mutation, "files", lambda: [FILE])
@@ -47,9 +49,10 @@ def run_main(
         calls.append(names)
         if forget and len(calls) == 1:
             write_meta(tmp_path, {KILLED: None, SURVIVOR: None, UNCHECKED: None})
-        if names == [SURVIVOR]:  # a new test kills it
-            codes = mutation.recorded(FILE)
-            write_meta(tmp_path, {**codes, SURVIVOR: 1})
+        given = outcomes if outcomes is not None else {SURVIVOR: 1} if names == [SURVIVOR] else {}
+        ran = {k: v for k, v in given.items() if k in names}
+        if ran:
+            write_meta(tmp_path, {**mutation.recorded(FILE), **ran})
         return Done()
 
     monkeypatch.setattr(mutation.subprocess, "run", fake_run)
@@ -91,6 +94,9 @@ def test_a_fresh_checkout_rechecks_the_survivors_the_results_file_lists(
     earlier = {"runs": [{"which": "all"}], "rows": [{**row, "survivors": [SURVIVOR]}]}
     (tmp_path / "mutation.json").write_text(json.dumps(earlier))
     monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
+    monkeypatch.setattr(
+        mutation, "changed_since", lambda path, commit: mutation.Changed([], [], [])
+    )
     fresh = dict.fromkeys([KILLED, SURVIVOR, UNCHECKED])
     calls = run_main(tmp_path, monkeypatch, ["--survivors"], forget=False, first=fresh)
     assert calls[1] == [SURVIVOR]
@@ -101,3 +107,27 @@ def test_a_fresh_checkout_rechecks_the_survivors_the_results_file_lists(
     assert new["commit"] == "abc1234" and new["survivors_rechecked_at"] == "def5678"
     assert new["mutants"] == 3
     assert out["runs"][0] == {"which": "all"} and out["runs"][-1]["killed_now"] == [SURVIVOR]
+
+
+def test_a_function_changed_since_the_recorded_run_is_run_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # recorded: 5 mutants, 4 killed, the survivor in soft_overlong; soft_overlong has changed
+    # since, and makes 3 mutants now (2 before): its old names mean other mutations now
+    row = {"module": "rewards/length.py", "commit": "abc1234", "mutants": 5, "in_scope": 5}
+    row |= {"checked": 5, "killed": 4, "survived": 1, "no_tests": 0, "other": 0}
+    earlier = {"runs": [], "rows": [{**row, "survivors": [SURVIVOR]}]}
+    (tmp_path / "mutation.json").write_text(json.dumps(earlier))
+    monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
+    changed = mutation.Changed(
+        ["x_soft_overlong"], [SURVIVOR, KILLED], [KILLED, SURVIVOR, UNCHECKED]
+    )
+    monkeypatch.setattr(mutation, "changed_since", lambda path, commit: changed)
+    fresh = dict.fromkeys([KILLED, SURVIVOR, UNCHECKED])
+    outcomes = {KILLED: 1, SURVIVOR: 1, UNCHECKED: 0}
+    calls = run_main(tmp_path, monkeypatch, ["--survivors"], False, fresh, outcomes)
+    assert calls[1] == [KILLED, SURVIVOR, UNCHECKED]  # the changed function whole
+    (new,) = json.loads((tmp_path / "mutation.json").read_text())["rows"]
+    # 5 - 2 + 3 in scope; killed: 4 - (2 before, 1 of them the survivor) + 2 now
+    assert (new["in_scope"], new["checked"], new["killed"], new["survived"]) == (6, 6, 5, 1)
+    assert new["survivors"] == [UNCHECKED] and new["changed_since"] == ["x_soft_overlong"]
