@@ -4,9 +4,11 @@ misses, through the same path the accuracy reward uses (worker process + hard ti
 from __future__ import annotations
 
 import threading
+from fractions import Fraction
 
 import pytest
 
+from grpo.rewards import RewardError
 from grpo.rewards.accuracy import (
     AccuracyReward,
     MathVerifier,
@@ -14,6 +16,7 @@ from grpo.rewards.accuracy import (
     as_number,
     equivalent_in_process,
     extract_answer,
+    normalise,
 )
 
 
@@ -122,6 +125,14 @@ def test_table_size():
         ("So we add them.\nThe answer is 3.5. Done", ("sentence",), "3.5"),
         ("the answer is unclear.\nFinal answer: $\\frac{1}{2}$.", ("sentence",), "$\\frac{1}{2}$"),
         ("The answer is **18**.", ("sentence",), "18"),
+        ("The answer is XIV.", ("sentence",), "XIV"),  # a Roman numeral keeps its letters
+        # the last box of several, \\fbox too, whatever braces come before it
+        ("\\boxed{1} first, then \\boxed{2}", ("boxed",), "2"),
+        ("\\fbox{1} first, then \\fbox{2}", ("boxed",), "2"),
+        ("\\frac{1}{2} or \\fbox{3}", ("boxed",), "3"),
+        # only the answer tag looks inside for a box (<answer>\\boxed{5}</answer>); GSM8K's
+        # marker is taken whole
+        ("#### \\boxed{12}", ("hashes",), "\\boxed{12}"),
     ],
 )
 def test_extraction(text: str, strategies: tuple[str, ...], expected: str | None):
@@ -226,10 +237,48 @@ def test_answers_are_normalised_before_comparing():
     assert plain(["<answer>x+1.</answer>"], answer=["x+1"]) == [1.0]
 
 
+def test_normalise_removes_delimiters_escaped_dollars_and_spacing_commands():
+    assert normalise("\\(x+1\\)") == "x+1" and normalise("\\[x+1\\]") == "x+1"
+    # thin and negative spaces go; a control space stays a space
+    assert normalise("x\\,+\\!1") == "x+1"
+    assert normalise("5\\ \\text{cm}") == "5 \\text{cm}"
+    assert answers_match("\\$18", "18", None)
+    # Roman numerals keep their letters: XIX is not XI
+    assert normalise("$XIX$") == "XIX" and normalise("XIX.") == "XIX"
+    assert not answers_match("XIX", "XI", None)
+
+
+def test_a_value_word_is_one_whatever_its_case():
+    assert not answers_match("18 Thousand", "18", None)
+    assert not answers_match("18 MILLION", "18", None)
+
+
+def test_numerals_in_a_base_compare_their_digits_in_either_case():
+    # hexadecimal digits: 1a_16 and 1A_{16} are the same numeral
+    assert answers_match("1a_16", "1A_{16}", None) and answers_match("1A_{16}", "1a_16", None)
+    assert not answers_match("1b_16", "1A_{16}", None)
+
+
+def test_answers_up_to_the_length_limit_are_compared():
+    # MAX_ANSWER_CHARS = 1000: an answer that long still matches, a longer one never does
+    assert answers_match("1" * 1000, "1" * 1000, None)
+    assert not answers_match("1" * 1001, "1" * 1001, None)
+
+
 def test_as_number_is_exact():
     assert as_number("1,000.5") == as_number("2001/2")
     assert as_number("1,00") is None  # not a thousands pattern
     assert as_number("abc") is None
+    # the docstring's plain numbers
+    assert [as_number(t) for t in ("$18", "50%", "7 apples", "3/4", "-3.5")] == [
+        18,
+        50,
+        7,
+        Fraction(3, 4),
+        Fraction(-7, 2),
+    ]
+    # a period after the number (a sentence's end) and a leading decimal point
+    assert as_number("1,000.") == 1000 and as_number(".5") == Fraction(1, 2)
 
 
 def test_timeout_kills_the_check_and_the_verifier_recovers():
@@ -252,8 +301,18 @@ def test_accuracy_reward_gives_none_without_gold_and_uses_last_number_option():
     assert plain(texts, answer=golds) == [1.0, 0.0, None]
     assert fallback(texts, answer=golds) == [1.0, 1.0, None]
     assert plain(["<answer>7</answer>"], answer=["  "]) == [None]  # a blank gold is no gold
+    assert plain(texts, answer=[None, "7", "7"]) == [None, 0.0, 1.0]  # each row on its own
+    assert plain(texts) == [None, None, None]  # no answer column: not applicable
+    with pytest.raises(ValueError):  # one gold per completion, or no score at all
+        plain(texts, answer=["7"])
     # math_verify: false means no symbolic check at all, in this process or any other
     assert plain(["<answer>\\frac{1}{2}</answer>"], answer=["0.5"]) == [0.0]
+
+
+def test_an_unknown_extraction_names_the_known_ones():
+    known = "known: answer, boxed, hashes, sentence, last_number"
+    with pytest.raises(RewardError, match=f"unknown extract \\['tea_leaves'\\] \\({known}\\)"):
+        AccuracyReward(extract=["tea_leaves"])
 
 
 def test_accuracy_reward_builds_its_verifier_from_its_arguments():

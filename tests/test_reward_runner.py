@@ -19,7 +19,14 @@ import yaml
 
 import grpo.rewards
 from grpo.config import RewardsConfig, RewardSpec
-from grpo.rewards import REGISTRY, ErrorWatch, RewardError, RewardFailure, RewardRunner
+from grpo.rewards import (
+    REGISTRY,
+    ErrorWatch,
+    RewardError,
+    RewardFailure,
+    RewardRunner,
+    resolve_reward,
+)
 from grpo.rewards.pool import Outcome
 
 USER_REWARDS = """
@@ -133,6 +140,97 @@ def test_a_built_in_that_returns_a_malformed_value_scores_the_fallback(monkeypat
     assert err.count(line) == 1
 
 
+def test_a_built_in_that_raises_scores_the_fallback_alone_with_its_traceback_once(
+    monkeypatch, capsys
+):
+    def picky(completions, **_):
+        if completions[0] == "boom":
+            raise ValueError("cannot score boom")
+        return [1.0]
+
+    monkeypatch.setitem(REGISTRY, "picky", lambda: picky)
+    runner = _runner(RewardSpec(name="picky"), RewardSpec(name="format"), fallback=-0.5)
+    try:
+        out = _score(runner, ["boom", "fine", "boom"])
+    finally:
+        runner.close()
+    # one call per completion: only the two that raised score the fallback, and the other
+    # function still scores every row
+    assert out.per_function.tolist() == [[-0.5, 0.0], [1.0, 0.0], [-0.5, 0.0]]
+    assert out.errors == {"picky": 2, "format": 0}
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "reward 'picky' raised (its first error; later ones are counted per step):"
+    assert lines[1] == "Traceback (most recent call last):"
+    assert lines[-1] == "ValueError: cannot score boom"  # the traceback, no blank line after it
+    assert sum(line.startswith("reward ") for line in lines) == 1
+
+
+def test_a_batched_built_in_scores_the_whole_batch_in_one_call(monkeypatch):
+    calls: list[int] = []
+
+    def in_batch(completions, *, answer, **_):
+        # a batch-relative score, as a reward model's can be: the batch's size where the
+        # completion is its row's answer
+        calls.append(len(completions))
+        return [
+            float(len(completions) * (c == a)) for c, a in zip(completions, answer, strict=True)
+        ]
+
+    in_batch.batched = True
+    monkeypatch.setitem(REGISTRY, "in_batch", lambda: in_batch)
+    runner = _runner(RewardSpec(name="in_batch"), RewardSpec(name="format"))
+    try:
+        completions = ["1", "<think>t</think><answer>2</answer>", "3"]
+        out = runner(completions, ["p"] * 3, {"answer": ["1", "0", "3"]}, [[1]] * 3)
+    finally:
+        runner.close()
+    # one call with all 3 completions (one at a time it would score 1, not 3), and the next
+    # function still scores each row
+    assert calls == [3]
+    assert out.per_function.tolist() == [[3.0, 0.0], [0.0, 1.0], [3.0, 0.0]]
+    assert out.errors == {"in_batch": 0, "format": 0}
+
+
+def test_scores_are_float32_whatever_the_default_dtype():
+    runner = _runner(RewardSpec(name="format"))
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = _score(runner, ["<think>t</think><answer>2</answer>", "x"])
+    finally:
+        torch.set_default_dtype(torch.float32)
+        runner.close()
+    assert out.per_function.dtype == torch.float32
+    assert out.per_function.tolist() == [[1.0], [0.0]]
+
+
+def test_resolve_reward_loads_a_user_function_into_this_process(user_module: Path):
+    fn = resolve_reward(RewardSpec(name=f"{user_module}:flaky"))
+    assert fn(["a"]) == [0.25] and fn(["skip"]) == [None]
+    with pytest.raises(RewardError, match="args are only for built-in rewards"):
+        resolve_reward(RewardSpec(name=f"{user_module}:flaky", args={"scale": 2}))
+    with pytest.raises(RewardError) as raised:
+        resolve_reward(RewardSpec(name=f"{user_module}:nope"))
+    assert (
+        str(raised.value)
+        == f"reward '{user_module}:nope': 'nope' is not a function in {user_module}"
+    )
+
+
+def test_a_user_function_is_named_after_the_last_colon(tmp_path: Path):
+    # a directory may have a colon in its name (a time of day): the function is what follows
+    # the last one, and that is the name its scores and errors are reported under
+    folder = tmp_path / "run-12:30"
+    folder.mkdir()
+    (folder / "rewards.py").write_text("def score(completions, **kw):\n    return [0.5]\n")
+    runner = _runner(RewardSpec(name=f"{folder}/rewards.py:score"), workers=1)
+    try:
+        out = _score(runner, ["a"])
+    finally:
+        runner.close()
+    assert out.names == ["score"] and out.errors == {"score": 0}
+    assert out.per_function.tolist() == [[0.5]]
+
+
 class ScriptedPool:
     """A WorkerPool stand-in whose calls end as the script says: every outcome kind, no timing."""
 
@@ -180,6 +278,33 @@ def test_each_kind_of_worker_outcome_scores_and_prints_its_own_line(
         "reward 'flaky' returned nan at position 0 (its first malformed value; later ones are "
         "counted per step)",
     ]
+
+
+def test_two_user_functions_each_score_their_own_column(user_module: Path, monkeypatch):
+    monkeypatch.setattr(grpo.rewards, "WorkerPool", ScriptedPool)
+    # completion-major calls: (flaky, row 0), (pid, row 0), (flaky, row 1), (pid, row 1)
+    monkeypatch.setattr(
+        ScriptedPool,
+        "script",
+        [
+            Outcome("ok", values=[0.5]),
+            Outcome("ok", values=[2.0]),
+            Outcome("ok", values=[None]),
+            Outcome("bad", detail="reward 'pid' returned nan at position 0"),
+        ],
+    )
+    runner = _runner(
+        RewardSpec(name=f"{user_module}:flaky"),
+        RewardSpec(name=f"{user_module}:pid"),
+        fallback=-1.0,
+    )
+    try:
+        out = _score(runner, ["a", "b"])
+    finally:
+        runner.close()
+    assert out.per_function[0].tolist() == [0.5, 2.0]
+    assert math.isnan(out.per_function[1, 0]) and out.per_function[1, 1] == -1.0
+    assert out.errors == {"flaky": 0, "pid": 1}
 
 
 @pytest.mark.parametrize(

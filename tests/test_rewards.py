@@ -8,7 +8,7 @@ import pytest
 
 from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards import REGISTRY, RewardError, RewardRunner, resolve_reward
-from grpo.rewards.builtin import tag_credit
+from grpo.rewards.builtin import tag_credit, tag_names
 from grpo.rewards.countdown import InvalidExpression, countdown_correct, evaluate_expression
 from grpo.rewards.length import repeated_fraction, soft_overlong
 
@@ -38,6 +38,18 @@ def test_format_tags_are_configurable():
     ]
     assert answer_only(texts) == [1.0, 0.0, 0.0, 0.0]
     assert both(texts) == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_format_sections_may_span_lines():
+    fn = resolve_reward(RewardSpec(name="format"))
+    assert fn(["<think>step 1\nstep 2</think>\n<answer>\n3\n</answer>"]) == [1.0]
+
+
+def test_format_tags_keep_every_letter_of_their_names():
+    # only brackets, slashes and spaces around a name are dropped; an X in a name stays
+    assert tag_names(["<think>", "</answer>", " XML "]) == ("think", "answer", "XML")
+    fn = resolve_reward(RewardSpec(name="format", args={"tags": ["TEX"]}))
+    assert fn(["<TEX>x^2</TEX>", "<TE>x^2</TE>"]) == [1.0, 0.0]
 
 
 def test_format_tags_must_be_names():

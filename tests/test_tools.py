@@ -69,6 +69,13 @@ def test_notebook_source_leaves_statements_and_bad_syntax_alone() -> None:
     assert "print(repr(__value))" in notebook_source("1 + 1")
 
 
+def test_notebook_source_prints_the_last_expression_of_several_lines() -> None:
+    shown = "\nif __value is not None:\n    print(repr(__value))\n"
+    assert notebook_source("a = 1\nb = 2\na + b") == "a = 1\nb = 2\n__value = (a + b)" + shown
+    # after a semicolon: the statements before it on its line stay
+    assert notebook_source("a = 1\nb = 2; a + b") == "a = 1\nb = 2; __value = (a + b)" + shown
+
+
 def test_python_tool_errors_are_one_line_for_the_model() -> None:
     result = PythonTool(timeout_s=5)("print(1)\n1 / 0")
     assert result.output == "1"
