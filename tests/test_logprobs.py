@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from grpo.logprobs import (
     completion_logprobs,
     full_sequence_logprobs,
+    pack,
     position_ids_from_mask,
     token_logprobs,
 )
@@ -101,6 +104,9 @@ def test_packing_pays_by_hand() -> None:
     # prompt 4, two completions of 3: packed 4 + 2 + 2 = 8 -> 8 + 64 = 72;
     # rows 2 x (7 + 49 / 2) = 63: one row per completion
     assert not cost.packing_pays(4, [3, 3])
+    # prompt 4, four one-token completions (whose only token predicts nothing): packed 4 ->
+    # 4 + 16 = 20; rows 4 x (5 + 25 / 2) = 70: packing pays
+    assert cost.packing_pays(4, [1, 1, 1, 1])
 
 
 def test_scoring_cost_reads_the_models_config() -> None:
@@ -335,3 +341,111 @@ def test_wrapped_models_pack_and_models_without_a_config_do_not(tiny_model_dir, 
         assert calls == []  # the config is found on .module: packed
         completion_logprobs(_Wrapper(model, expose=False), *_padded_batch())
         assert calls == [1]  # no config: nothing says a custom mask is safe
+
+
+def test_token_logprobs_at_temperature_two() -> None:
+    # logits 0 and 2 ln 2; at T = 2 they are 0 and ln 2: p = 1/3, 2/3;
+    # entropy -(1/3 ln 1/3 + 2/3 ln 2/3) = ln 3 - (2/3) ln 2
+    logits = torch.tensor([[0.0, 2 * math.log(2)]])
+    at, targets = torch.tensor([[0, 0]]), torch.tensor([[0, 1]])
+    logp, entropy = token_logprobs(logits, at, targets, 2.0, with_entropy=True)
+    assert torch.allclose(logp, torch.tensor([[math.log(1 / 3), math.log(2 / 3)]]), atol=1e-6)
+    want = math.log(3) - 2 / 3 * math.log(2)
+    assert torch.allclose(entropy, torch.tensor([[want, want]]), atol=1e-6)
+
+
+def test_group_rows_default_to_temperature_one_without_entropy_and_keep_the_longest(model):
+    # two one-token completions (padded to 3): logp [2, 1], the longest completion's length
+    from grpo.logprobs import group_rows_logprobs
+
+    prompt = torch.tensor([10, 11, 12])
+    completion_ids = torch.tensor([[20, 0, 0], [21, 0, 0]])
+    with torch.no_grad():
+        logp, entropy = group_rows_logprobs(model, prompt, completion_ids, torch.tensor([1, 1]))
+    assert entropy is None
+    assert logp.shape == (2, 1)
+    for i, token in enumerate([20, 21]):
+        expected, _ = _naive(model, [10, 11, 12], [token], 1.0)
+        assert torch.allclose(logp[i], expected, atol=1e-5)
+
+
+def test_a_mixed_batch_packs_one_group_and_gives_the_other_one_row_each(model, monkeypatch):
+    # group A (prompt of 5, rows 0 and 2) is packed: one sequence of 5 + 2 + 0 tokens with the
+    # [L, L] mask; group B (prompt of 3, rows 1 and 3) is two rows of 3 + 4 tokens, no mask
+    from grpo import logprobs
+
+    monkeypatch.setattr(
+        logprobs.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
+    )
+    calls = []
+    original = model.forward
+
+    def spy(*args, **kwargs):
+        mask = kwargs.get("attention_mask")
+        calls.append((tuple(kwargs["input_ids"].shape), None if mask is None else mask.dim()))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    a, b = [10, 11, 12, 13, 14], [20, 21, 22]
+    batch = _batch([a, b, a, b], [[30, 31, 1], [40, 41, 42, 43], [32], [44, 45]], s=5, t=4)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, *batch)
+    assert calls == [((1, 7), 4), ((2, 7), None)]
+    with torch.no_grad():
+        want, _ = _naive(model, b, [40, 41, 42, 43], 1.0)
+    assert torch.allclose(logp[1], want, atol=1e-5)
+
+
+def test_gpt2_packs_with_its_absolute_positions(model) -> None:
+    # GPT-2 embeds integer position ids: a packed completion's positions continue its prompt's
+    from grpo.logprobs import scoring_path
+
+    net = _gpt2(model.config.vocab_size)
+    assert scoring_path(net)[0] == "packed"
+    batch = _padded_batch()
+    mask = batch[3]
+    with torch.no_grad():
+        packed, _ = completion_logprobs(net, *batch)
+        full, _ = full_sequence_logprobs(net, *batch)
+    assert torch.allclose(packed[mask], full[mask], atol=1e-5)
+
+
+def _worked_pack():
+    # prompts [5, 6] (left padded to 3) for rows 0 and 2, [7, 8, 9] for row 1; completions of
+    # 3, 1 and 2 tokens (right padded to 3)
+    prompt_ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6]])
+    prompt_mask = prompt_ids > 0
+    completion_ids = torch.tensor([[10, 11, 12], [13, 0, 0], [14, 15, 0]])
+    completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]]).bool()
+    return pack(prompt_ids, prompt_mask, completion_ids, completion_mask), completion_mask
+
+
+def test_pack_by_hand() -> None:
+    packed, completion_mask = _worked_pack()
+    # sequence 0: prompt 5 6, row 0 less its last token (10 11), row 2 less its last (14): 5
+    # tokens; sequence 1: prompt 7 8 9 and row 1's single token, which predicts nothing: 3
+    # tokens, left padded to 5. Positions continue each prompt's.
+    assert torch.equal(packed.input_ids, torch.tensor([[5, 6, 10, 11, 14], [0, 0, 7, 8, 9]]))
+    assert torch.equal(packed.position_ids, torch.tensor([[0, 1, 2, 3, 2], [0, 0, 0, 1, 2]]))
+    assert torch.equal(packed.segment, torch.tensor([[0, 0, 1, 1, 2], [-1, -1, 0, 0, 0]]))
+    # the predicting positions are each sequence's last 5 - 2 + 1 = 4; kept index = 4u + j - 1
+    assert packed.keep == 4
+    # row 0: 6, 10, 11 predict 10, 11, 12 (kept 0, 1, 2); row 1: 9 predicts 13 (kept 7);
+    # row 2: 6 predicts 14 (kept 0, shared with row 0), 14 predicts 15 (kept 3)
+    assert packed.at[completion_mask].tolist() == [0, 1, 2, 7, 0, 3]
+
+
+def test_packed_attention_mask_by_hand() -> None:
+    packed, _ = _worked_pack()
+    # a token sees earlier tokens of its own segment and the whole prompt; padding sees padding
+    allowed = torch.tensor(
+        [
+            [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]],
+            [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]],
+        ]
+    ).bool()[:, None]
+    assert torch.equal(packed.attention_mask(torch.bool), allowed)
+    # eager attention adds it in the model's dtype: 0 where attended, the most negative elsewhere
+    additive = packed.attention_mask(torch.float16)
+    assert additive.dtype == torch.float16
+    assert torch.equal(additive, torch.zeros(2, 1, 5, 5).masked_fill(~allowed, -65504.0).half())

@@ -48,6 +48,20 @@ def test_temperature_comes_before_truncation() -> None:
     assert torch.allclose(got, torch.tensor([[0.25 / 0.34, 0.09 / 0.34, 0.0, 0.0]]), atol=1e-6)
 
 
+def test_a_temperature_above_one_flattens_before_truncation() -> None:
+    # at T = 2 the probabilities 0.64, 0.16, 0.16, 0.04 take their square roots: 0.8, 0.4, 0.4,
+    # 0.2; top_k 3 keeps the first three: 0.8 / 1.6 = 0.5, 0.25, 0.25
+    logits = torch.tensor([[0.64, 0.16, 0.16, 0.04]]).log()
+    got = torch.softmax(process_logits(logits, Sampling(temperature=2.0, top_k=3)), dim=-1)
+    assert torch.allclose(got, torch.tensor([[0.5, 0.25, 0.25, 0.0]]), atol=1e-6)
+
+
+def test_a_penalty_without_the_seen_tokens_is_an_error() -> None:
+    with pytest.raises(ValueError) as error:
+        process_logits(PROBS.log(), Sampling(repetition_penalty=1.3))
+    assert str(error.value) == "repetition_penalty needs the tokens seen at each position"
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.5]])
     seen = torch.tensor([[True, True, True, False]])
