@@ -120,13 +120,17 @@ def test_the_trainer_passes_each_knob_to_the_math(knob_config, rollout, monkeypa
     losses = spy_on(monkeypatch, algorithm, "policy_loss")
     entropy = spy_on(monkeypatch, algorithm, "top_entropy_mask")
     logprobs = spy_on(monkeypatch, grpo.trainer, "completion_logprobs")
-    trainer.optimize(scored)
+    metrics = trainer.optimize(scored)
     assert len(losses) == 2 * 2  # num_iterations x micro-batches
     for call in losses:
         for knob, value in ALL_KNOBS.items():
             assert call[knob] == value, knob
         assert call["ref_logp"] is not None and call["pg_mask"] is not None
     assert [c["quantile"] for c in entropy] == [0.5, 0.5]  # once per micro-batch, first pass
+    # the logged share of counted tokens the filter kept: the masks' tokens over the counted
+    kept = sum(float(c["result"].sum()) for c in entropy)
+    counted = sum(float(c["loss_mask"].sum()) for c in entropy)
+    assert 0 < kept < counted and metrics["entropy/kept_frac"] == pytest.approx(kept / counted)
     # reference and old log-probs (mu 2), then each pass's gradient forwards: all at T 0.7
     assert len(logprobs) == 2 + 2 + 2 * 2
     assert {c["sampling"].temperature for c in logprobs} == {0.7}

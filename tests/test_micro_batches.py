@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import pytest
 import torch
 
 import grpo.trainer
+from grpo.batch import Rollout, Scored
 from grpo.logprobs import token_logprobs
-from grpo.trainer import Trainer, cut_micro_batches
+from grpo.trainer import Trainer, cut_micro_batches, micro_batch_order, micro_batches
 
 # G = 2, every prompt 10 tokens; completions 5, 3 | 4, 4 | 2, 1 (rows in order)
 PROMPTS, COMPLETIONS, ORDER = [10] * 6, [5, 3, 4, 4, 2, 1], list(range(6))
@@ -42,6 +46,40 @@ def test_count_halves_the_largest_micro_batch() -> None:
     assert cuts == [[0, 1], [2, 3], [4, 5]]
     with pytest.raises(RuntimeError, match="cannot make the 7 micro-batches"):
         cut_micro_batches(PROMPTS, COMPLETIONS, ORDER, 2, size=8, count=7)
+
+
+def test_count_halves_down_to_single_rows_and_keeps_halves_even() -> None:
+    # two rows of one micro-batch make two micro-batches of one row
+    assert cut_micro_batches([10, 10], [3, 3], [0, 1], 2, size=8, count=2) == [[0], [1]]
+    # one group of 8 equal rows (42 positions) into 4: halved to 4 + 4 (21 each), then the
+    # first half (to 10 + 11), then the other (21): 2 rows each, never 4 + 2 + 1 + 1
+    cuts = cut_micro_batches([10] * 8, [4] * 8, list(range(8)), 8, size=8, count=4)
+    assert cuts == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_groups_of_equal_size_keep_their_rollout_order() -> None:
+    # 20 groups of 2 rows, every one 3 + 2 + 2 positions: no group is longer, none moves (a
+    # sort that may swap ties would reorder them here, differently per sort kernel)
+    order = micro_batch_order(torch.full((40,), 3), torch.full((40,), 2), 2)
+    assert order.tolist() == list(range(40))
+
+
+def test_a_micro_batch_of_one_token_completions_keeps_one_column() -> None:
+    # completions 3 wide, each of the 2 rows counts one token: the rest is padding, trimmed
+    rollout = Rollout(
+        prompt_ids=torch.full((2, 2), 5),
+        prompt_mask=torch.ones(2, 2, dtype=torch.bool),
+        completion_ids=torch.tensor([[6, 0, 0], [7, 0, 0]]),
+        completion_mask=torch.tensor([[True, False, False]] * 2),
+        truncated=torch.zeros(2, dtype=torch.bool),
+        prompts=["p", "p"],
+        completions=["a", "b"],
+        rows=[{"prompt": "p"}],
+        group_size=2,
+    )
+    (batch,) = micro_batches(rollout, torch.tensor([1.0, -1.0]), 2)
+    assert batch.completion_ids.tolist() == [[6], [7]]
+    assert batch.loss_mask.tolist() == [[True], [True]]
 
 
 def test_micro_batch_tokens_reaches_the_trainer(tiny_config, monkeypatch) -> None:
@@ -90,6 +128,105 @@ def test_a_rank_with_fewer_micro_batches_splits_to_match_the_others(
     monkeypatch.setattr(grpo.trainer, "completion_logprobs", count)
     trainer.optimize(scored)
     assert seen == [4, 4]  # one micro-batch of 8 rows halved: two backward passes, every row
+
+
+def _hand_scored() -> Scored:
+    """2 groups of 4 rows, prompts 4 tokens; completions 1 token (group 0), 6 tokens (group 1).
+    Packed order: group 1 (4 + 24 positions) before group 0 (4 + 4): rows 4..7, then 0..3."""
+    lengths = torch.tensor([1, 1, 1, 1, 6, 6, 6, 6])
+    mask = torch.arange(6)[None, :] < lengths[:, None]
+    rollout = Rollout(
+        prompt_ids=torch.full((8, 4), 5),
+        prompt_mask=torch.ones(8, 4, dtype=torch.bool),
+        completion_ids=torch.full((8, 6), 6).masked_fill(~mask, 0),
+        completion_mask=mask,
+        truncated=torch.zeros(8, dtype=torch.bool),
+        prompts=["p"] * 8,
+        completions=["c"] * 8,
+        rows=[{"prompt": "p"}] * 2,
+        group_size=4,
+    )
+    rewards = torch.tensor([1.0, 0.0] * 4)
+    return Scored(rollout, rewards[:, None], ["r"], rewards, rewards + 0.5)  # advantages
+
+
+@pytest.mark.parametrize(
+    ("optim", "passes"),
+    [
+        # rows of 3: [4, 5, 6] (10 + 6 + 6 = 22 positions), [7, 0, 1] (10 + 5 + 1), [2, 3] (6);
+        # one more: the largest (22) is halved -> 1, 2, 3, 2 rows
+        ({"micro_batch_size": 3}, [1, 2, 3, 2]),
+        # 20 positions: [4, 5] (16), [6, 7] (16), [0, 1, 2, 3] (8); one more: the first 16 halved
+        ({"micro_batch_size": 8, "micro_batch_tokens": 20}, [1, 1, 2, 4]),
+    ],
+)
+def test_the_extra_micro_batches_keep_the_row_and_token_limits(
+    tiny_config, monkeypatch, optim: dict, passes: list[int]
+) -> None:
+    # without the limits the 8 rows (36 positions) would be halved into 2 + 2 + 2 + 2
+    trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim=optim))
+    original = grpo.trainer.distributed.all_reduce
+
+    def another_rank_needs_one_more(value, op="sum"):
+        return value + 1 if op == "max" and isinstance(value, int) else original(value, op)
+
+    monkeypatch.setattr(grpo.trainer.distributed, "all_reduce", another_rank_needs_one_more)
+    seen: list[int] = []
+    original_logprobs = grpo.trainer.completion_logprobs
+
+    def count(model, prompt_ids, *args, **kwargs):
+        seen.append(prompt_ids.shape[0])
+        return original_logprobs(model, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(grpo.trainer, "completion_logprobs", count)
+    trainer.optimize(_hand_scored())
+    assert seen == passes
+
+
+def test_gradients_cross_ranks_with_the_last_micro_batch_of_each_step(
+    tiny_config, monkeypatch
+) -> None:
+    # 8 rows in micro-batches of 4, 2 optimizer steps: the trained model's gradients are
+    # reduced over ranks in the second backward of each step only
+    trainer = Trainer(
+        tiny_config(algorithm={"beta": 0.0, "num_iterations": 2}, optim={"micro_batch_size": 4})
+    )
+    synced: list[tuple[bool, bool]] = []
+
+    @contextlib.contextmanager
+    def record(model, enabled):
+        synced.append((model is trainer.train_model, enabled))
+        yield
+
+    monkeypatch.setattr(grpo.trainer.distributed, "gradient_sync", record)
+    trainer.optimize(_hand_scored())
+    assert synced == [(True, False), (True, True)] * 2
+
+
+def test_the_logged_loss_is_the_step_loss_over_ranks(tiny_config, monkeypatch) -> None:
+    # 2 ranks (faked), the other holding an equal share: each rank's loss is its share of the
+    # step's mean loss scaled by the 2 ranks DDP averages over, so the step's loss is
+    # (share + share) / 2, this rank's sum of micro-batch losses
+    trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 4}))
+    trainer.dist = dataclasses.replace(trainer.dist, world_size=2)
+    original = grpo.trainer.distributed.all_reduce
+
+    def two_equal_ranks(value, op="sum"):
+        return 2 * value if op == "sum" else original(value, op)
+
+    monkeypatch.setattr(grpo.trainer.distributed, "all_reduce", two_equal_ranks)
+    losses: list[float] = []
+    policy_loss = grpo.trainer.algorithm.policy_loss
+
+    def record(*args, **kwargs):
+        loss, stats = policy_loss(*args, **kwargs)
+        losses.append(float(loss.detach()))
+        return loss, stats
+
+    monkeypatch.setattr(grpo.trainer.algorithm, "policy_loss", record)
+    out = trainer.optimize(_hand_scored())
+    assert len(losses) == 2 and abs(sum(losses)) > 1e-3
+    assert out["loss"] == pytest.approx(sum(losses), abs=1e-6)
 
 
 def test_logprob_backward_splits_the_logits_once() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpo.config import RolloutConfig
@@ -114,3 +115,59 @@ def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
     assert prompts == ["q0", "q0", "q1", "q1"]
     assert columns == {"answer": ["1", "1", "2", "2"]}  # the prompt is passed as prompts
     assert ids == [[7, 8], [7], [9, 9], [9]]
+
+
+def test_sampling_of_carries_every_rollout_control() -> None:
+    from grpo.processors import Sampling
+    from grpo.rollout import sampling_of
+
+    config = RolloutConfig(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
+    expected = Sampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
+    assert sampling_of(config) == expected
+    # a scheduled temperature replaces rollout.temperature only
+    assert sampling_of(config, 1.3) == Sampling(1.3, 5, 0.9, 0.1, 1.2)
+
+
+def test_an_unknown_engine_is_named() -> None:
+    from grpo.rollout import build_engine
+
+    with pytest.raises(ValueError, match=r"^unknown rollout engine 'sglang'$"):
+        build_engine("sglang")
+
+
+def _tagged_rollout(turns=None):
+    from grpo.batch import Rollout
+
+    # 1 prompt that opens <think>, G = 2; single-turn, or multi-turn with the given turns
+    return Rollout(
+        prompt_ids=torch.ones(2, 1, dtype=torch.long),
+        prompt_mask=torch.ones(2, 1, dtype=torch.bool),
+        completion_ids=torch.tensor([[7, 8], [9, 0]]),
+        completion_mask=torch.tensor([[True, True], [True, False]]),
+        truncated=torch.zeros(2, dtype=torch.bool),
+        prompts=["Assistant: <think>"] * 2,
+        completions=["a</think>", "b</think>"],
+        rows=[{"prompt": "q", "answer": "1"}],
+        group_size=2,
+        turns=turns,
+    )
+
+
+def test_rewards_judge_single_turns_after_the_opened_tag_and_the_last_turn_as_is() -> None:
+    from grpo.rollout import reward_inputs
+
+    texts, _, columns, _ = reward_inputs(_tagged_rollout())
+    assert texts == ["<think>a</think>", "<think>b</think>"]
+    assert columns == {"answer": ["1", "1"]}
+    turns = [[{"text": "x"}, {"text": "last a"}], [{"text": "last b"}]]
+    texts, _, columns, _ = reward_inputs(_tagged_rollout(turns))
+    assert texts == ["last a", "last b"]  # the answer turn follows a tool output, not the tag
+    assert columns == {"answer": ["1", "1"], "turns": turns}
+
+
+def test_reward_inputs_of_no_prompts_are_empty() -> None:
+    # a rank's empty share of a dynamic-sampling round
+    from grpo.rollout import reward_inputs
+    from grpo.trainer import empty_rollout
+
+    assert reward_inputs(empty_rollout(2)) == ([], [], {}, [])

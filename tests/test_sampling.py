@@ -178,6 +178,15 @@ def test_dynamic_sampling_stops_after_max_rounds() -> None:
     assert out.train.rollout.completions == ["r2g1", "r2g1"]
 
 
+def test_the_informative_share_counts_every_round() -> None:
+    # round 1: 2 of 4 informative -> ask ceil(2 * 4 / 2) = 4; round 2: 1 more (3 of 8 so far)
+    # -> ask ceil(1 * 8 / 3) = 3, not the last round's share ceil(1 * 8 / 1) = 8 capped at 4
+    script = Script([(4, [INFO, INFO, ZERO, ZERO]), (4, [INFO, ZERO, ZERO, ZERO]), (3, [INFO] * 3)])
+    out = collect(script, 4, dynamic=True, max_rounds=3, advantages=double)
+    assert script.asked == [4, 4, 3]
+    assert (out.prompts_drawn, out.prompts_kept, out.rounds) == (11, 4, 3)
+
+
 def test_a_short_step_keeps_a_multiple_of_the_ranks() -> None:
     # 3 informative groups of 4 after the last round, 2 ranks: 2 kept (each rank trains one);
     # the batch-scaled advantages are recomputed on the 2 kept
@@ -310,3 +319,39 @@ def test_greso_resume_is_exact(tiny_config, mixed_reward, tiny_model_dir, weight
     final = weights.of(resumed / "final")
     weights.assert_moved(weights.of(tiny_model_dir), final)
     weights.assert_equal(weights.of(straight / "final"), final)
+
+
+def test_the_trainer_keeps_a_multiple_of_its_ranks(tiny_config, monkeypatch) -> None:
+    # 2 ranks (faked), one round of 4 prompts with 3 informative groups: 2 are kept, one each
+    trainer = Trainer(
+        tiny_config(rollout={"prompts_per_step": 4}, sampling={"dynamic": True, "max_rounds": 1})
+    )
+    trainer.dist = replace(trainer.dist, world_size=2)
+    script = Script([(4, [INFO, ZERO, INFO, INFO])])
+    monkeypatch.setattr(trainer, "sample", lambda n, clock: script(n))
+    out = trainer.collect({"rollout": 0.0, "reward": 0.0, "skipped": 0.0})
+    assert (out.prompts_drawn, out.prompts_kept) == (4, 2)
+    assert out.train.rollout.completions[::G] == ["r1g0", "r1g2"]
+
+
+def test_each_round_adds_to_the_steps_clock_and_skips(tiny_config, monkeypatch) -> None:
+    # two rounds of one prompt; every prompt is hopeless and skipped for sure, so each round
+    # skips max_skips (one per row) before it takes one; a fake clock ticks in whole seconds
+    import types
+
+    import grpo.trainer
+
+    trainer = Trainer(tiny_config())
+    rows = len(trainer.rows)
+    hopeless = {i: [True] for i in range(rows)}
+    trainer.prompt_filter = PromptFilter(k=1, skip_prob=1.0, seed=0, history=hopeless)
+    scored = fake_scored([ZERO], tag="g")  # zero variance again: the history stays hopeless
+    monkeypatch.setattr(trainer, "rollout", lambda draws: scored.rollout)
+    monkeypatch.setattr(trainer, "score", lambda rollout: scored)
+    ticks = iter([0.0, 10.0, 11.0, 100.0, 130.0, 132.0])  # start, rolled out, scored; twice
+    monkeypatch.setattr(grpo.trainer, "time", types.SimpleNamespace(perf_counter=ticks.__next__))
+    clock = {"rollout": 0.0, "reward": 0.0, "skipped": 0.0}
+    trainer.sample(1, clock)
+    trainer.sample(1, clock)
+    # rollout (10 - 0) + (130 - 100) s, rewards (11 - 10) + (132 - 130) s
+    assert clock == {"rollout": 40.0, "reward": 3.0, "skipped": 2.0 * rows}

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from grpo.trainer import PromptStream, lr_lambda
+from grpo.trainer import PromptStream, lr_lambda, sampling_seed
 
 
 def test_warmup_then_constant() -> None:
@@ -47,3 +47,19 @@ def test_prompt_order_is_a_fixed_function_of_seed_and_epoch() -> None:
         seed: [r["i"] for r in PromptStream(rows, seed, shuffle=True).take(16)] for seed in (0, 7)
     }
     assert orders == PINNED_ORDERS
+
+
+def test_draws_name_their_row_epoch_and_stream_position() -> None:
+    # 2 rows, unshuffled: (row, epoch, position) for the first 5 draws of the stream
+    stream = PromptStream([{"i": 0}, {"i": 1}], seed=0, shuffle=False)
+    draws = [tuple(stream.next_draw()) for _ in range(5)]
+    assert draws == [(0, 0, 0), (1, 0, 1), (0, 1, 2), (1, 1, 3), (0, 2, 4)]
+
+
+def test_sampling_seeds_are_unique_and_pinned() -> None:
+    # one seed per (run seed, stream position): no two prompts of a run, nor two run seeds at
+    # the same position, sample alike
+    assert len({sampling_seed(s, p) for s in range(3) for p in range(1000)}) == 3000
+    # the same numbers on every machine and version, as the prompt order: (seed << 40) ^ position
+    assert sampling_seed(0, 7) == 7
+    assert sampling_seed(3, 5) == 3 * 2**40 + 5

@@ -30,6 +30,19 @@ def test_schedules_by_hand() -> None:
     assert scheduled("linear", 1.0, 2.0, 9, 5) == 2.0  # past the end: stays at the end
 
 
+def test_schedules_of_one_and_two_steps() -> None:
+    # one step: the start (no progress to divide by); two steps: the start, then the end
+    assert scheduled("linear", 1.0, 2.0, 1, 1) == 1.0
+    assert scheduled("cosine", 1.0, 0.6, 1, 1) == 1.0
+    assert [scheduled("linear", 1.0, 2.0, s, 2) for s in (1, 2)] == [1.0, 2.0]
+    assert [scheduled("cosine", 1.0, 0.6, s, 2) for s in (1, 2)] == pytest.approx([1.0, 0.6])
+
+
+def test_an_unknown_schedule_is_named() -> None:
+    with pytest.raises(ValueError, match=r"^unknown temperature schedule 'step'$"):
+        scheduled("step", 1.0, 2.0, 1, 5)
+
+
 def test_adaptive_rule_raises_lowers_and_stays_bounded() -> None:
     rule = dict(step=0.1, low=0.5, high=1.2, raise_above=0.5, degenerate_above=0.4)
     # mean frac_zero_std (0.75 + 0.5) / 2 = 0.625 > 0.5: hotter

@@ -318,6 +318,18 @@ def test_tool_output_as_mistrals_template_shows_it(tiny_model_dir) -> None:
     )
 
 
+def test_tool_output_as_chatmls_template_shows_it(tiny_model_dir) -> None:
+    # ChatML joins each message's fields with "+": the probe conversation gives every message
+    # its content
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = (
+        CHATML_TOOLS + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert template_observation(tokenizer, "408") == (
+        "<|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 def test_template_call_format_runs_the_json_call(tiny_model_dir) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
     with pytest.raises(ConfigError) as raised:
@@ -970,3 +982,40 @@ def test_a_tokenizer_that_adds_bos_adds_none_to_prompts_or_tool_output(tiny_mode
     n = int(rollout.completion_mask[0].sum())
     shown = ids("<|end|><|tool|>408<|end|><|assistant|>")
     assert rollout.completion_ids[0, :n].tolist() == ids(CODE_CALL) + shown + ids(ANSWER + END)
+
+
+def test_an_engine_that_cannot_take_turns_is_a_config_error(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    with pytest.raises(ConfigError) as raised:
+        MultiTurnEngine(object(), tokenizer, _rollout_config())
+    assert str(raised.value) == "rollout.tools: this rollout engine cannot take turns"
+
+
+def test_the_tool_runs_with_the_configured_limits(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    config = _rollout_config(tool_timeout_s=3, tool_max_output_chars=50)
+    engine = MultiTurnEngine(ReplyEngine(tokenizer, [END]), tokenizer, config)
+    assert engine.tool == PythonTool(timeout_s=3, max_output_chars=50)
+
+
+def test_completions_are_as_wide_as_the_longest_and_without_sampler_logprobs(
+    tiny_model_dir,
+) -> None:
+    # every completion is the EOS alone: one column; the engine reports no log-probs: none
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rollout, _ = _run(tokenizer, [END], seeds=(3, 4))
+    eos = tokenizer.convert_tokens_to_ids(END)
+    assert rollout.completion_ids.tolist() == [[eos], [eos]]
+    assert rollout.sampler_logp is None
+
+
+def test_an_observation_that_fills_the_budget_ends_the_completion(tiny_model_dir) -> None:
+    # the call and its output use every token: no request for an answer, cut by length
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    shown = ids("<|end|><|tool|>408<|end|><|assistant|>")
+    budget = len(ids(CODE_CALL)) + len(shown)
+    rollout, requests = _run(tokenizer, [CODE_CALL, ANSWER + END], max_new_tokens=budget)
+    assert len(requests) == 1
+    assert [(t["call"], t["output"]) for t in rollout.turns[0]] == [("print(12*34)\n", "408")]
+    assert rollout.truncated.all() and int(rollout.completion_mask.sum()) == budget

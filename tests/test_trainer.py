@@ -279,6 +279,21 @@ def test_a_rank_without_prompts_rolls_out_and_scores_nothing(tiny_config) -> Non
     assert scored.function_names == trainer.rewards.names
     assert scored.per_function.shape == (0, len(trainer.rewards.names))
     assert scored.rewards.shape == scored.advantages.shape == (0,)
+    assert scored.errors == {}  # no error counts: they add up with the other ranks' counts
+
+
+def test_the_reward_runners_error_counts_reach_the_scored_batch(tiny_config) -> None:
+    # the counts feed the reward error metrics and the error watch that stops a broken run
+    from grpo.rewards import RewardOutput
+
+    trainer = Trainer(tiny_config(rollout={"prompts_per_step": 1, "group_size": 2}))
+
+    def two_fell_back(texts, prompts, columns, ids):
+        return RewardOutput(torch.ones(len(texts), 1), ["r"], torch.ones(1), {"r": 2})
+
+    trainer.rewards = two_fell_back
+    scored = trainer.score(trainer.rollout())
+    assert scored.errors == {"r": 2} and scored.rewards.tolist() == [1.0, 1.0]
 
 
 def test_only_the_hf_engine_generates_from_gathered_parameters(tiny_config, monkeypatch) -> None:
