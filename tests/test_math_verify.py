@@ -279,6 +279,8 @@ def test_as_number_is_exact():
     ]
     # a period after the number (a sentence's end) and a leading decimal point
     assert as_number("1,000.") == 1000 and as_number(".5") == Fraction(1, 2)
+    # only a trailing percent sign is dropped: "10%X" is no number
+    assert as_number("10%X") is None
 
 
 def test_timeout_kills_the_check_and_the_verifier_recovers():
