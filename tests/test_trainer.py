@@ -282,6 +282,37 @@ def test_a_rank_without_prompts_rolls_out_and_scores_nothing(tiny_config) -> Non
     assert scored.errors == {}  # no error counts: they add up with the other ranks' counts
 
 
+def test_a_second_rank_takes_its_own_advantages_from_the_gathered_batch(
+    tiny_config, monkeypatch
+) -> None:
+    # rank 1 of 2 under scale_rewards=batch: rank 0's group (rewards 4, 0) is gathered before
+    # this rank's (1, 0). Centred per group: [2, -2, 0.5, -0.5]; the batch std of [4, 0, 1, 0]
+    # is sqrt(10.75 / 4); rank 1 keeps the rows after rank 0's: [0.5, -0.5] / std
+    from grpo import distributed
+    from grpo.rewards import RewardOutput
+
+    trainer = Trainer(
+        tiny_config(
+            rollout={"prompts_per_step": 1, "group_size": 2}, algorithm={"scale_rewards": "batch"}
+        )
+    )
+    rollout = trainer.rollout()
+    trainer.rewards = lambda *inputs: RewardOutput(
+        torch.tensor([[1.0], [0.0]]), ["r"], torch.ones(1), {"r": 0}
+    )
+
+    def gather(rows: torch.Tensor) -> torch.Tensor:  # rank 0's rows, then these
+        first = torch.tensor([4.0, 0.0]) if rows.is_floating_point() else torch.tensor([2])
+        return torch.cat([first, rows])
+
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(distributed, "all_gather_rows", gather)
+    scored = trainer.score(rollout)
+    std = (10.75 / 4) ** 0.5
+    assert torch.allclose(scored.advantages, torch.tensor([0.5, -0.5]) / std, atol=1e-6)
+
+
 def test_the_reward_runners_error_counts_reach_the_scored_batch(tiny_config) -> None:
     # the counts feed the reward error metrics and the error watch that stops a broken run
     from grpo.rewards import RewardOutput
