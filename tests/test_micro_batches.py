@@ -105,19 +105,15 @@ def test_micro_batch_tokens_reaches_the_trainer(tiny_config, monkeypatch) -> Non
     assert len(sizes[40]) > 1 and sum(sizes[40]) == 8
 
 
-def test_a_rank_with_fewer_micro_batches_splits_to_match_the_others(
-    tiny_config, monkeypatch
-) -> None:
-    # DDP reduces gradients once per backward, so every rank runs as many as the rank with most
-    # micro-batches: here another rank (faked by the max all-reduce) needs one more than this one
-    trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 8}))
-    scored = trainer.score(trainer.rollout())
+def another_rank_needs_one_more_micro_batch(monkeypatch) -> list[int]:
+    """Fake another rank whose max all-reduce asks for one micro-batch more than this one; the
+    list returned fills with the rows of every scoring forward."""
     original = grpo.trainer.distributed.all_reduce
 
-    def another_rank_needs_one_more(value, op="sum"):
+    def one_more(value, op="sum"):
         return value + 1 if op == "max" and isinstance(value, int) else original(value, op)
 
-    monkeypatch.setattr(grpo.trainer.distributed, "all_reduce", another_rank_needs_one_more)
+    monkeypatch.setattr(grpo.trainer.distributed, "all_reduce", one_more)
     seen: list[int] = []
     original_logprobs = grpo.trainer.completion_logprobs
 
@@ -126,6 +122,17 @@ def test_a_rank_with_fewer_micro_batches_splits_to_match_the_others(
         return original_logprobs(model, prompt_ids, *args, **kwargs)
 
     monkeypatch.setattr(grpo.trainer, "completion_logprobs", count)
+    return seen
+
+
+def test_a_rank_with_fewer_micro_batches_splits_to_match_the_others(
+    tiny_config, monkeypatch
+) -> None:
+    # DDP reduces gradients once per backward, so every rank runs as many as the rank with most
+    # micro-batches: here another rank (faked by the max all-reduce) needs one more than this one
+    trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 8}))
+    scored = trainer.score(trainer.rollout())
+    seen = another_rank_needs_one_more_micro_batch(monkeypatch)
     trainer.optimize(scored)
     assert seen == [4, 4]  # one micro-batch of 8 rows halved: two backward passes, every row
 
@@ -165,20 +172,7 @@ def test_the_extra_micro_batches_keep_the_row_and_token_limits(
 ) -> None:
     # without the limits the 8 rows (36 positions) would be halved into 2 + 2 + 2 + 2
     trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim=optim))
-    original = grpo.trainer.distributed.all_reduce
-
-    def another_rank_needs_one_more(value, op="sum"):
-        return value + 1 if op == "max" and isinstance(value, int) else original(value, op)
-
-    monkeypatch.setattr(grpo.trainer.distributed, "all_reduce", another_rank_needs_one_more)
-    seen: list[int] = []
-    original_logprobs = grpo.trainer.completion_logprobs
-
-    def count(model, prompt_ids, *args, **kwargs):
-        seen.append(prompt_ids.shape[0])
-        return original_logprobs(model, prompt_ids, *args, **kwargs)
-
-    monkeypatch.setattr(grpo.trainer, "completion_logprobs", count)
+    seen = another_rank_needs_one_more_micro_batch(monkeypatch)
     trainer.optimize(_hand_scored())
     assert seen == passes
 
