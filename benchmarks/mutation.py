@@ -273,13 +273,19 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="only the unchecked mutants")
     parser.add_argument("--survivors", action="store_true", help="only the surviving mutants")
     parser.add_argument("--sample", type=int, help="with --resume: this many, drawn at random")
+    parser.add_argument(
+        "--rechecked",
+        action="store_true",
+        help="the results file's table with the results mutants/ holds for its survivors "
+        "(what a --survivors run on a fresh checkout, stopped before its end, has checked)",
+    )
     parser.add_argument("--files", nargs="+", help="only these (e.g. logprobs.py rewards/*.py)")
     args = parser.parse_args()
     if args.sample is not None and not args.resume:
         parser.error("--sample draws from the unchecked mutants: use it with --resume")
     wall, dropped, names, listed = None, 0, [], {}
     commit = head_commit()
-    if not args.table:
+    if not (args.table or args.rechecked):
         # mutmut re-checks every mutant it is given by name, so a resumed run names only the
         # unchecked ones, after a first call (one cheap mutant) has refreshed the mutants
         mutmut = [str(Path(sys.executable).with_name("mutmut")), "run"]
@@ -337,6 +343,12 @@ def main() -> None:
                 break
             print(f"mutmut failed (attempt {attempt + 1} of 3)", file=sys.stderr)
         wall = time.perf_counter() - start
+    if args.rechecked:
+        earlier = earlier_rows()
+        for path in files():
+            row = earlier.get(path.removeprefix("src/grpo/"))
+            if row:
+                listed[path] = (row, changed_since(path, row["commit"]))
     merged = None
     if args.survivors and dropped:
         # the table stays the one measured before the refresh (tests only added since), with
@@ -357,7 +369,9 @@ def main() -> None:
     print(markdown(rows))
     # a resumed run (and --table) keeps the timings of the runs before it; the table is the
     # whole state of mutants/ (after an emptying refresh, the records before it, as above)
-    keep = (args.resume or args.survivors or args.table or args.files) and RESULT.exists()
+    keep = (args.resume or args.survivors or args.table or args.files or args.rechecked) and (
+        RESULT.exists()
+    )
     runs = json.loads(RESULT.read_text()).get("runs", []) if keep else []
     if wall is not None:
         partial = args.resume or args.survivors
@@ -375,6 +389,18 @@ def main() -> None:
             now = {k: v for path in chosen for k, v in results(path).items() if k in names}
             run["killed_now"] = sorted(k for k, v in now.items() if v not in (0, None))
         runs.append({**run, "s_per_mutant": round(wall / ran, 2) if ran else None})
+    if args.rechecked:
+        wanted = [
+            k
+            for row, changed in listed.values()
+            for k in [*row["survivors"], *changed.now]
+            if function_of(k) not in changed.functions or k in changed.now
+        ]
+        now = {k: v for path in listed for k, v in recorded(path).items() if k in wanted}
+        checked = [k for k, v in now.items() if v is not None]
+        run = {"which": "survivors, stopped", "commit": commit, "mutants": len(wanted)}
+        run |= {"checked": len(checked), "killed_now": sorted(k for k in checked if now[k] != 0)}
+        runs.append(run)
     out = {
         "date": datetime.date.today().isoformat(),
         "mutmut": version("mutmut"),
