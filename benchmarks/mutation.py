@@ -30,7 +30,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -141,7 +141,7 @@ def results(path: str) -> dict[str, int | None]:
 def head_commit() -> str:
     """The commit the mutants are made from (recorded with every row and run)."""
     git = ["git", "rev-parse", "--short", "HEAD"]
-    return subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def earlier_rows() -> dict[str, dict]:
@@ -164,6 +164,8 @@ class Changed:
     functions: list[str]
     before: list[str]
     now: list[str]
+    total_before: int = 0  # all mutants of those functions, in scope or not
+    total_now: int = 0
 
 
 def changed_since(path: str, commit: str) -> Changed:
@@ -182,7 +184,24 @@ def changed_since(path: str, commit: str) -> Changed:
         full = [f"{module}.{n}" for n in names if function_of(f"{module}.{n}") in functions]
         return sorted(in_scope(path, dict.fromkeys(full)))
 
-    return Changed(functions, scoped(then.mutant_names), scoped(now.mutant_names))
+    def count(names: Sequence[str]) -> int:
+        return sum(function_of(f"{module}.{n}") in functions for n in names)
+
+    return Changed(
+        functions,
+        scoped(then.mutant_names),
+        scoped(now.mutant_names),
+        count(then.mutant_names),
+        count(now.mutant_names),
+    )
+
+
+def from_results(paths: list[str], fresh: Callable[[str, dict], bool]) -> dict[str, tuple]:
+    """path -> (its row in the results file, what changed since that row's commit), for the
+    ``paths`` with a row that ``fresh(path, row)`` accepts."""
+    earlier = earlier_rows()
+    rows = {p: earlier[p.removeprefix("src/grpo/")] for p in paths}
+    return {p: (row, changed_since(p, row["commit"])) for p, row in rows.items() if fresh(p, row)}
 
 
 def rechecked(row: dict, now: dict[str, int | None], commit: str, changed: Changed) -> dict:
@@ -197,6 +216,7 @@ def rechecked(row: dict, now: dict[str, int | None], commit: str, changed: Chang
     fresh_survivors = [k for k in fresh if now[k] == 0]
     return {
         **row,
+        "mutants": row["mutants"] - changed.total_before + changed.total_now,
         "in_scope": row["in_scope"] - len(changed.before) + len(changed.now),
         "checked": row["checked"] - len(changed.before) + len(fresh),
         "killed": row["killed"]
@@ -206,7 +226,10 @@ def rechecked(row: dict, now: dict[str, int | None], commit: str, changed: Chang
         - len(fresh_survivors),
         "survived": row["survived"] - len(gone) - len(killed) + len(fresh_survivors),
         "survivors": sorted([k for k in kept if k not in killed] + fresh_survivors),
-        "survivors_rechecked_at": commit,
+        # the changed functions' counts are this commit's and the rest's sources are equal at
+        # both, so a later re-check compares against this commit (counting no change twice)
+        "commit": commit,
+        "whole_run_at": row.get("whole_run_at", row["commit"]),
         **({"changed_since": changed.functions} if changed.functions else {}),
     }
 
@@ -313,26 +336,24 @@ def main() -> None:
             names = [k for k, v in records.items() if v == wanted and k in after]
             if args.survivors:
                 # files mutants/ holds no result for (a fresh clone or machine): the survivors
-                # the results file lists, where mutmut still makes them (same source)
-                # the survivors the results file lists; a function changed since that run
-                # makes other mutants under the same names, so it is run whole instead
-                earlier = earlier_rows()
-                for path in chosen:
-                    row = earlier.get(path.removeprefix("src/grpo/"))
-                    if row and all(before_all[path].get(k) is None for k in row["survivors"]):
-                        changed = changed_since(path, row["commit"])
-                        listed[path] = (row, changed)
-                        names += [
-                            k
-                            for k in row["survivors"]
-                            if function_of(k) not in changed.functions and k in after
-                        ]
-                        names += changed.now
-                        if changed.functions:
-                            print(
-                                f"{path}: changed since {row['commit']}, run whole: "
-                                + ", ".join(changed.functions)
-                            )
+                # the results file lists; a function changed since that run makes other
+                # mutants under the same names, so it is run whole instead
+                listed = from_results(
+                    [p for p in chosen if p.removeprefix("src/grpo/") in earlier_rows()],
+                    lambda p, row: all(before_all[p].get(k) is None for k in row["survivors"]),
+                )
+                for path, (row, changed) in listed.items():
+                    names += [
+                        k
+                        for k in row["survivors"]
+                        if function_of(k) not in changed.functions and k in after
+                    ]
+                    names += changed.now
+                    if changed.functions:
+                        print(
+                            f"{path}: changed since {row['commit']}, run whole: "
+                            + ", ".join(changed.functions)
+                        )
                 if listed:
                     print(f"survivors of {len(listed)} files as the results file lists them")
             if args.sample is not None and args.sample < len(names):
@@ -344,11 +365,8 @@ def main() -> None:
             print(f"mutmut failed (attempt {attempt + 1} of 3)", file=sys.stderr)
         wall = time.perf_counter() - start
     if args.rechecked:
-        earlier = earlier_rows()
-        for path in files():
-            row = earlier.get(path.removeprefix("src/grpo/"))
-            if row:
-                listed[path] = (row, changed_since(path, row["commit"]))
+        paths = [p for p in files() if p.removeprefix("src/grpo/") in earlier_rows()]
+        listed = from_results(paths, lambda p, row: True)
     merged = None
     if args.survivors and dropped:
         # the table stays the one measured before the refresh (tests only added since), with
@@ -390,12 +408,12 @@ def main() -> None:
             run["killed_now"] = sorted(k for k, v in now.items() if v not in (0, None))
         runs.append({**run, "s_per_mutant": round(wall / ran, 2) if ran else None})
     if args.rechecked:
-        wanted = [
+        wanted = {
             k
             for row, changed in listed.values()
             for k in [*row["survivors"], *changed.now]
             if function_of(k) not in changed.functions or k in changed.now
-        ]
+        }
         now = {k: v for path in listed for k, v in recorded(path).items() if k in wanted}
         checked = [k for k, v in now.items() if v is not None]
         run = {"which": "survivors, stopped", "commit": commit, "mutants": len(wanted)}

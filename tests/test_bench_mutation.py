@@ -104,7 +104,7 @@ def test_a_fresh_checkout_rechecks_the_survivors_the_results_file_lists(
     (new,) = out["rows"]
     # the whole run's counts, the survivor now killed; the run's other numbers untouched
     assert (new["checked"], new["killed"], new["survived"], new["survivors"]) == (2, 2, 0, [])
-    assert new["commit"] == "abc1234" and new["survivors_rechecked_at"] == "def5678"
+    assert new["commit"] == "def5678" and new["whole_run_at"] == "abc1234"
     assert new["mutants"] == 3
     assert out["runs"][0] == {"which": "all"} and out["runs"][-1]["killed_now"] == [SURVIVOR]
 
@@ -120,7 +120,7 @@ def test_a_function_changed_since_the_recorded_run_is_run_whole(
     (tmp_path / "mutation.json").write_text(json.dumps(earlier))
     monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
     changed = mutation.Changed(
-        ["x_soft_overlong"], [SURVIVOR, KILLED], [KILLED, SURVIVOR, UNCHECKED]
+        ["x_soft_overlong"], [SURVIVOR, KILLED], [KILLED, SURVIVOR, UNCHECKED], 2, 3
     )
     monkeypatch.setattr(mutation, "changed_since", lambda path, commit: changed)
     fresh = dict.fromkeys([KILLED, SURVIVOR, UNCHECKED])
@@ -129,5 +129,34 @@ def test_a_function_changed_since_the_recorded_run_is_run_whole(
     assert calls[1] == [KILLED, SURVIVOR, UNCHECKED]  # the changed function whole
     (new,) = json.loads((tmp_path / "mutation.json").read_text())["rows"]
     # 5 - 2 + 3 in scope; killed: 4 - (2 before, 1 of them the survivor) + 2 now
-    assert (new["in_scope"], new["checked"], new["killed"], new["survived"]) == (6, 6, 5, 1)
+    assert (new["mutants"], new["in_scope"], new["checked"]) == (6, 6, 6)
+    assert (new["killed"], new["survived"]) == (5, 1)
     assert new["survivors"] == [UNCHECKED] and new["changed_since"] == ["x_soft_overlong"]
+
+
+def test_a_stopped_recheck_keeps_the_unreached_survivors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the results file lists two survivors; the stopped re-check reached one and killed it
+    row = {"module": "rewards/length.py", "commit": "abc1234", "mutants": 9, "in_scope": 9}
+    row |= {"checked": 9, "killed": 7, "survived": 2, "no_tests": 0, "other": 0}
+    earlier = {"runs": [], "rows": [{**row, "survivors": [SURVIVOR, UNCHECKED]}]}
+    (tmp_path / "mutation.json").write_text(json.dumps(earlier))
+    monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
+    monkeypatch.setattr(
+        mutation, "changed_since", lambda path, commit: mutation.Changed([], [], [])
+    )
+    reached = {KILLED: None, SURVIVOR: 1, UNCHECKED: None}
+    calls = run_main(tmp_path, monkeypatch, ["--rechecked"], False, reached)
+    assert calls == []  # nothing is run
+    out = json.loads((tmp_path / "mutation.json").read_text())
+    (new,) = out["rows"]
+    assert (new["checked"], new["killed"], new["survived"]) == (9, 8, 1)
+    assert new["survivors"] == [UNCHECKED]
+    assert out["runs"][-1] == {
+        "which": "survivors, stopped",
+        "commit": "def5678",
+        "mutants": 2,
+        "checked": 1,
+        "killed_now": [SURVIVOR],
+    }
