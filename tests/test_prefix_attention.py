@@ -5,16 +5,23 @@ is in tests/test_bench_logprobs.py)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from grpo.config import ModelConfig, RolloutConfig
-from grpo.logprobs import completion_logprobs, pack
-from grpo.models import load_policy, load_tokenizer
-from grpo.prefix_attention import PREFIX, prefix_layout, use_prefix_attention
+from grpo.logprobs import completion_logprobs, pack, packed_logprobs
+from grpo.models import disable_dropout, load_policy, load_tokenizer
+from grpo.prefix_attention import (
+    PREFIX,
+    prefix_attention_forward,
+    prefix_layout,
+    use_prefix_attention,
+)
 from grpo.rollout.hf import HFEngine
 
 
@@ -79,20 +86,68 @@ def test_prefix_scoring_equals_the_masked_one_under_checkpointing(tiny_model_dir
     assert any(float(g.abs().sum()) > 0 for g in _grads(prefix))
 
 
-def test_attention_dropout_in_training_takes_the_mask(tiny_model_dir, monkeypatch) -> None:
-    _, prefix = _pair(tiny_model_dir, attention_dropout=0.5)
+def _spy_on_masks(monkeypatch, model: nn.Module) -> list[tuple[int, bool]]:
+    """(the attention mask's dims, whether a layout came) of each forward of ``model``."""
     masks = []
-    forward = prefix.forward
+    forward = model.forward
 
     def spy(*args, **kwargs):
         masks.append((kwargs["attention_mask"].dim(), "prefix_layout" in kwargs))
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(prefix, "forward", spy)
+    monkeypatch.setattr(model, "forward", spy)
+    return masks
+
+
+def test_attention_dropout_in_training_takes_the_mask(tiny_model_dir, monkeypatch) -> None:
+    _, prefix = _pair(tiny_model_dir, attention_dropout=0.5)
+    masks = _spy_on_masks(monkeypatch, prefix)
     completion_logprobs(prefix, *_batch())
     prefix.eval()  # no dropout outside training: the layout again
     completion_logprobs(prefix, *_batch())
+    # the update's forward: training, dropout zeroed in the modules (model.disable_dropout)
+    # while the checkpoint's config still says 0.5
+    disable_dropout(prefix.train())
+    assert prefix.config.attention_dropout == 0.5
+    completion_logprobs(prefix, *_batch())
+    assert masks == [(4, False), (2, True), (2, True)]
+
+
+def test_a_dropout_module_in_attention_takes_the_mask(monkeypatch) -> None:
+    # GPT-2 keeps its attention dropout as a module (attn_dropout), not as a float
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=32, attn_pdrop=0.5)
+    model = GPT2LMHeadModel(config).train()
+    assert use_prefix_attention(model)
+    masks = _spy_on_masks(monkeypatch, model)
+    got, _ = completion_logprobs(model, *_batch())  # the layout would refuse the dropout
+    disable_dropout(model)
+    want, _ = completion_logprobs(model, *_batch())
     assert masks == [(4, False), (2, True)]
+    m = _batch()[-1]
+    assert not torch.allclose(got[m], want[m], atol=1e-3)  # the first really dropped weights
+
+
+def test_the_layout_forward_builds_no_mask(tiny_model_dir, monkeypatch) -> None:
+    # given no mask, transformers would read the packed sequences from the restarting position
+    # ids and build their [U, 1, L, L] block mask: the memory prefix attention is there to save
+    _, prefix = _pair(tiny_model_dir)
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(attention_mask)
+        return prefix_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, PREFIX, spy)
+    completion_logprobs(prefix, *_batch())
+    assert len(seen) == prefix.config.num_hidden_layers and all(m is None for m in seen)
+
+
+def test_packed_scoring_defaults_to_temperature_one_without_entropy(tiny_model_dir) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    logp, entropy = packed_logprobs(model, *_batch())
+    want, _ = completion_logprobs(model, *_batch(), 1.0)
+    m = _batch()[-1]
+    assert entropy is None and torch.allclose(logp[m], want[m], atol=1e-5)
 
 
 def test_a_model_that_drops_the_layout_is_an_error_not_wrong_numbers(tiny_model_dir) -> None:
@@ -106,7 +161,11 @@ def test_a_model_that_drops_the_layout_is_an_error_not_wrong_numbers(tiny_model_
         def forward(self, prefix_layout=None, **kwargs):
             return self.inner(**kwargs)
 
-    with pytest.raises(RuntimeError, match="does not pass keyword arguments to its attention"):
+    message = (
+        "Swallows does not pass keyword arguments to its attention, so packed scoring cannot use "
+        "prefix attention: load it with attn_implementation='sdpa'"
+    )
+    with pytest.raises(RuntimeError, match=re.escape(message)):
         completion_logprobs(Swallows(), *_batch())
 
 

@@ -311,9 +311,10 @@ def packed_logprobs(
         "logits_to_keep": packed.keep,
         "use_cache": False,
     }
-    dropout = model.training and getattr(config, "attention_dropout", 0.0)
-    if implementation == PREFIX and not dropout:
-        # no [L, L] mask: the layout says what each token reads (grpo.prefix_attention)
+    if implementation == PREFIX and not attention_dropout_on(model):
+        # no [L, L] mask: the layout says what each token reads (grpo.prefix_attention). The
+        # mask of ones keeps transformers from building one: given none, it reads packed
+        # sequences from the restarting position ids and builds their block mask, [U, L, L]
         layout = prefix_layout(packed.segment)
         mask = torch.ones_like(packed.input_ids)
         out = model(**inputs, attention_mask=mask, prefix_layout=layout)
@@ -359,6 +360,24 @@ def group_rows_logprobs(
     return token_logprobs(
         logits, at, completion_ids[:, :t], sampling, with_entropy, history=history
     )
+
+
+def attention_dropout_on(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` now drops attention weights: in training, with a rate left
+    on where HF attention layers keep it, as a float (``attention_dropout``: Llama, Qwen) or as
+    a module named for attention (``attn_dropout``: GPT-2). Read from the modules, not the
+    config: ``models.disable_dropout`` zeroes the modules and leaves the config as it was."""
+    if not model.training:
+        return False
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout):
+            attention = any(word in name.rpartition(".")[2] for word in ("attn", "attention"))
+            rate = module.p if attention else 0.0
+        else:
+            rate = getattr(module, "attention_dropout", 0.0)
+        if isinstance(rate, float) and rate > 0:
+            return True
+    return False
 
 
 def _config(model: nn.Module):
