@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,51 @@ class StepClock:
         self.positions = self.logits = 0
 
 
+# the trainer's methods StageMemory labels, and the stage each one is (``optimize`` holds the
+# frozen log-probs: what it does besides them is the update)
+STAGES = {"rollout": "rollout", "frozen_logprobs": "frozen_logprobs", "optimize": "update"}
+
+
+class StageMemory:
+    """Peak resident memory by stage of a step (rollout, frozen log-probs, the update's other
+    work, the rest), sampled from /proc/self/statm every ``every_s`` on a thread: where a run's
+    peak RSS comes from. A spike shorter than the interval can be missed, so the process's own
+    peak (``peak_rss_mb``) stays the figure; these say which stage reaches it."""
+
+    def __init__(self, trainer: Trainer, every_s: float = 0.005) -> None:
+        self.peaks: dict[str, float] = {}
+        self.stage = "other"
+        self.every_s = every_s
+        for name, stage in STAGES.items():
+            setattr(trainer, name, self._within(getattr(trainer, name), stage))
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _within(self, fn: Any, stage: str) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            outer, self.stage = self.stage, stage
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stage = outer
+
+        return wrapped
+
+    def _sample(self) -> None:
+        page_mb = 4096 / 2**20
+        with open("/proc/self/statm") as statm:
+            while not self.done.wait(self.every_s):
+                statm.seek(0)
+                mb = int(statm.read().split()[1]) * page_mb
+                self.peaks[self.stage] = max(self.peaks.get(self.stage, 0.0), mb)
+
+    def stop(self) -> dict[str, float]:
+        self.done.set()
+        self.thread.join()
+        return {k: round(v, 1) for k, v in self.peaks.items()}
+
+
 def module_mb(model: torch.nn.Module | None) -> float:
     if model is None:
         return 0.0
@@ -115,6 +161,7 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
     trainer = Trainer(config)
     load_s = time.perf_counter() - t_load
     clock = StepClock(trainer)
+    memory = StageMemory(trainer) if Path("/proc/self/statm").exists() else None
     steps = []
     while trainer.step < config.train.steps:
         trainer.step += 1
@@ -147,7 +194,8 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
     peak_after = common.matmul_peak_flops(seconds=warmup_peak_s, dtype=dtype)
     trainer.rewards.close()
     summary = summarize(steps, trainer, peak_before, peak_after, load_s)
-    return {"precision": str(dtype).removeprefix("torch."), **summary}
+    stages = {"peak_rss_by_stage_mb": memory.stop()} if memory is not None else {}
+    return {"precision": str(dtype).removeprefix("torch."), **summary, **stages}
 
 
 def summarize(

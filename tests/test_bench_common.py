@@ -149,6 +149,10 @@ def test_update_mfu_counts_the_positions_computed(tiny_config) -> None:
     assert only["generated_tokens"] < only["update_positions"] < only["trained_tokens"]
     assert only["update_logits"] <= only["update_positions"]
     assert 0 < result["mfu_update"] < 1
+    # where the peak comes from: every stage sampled, none above the process's own peak
+    stages = result["peak_rss_by_stage_mb"]
+    assert set(stages) >= {"rollout", "update", "other"}
+    assert 0 < max(stages.values()) <= result["peak_rss_mb"] + 1
 
 
 @pytest.mark.parametrize(("bf16_gflops", "chosen"), [(1000.0, "bfloat16"), (250.0, "float32")])
