@@ -17,6 +17,9 @@ Run: .venv/bin/python -m benchmarks.mutation [--max-children N]   (the whole run
                                                          whole run does not fit the time)
      .venv/bin/python -m benchmarks.mutation --survivors  (re-check the survivors, e.g. after
                                                          adding tests for them)
+     .venv/bin/python -m benchmarks.mutation --survivors --files logprobs.py \
+         --functions attention_dropout_on                 (the survivors of some functions
+                                                         only, e.g. after a test for them)
      .venv/bin/python -m benchmarks.mutation --table      (the table of mutants/ as it stands)
 """
 
@@ -303,9 +306,16 @@ def main() -> None:
         "(what a --survivors run on a fresh checkout, stopped before its end, has checked)",
     )
     parser.add_argument("--files", nargs="+", help="only these (e.g. logprobs.py rewards/*.py)")
+    parser.add_argument(
+        "--functions",
+        nargs="+",
+        help="with --resume or --survivors: only these functions' mutants (f, Class.method, *)",
+    )
     args = parser.parse_args()
     if args.sample is not None and not args.resume:
         parser.error("--sample draws from the unchecked mutants: use it with --resume")
+    if args.functions and not (args.resume or args.survivors):
+        parser.error("--functions narrows a re-check: use it with --resume or --survivors")
     wall, dropped, names, listed = None, 0, [], {}
     commit = head_commit()
     if not (args.table or args.rechecked):
@@ -356,6 +366,9 @@ def main() -> None:
                         )
                 if listed:
                     print(f"survivors of {len(listed)} files as the results file lists them")
+            if args.functions:
+                wanted = [mangled(module_of(p), f) for p in chosen for f in args.functions]
+                names = [k for k in names if any(fnmatch.fnmatch(k, w) for w in wanted)]
             if args.sample is not None and args.sample < len(names):
                 names = sorted(random.Random(0).sample(names, args.sample))
         # a busy machine can fail a timed test in mutmut's clean runs, which stops the run

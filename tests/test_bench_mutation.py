@@ -80,6 +80,19 @@ def test_resume_runs_only_the_unchecked(tmp_path: Path, monkeypatch: pytest.Monk
     assert calls[1] == [UNCHECKED]
 
 
+def test_functions_narrow_a_recheck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    other = "grpo.rewards.length.x_other__mutmut_2"
+    first = {KILLED: 1, SURVIVOR: 0, other: 0}
+    argv = ["--survivors", "--functions", "soft_overlong"]
+    calls = run_main(tmp_path, monkeypatch, argv, forget=False, first=first)
+    assert calls[1] == [SURVIVOR]
+    # the other function's survivor is not run and stays a survivor in the table
+    (row,) = json.loads((tmp_path / "mutation.json").read_text())["rows"]
+    assert (row["killed"], row["survivors"]) == (2, [other])
+    with pytest.raises(SystemExit):
+        run_main(tmp_path, monkeypatch, ["--functions", "soft_overlong"], forget=False)
+
+
 def test_a_sample_needs_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
         run_main(tmp_path, monkeypatch, ["--sample", "3"], forget=False)

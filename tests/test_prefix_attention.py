@@ -10,11 +10,17 @@ import re
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    AutoModelForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from grpo.config import ModelConfig, RolloutConfig
-from grpo.logprobs import completion_logprobs, pack, packed_logprobs
+from grpo.logprobs import attention_dropout_on, completion_logprobs, pack, packed_logprobs
 from grpo.models import disable_dropout, load_policy, load_tokenizer
 from grpo.prefix_attention import (
     PREFIX,
@@ -125,6 +131,20 @@ def test_a_dropout_module_in_attention_takes_the_mask(monkeypatch) -> None:
     assert masks == [(4, False), (2, True)]
     m = _batch()[-1]
     assert not torch.allclose(got[m], want[m], atol=1e-3)  # the first really dropped weights
+
+
+def test_only_attention_dropout_keeps_packed_scoring_off_the_layout() -> None:
+    # GPT-2's embedding, residual and MLP dropout do not reach the attention: the layout stays
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=32, attn_pdrop=0.0)
+    config.resid_pdrop = config.embd_pdrop = 0.5
+    assert not attention_dropout_on(GPT2LMHeadModel(config).train())
+    # Falcon keeps its attention dropout as a module named attention_dropout
+    config = FalconConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=32)
+    config.attention_dropout, config.hidden_dropout = 0.5, 0.0
+    model = FalconForCausalLM(config).train()
+    assert attention_dropout_on(model) and not attention_dropout_on(model.eval())
+    disable_dropout(model.train())
+    assert not attention_dropout_on(model)
 
 
 def test_the_layout_forward_builds_no_mask(tiny_model_dir, monkeypatch) -> None:
