@@ -29,14 +29,16 @@ def run_main(
     forget: bool,
     first: dict[str, int | None] | None = None,
     outcomes: dict[str, int] | None = None,
+    paths: list[str] | None = None,
 ):
     """main() with a fake mutmut whose first (refresh) call forgets every result when
     ``forget``, mutants/ holding ``first`` at the start (default: one of each kind), and whose
     runs give the mutants named in ``outcomes`` those exit codes (default: a new test kills the
-    survivor when it runs alone); returns the mutant names of each call."""
+    survivor when it runs alone), over ``paths`` (default: the length file only); returns the
+    mutant names of each call."""
     monkeypatch.setattr(mutation, "ROOT", tmp_path)
     monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
-    monkeypatch.setattr(mutation, "files", lambda: [FILE])
+    monkeypatch.setattr(mutation, "files", lambda: paths or [FILE])
     monkeypatch.setattr(mutation, "head_commit", lambda: "def5678")
     write_meta(tmp_path, first or {KILLED: 1, SURVIVOR: 0, UNCHECKED: None})
     calls: list[list[str]] = []
@@ -91,6 +93,37 @@ def test_functions_narrow_a_recheck(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert (row["killed"], row["survivors"]) == (2, [other])
     with pytest.raises(SystemExit):
         run_main(tmp_path, monkeypatch, ["--functions", "soft_overlong"], forget=False)
+
+
+def test_a_whole_run_of_some_files_counts_only_their_mutants(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = "src/grpo/rewards/builtin.py"
+    meta = tmp_path / "mutants" / f"{other}.meta"
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {"grpo.rewards.builtin.x_f__mutmut_1": 1}}))
+    argv = ["--files", "rewards/length.py"]
+    run_main(tmp_path, monkeypatch, argv, forget=False, paths=[FILE, other])
+    # the length file's two checked mutants, not the other file's
+    run = json.loads((tmp_path / "mutation.json").read_text())["runs"][-1]
+    assert run["mutants"] == 2
+
+
+def test_a_run_of_some_files_keeps_the_other_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the other file's mutants/ holds only the survivor an earlier re-check ran: not its table
+    other = "src/grpo/rewards/builtin.py"
+    meta = tmp_path / "mutants" / f"{other}.meta"
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {"grpo.rewards.builtin.x_f__mutmut_1": 0}}))
+    counts = {"mutants": 43, "in_scope": 43, "checked": 43, "killed": 42, "survived": 1}
+    row = {"module": "rewards/builtin.py", "commit": "abc1234", **counts, "survivors": ["s"]}
+    (tmp_path / "mutation.json").write_text(json.dumps({"rows": [row], "runs": []}))
+    argv = ["--survivors", "--files", "rewards/length.py"]
+    run_main(tmp_path, monkeypatch, argv, forget=False, paths=[FILE, other])
+    rows = json.loads((tmp_path / "mutation.json").read_text())["rows"]
+    assert rows[1] == row and rows[0]["module"] == "rewards/length.py"
 
 
 def test_a_sample_needs_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,4 +205,24 @@ def test_a_stopped_recheck_keeps_the_unreached_survivors(
         "mutants": 2,
         "checked": 1,
         "killed_now": [SURVIVOR],
+    }
+
+
+def test_readme_explains_every_survivor_the_results_file_lists() -> None:
+    rows = json.loads(mutation.RESULT.read_text())["rows"]
+    missing, stale = mutation.unexplained(rows, (mutation.ROOT / "README.md").read_text())
+    assert (missing, stale) == ([], [])
+
+
+def test_the_survivor_list_reads_names_numbers_ranges_and_bare_methods() -> None:
+    readme = (
+        f"{mutation.EXPLAINED_FROM}\n- **A class** (`device=None`): `pack` 3, 5-7 (and 9, equal"
+        " here); `History.owners` 8 (a remark: 40), 10; `run_calls` 11.\n## Next section `f` 1"
+    )
+    functions = {"x_pack", "xǁHistoryǁowners", "xǁMultiTurnEngineǁrun_calls"}
+    assert mutation.explained(readme, functions) == {
+        *(f"x_pack__mutmut_{n}" for n in (3, 5, 6, 7, 9)),
+        "xǁHistoryǁowners__mutmut_8",
+        "xǁHistoryǁowners__mutmut_10",
+        "xǁMultiTurnEngineǁrun_calls__mutmut_11",
     }
