@@ -463,9 +463,8 @@ def main() -> None:
     ]
     print(markdown(rows))
     report_unexplained(rows)
-    # a resumed run keeps the timings of the runs before it; the table is the
-    # whole state of mutants/ (after an emptying refresh, the records before it, as above)
-    keep = (args.resume or args.survivors or args.files or args.rechecked) and (RESULT.exists())
+    # a partial run keeps the runs recorded before it (their timings, what each killed)
+    keep = (args.resume or args.survivors or args.files or args.rechecked) and RESULT.exists()
     runs = json.loads(RESULT.read_text()).get("runs", []) if keep else []
     if wall is not None:
         partial = args.resume or args.survivors
