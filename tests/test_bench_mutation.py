@@ -16,8 +16,11 @@ KILLED, SURVIVOR, UNCHECKED = (
 )
 
 
-def write_meta(root: Path, codes: dict[str, int | None]) -> None:
-    meta = root / "mutants" / f"{FILE}.meta"
+OTHER = "src/grpo/rewards/builtin.py"  # a second file, for runs of some files only
+
+
+def write_meta(root: Path, codes: dict[str, int | None], path: str = FILE) -> None:
+    meta = root / "mutants" / f"{path}.meta"
     meta.parent.mkdir(parents=True, exist_ok=True)
     meta.write_text(json.dumps({"exit_code_by_key": codes}))
 
@@ -98,12 +101,9 @@ def test_functions_narrow_a_recheck(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_a_whole_run_of_some_files_counts_only_their_mutants(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    other = "src/grpo/rewards/builtin.py"
-    meta = tmp_path / "mutants" / f"{other}.meta"
-    meta.parent.mkdir(parents=True, exist_ok=True)
-    meta.write_text(json.dumps({"exit_code_by_key": {"grpo.rewards.builtin.x_f__mutmut_1": 1}}))
+    write_meta(tmp_path, {"grpo.rewards.builtin.x_f__mutmut_1": 1}, OTHER)
     argv = ["--files", "rewards/length.py"]
-    run_main(tmp_path, monkeypatch, argv, forget=False, paths=[FILE, other])
+    run_main(tmp_path, monkeypatch, argv, forget=False, paths=[FILE, OTHER])
     # the length file's two checked mutants, not the other file's
     run = json.loads((tmp_path / "mutation.json").read_text())["runs"][-1]
     assert run["mutants"] == 2
@@ -113,15 +113,12 @@ def test_a_run_of_some_files_keeps_the_other_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the other file's mutants/ holds only the survivor an earlier re-check ran: not its table
-    other = "src/grpo/rewards/builtin.py"
-    meta = tmp_path / "mutants" / f"{other}.meta"
-    meta.parent.mkdir(parents=True, exist_ok=True)
-    meta.write_text(json.dumps({"exit_code_by_key": {"grpo.rewards.builtin.x_f__mutmut_1": 0}}))
+    write_meta(tmp_path, {"grpo.rewards.builtin.x_f__mutmut_1": 0}, OTHER)
     counts = {"mutants": 43, "in_scope": 43, "checked": 43, "killed": 42, "survived": 1}
     row = {"module": "rewards/builtin.py", "commit": "abc1234", **counts, "survivors": ["s"]}
     (tmp_path / "mutation.json").write_text(json.dumps({"rows": [row], "runs": []}))
     argv = ["--survivors", "--files", "rewards/length.py"]
-    run_main(tmp_path, monkeypatch, argv, forget=False, paths=[FILE, other])
+    run_main(tmp_path, monkeypatch, argv, forget=False, paths=[FILE, OTHER])
     rows = json.loads((tmp_path / "mutation.json").read_text())["rows"]
     assert rows[1] == row and rows[0]["module"] == "rewards/length.py"
 
