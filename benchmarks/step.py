@@ -191,10 +191,11 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
                 "completion_len": metrics["completion_len/mean"],
             }
         )
+    # stopped with the steps: the peak measurement below is not a stage of a step
+    stages = {"peak_rss_by_stage_mb": memory.stop()} if memory is not None else {}
     peak_after = common.matmul_peak_flops(seconds=warmup_peak_s, dtype=dtype)
     trainer.rewards.close()
     summary = summarize(steps, trainer, peak_before, peak_after, load_s)
-    stages = {"peak_rss_by_stage_mb": memory.stop()} if memory is not None else {}
     return {"precision": str(dtype).removeprefix("torch."), **summary, **stages}
 
 
