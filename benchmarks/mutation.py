@@ -248,6 +248,8 @@ TOKEN = re.compile(r"\s+|,|and\b|\(and[^)]*\)|\([^)]*\)|\d+(?:-\d+)?")
 def explained(readme: str, functions: set[str]) -> set[str]:
     """(mangled function)__mutmut_N of every mutant README's survivor list names. A bare method
     name (`run_calls`) is matched to the one class of ``functions`` that has it."""
+    if EXPLAINED_FROM not in readme:
+        return set()  # no list: every survivor is reported unexplained
     section = readme.split(EXPLAINED_FROM)[1].split("\n## ")[0]
     names = set()
     for match in re.finditer(r"`([A-Za-z_][\w.]*)`", section):
@@ -462,7 +464,6 @@ def main() -> None:
         for r in rows
     ]
     print(markdown(rows))
-    report_unexplained(rows)
     # a partial run keeps the runs recorded before it (their timings, what each killed)
     keep = (args.resume or args.survivors or args.files or args.rechecked) and RESULT.exists()
     runs = json.loads(RESULT.read_text()).get("runs", []) if keep else []
@@ -508,6 +509,7 @@ def main() -> None:
         "rows": rows,
     }
     RESULT.write_text(json.dumps(out, indent=1) + "\n")
+    report_unexplained(rows)  # after the write: a run's results never wait on README
 
 
 if __name__ == "__main__":

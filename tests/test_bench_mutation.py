@@ -223,3 +223,11 @@ def test_the_survivor_list_reads_names_numbers_ranges_and_bare_methods() -> None
         "xǁHistoryǁowners__mutmut_10",
         "xǁMultiTurnEngineǁrun_calls__mutmut_11",
     }
+
+
+def test_a_readme_without_the_list_explains_nothing() -> None:
+    rows = [{"survivors": ["grpo.rewards.length.x_soft_overlong__mutmut_3"]}]
+    assert mutation.unexplained(rows, "# README without it") == (
+        ["x_soft_overlong__mutmut_3"],
+        [],
+    )
