@@ -88,8 +88,11 @@ class StepClock:
 
         def count(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
             if torch.is_grad_enabled():  # rollout and frozen log-probs run without gradients
-                self.positions += kwargs["input_ids"].numel()
-                self.logits += output.logits.shape[0] * output.logits.shape[1]
+                ids = kwargs["input_ids"]
+                self.positions += ids.numel()
+                # the head's positions, from the call: the chunked head's output is no logits
+                keep = kwargs.get("logits_to_keep", 0)
+                self.logits += ids.shape[0] * (keep if 0 < keep < ids.shape[1] else ids.shape[1])
 
         trainer.frozen_logprobs = timed_frozen
         trainer.score = keep_scored

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.logprobs import (
+    chunked_head_slot,
     completion_logprobs,
     full_sequence_logprobs,
     pack,
@@ -73,9 +74,14 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
     original = model.forward
 
     def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        seen["logits"] = tuple(out.logits.shape)
-        return out
+        # whatever module is the head during the forward (the chunked one stands in for it)
+        hook = model.lm_head.register_forward_pre_hook(
+            lambda _, args: seen.update(hidden=tuple(args[0].shape))
+        )
+        try:
+            return original(*args, **kwargs)
+        finally:
+            hook.remove()
 
     model.forward = spy
     try:
@@ -91,7 +97,7 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
         del model.forward
     # each sequence packs 7 prompt + 3 completion tokens (the last predicts nothing); 4 completion
     # tokens need 4 predicting positions, not 10
-    assert seen["logits"][:2] == (3, 4)
+    assert seen["hidden"][:2] == (3, 4)
 
 
 def test_packing_pays_by_hand() -> None:
@@ -224,8 +230,14 @@ def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:
     assert lines == [
         "scoring log-probs: packed (prefix attention: each completion reads its prompt and its "
         "own tokens, no [L, L] mask; a group switches to one row per completion when packing "
-        "costs more (long completions))"
+        "costs more (long completions)); LM head: 64 positions at a time"
     ]
+    trainer = Trainer(tiny_config(model={"chunked_head": False}, algorithm={"beta": 0.04}))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("scoring")]
+    assert lines[0].endswith("; LM head: full logits")
+    # the policy and the reference's frozen copy both score from full logits
+    assert chunked_head_slot(trainer.policy) is None
+    assert chunked_head_slot(trainer.reference.copy) is None
 
 
 def test_position_ids_skip_left_padding() -> None:

@@ -47,6 +47,8 @@ class ModelConfig(Section):
     """bf16 autocast for forwards over float32 weights (mixed precision, TRL's bf16=True); log-probs stay float32. Pays on GPUs and CPUs with bf16 units (AVX512-BF16, AMX): steps 0.53x here; without them bf16 is slower (README, Performance: how to measure it)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute (README, Performance)."""
+    chunked_head: bool = True
+    """Scoring forwards run the LM head and its log-normaliser 64 positions at a time, recomputed in backward: no [positions, vocab] logits or gradient is ever whole (about 130 MiB less per SmolLM2 micro-batch), for one more head forward per update. Off: full logits (README, Memory options)."""
     disable_dropout: bool = True
     """Zero every dropout of the policy (as TRL does), so current, old and reference log-probs come from one deterministic network."""
     lora: LoraConfig = LoraConfig()

@@ -9,9 +9,11 @@ attention covers the whole square. Either way, for long completions a cost rule
 (``ScoringCost.packing_pays``, priced for the square, so conservative for prefix attention) gives
 the group one row per completion instead: the prompt repeated, no mask at all (plain causal
 attention), memory linear in the tokens scored. The LM
-head runs only on the positions that predict completion tokens (``logits_to_keep``), and the
-log-softmax is taken a few positions at a time through ``logsumexp``, so no float32
-[positions, vocab] log-softmax is ever materialised. Logits go through the sampling controls the
+head runs only on the positions that predict completion tokens (``logits_to_keep``), and it runs
+``CHUNK`` positions at a time together with the log-normaliser (``logsumexp``), recomputed in
+backward (``_ChunkedHead``), so neither the [positions, vocab] logits nor their gradient ever
+exists whole; models whose head is no plain linear layer, or that change its output, get the
+full logits, normalised a chunk at a time. Logits go through the sampling controls the
 engine used (temperature, and when set repetition penalty, min-p, top-k, top-p:
 ``grpo.processors``), so the log-probs are those of the distribution the tokens were sampled
 from.
@@ -19,10 +21,15 @@ from.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from grpo.prefix_attention import PREFIX, prefix_layout
 from grpo.processors import Sampling, seen_tokens, shape_logits, truncate
@@ -30,6 +37,10 @@ from grpo.processors import Sampling, seen_tokens, shape_logits, truncate
 # attention implementations that take a custom 4D mask (others get one full sequence per row);
 # PREFIX takes a packed layout instead, and the mask only when it cannot (attention dropout)
 PACKABLE = {"sdpa": torch.bool, "eager": None, PREFIX: torch.bool}
+
+# positions whose log-normaliser (and, chunked, whose LM head) is computed at once: [64, V]
+# float32 is 12 MiB on SmolLM2 (V = 49152), under the heap's 16 MiB mmap threshold
+CHUNK = 64
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -43,7 +54,7 @@ def token_logprobs(
     targets: Tensor,
     sampling: Sampling | float = 1.0,
     with_entropy: bool = False,
-    chunk: int = 64,
+    chunk: int = CHUNK,
     history: History | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """logits: [M, V] positions; at: [B, T] the position whose logits predict targets [B, T]
@@ -54,28 +65,12 @@ def token_logprobs(
     at a time, so the float32 temporaries stay small; a position shared by several targets (a
     prompt's last token predicts every completion's first) is normalised once.
     """
-    if not isinstance(sampling, Sampling):
-        sampling = Sampling(temperature=sampling)
-    if not sampling.plain:
-        return _processed_logprobs(logits, at, targets, sampling, with_entropy, chunk, history)
-    temperature = sampling.temperature
-    lse, entropies = [], []
-    # one split, not a slice per chunk: a slice's backward writes its gradient into a zero
-    # tensor of the whole [M, V] logits, so slicing cost O(M^2 V / chunk) in backward (larger
-    # micro-batches were slower per token); split's backward concatenates the chunks once
-    for part in logits.split(chunk):
-        part = part.float()  # a view when float32
-        if temperature != 1.0:  # dividing by 1 would still copy [chunk, V] and keep it for backward
-            part = part / temperature
-        lse.append(torch.logsumexp(part, dim=-1))
-        if with_entropy:
-            with torch.no_grad():  # logged and used for token selection, never differentiated
-                probs = torch.softmax(part, dim=-1)
-                entropies.append(lse[-1] - (probs * part).sum(dim=-1))
-    picked = logits[at, targets].float() / temperature  # [B, T]
-    logp = picked - torch.cat(lse)[at]
-    entropy = torch.cat(entropies)[at] if with_entropy else None
-    return logp, entropy
+    scorer = Scorer.of(at, targets, sampling, with_entropy, history, logits.shape[0])
+    return scorer.of_logits(logits, chunk)
+
+
+def _cat(parts: list[Tensor | None]) -> Tensor | None:
+    return None if parts[0] is None else torch.cat(parts)
 
 
 @dataclass
@@ -105,60 +100,266 @@ class History:
         return row_of, index_of
 
 
-def _processed_logprobs(
-    logits: Tensor,
-    at: Tensor,
-    targets: Tensor,
-    sampling: Sampling,
-    with_entropy: bool,
-    chunk: int,
-    history: History | None,
-) -> tuple[Tensor, Tensor | None]:
-    """``token_logprobs`` under penalty and truncation (see ``grpo.processors``).
+@dataclass
+class Scorer:
+    """What a micro-batch's log-probs need from each chunk of its logits, and how the chunks'
+    terms make them: the target tokens grouped by the position that predicts them, so a chunk
+    of positions holds a contiguous run of targets.
 
-    A target the truncation removed (possible only when the trainer's numbers differ from the
-    sampler's) is scored as if its position's kept set included it, so its log-prob stays finite.
+    Under penalty and truncation (``grpo.processors``), a target the truncation removed
+    (possible only when the trainer's numbers differ from the sampler's) is scored as if its
+    position's kept set included it, so its log-prob stays finite.
     """
-    m, vocab = logits.shape
-    flat_at = at.flatten()  # [B*T]
-    # targets grouped by the chunk of their position; any order within a position will do, since
-    # each value is put back in its place by the inverse permutation
-    order = torch.argsort(flat_at)
-    sorted_at = flat_at[order]
-    owners = history.owners(at, m) if sampling.repetition_penalty != 1.0 else None
-    lse, cutoffs, entropies, picked = [], [], [], []
-    for k, part in enumerate(logits.split(chunk)):  # one split: see token_logprobs
-        start = k * chunk
+
+    at: Tensor  # [B, T] the position whose logits predict each target
+    order: Tensor  # [B*T] targets sorted by position; any order within a position will do,
+    sorted_at: Tensor  # since each value is put back in its place by the inverse permutation
+    tokens: Tensor  # [B*T] the target tokens, in ``order``
+    sampling: Sampling
+    with_entropy: bool
+    history: History | None
+    owners: tuple[Tensor, Tensor] | None  # per position, a row and index it predicts for
+
+    @staticmethod
+    def of(
+        at: Tensor,
+        targets: Tensor,
+        sampling: Sampling | float,
+        with_entropy: bool,
+        history: History | None,
+        positions: int,
+    ) -> Scorer:
+        if not isinstance(sampling, Sampling):
+            sampling = Sampling(temperature=sampling)
+        flat_at = at.flatten()
+        order = torch.argsort(flat_at)
+        owners = None
+        if sampling.repetition_penalty != 1.0:
+            if history is None:
+                raise ValueError("repetition_penalty needs each row's history to score")
+            owners = history.owners(at, positions)
+        return Scorer(
+            at,
+            order,
+            flat_at[order],
+            targets.flatten()[order],
+            sampling,
+            with_entropy,
+            history,
+            owners,
+        )
+
+    def span(self, start: int, stop: int) -> tuple[int, int]:
+        """The run of (sorted) targets whose positions lie in [start, stop)."""
+        bounds = torch.tensor([start, stop], device=self.sorted_at.device)
+        lo, hi = torch.searchsorted(self.sorted_at, bounds).tolist()
+        return lo, hi
+
+    def terms(self, part: Tensor, start: int, with_entropy: bool | None = None) -> Terms:
+        """Logits of positions start .. start + c ([c, V]) -> their targets' (shaped) logits,
+        the log-normaliser [c], the truncation cutoff [c] (or None) and the entropy [c] (or
+        None)."""
         stop = start + part.shape[0]
         seen = None
-        if owners is not None:
-            rows, index = owners[0][start:stop], owners[1][start:stop]
+        if self.owners is not None and self.history is not None:
+            rows, index = self.owners[0][start:stop], self.owners[1][start:stop]
+            h = self.history
             seen = seen_tokens(
-                history.prompt_ids[rows],
-                history.prompt_mask[rows],
-                history.completion_ids[rows],
+                h.prompt_ids[rows],
+                h.prompt_mask[rows],
+                h.completion_ids[rows],
                 index,
-                vocab,
+                part.shape[1],
             )
-        shaped = shape_logits(part.float(), sampling, seen)  # [c, V]
-        lo, hi = torch.searchsorted(sorted_at, torch.tensor([start, stop], device=at.device))
-        mine = order[lo:hi]
-        picked.append(shaped[flat_at[mine] - start, targets.flatten()[mine]])
-        part, cutoff = truncate(shaped, sampling)
-        lse.append(torch.logsumexp(part, dim=-1))
+        # float32 is a view of float32 logits; at temperature 1 nothing else copies [c, V]
+        shaped = shape_logits(part.float(), self.sampling, seen)
+        lo, hi = self.span(start, stop)
+        picked = shaped[self.sorted_at[lo:hi] - start, self.tokens[lo:hi]]
+        kept, cutoff = truncate(shaped, self.sampling)
+        lse = torch.logsumexp(kept, dim=-1)
+        entropy = None
+        if self.with_entropy if with_entropy is None else with_entropy:
+            with torch.no_grad():  # logged and used for token selection, never differentiated
+                probs = torch.softmax(kept, dim=-1)  # 0 on removed tokens
+                finite = kept if cutoff is None else kept.nan_to_num(neginf=0.0)
+                entropy = lse - (probs * finite).sum(dim=-1)
+        return picked, lse, cutoff, entropy
+
+    def of_logits(self, logits: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor | None]:
+        """``logprobs`` of the terms of [M, V] logits, ``chunk`` positions at a time."""
+        # one split, not a slice per chunk: a slice's backward writes its gradient into a zero
+        # tensor of the whole [M, V] logits, so slicing cost O(M^2 V / chunk) in backward
+        # (larger micro-batches were slower per token); split's backward concatenates once
+        terms = [self.terms(part, k * chunk) for k, part in enumerate(logits.split(chunk))]
+        return self.logprobs(*(_cat([t[i] for t in terms]) for i in range(4)))
+
+    def logprobs(
+        self, picked: Tensor, lse: Tensor, cutoff: Tensor | None, entropy: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Every chunk's terms, concatenated -> log p(target) [B, T], entropy [B, T] or None."""
+        target = picked[torch.argsort(self.order)].view(self.at.shape)
+        norm = lse[self.at]
         if cutoff is not None:
-            cutoffs.append(cutoff)
-        if with_entropy:
-            with torch.no_grad():
-                probs = torch.softmax(part, dim=-1)  # 0 on removed tokens
-                entropies.append(lse[-1] - (probs * part.nan_to_num(neginf=0.0)).sum(dim=-1))
-    target = torch.cat(picked)[torch.argsort(order)].view(at.shape)  # [B, T]
-    norm = torch.cat(lse)[at]
-    if cutoffs:
-        outside = target.detach() < torch.cat(cutoffs)[at]
-        norm = torch.where(outside, torch.logaddexp(norm, target), norm)
-    entropy = torch.cat(entropies)[at] if with_entropy else None
-    return target - norm, entropy
+            outside = target.detach() < cutoff[self.at]
+            norm = torch.where(outside, torch.logaddexp(norm, target), norm)
+        return target - norm, entropy[self.at] if entropy is not None else None
+
+
+# a chunk's picked logits, log-normaliser, cutoff and entropy
+Terms = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """The LM head and a ``Scorer``'s terms, ``chunk`` positions at a time: hidden [M, H] ->
+    picked [B*T] and log-normaliser [M], differentiable; the cutoff and entropy go to ``out``.
+
+    Only the hidden states are kept for backward: each chunk's logits are computed again there
+    and their gradient folded into the head's at once, so neither the [M, V] logits nor their
+    gradient ever exists (a float32 [350, 49152] is 66 MiB on SmolLM2, per tensor). The
+    recomputation costs one more head forward (a third of the head's update FLOPs).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, scorer, chunk, out):  # type: ignore[override]
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.scorer, ctx.chunk = scorer, chunk
+        ctx.save_for_backward(hidden, weight, bias)
+        parts = hidden.split(chunk)
+        terms = [scorer.terms(F.linear(h, weight, bias), k * chunk) for k, h in enumerate(parts)]
+        out.extend([_cat([t[2] for t in terms]), _cat([t[3] for t in terms])])
+        return torch.cat([t[0] for t in terms]), torch.cat([t[1] for t in terms])
+
+    @staticmethod
+    def backward(ctx, grad_picked, grad_lse):  # type: ignore[override]
+        hidden, weight, bias = ctx.saved_tensors
+        scorer, chunk = ctx.scorer, ctx.chunk
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias else None
+        # the dtype the head's products ran in: autocast's (bf16) or the weight's; cast once
+        _, enabled, dtype = ctx.autocast
+        run = dtype if enabled else weight.dtype
+        w = weight.to(run)
+        b = None if bias is None else bias.to(run)
+        for k, h in enumerate(hidden.split(chunk)):
+            start, stop = k * chunk, k * chunk + h.shape[0]
+            lo, hi = scorer.span(start, stop)
+            h = h.to(run)
+            logits = F.linear(h, w, b).requires_grad_()  # the forward's logits, exactly
+            with torch.enable_grad():
+                picked, lse, _, _ = scorer.terms(logits, start, with_entropy=False)
+            grads = (
+                torch.zeros_like(picked) if grad_picked is None else grad_picked[lo:hi],
+                torch.zeros_like(lse) if grad_lse is None else grad_lse[start:stop],
+            )
+            torch.autograd.backward((picked, lse), grads)
+            grad = logits.grad  # [c, V]
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = grad @ w
+            if grad_weight is not None:
+                if grad_weight.dtype == run:
+                    grad_weight.addmm_(grad.T, h)  # no [V, H] temporary
+                else:
+                    grad_weight += (grad.T @ h).to(grad_weight.dtype)
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0).to(grad_bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+class _ScoringHead(nn.Module):
+    """Stands in for a model's ``nn.Linear`` LM head during one forward: runs ``_ChunkedHead``
+    on the hidden states it is given and returns the differentiable terms as the "logits", so
+    they leave the model through its output (where DDP and FSDP2 hook their backward)."""
+
+    def __init__(self, head: nn.Linear, scorer: Scorer, chunk: int) -> None:
+        super().__init__()
+        self.head, self.scorer, self.chunk = head, scorer, chunk
+        self.extras: list[Tensor | None] = []  # cutoff and entropy, set by the forward
+        self.sizes = (0, 0)
+        self.output: Tensor | None = None
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        w, b = self.head.weight, self.head.bias
+        picked, lse = _ChunkedHead.apply(flat, w, b, self.scorer, self.chunk, self.extras)
+        self.sizes = (picked.shape[0], lse.shape[0])
+        self.output = torch.cat([picked, lse])[None, None]
+        return self.output
+
+
+@dataclass(frozen=True)
+class _HeadSlot:
+    """Where a model keeps its LM head: ``getattr(parent, name) is head``."""
+
+    parent: nn.Module
+    name: str
+    head: nn.Linear
+
+    @contextlib.contextmanager
+    def holding(self, module: nn.Module) -> Iterator[None]:
+        setattr(self.parent, self.name, module)
+        try:
+            yield
+        finally:
+            setattr(self.parent, self.name, self.head)
+
+
+# LM heads scored from full logits: asked for (``full_logits``), or whose model changes what the
+# head returns (soft-capping, scaling), since the chunked head's terms are no logits to change
+_FULL_LOGITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def full_logits(model: nn.Module) -> None:
+    """Score ``model`` from its full logits from now on (``model.chunked_head: false``)."""
+    head = getattr(model, "module", model).get_output_embeddings()
+    if head is not None:
+        _FULL_LOGITS.add(head)
+
+
+def chunked_head_slot(model: nn.Module) -> _HeadSlot | None:
+    """The LM head ``completion_logprobs`` computes a chunk at a time, or None when it cannot:
+    a head that is no plain ``nn.Linear`` (LoRA on the head, quantised), one whose model was
+    seen to post-process its output, or one ``full_logits`` was asked for."""
+    inner = getattr(model, "module", model)  # DDP keeps the model on .module
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not nn.Linear or head in _FULL_LOGITS:
+        return None
+    return next(
+        (
+            _HeadSlot(parent, name, head)
+            for parent in inner.modules()
+            for name, child in parent.named_children()
+            if child is head
+        ),
+        None,
+    )
+
+
+def _scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor | None]:
+    """One forward of ``model`` and the log-probs ``scorer`` makes of it: (logp, entropy). The
+    head runs a chunk at a time where ``chunked_head_slot`` allows it."""
+    slot = chunked_head_slot(model)
+    if slot is not None:
+        head = _ScoringHead(slot.head, scorer, CHUNK)
+        with slot.holding(head):
+            out = model(**inputs)
+        if out.logits is head.output:
+            flat = out.logits.reshape(-1)
+            picked, lse = flat[: head.sizes[0]], flat[head.sizes[0] :]
+            return scorer.logprobs(picked, lse, *head.extras)
+        # the model changed what its head returned: that forward is wasted, once per head
+        _FULL_LOGITS.add(slot.head)
+        print(
+            f"scoring log-probs: {type(getattr(model, 'module', model)).__name__} post-processes "
+            "its LM head's output (soft-capping or scaling), so the head computes full logits",
+            file=sys.stderr,
+            flush=True,
+        )
+    logits = model(**inputs).logits
+    return scorer.of_logits(logits.reshape(-1, logits.shape[-1]))
 
 
 def completion_logprobs(
@@ -311,26 +512,24 @@ def packed_logprobs(
         "logits_to_keep": packed.keep,
         "use_cache": False,
     }
+    history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    positions = packed.input_ids.shape[0] * packed.keep
+    scorer = Scorer.of(packed.at, completion_ids, sampling, with_entropy, history, positions)
     if implementation == PREFIX and not attention_dropout_on(model):
         # no [L, L] mask: the layout says what each token reads (grpo.prefix_attention). The
         # mask of ones keeps transformers from building one: given none, it reads packed
         # sequences from the restarting position ids and builds their block mask, [U, L, L]
         layout = prefix_layout(packed.segment)
         mask = torch.ones_like(packed.input_ids)
-        out = model(**inputs, attention_mask=mask, prefix_layout=layout)
+        result = _scores(model, scorer, **inputs, attention_mask=mask, prefix_layout=layout)
         if not layout.uses[0]:
             raise RuntimeError(
                 f"{type(model).__name__} does not pass keyword arguments to its attention, so "
                 "packed scoring cannot use prefix attention: load it with attn_implementation='sdpa'"
             )
-    else:
-        dtype = PACKABLE[implementation] or next(model.parameters()).dtype
-        out = model(**inputs, attention_mask=packed.attention_mask(dtype))
-    logits = out.logits.reshape(-1, out.logits.shape[-1])  # [U * keep, V]
-    history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    return token_logprobs(
-        logits, packed.at, completion_ids, sampling, with_entropy, history=history
-    )
+        return result
+    dtype = PACKABLE[implementation] or next(model.parameters()).dtype
+    return _scores(model, scorer, **inputs, attention_mask=packed.attention_mask(dtype))
 
 
 def group_rows_logprobs(
@@ -351,15 +550,18 @@ def group_rows_logprobs(
     """
     g, t = completion_ids.shape[0], max(int(lengths.max()), 1)
     ids = torch.cat([prompt.expand(g, -1), completion_ids[:, :t]], dim=1)  # [g, S + t]
-    out = model(input_ids=ids, logits_to_keep=t + 1, use_cache=False)
-    logits = out.logits[:, :-1].reshape(g * t, -1)  # position S-1+j predicts completion token j
-    at = torch.arange(g * t, device=logits.device).view(g, t)
     completion_mask = torch.arange(t, device=ids.device)[None, :] < lengths[:, None]  # [g, t]
     prompt_mask = torch.ones(g, len(prompt), dtype=torch.bool, device=ids.device)
     history = History(prompt.expand(g, -1), prompt_mask, completion_ids[:, :t], completion_mask)
-    return token_logprobs(
-        logits, at, completion_ids[:, :t], sampling, with_entropy, history=history
-    )
+    at = _row_positions(g, t, ids.device)
+    scorer = Scorer.of(at, completion_ids[:, :t], sampling, with_entropy, history, g * (t + 1))
+    return _scores(model, scorer, input_ids=ids, logits_to_keep=t + 1, use_cache=False)
+
+
+def _row_positions(b: int, t: int, device: torch.device) -> Tensor:
+    """[b, t]: of each row's t + 1 kept positions (S-1 .. S+T-1), position S-1+j predicts
+    completion token j; the last one predicts past the end and is not read."""
+    return torch.arange(b * (t + 1), device=device).view(b, t + 1)[:, :t]
 
 
 def attention_dropout_on(model: nn.Module) -> bool:
@@ -466,14 +668,15 @@ def full_sequence_logprobs(
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, S+T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     b, t = completion_ids.shape
-    out = model(
+    history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    at = _row_positions(b, t, input_ids.device)
+    scorer = Scorer.of(at, completion_ids, sampling, with_entropy, history, b * (t + 1))
+    return _scores(
+        model,
+        scorer,
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=t + 1,  # positions S-1 .. S+T-1; the last one predicts past the end
+        logits_to_keep=t + 1,  # positions S-1 .. S+T-1
         use_cache=False,
     )
-    logits = out.logits[:, :-1].reshape(b * t, -1)  # position S-1+j predicts completion token j
-    at = torch.arange(b * t, device=logits.device).view(b, t)
-    history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    return token_logprobs(logits, at, completion_ids, sampling, with_entropy, history=history)

@@ -26,7 +26,7 @@ from grpo.batch import Rollout, Scored
 from grpo.config import Config, ConfigError, dump_config
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.eval import evaluate, evaluate_with_tools, heldout_rows, settings_for
-from grpo.logprobs import completion_logprobs, scoring_path
+from grpo.logprobs import chunked_head_slot, completion_logprobs, full_logits, scoring_path
 from grpo.memory import set_malloc_policy
 from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate
 from grpo.models import (
@@ -436,14 +436,19 @@ class Trainer:
         self.prompt_format.check(self.tokenizer, self.rows)
         self.policy = load_policy(config.model, model_path).to(self.dist.device)
         self.policy.train()
-        if self.dist.is_main:
-            path, why = scoring_path(self.policy)
-            print(f"scoring log-probs: {path} ({why})")
         self.reference = Reference(self.policy) if config.algorithm.beta > 0 else None
         # training forwards go through the DDP wrapper / the FSDP2-sharded policy; generation and
         # saving use self.policy (the same module, and the same object under FSDP2)
         self.train_model = distributed.wrap_model(self.policy, config.train.distributed, self.dist)
         frozen_copy = self.reference.copy if self.reference is not None else None
+        if not config.model.chunked_head:
+            for model in (self.policy, frozen_copy):
+                if model is not None:
+                    full_logits(model)
+        if self.dist.is_main:
+            path, why = scoring_path(self.policy)
+            head = "64 positions at a time" if chunked_head_slot(self.policy) else "full logits"
+            print(f"scoring log-probs: {path} ({why}); LM head: {head}")
         if self.dist.enabled and config.train.distributed == "fsdp" and frozen_copy is not None:
             distributed.fully_shard_model(frozen_copy, self.dist)
         self.engine = engine or build_engine(

@@ -1,0 +1,198 @@
+"""The chunked LM head (``grpo.logprobs``): the head and the log-normaliser a chunk of positions
+at a time, recomputed in backward, against the plain head's full logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from grpo import logprobs
+from grpo.logprobs import Scorer, chunked_head_slot, completion_logprobs
+from grpo.processors import Sampling
+
+SAMPLINGS = {
+    "temperature 1": Sampling(),
+    "temperature 0.7": Sampling(0.7),
+    "penalty and truncation": Sampling(0.8, top_k=30, top_p=0.9, repetition_penalty=1.3),
+}
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+
+def _batch(g: int = 6, n: int = 12):
+    """Two groups of ``g`` completions of up to ``n`` tokens (lengths differ), prompts of 5 and 3
+    tokens, left padded: the packed layout's kept positions outnumber CHUNK several times."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [[10, 11, 12, 13, 14], [20, 21, 22]]
+    rows = 2 * g
+    prompt_ids = torch.zeros(rows, 5, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, 5, dtype=torch.bool)
+    completion_ids = torch.randint(3, 100, (rows, n), generator=gen)
+    completion_mask = torch.zeros(rows, n, dtype=torch.bool)
+    for i in range(rows):
+        p = prompts[i % 2]
+        prompt_ids[i, 5 - len(p) :] = torch.tensor(p)
+        prompt_mask[i, 5 - len(p) :] = True
+        completion_mask[i, : 2 + i % (n - 1)] = True
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _scored(model, batch, sampling, plain: bool, monkeypatch):
+    """logp, entropy and every parameter's gradient of sum(logp * w) over real tokens."""
+    with monkeypatch.context() as patch:
+        if plain:
+            patch.setattr(logprobs, "chunked_head_slot", lambda model: None)
+        model.zero_grad()
+        logp, entropy = completion_logprobs(model, *batch, sampling, with_entropy=True)
+        mask = batch[3]
+        weights = torch.linspace(-1, 2, mask.numel()).view(mask.shape)
+        (logp * weights * mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return logp[mask], entropy[mask], grads
+
+
+@pytest.mark.parametrize("path", ["packed", "rows", "full"])
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_chunked_head_equals_the_plain_head(model, monkeypatch, path: str, name: str) -> None:
+    # values, entropy and the gradient of every parameter (the tied embedding takes the head's)
+    # equal the plain head's full logits, with chunks of 3 positions cutting through targets
+    # that share a position (a prompt's last token predicts each completion's first)
+    monkeypatch.setattr(logprobs, "CHUNK", 3)
+    if path == "rows":
+        monkeypatch.setattr(logprobs.ScoringCost, "packing_pays", lambda *_: False)
+    if path == "full":
+        monkeypatch.setattr(logprobs, "scoring_path", lambda model: ("rows", "test"))
+    assert chunked_head_slot(model) is not None
+    batch = _batch()
+    got = _scored(model, batch, SAMPLINGS[name], plain=False, monkeypatch=monkeypatch)
+    want = _scored(model, batch, SAMPLINGS[name], plain=True, monkeypatch=monkeypatch)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    for g, w in zip(got[2], want[2], strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    assert got[2][0].abs().sum() > 0  # the embedding (tied head) got a gradient
+
+
+def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypatch) -> None:
+    # the recomputed logits are the forward's (the head's products in bf16 both times), and the
+    # gradients go back through the same casts as autograd's
+    monkeypatch.setattr(logprobs, "CHUNK", 5)
+    batch = _batch(g=3, n=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _scored(model, batch, Sampling(0.7), plain=False, monkeypatch=monkeypatch)
+        want = _scored(model, batch, Sampling(0.7), plain=True, monkeypatch=monkeypatch)
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=1e-2)
+    for g, w in zip(got[2], want[2], strict=True):
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=5e-2)
+
+
+def test_a_head_with_a_bias_gets_every_gradient() -> None:
+    # the autograd function alone, on an untied head with a bias: hidden, weight and bias
+    # gradients equal the full logits' (a head that needs no weight gradient gets none)
+    gen = torch.Generator().manual_seed(0)
+    m, h, v = 11, 6, 17
+    head = nn.Linear(h, v)
+    hidden = torch.randn(m, h, generator=gen, requires_grad=True)
+    at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])  # positions shared by targets
+    targets = torch.randint(0, v, (3, 3), generator=gen)
+    sampling = Sampling(0.5, top_k=5, repetition_penalty=1.0)
+    scorer = Scorer.of(at, targets, sampling, False, None, m)
+    extras: list = []
+    picked, lse = logprobs._ChunkedHead.apply(hidden, head.weight, head.bias, scorer, 4, extras)
+    got = scorer.logprobs(picked, lse, *extras)[0]
+    got.sum().backward()
+    grads = [t.grad.clone() for t in (hidden, head.weight, head.bias)]
+    for t in (hidden, head.weight, head.bias):
+        t.grad = None
+    want = scorer.of_logits(head(hidden), chunk=4)[0]
+    want.sum().backward()
+    torch.testing.assert_close(got, want)
+    for g, t in zip(grads, (hidden, head.weight, head.bias), strict=True):
+        torch.testing.assert_close(g, t.grad)
+    head.requires_grad_(False)
+    head.weight.grad = head.bias.grad = hidden.grad = None
+    extras = []
+    frozen = logprobs._ChunkedHead.apply(hidden, head.weight, head.bias, scorer, 4, extras)
+    scorer.logprobs(*frozen, *extras)[0].sum().backward()
+    assert head.weight.grad is None and head.bias.grad is None
+    torch.testing.assert_close(hidden.grad, grads[0])
+
+
+def test_no_tensor_of_every_positions_logits_is_kept_for_backward(model, monkeypatch) -> None:
+    # what the plain head keeps for backward includes the [M, V] logits (the log-normaliser's
+    # input); the chunked head keeps the hidden states [M, H] and no logits larger than a chunk
+    batch = _batch()
+    vocab = model.config.vocab_size
+
+    def largest_logits_kept(plain: bool) -> int:
+        sizes = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() >= 1 and t.shape[-1] == vocab:
+                sizes.append(t.untyped_storage().nbytes() // t.element_size() // vocab)
+            return t
+
+        with monkeypatch.context() as patch:
+            if plain:
+                patch.setattr(logprobs, "chunked_head_slot", lambda model: None)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                completion_logprobs(model, *batch)
+        return max(sizes)
+
+    positions = logprobs.pack(*batch).at[batch[3]].unique().numel()  # that predict a target
+    assert largest_logits_kept(plain=True) >= positions
+    assert largest_logits_kept(plain=False) == 0
+
+
+def _softcapped_model():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=104,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=0.5,  # small: soft-capping changes every log-prob a lot
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(config)
+
+
+def test_a_model_that_post_processes_its_head_keeps_the_plain_head(capsys) -> None:
+    # Gemma 2 soft-caps its logits after the head: the first call sees that its output is not
+    # the head's, says so in one line, and scores from the full logits from then on
+    model = _softcapped_model()
+    batch = _batch(g=2, n=4)
+    assert chunked_head_slot(model) is not None
+    logp, _ = completion_logprobs(model, *batch)
+    assert capsys.readouterr().err.count("post-processes its LM head's output") == 1
+    assert chunked_head_slot(model) is None
+    again, _ = completion_logprobs(model, *batch)
+    assert "post-processes" not in capsys.readouterr().err
+    ids = torch.cat([batch[0][0], batch[2][0, :2]])[None]  # row 0: its prompt of 5, 2 tokens
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    want = torch.log_softmax(logits.float(), dim=-1)[[4, 5], batch[2][0, :2]]
+    torch.testing.assert_close(logp[0, :2], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again, logp)
+
+
+def test_a_head_that_is_no_plain_linear_keeps_the_plain_head(model, tiny_model_dir) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    assert chunked_head_slot(lora) is None
+    plain = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        LoraConfig(r=2, target_modules=["q_proj"]),
+    )
+    assert chunked_head_slot(plain) is not None  # found through the PEFT wrapper
