@@ -729,6 +729,9 @@ class Trainer:
         max_norm = self.config.optim.max_grad_norm or math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.optimizer.step()
+        # free the gradients now, not at the next update: the rollout and the frozen log-probs
+        # between the two then reuse their memory instead of growing the process (as TRL does)
+        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return distributed.as_float(norm)
 
