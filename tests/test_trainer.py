@@ -234,6 +234,18 @@ def test_one_iteration_needs_no_extra_forward(tiny_config, monkeypatch) -> None:
     assert calls == [True, True]
 
 
+def test_an_update_frees_its_gradients_once_its_step_is_taken(tiny_config) -> None:
+    trainer = Trainer(tiny_config())
+    scored = trainer.score(trainer.rollout())
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    trainer.optimize(scored)
+    # the step moved the weights, and the gradients are gone once it is taken: the rollout and
+    # the frozen log-probs until the next update reuse their memory
+    params = trainer.policy.parameters()
+    assert any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    assert all(p.grad is None for p in trainer.policy.parameters())
+
+
 def test_micro_batches_keep_groups_whole_longest_first_with_their_advantages(
     tiny_config,
 ) -> None:
