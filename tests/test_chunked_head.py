@@ -103,7 +103,9 @@ def test_a_head_with_a_bias_gets_every_gradient() -> None:
     sampling = Sampling(0.5, top_k=5, repetition_penalty=1.0)
     scorer = Scorer.of(at, targets, sampling, False, None, m)
     extras: list = []
-    picked, lse = logprobs._ChunkedHead.apply(hidden, head.weight, head.bias, scorer, 4, extras)
+    picked, lse = logprobs._ChunkedHead.apply(
+        hidden, head.weight, head.bias, scorer, 4, extras, False
+    )
     got = scorer.logprobs(picked, lse, *extras)[0]
     got.sum().backward()
     grads = [t.grad.clone() for t in (hidden, head.weight, head.bias)]
@@ -117,10 +119,41 @@ def test_a_head_with_a_bias_gets_every_gradient() -> None:
     head.requires_grad_(False)
     head.weight.grad = head.bias.grad = hidden.grad = None
     extras = []
-    frozen = logprobs._ChunkedHead.apply(hidden, head.weight, head.bias, scorer, 4, extras)
+    frozen = logprobs._ChunkedHead.apply(hidden, head.weight, head.bias, scorer, 4, extras, False)
     scorer.logprobs(*frozen, *extras)[0].sum().backward()
     assert head.weight.grad is None and head.bias.grad is None
     torch.testing.assert_close(hidden.grad, grads[0])
+
+
+def test_micro_batches_accumulate_the_heads_gradient_into_the_weights(model, monkeypatch):
+    # a second micro-batch adds the head's gradient into the (tied) weight's .grad in place:
+    # after both, every gradient equals the full logits' accumulated over the same two
+    monkeypatch.setattr(logprobs, "CHUNK", 4)
+    first, second = _batch(g=3, n=6), _batch(g=2, n=9)
+
+    def accumulated(plain: bool) -> list[torch.Tensor]:
+        with monkeypatch.context() as patch:
+            if plain:
+                patch.setattr(logprobs, "chunked_head_slot", lambda model: None)
+            model.zero_grad(set_to_none=True)
+            for batch in (first, second):
+                logp, _ = completion_logprobs(model, *batch, Sampling(0.9))
+                (logp * batch[3]).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    added = []
+    original = torch.Tensor.addmm_
+
+    def spy(self, *args, **kwargs):
+        added.append(self is model.lm_head.weight.grad)
+        return original(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "addmm_", spy)
+        got = accumulated(plain=False)
+    assert any(added)  # the second micro-batch wrote into .grad
+    for g, w in zip(got, accumulated(plain=True), strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
 def test_no_tensor_of_every_positions_logits_is_kept_for_backward(model, monkeypatch) -> None:
