@@ -69,6 +69,14 @@ def test_token_logprobs_chunking_is_exact() -> None:
         assert torch.allclose(got, want, atol=1e-6)
 
 
+def test_a_repetition_penalty_without_the_rows_history_is_a_clear_error() -> None:
+    from grpo.processors import Sampling
+
+    logits, at = torch.zeros(4, 11), torch.arange(4).view(2, 2)
+    with pytest.raises(ValueError, match="repetition_penalty needs each row's history"):
+        token_logprobs(logits, at, at, Sampling(repetition_penalty=1.2))
+
+
 def test_lm_head_runs_only_on_completion_positions(model) -> None:
     seen = {}
     original = model.forward

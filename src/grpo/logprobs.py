@@ -222,7 +222,8 @@ class _ChunkedHead(torch.autograd.Function):
     first), add the head's into it and give autograd none, instead of a second [V, H] tensor
     that autograd would add (on SmolLM2's tied embedding, 108 MiB at the update's peak). Only
     for a model run as it is: DDP and FSDP2 reduce what autograd accumulates, so under them
-    the gradient goes the usual way.
+    the gradient goes the usual way. (``loss.backward()`` then has it in ``.grad`` as usual;
+    ``torch.autograd.grad`` over the weight would not see it, and nothing here calls that.)
     """
 
     @staticmethod
