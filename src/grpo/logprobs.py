@@ -242,7 +242,7 @@ class _ChunkedHead(torch.autograd.Function):
         hidden, weight, bias = ctx.saved_tensors
         scorer, chunk = ctx.scorer, ctx.chunk
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None  # every row is written
         into_grad = need_weight and ctx.in_place and weight.grad is not None
         grad_weight = (
             weight.grad if into_grad else torch.zeros_like(weight) if need_weight else None
@@ -289,7 +289,6 @@ class _ScoringHead(nn.Module):
         super().__init__()
         self.head, self.scorer, self.chunk, self.in_place = head, scorer, chunk, in_place
         self.extras: list[Tensor | None] = []  # cutoff and entropy, set by the forward
-        self.sizes = (0, 0)
         self.output: Tensor | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:
@@ -297,7 +296,6 @@ class _ScoringHead(nn.Module):
         w, b = self.head.weight, self.head.bias
         args = (self.scorer, self.chunk, self.extras, self.in_place)
         picked, lse = _ChunkedHead.apply(flat, w, b, *args)
-        self.sizes = (picked.shape[0], lse.shape[0])
         self.output = torch.cat([picked, lse])[None, None]
         return self.output
 
@@ -368,7 +366,8 @@ def _scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor 
             out = model(**inputs)
         if out.logits is head.output:
             flat = out.logits.reshape(-1)
-            picked, lse = flat[: head.sizes[0]], flat[head.sizes[0] :]
+            targets = scorer.tokens.numel()  # one picked logit per target, then the positions
+            picked, lse = flat[:targets], flat[targets:]
             return scorer.logprobs(picked, lse, *head.extras)
         # the model changed what its head returned: that forward is wasted, once per head
         _FULL_LOGITS.add(slot.head)
