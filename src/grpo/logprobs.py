@@ -22,6 +22,7 @@ from.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import weakref
 from collections.abc import Iterator
@@ -149,16 +150,20 @@ class Scorer:
             owners,
         )
 
-    def span(self, start: int, stop: int) -> tuple[int, int]:
-        """The run of (sorted) targets whose positions lie in [start, stop)."""
-        bounds = torch.tensor([start, stop], device=self.sorted_at.device)
-        lo, hi = torch.searchsorted(self.sorted_at, bounds).tolist()
-        return lo, hi
+    def spans(self, positions: int, chunk: int) -> list[tuple[int, int]]:
+        """Per chunk of ``chunk`` positions, the run [lo, hi) of (sorted) targets its positions
+        predict; read back in one go (on a GPU, one host sync per forward, not one per chunk)."""
+        # as many as ``split(chunk)`` makes: one, empty, for no positions
+        edges = torch.tensor([*range(0, max(positions, 1), chunk), positions])
+        bounds = torch.searchsorted(self.sorted_at, edges.to(self.sorted_at.device)).tolist()
+        return list(itertools.pairwise(bounds))
 
-    def terms(self, part: Tensor, start: int, with_entropy: bool | None = None) -> Terms:
-        """Logits of positions start .. start + c ([c, V]) -> their targets' (shaped) logits,
-        the log-normaliser [c], the truncation cutoff [c] (or None) and the entropy [c] (or
-        None)."""
+    def terms(
+        self, part: Tensor, start: int, span: tuple[int, int], with_entropy: bool | None = None
+    ) -> Terms:
+        """Logits of positions start .. start + c ([c, V]) and the run of targets they predict
+        (``spans``) -> those targets' (shaped) logits, the log-normaliser [c], the truncation
+        cutoff [c] (or None) and the entropy [c] (or None)."""
         stop = start + part.shape[0]
         seen = None
         if self.owners is not None and self.history is not None:
@@ -173,7 +178,7 @@ class Scorer:
             )
         # float32 is a view of float32 logits; at temperature 1 nothing else copies [c, V]
         shaped = shape_logits(part.float(), self.sampling, seen)
-        lo, hi = self.span(start, stop)
+        lo, hi = span
         picked = shaped[self.sorted_at[lo:hi] - start, self.tokens[lo:hi]]
         kept, cutoff = truncate(shaped, self.sampling)
         lse = torch.logsumexp(kept, dim=-1)
@@ -190,7 +195,9 @@ class Scorer:
         # one split, not a slice per chunk: a slice's backward writes its gradient into a zero
         # tensor of the whole [M, V] logits, so slicing cost O(M^2 V / chunk) in backward
         # (larger micro-batches were slower per token); split's backward concatenates once
-        terms = [self.terms(part, k * chunk) for k, part in enumerate(logits.split(chunk))]
+        spans = self.spans(logits.shape[0], chunk)
+        parts = enumerate(zip(logits.split(chunk), spans, strict=True))
+        terms = [self.terms(part, k * chunk, span) for k, (part, span) in parts]
         return self.logprobs(*(_cat([t[i] for t in terms]) for i in range(4)))
 
     def logprobs(
@@ -231,9 +238,10 @@ class _ChunkedHead(torch.autograd.Function):
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.scorer, ctx.chunk, ctx.in_place = scorer, chunk, in_place
+        ctx.spans = scorer.spans(hidden.shape[0], chunk)
         ctx.save_for_backward(hidden, weight, bias)
-        parts = hidden.split(chunk)
-        terms = [scorer.terms(F.linear(h, weight, bias), k * chunk) for k, h in enumerate(parts)]
+        parts = enumerate(zip(hidden.split(chunk), ctx.spans, strict=True))
+        terms = [scorer.terms(F.linear(h, weight, bias), k * chunk, s) for k, (h, s) in parts]
         out.extend([_cat([t[2] for t in terms]), _cat([t[3] for t in terms])])
         return torch.cat([t[0] for t in terms]), torch.cat([t[1] for t in terms])
 
@@ -253,13 +261,12 @@ class _ChunkedHead(torch.autograd.Function):
         run = dtype if enabled else weight.dtype
         w = weight.to(run)
         b = None if bias is None else bias.to(run)
-        for k, h in enumerate(hidden.split(chunk)):
+        for k, (h, (lo, hi)) in enumerate(zip(hidden.split(chunk), ctx.spans, strict=True)):
             start, stop = k * chunk, k * chunk + h.shape[0]
-            lo, hi = scorer.span(start, stop)
             h = h.to(run)
             logits = F.linear(h, w, b).requires_grad_()  # the forward's logits, exactly
             with torch.enable_grad():
-                picked, lse, _, _ = scorer.terms(logits, start, with_entropy=False)
+                picked, lse, _, _ = scorer.terms(logits, start, (lo, hi), with_entropy=False)
             grads = (
                 torch.zeros_like(picked) if grad_picked is None else grad_picked[lo:hi],
                 torch.zeros_like(lse) if grad_lse is None else grad_lse[start:stop],
