@@ -10,11 +10,13 @@ slows both alike; the JSON has every timing, the medians and their ratio (fast /
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from transformers import (
@@ -25,9 +27,11 @@ from transformers import (
 )
 
 from benchmarks import common
-from grpo.config import RolloutConfig
+from grpo import logprobs
+from grpo.config import RolloutConfig, TrainConfig
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
+from grpo.memory import set_malloc_policy
 from grpo.models import load_tokenizer, resolve_model_path
 from grpo.prefix_attention import PREFIX
 from grpo.processors import process_logits
@@ -191,6 +195,62 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
     }
 
 
+def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
+    """The LM head a chunk at a time (``model.chunked_head``) against full logits, forward and
+    forward + backward, with the embedding lookup's gradient sparse or dense; and the head's
+    weight gradient over 1024 positions, 64 at a time: a product in the run's dtype cast and
+    added per chunk (what the chunked head does under autocast) against float32 ``addmm_`` of
+    the same values (no [V, H] temporary)."""
+    batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
+
+    def run(chunked: bool, grad: bool, lookup: bool = True) -> Callable[[], None]:
+        def scored(*args: Any) -> Any:
+            logprobs.full_logits(model, on=not chunked)
+            if lookup:
+                return completion_logprobs(*args)
+            # the dense lookup gradient, as before lookup_into_grad
+            with mock.patch.object(
+                logprobs, "lookup_into_grad", lambda m: contextlib.nullcontext()
+            ):
+                return completion_logprobs(*args)
+
+        return scoring(model, batches, scored, grad)
+
+    head = model.get_output_embeddings().weight
+    run_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else head.dtype
+    hidden = torch.randn(1024, head.shape[1]).to(run_dtype)
+    grad = (torch.randn(1024, head.shape[0]) * 1e-3).to(run_dtype)
+    acc = torch.zeros_like(head, dtype=torch.float32)
+
+    def accumulate(in_place: bool) -> Callable[[], None]:
+        def go() -> None:
+            for g, h in zip(grad.split(64), hidden.split(64), strict=True):
+                if in_place:
+                    acc.addmm_(g.T.float(), h.float())
+                else:
+                    acc.add_((g.T @ h).float())
+
+        return go
+
+    model.train()
+    result = {
+        "reference_forward_chunked_head": alternate(
+            {"full_logits": run(False, False), "chunked": run(True, False)}, repeats
+        ),
+        "update_chunked_head": alternate(
+            {"full_logits": run(False, True), "chunked": run(True, True)}, repeats
+        ),
+        "update_sparse_lookup": alternate(
+            {"dense": run(True, True, lookup=False), "sparse": run(True, True)}, repeats
+        ),
+        "head_weight_gradient": alternate(
+            {"product_per_chunk": accumulate(False), "float32_addmm": accumulate(True)}, repeats
+        ),
+    }
+    logprobs.full_logits(model, on=False)
+    return result
+
+
 def optimizer_lever(model, repeats: int) -> dict:
     """One AdamW step over every parameter: the foreach implementation against the fused one."""
     for p in model.parameters():
@@ -247,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         "--compile", action="store_true", help="only the torch.compile lever (minutes to compile)"
     )
     parser.add_argument("--attention", action="store_true", help="only the prefix attention lever")
+    parser.add_argument("--head", action="store_true", help="only the chunked LM head's levers")
     parser.add_argument(
         "--precision", choices=["float32", "bfloat16"], help="default: the set-up's"
     )
@@ -259,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
     torch.manual_seed(0)
+    set_malloc_policy(TrainConfig().malloc)  # freed memory handled as the trainer's default
     path = resolve_model_path(setup["model"])
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -283,23 +345,25 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
         "threads": torch.get_num_threads(),
         "precision": setup["precision"],
     }
-    if args.attention:
-        result.update(attention_lever(model, rollout, setup["micro_batch_size"], args.repeats))
-        out = args.out or RESULTS / f"levers_attention_{args.setup}.json"
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps(result, indent=1))
-        return
-    if args.compile:
-        result["compile_rollout"] = compile_lever(engine, prompts, rows, g)
-        out = args.out or RESULTS / f"levers_compile_{args.setup}.json"
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps(result, indent=1))
-        return
+    mb = setup["micro_batch_size"]
+    # the levers run alone on request, each into its own file
+    alone = {
+        "attention": lambda: attention_lever(model, rollout, mb, args.repeats),
+        "head": lambda: head_lever(model, rollout, mb, args.repeats),
+        "compile": lambda: {"compile_rollout": compile_lever(engine, prompts, rows, g)},
+    }
+    for name, lever in alone.items():
+        if getattr(args, name):
+            result.update(lever())
+            out = args.out or RESULTS / f"levers_{name}_{args.setup}.json"
+            out.write_text(json.dumps(result, indent=1) + "\n")
+            print(json.dumps(result, indent=1))
+            return
     result.update(rollout_levers(model, tokenizer, enc, engine, g, args.repeats))
-    result.update(logprob_levers(model, rollout, setup["micro_batch_size"], args.repeats))
+    result.update(logprob_levers(model, rollout, mb, args.repeats))
     result["adamw_fused"] = optimizer_lever(model, args.repeats)
     result["threads_update"] = threads_lever(
-        lambda: logprob_levers(model, rollout, setup["micro_batch_size"], 1), args.repeats
+        lambda: logprob_levers(model, rollout, mb, 1), args.repeats
     )
     out = args.out or RESULTS / f"levers_{args.setup}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

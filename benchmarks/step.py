@@ -35,6 +35,7 @@ def config_tree(setup: dict[str, Any], steps: int, seed: int, output_dir: str) -
         "model": {
             "name": setup["model"],
             "gradient_checkpointing": setup["gradient_checkpointing"],
+            "chunked_head": setup.get("chunked_head", True),
             # mixed precision as TRL's bf16=True: bf16 autocast over float32 weights
             "autocast": setup["precision"] == "bfloat16",
         },

@@ -3,6 +3,8 @@ at a time, recomputed in backward, against the plain head's full logits."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -154,6 +156,45 @@ def test_micro_batches_accumulate_the_heads_gradient_into_the_weights(model, mon
     assert any(added)  # the second micro-batch wrote into .grad
     for g, w in zip(got, accumulated(plain=True), strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_embedding_lookup_adds_its_rows_into_the_dense_grad(tiny_model_dir, monkeypatch, tied):
+    # lookup_into_grad: the lookup's gradient is sparse where it meets a dense one (the tied
+    # head's in the same backward, or .grad from an earlier micro-batch), so no dense [V, H]
+    # lookup gradient is made; .grad stays dense and equals the dense lookup's, micro-batch
+    # after micro-batch
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=tied)
+    emb = model.get_input_embeddings()
+    assert (model.lm_head.weight is emb.weight) == tied
+    first, second = _batch(g=3, n=6), _batch(g=2, n=9)
+    layouts: list[torch.layout] = []
+    emb.weight.register_hook(lambda grad: layouts.append(grad.layout))
+
+    def accumulated(dense: bool) -> list[torch.Tensor]:
+        with monkeypatch.context() as patch:
+            if dense:
+                patch.setattr(logprobs, "lookup_into_grad", lambda model: contextlib.nullcontext())
+            model.zero_grad(set_to_none=True)
+            for batch in (first, second):
+                logp, _ = completion_logprobs(model, *batch, Sampling(0.9))
+                (logp * batch[3]).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    got = accumulated(dense=False)
+    # tied: the head's dense gradient and the rows, summed; then the rows alone (the head's
+    # went into .grad in place). Untied: a dense lookup gradient becomes .grad; then the rows
+    assert layouts == [torch.strided, torch.sparse_coo]
+    assert emb.weight.grad.layout == torch.strided and not emb.sparse
+    layouts.clear()
+    want = accumulated(dense=True)
+    assert layouts == [torch.strided, torch.strided]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    assert want[0].abs().sum() > 0
+    with torch.no_grad():  # frozen forwards are untouched
+        completion_logprobs(model, *first)
+    assert not emb.sparse
 
 
 def test_no_tensor_of_every_positions_logits_is_kept_for_backward(model, monkeypatch) -> None:

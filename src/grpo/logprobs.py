@@ -279,6 +279,8 @@ class _ChunkedHead(torch.autograd.Function):
                 if grad_weight.dtype == run:
                     grad_weight.addmm_(grad.T, h)  # no [V, H] temporary
                 else:
+                    # a bf16 product, cast: float32 addmm_ of the bf16 values would need no
+                    # [V, H] temporary but is slower (1.28x, benchmarks.levers --head)
                     grad_weight += (grad.T @ h).to(grad_weight.dtype)
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0).to(grad_bias.dtype)
@@ -329,11 +331,14 @@ class _HeadSlot:
 _FULL_LOGITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def full_logits(model: nn.Module) -> None:
-    """Score ``model`` from its full logits from now on (``model.chunked_head: false``)."""
+def full_logits(model: nn.Module, on: bool = True) -> None:
+    """Score ``model`` from its full logits from now on (``model.chunked_head: false``), or,
+    with ``on=False``, a chunk at a time again where it can."""
     head = getattr(model, "module", model).get_output_embeddings()
-    if head is not None:
+    if head is not None and on:
         _FULL_LOGITS.add(head)
+    elif head is not None:
+        _FULL_LOGITS.discard(head)
 
 
 def chunked_head_slot(model: nn.Module) -> _HeadSlot | None:
@@ -363,9 +368,39 @@ def _runs_as_it_is(model: nn.Module) -> bool:
     return not hasattr(model, "module") and not isinstance(model, FSDPModule)
 
 
+@contextlib.contextmanager
+def lookup_into_grad(model: nn.Module) -> Iterator[None]:
+    """During a differentiated forward of a model run as it is, its input embedding's backward
+    adds the looked-up rows into the weight's dense ``.grad`` (a sparse gradient, added in
+    place), instead of handing autograd a dense [V, H] gradient of mostly zeros to add: 108 MiB
+    at the update's peak on SmolLM2, more on larger vocabularies.
+
+    Only where the sum stays dense: the weight already has a ``.grad`` (every micro-batch after
+    a step's first), or it is tied to the LM head, whose dense gradient meets it in the same
+    backward. Alone, a sparse gradient would become a sparse ``.grad``, which the optimizer and
+    clipping do not take. DDP and FSDP2 reduce what autograd hands them, so not under them."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) and torch.is_grad_enabled() else None
+    if type(emb) is not nn.Embedding or emb.sparse or not emb.weight.requires_grad:
+        yield
+        return
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    tied = head is not None and head.weight is emb.weight
+    emb.sparse = (emb.weight.grad is not None or tied) and _runs_as_it_is(model)
+    try:
+        yield
+    finally:
+        emb.sparse = False
+
+
 def _scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor | None]:
     """One forward of ``model`` and the log-probs ``scorer`` makes of it: (logp, entropy). The
     head runs a chunk at a time where ``chunked_head_slot`` allows it."""
+    with lookup_into_grad(model):
+        return _forward_scores(model, scorer, **inputs)
+
+
+def _forward_scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor | None]:
     slot = chunked_head_slot(model)
     if slot is not None:
         head = _ScoringHead(slot.head, scorer, CHUNK, in_place=_runs_as_it_is(model))
