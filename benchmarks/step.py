@@ -122,6 +122,7 @@ class StageMemory:
         for name, stage in STAGES.items():
             setattr(trainer, name, self._within(getattr(trainer, name), stage))
         self.done = threading.Event()
+        self._record()  # the floor before any stage, however soon the first one starts
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
 
@@ -135,13 +136,14 @@ class StageMemory:
 
         return wrapped
 
-    def _sample(self) -> None:
-        page_mb = 4096 / 2**20
+    def _record(self) -> None:
         with open("/proc/self/statm") as statm:
-            while not self.done.wait(self.every_s):
-                statm.seek(0)
-                mb = int(statm.read().split()[1]) * page_mb
-                self.peaks[self.stage] = max(self.peaks.get(self.stage, 0.0), mb)
+            mb = int(statm.read().split()[1]) * 4096 / 2**20
+        self.peaks[self.stage] = max(self.peaks.get(self.stage, 0.0), mb)
+
+    def _sample(self) -> None:
+        while not self.done.wait(self.every_s):
+            self._record()
 
     def stop(self) -> dict[str, float]:
         self.done.set()
