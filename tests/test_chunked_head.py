@@ -170,6 +170,8 @@ def test_the_embedding_lookup_adds_its_rows_into_the_dense_grad(tiny_model_dir, 
     first, second = _batch(g=3, n=6), _batch(g=2, n=9)
     layouts: list[torch.layout] = []
     emb.weight.register_hook(lambda grad: layouts.append(grad.layout))
+    lookups: list[bool] = []  # sparse or not, as each forward looks up
+    emb.register_forward_pre_hook(lambda module, args: lookups.append(module.sparse))
 
     def accumulated(dense: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as patch:
@@ -185,10 +187,13 @@ def test_the_embedding_lookup_adds_its_rows_into_the_dense_grad(tiny_model_dir, 
     # tied: the head's dense gradient and the rows, summed; then the rows alone (the head's
     # went into .grad in place). Untied: a dense lookup gradient becomes .grad; then the rows
     assert layouts == [torch.strided, torch.sparse_coo]
+    # tied, the first micro-batch's rows meet the head's dense gradient: sparse from the start
+    assert lookups == [tied, True]
     assert emb.weight.grad.layout == torch.strided and not emb.sparse
     layouts.clear()
+    lookups.clear()
     want = accumulated(dense=True)
-    assert layouts == [torch.strided, torch.strided]
+    assert layouts == [torch.strided, torch.strided] and lookups == [False, False]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
     assert want[0].abs().sum() > 0
