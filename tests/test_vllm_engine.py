@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -69,6 +71,11 @@ class FakeLLM:
         self.model = FakeModel()
         self.requests: list[tuple[dict, FakeSamplingParams]] = []
         self.cache_resets = 0
+        self.shutdowns = 0  # vLLM's in-process engine core, reached as llm.llm_engine.engine_core
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=self._shutdown))
+
+    def _shutdown(self) -> None:
+        self.shutdowns += 1
 
     def _tokens(self, params: FakeSamplingParams, k: int) -> list[int]:
         if params.seed in self.script:
@@ -186,6 +193,7 @@ def test_weights_are_pushed_after_every_optimizer_step(tiny_config, tmp_path) ->
     start = copy.deepcopy(trainer.policy.state_dict())
     trainer.train()
     assert len(llm.model.loads) == 2 and llm.cache_resets == 2  # one push per step
+    assert llm.shutdowns == 1  # before the process group goes (train's own finally)
     final = trainer.policy.state_dict()
     pushed = llm.model.loads[-1]
     assert pushed.keys() == final.keys()
@@ -415,3 +423,28 @@ def test_the_rotary_reload_false_alarm_is_dropped_and_nothing_else() -> None:
 
     assert not not_a_rotary_reload_notice(record("RotaryEmbedding: Failed to load weights"))
     assert not_a_rotary_reload_notice(record("LlamaMLP: Failed to load weights"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_vllm, reason="vllm is not installed")
+def test_a_real_vllm_run_exits_without_a_traceback(wide_model_dir: Path, tmp_path: Path) -> None:
+    # vLLM's exit hook shut its engine down after the trainer had closed the process group it
+    # joined, and printed a traceback after "run finished" (exit code 0 all the same)
+    recipe = tmp_path / "recipe.yaml"
+    tree = {
+        "model": {"name": str(wide_model_dir)},
+        "data": {"task": "arithmetic", "task_args": {"size": 16}},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+        "train": {"steps": 1, "output_dir": str(tmp_path / "runs"), "progress": False},
+    }
+    recipe.write_text(yaml.safe_dump(tree))
+    grpo = [sys.executable, "-m", "grpo.cli", "train", str(recipe)]
+    done = subprocess.run(
+        [*grpo, "rollout.engine=vllm", "rollout.vllm_kv_cache_gb=0.25"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "run finished" in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -40,7 +40,7 @@ from grpo.models import (
 from grpo.processors import Sampling
 from grpo.prompts import prompt_format_for
 from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
-from grpo.rollout import RolloutEngine, build_engine, reward_inputs
+from grpo.rollout import RolloutEngine, build_engine, close_engine, reward_inputs
 from grpo.rollout.turns import MultiTurnEngine, chat_tools, tool_metrics
 from grpo.run_dir import (
     Checkpoint,
@@ -949,6 +949,7 @@ class Trainer:
             raise
         finally:
             self.rewards.close()
+            close_engine(self.engine)
             self.run.release()
         return self.config.run_dir
 

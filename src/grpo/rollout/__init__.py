@@ -37,6 +37,14 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 
 
+def close_engine(engine: RolloutEngine) -> None:
+    """Release what an engine holds, where it has a ``close`` (vLLM's engine core, which must
+    go before the process group it joined does)."""
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()
+
+
 def sampling_of(config: RolloutConfig, temperature: float | None = None) -> Sampling:
     """The sampling controls of ``rollout.*``, at ``temperature`` when given."""
     return Sampling(

@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.batch import Rollout
 from grpo.config import ConfigError, RolloutConfig
-from grpo.rollout import grouped_rollout, sampling_of
+from grpo.rollout import close_engine, grouped_rollout, sampling_of
 from grpo.rollout.tools import TOOLS, ToolResult
 
 # tool calls of one round run concurrently (each in its own sandbox process)
@@ -260,6 +260,9 @@ class MultiTurnEngine:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.engine.sync_weights(model)
+
+    def close(self) -> None:
+        close_engine(self.engine)
 
     def observation_ids(self, result: ToolResult, ended_with_eos: bool) -> list[int]:
         """Tokens appended after a call: the template's tool message (the assistant message

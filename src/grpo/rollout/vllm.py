@@ -176,6 +176,15 @@ class VLLMEngine:
         # cached prompt KV was computed with the old weights
         self.llm.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Shut vLLM's engine core down now. Left to vLLM's exit hook, it would run after the
+        trainer closed the process group it joined and fail with a traceback at exit."""
+        # vllm.LLM has no public shutdown (0.32); its in-process client's runs the engine
+        # core's teardown once, which the exit hook then skips
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
     def _params(
         self,
         group_size: int,
