@@ -197,21 +197,25 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
 
 def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """The LM head a chunk at a time (``model.chunked_head``) against full logits, forward and
-    forward + backward, with the embedding lookup's gradient sparse or dense; and the head's
+    forward + backward, at chunks of 64 to 512 rows, with the embedding lookup's gradient
+    sparse or dense; and the head's
     weight gradient over 1024 positions, 64 at a time: a product in the run's dtype cast and
     added per chunk (what the chunked head does under autocast) against float32 ``addmm_`` of
     the same values (no [V, H] temporary)."""
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
 
-    def run(chunked: bool, grad: bool, lookup: bool = True) -> Callable[[], None]:
+    def run(
+        chunked: bool, grad: bool, lookup: bool = True, rows: int = logprobs.CHUNK
+    ) -> Callable[[], None]:
         def scored(*args: Any) -> Any:
             logprobs.full_logits(model, on=not chunked)
-            if lookup:
-                return completion_logprobs(*args)
-            # the dense lookup gradient, as before lookup_into_grad
-            with mock.patch.object(
-                logprobs, "lookup_into_grad", lambda m: contextlib.nullcontext()
-            ):
+            with contextlib.ExitStack() as patches:
+                patches.enter_context(mock.patch.object(logprobs, "CHUNK", rows))
+                if not lookup:  # the dense lookup gradient, as before lookup_into_grad
+                    no_lookup = mock.patch.object(
+                        logprobs, "lookup_into_grad", lambda m: contextlib.nullcontext()
+                    )
+                    patches.enter_context(no_lookup)
                 return completion_logprobs(*args)
 
         return scoring(model, batches, scored, grad)
@@ -239,6 +243,9 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
         ),
         "update_chunked_head": alternate(
             {"full_logits": run(False, True), "chunked": run(True, True)}, repeats
+        ),
+        "update_chunk_rows": alternate(
+            {str(rows): run(True, True, rows=rows) for rows in (64, 128, 256, 512)}, repeats
         ),
         "update_sparse_lookup": alternate(
             {"dense": run(True, True, lookup=False), "sparse": run(True, True)}, repeats
