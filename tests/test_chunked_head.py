@@ -275,3 +275,21 @@ def test_a_head_that_is_no_plain_linear_keeps_the_plain_head(model, tiny_model_d
         LoraConfig(r=2, target_modules=["q_proj"]),
     )
     assert chunked_head_slot(plain) is not None  # found through the PEFT wrapper
+
+
+def test_full_logits_turns_the_chunked_head_off_and_on_again_through_a_wrapper(model) -> None:
+    # DDP keeps the model on .module: full_logits reaches the head through it, as the slot does
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    wrapped = Wrapper(model)
+    assert chunked_head_slot(wrapped) is not None
+    logprobs.full_logits(wrapped)
+    assert chunked_head_slot(wrapped) is None
+    assert chunked_head_slot(model) is None
+    logprobs.full_logits(wrapped, on=False)
+    assert chunked_head_slot(wrapped) is not None
+    logprobs.full_logits(wrapped, on=False)  # turning it off twice is no error
+    assert chunked_head_slot(model) is not None
