@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # vLLM's engine once `make vllm` has installed it: measured side by side on an idle machine,
-# its whole steps (weight pushes included) took 0.76x the HF engine's, at 1.55x the memory
+# its whole steps (weight pushes included) took 0.82x the HF engine's, at 1.58x the memory
 # (README, "vLLM rollouts"); `grpo train` alone keeps the HF engine. Expanded when the recipe
 # runs, after .venv is made
 ENGINE = $(shell test -x $(PY) && $(PY) -c "import importlib.util as u; print('rollout.engine=vllm' if u.find_spec('vllm') else '')" 2>/dev/null)

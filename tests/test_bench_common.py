@@ -157,8 +157,8 @@ def test_update_mfu_counts_the_positions_computed(tiny_config) -> None:
 
 @pytest.mark.skipif(not step_module.StageMemory.available(), reason="needs Linux's clear_refs")
 def test_stage_memory_puts_a_short_spike_in_its_own_stage(tiny_config, monkeypatch) -> None:
-    # a 256 MiB tensor touched and freed within the frozen log-probs (a few ms, shorter than
-    # any sampling interval would see reliably) is that stage's peak, and the run's
+    # a 256 MiB tensor touched and freed within the frozen log-probs is that stage's peak and
+    # the run's: read from the kernel's mark, however short the spike
     from grpo.trainer import Trainer
 
     frozen = Trainer.frozen_logprobs
