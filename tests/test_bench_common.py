@@ -182,15 +182,16 @@ def test_stage_memory_puts_a_short_spike_in_its_own_stage(tiny_config, monkeypat
 
 
 @pytest.mark.parametrize(("bf16_gflops", "chosen"), [(1000.0, "bfloat16"), (250.0, "float32")])
-def test_the_fast_set_ups_take_bf16_only_where_it_multiplies_clearly_faster(
-    monkeypatch, bf16_gflops: float, chosen: str
+@pytest.mark.parametrize("setup", ["smollm2", "smollm2-fast"])
+def test_smollm2_set_ups_take_bf16_only_where_it_multiplies_clearly_faster(
+    monkeypatch, bf16_gflops: float, chosen: str, setup: str
 ) -> None:
     peaks = {torch.float32: 200e9, torch.bfloat16: bf16_gflops * 1e9}
     monkeypatch.setattr(common, "matmul_peak_flops", lambda dtype, **_: peaks[dtype])
-    fast = common.with_precision(common.SETUPS["smollm2-fast"], None)
+    fast = common.with_precision(common.SETUPS[setup], None)
     assert fast["precision"] == chosen
     # a set-up in float32 stays there, and a precision given by hand wins
-    assert common.with_precision(common.SETUPS["smollm2"], None)["precision"] == "float32"
+    assert common.with_precision(common.SETUPS["tiny"], None)["precision"] == "float32"
     assert common.with_precision(fast, "float32")["precision"] == "float32"
     # grpo runs the chosen precision as TRL's bf16=True does: autocast over float32 weights
     tree = config_tree(fast, steps=1, seed=0, output_dir="out")
