@@ -4,6 +4,7 @@ at a time, recomputed in backward, against the plain head's full logits."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from grpo import logprobs
-from grpo.logprobs import Scorer, chunked_head_slot, completion_logprobs
+from grpo.logprobs import History, Scorer, chunked_head_slot, completion_logprobs, token_logprobs
 from grpo.processors import Sampling
 
 SAMPLINGS = {
@@ -93,9 +94,12 @@ def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypat
         torch.testing.assert_close(g, w, atol=2e-2, rtol=5e-2)
 
 
-def test_a_head_with_a_bias_gets_every_gradient() -> None:
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_head_with_a_bias_gets_every_gradient(autocast: bool) -> None:
     # the autograd function alone, on an untied head with a bias: hidden, weight and bias
-    # gradients equal the full logits' (a head that needs no weight gradient gets none)
+    # gradients equal the full logits' (a head that needs no weight gradient gets none). Under
+    # bf16 autocast the backward runs outside it, as the trainer's does, so the recomputed head
+    # must cast its bias too to run in the forward's dtype
     gen = torch.Generator().manual_seed(0)
     m, h, v = 11, 6, 17
     head = nn.Linear(h, v)
@@ -104,27 +108,78 @@ def test_a_head_with_a_bias_gets_every_gradient() -> None:
     targets = torch.randint(0, v, (3, 3), generator=gen)
     sampling = Sampling(0.5, top_k=5, repetition_penalty=1.0)
     scorer = Scorer.of(at, targets, sampling, False, None, m)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if autocast else {}
     extras: list = []
-    picked, lse = logprobs._ChunkedHead.apply(
-        hidden, head.weight, head.bias, scorer, 4, extras, False
-    )
+    with bf16:
+        picked, lse = logprobs._ChunkedHead.apply(
+            hidden, head.weight, head.bias, scorer, 4, extras, False
+        )
     got = scorer.logprobs(picked, lse, *extras)[0]
     got.sum().backward()
     grads = [t.grad.clone() for t in (hidden, head.weight, head.bias)]
     for t in (hidden, head.weight, head.bias):
         t.grad = None
-    want = scorer.of_logits(head(hidden), chunk=4)[0]
+    with bf16:
+        want = scorer.of_logits(head(hidden), chunk=4)[0]
     want.sum().backward()
-    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, want, **tol)
     for g, t in zip(grads, (hidden, head.weight, head.bias), strict=True):
-        torch.testing.assert_close(g, t.grad)
+        torch.testing.assert_close(g, t.grad, **tol)
     head.requires_grad_(False)
     head.weight.grad = head.bias.grad = hidden.grad = None
     extras = []
-    frozen = logprobs._ChunkedHead.apply(hidden, head.weight, head.bias, scorer, 4, extras, False)
+    with bf16:
+        frozen = logprobs._ChunkedHead.apply(
+            hidden, head.weight, head.bias, scorer, 4, extras, False
+        )
     scorer.logprobs(*frozen, *extras)[0].sum().backward()
     assert head.weight.grad is None and head.bias.grad is None
     torch.testing.assert_close(hidden.grad, grads[0])
+
+
+def test_a_models_head_with_a_bias_equals_the_plain_head(tiny_model_dir, monkeypatch) -> None:
+    # the scoring head that stands in for the model's own passes its bias on: values and every
+    # gradient, the bias's included, are the plain head's
+    monkeypatch.setattr(logprobs, "CHUNK", 4)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features)
+    nn.init.normal_(model.lm_head.bias)  # large enough to move every log-prob
+    batch = _batch(g=3, n=6)
+    got = _scored(model, batch, Sampling(0.7), plain=False, monkeypatch=monkeypatch)
+    want = _scored(model, batch, Sampling(0.7), plain=True, monkeypatch=monkeypatch)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for g, w in zip(got[2], want[2], strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    assert got[2][-1].abs().sum() > 0  # the bias got a gradient
+
+
+@pytest.mark.parametrize(("positions", "chunk"), [(1, 1), (5, 1), (8, 4), (9, 4), (3, 8)])
+def test_chunks_of_any_size_score_every_position(positions: int, chunk: int) -> None:
+    # chunks of one position, chunks that divide the positions or not, one chunk past them all:
+    # every target's log-prob and entropy are the plain log-softmax's
+    gen = torch.Generator().manual_seed(positions)
+    logits = torch.randn(positions, 7, generator=gen)
+    at = torch.randint(0, positions, (2, 3), generator=gen)
+    targets = torch.randint(0, 7, (2, 3), generator=gen)
+    logp, entropy = token_logprobs(logits, at, targets, with_entropy=True, chunk=chunk)
+    plain = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(logp, plain[at, targets])
+    torch.testing.assert_close(entropy, -(plain.exp() * plain).sum(dim=-1)[at])
+
+
+def test_a_penalty_without_the_history_it_reads_is_refused() -> None:
+    # the whole message, since it is all a caller is told of what to pass
+    at, targets = torch.tensor([[0, 1]]), torch.tensor([[3, 4]])
+    penalty = Sampling(repetition_penalty=1.3)
+    with pytest.raises(ValueError, match=r"^repetition_penalty needs each row's history to score$"):
+        Scorer.of(at, targets, penalty, False, None, 2)
+    ones = torch.ones(1, 2, dtype=torch.bool)
+    scorer = Scorer.of(at, targets, penalty, False, History(at, ones, targets, ones), 2)
+    # a scorer made by hand without the owners of its positions: refused, not a TypeError
+    with pytest.raises(ValueError, match="repetition_penalty needs the tokens seen"):
+        dataclasses.replace(scorer, owners=None).terms(torch.zeros(2, 8), 0, (0, 2))
 
 
 def test_micro_batches_accumulate_the_heads_gradient_into_the_weights(model, monkeypatch):
@@ -277,14 +332,20 @@ def test_a_head_that_is_no_plain_linear_keeps_the_plain_head(model, tiny_model_d
     assert chunked_head_slot(plain) is not None  # found through the PEFT wrapper
 
 
+class _Wrapper(nn.Module):
+    """As DDP holds a model: on ``.module``, called through its own forward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+    def forward(self, **inputs: object) -> object:
+        return self.module(**inputs)
+
+
 def test_full_logits_turns_the_chunked_head_off_and_on_again_through_a_wrapper(model) -> None:
     # DDP keeps the model on .module: full_logits reaches the head through it, as the slot does
-    class Wrapper(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.module = inner
-
-    wrapped = Wrapper(model)
+    wrapped = _Wrapper(model)
     assert chunked_head_slot(wrapped) is not None
     logprobs.full_logits(wrapped)
     assert chunked_head_slot(wrapped) is None
@@ -293,3 +354,33 @@ def test_full_logits_turns_the_chunked_head_off_and_on_again_through_a_wrapper(m
     assert chunked_head_slot(wrapped) is not None
     logprobs.full_logits(wrapped, on=False)  # turning it off twice is no error
     assert chunked_head_slot(model) is not None
+
+
+def test_a_wrapped_model_hands_every_head_gradient_to_autograd(model, monkeypatch) -> None:
+    # DDP reduces what autograd hands the weights, so under a wrapper the head's gradient is
+    # never added into .grad in place: over two micro-batches (the second finds a .grad), what
+    # autograd handed the tied weight sums to its .grad
+    monkeypatch.setattr(logprobs, "CHUNK", 4)
+    wrapped = _Wrapper(model)
+    assert chunked_head_slot(wrapped) is not None
+    handed: list[torch.Tensor] = []
+    model.lm_head.weight.register_hook(lambda grad: handed.append(grad.clone()))
+    for batch in (_batch(g=3, n=6), _batch(g=2, n=9)):
+        logp, _ = completion_logprobs(wrapped, *batch, Sampling(0.9))
+        (logp * batch[3]).sum().backward()
+    assert len(handed) == 2
+    torch.testing.assert_close(sum(handed), model.lm_head.weight.grad)
+
+
+def test_a_head_the_model_holds_in_no_module_keeps_the_plain_head() -> None:
+    # the chunked head replaces the model's head where a module holds it; with none to hold the
+    # replacement, the model keeps its own
+    class Unheld(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = [nn.Linear(4, 8)]  # a plain list registers no submodule
+
+        def get_output_embeddings(self) -> nn.Linear:
+            return self.heads[0]
+
+    assert chunked_head_slot(Unheld()) is None

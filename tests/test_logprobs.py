@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
 from grpo.logprobs import (
@@ -58,15 +61,34 @@ def test_matches_naive_log_softmax_with_padding(model, temperature: float) -> No
             assert torch.allclose(entropy[i, : len(c)], want_entropy, atol=1e-5)
 
 
-def test_token_logprobs_chunking_is_exact() -> None:
+class _NormaliserRows(TorchFunctionMode):
+    """Records how many positions each ``logsumexp`` (a log-normaliser) is taken over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        if func is torch.logsumexp:
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 8, 64])
+def test_token_logprobs_chunking_is_exact(chunk: int) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(15, 11, generator=gen)
     targets = torch.randint(0, 11, (5, 3), generator=gen)
     at = torch.randperm(15, generator=gen).view(5, 3)
     want = torch.log_softmax(logits / 0.5, dim=-1)[at, targets]
-    for chunk in (1, 2, 8, 64):
+    with _NormaliserRows() as normalised:
         got, _ = token_logprobs(logits, at, targets, 0.5, chunk=chunk)
-        assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(got, want, atol=1e-6)
+    # the float32 temporaries are as small as asked: each position normalised once, ``chunk``
+    # positions at a time
+    assert normalised.rows == [min(chunk, 15 - k) for k in range(0, 15, chunk)]
 
 
 def test_a_repetition_penalty_without_the_rows_history_is_a_clear_error() -> None:
@@ -363,6 +385,64 @@ def test_wrapped_models_pack_and_models_without_a_config_do_not(tiny_model_dir, 
         assert calls == [1]  # no config: nothing says a custom mask is safe
 
 
+def _softcapped_model() -> torch.nn.Module:
+    """A tiny Gemma 2: it soft-caps its logits after the LM head."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=104,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=0.5,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_the_post_processing_notice_names_the_model_not_its_wrapper(capsys, wrapped: bool):
+    # under DDP the notice would otherwise name DistributedDataParallel, which says nothing
+    # about which model soft-caps
+    inner = _softcapped_model()
+    net = _Wrapper(inner, expose=True) if wrapped else inner
+    batch = _padded_batch()
+    with torch.no_grad():
+        logp, _ = full_sequence_logprobs(net, *batch)
+        want, _ = full_sequence_logprobs(inner, *batch)  # from the full logits now
+    assert capsys.readouterr().err == (
+        "scoring log-probs: Gemma2ForCausalLM post-processes its LM head's output "
+        "(soft-capping or scaling), so the head computes full logits\n"
+    )
+    assert torch.equal(logp, want)
+
+
+def test_more_prompts_than_packed_positions_under_a_repetition_penalty(model) -> None:
+    # four prompts of 2 or 3 tokens, each with a one-token completion: more packed sequences (4)
+    # than tokens in the longest (3), so the penalty's per-position owners must be counted by
+    # sequences x kept positions, not by length
+    from grpo.logprobs import packed_logprobs
+    from grpo.processors import Sampling
+
+    prompts = [[10, 11], [12, 13, 14], [15, 16], [17, 18, 10]]
+    completions = [[11], [20], [16], [18]]  # 11, 16, 18 repeat a prompt token
+    batch = _batch(prompts, completions, s=3, t=1)
+    penalty = 1.5
+    with torch.no_grad():
+        logp, _ = packed_logprobs(model, *batch, Sampling(repetition_penalty=penalty))
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            logits = model(input_ids=torch.tensor([p])).logits[0, -1].float()
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[p] = True
+            scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+            want = torch.log_softmax(torch.where(seen, scaled, logits), dim=-1)[c[0]]
+            assert torch.allclose(logp[i, 0], want, atol=1e-5), i
+
+
 def test_token_logprobs_at_temperature_two() -> None:
     # logits 0 and 2 ln 2; at T = 2 they are 0 and ln 2: p = 1/3, 2/3;
     # entropy -(1/3 ln 1/3 + 2/3 ln 2/3) = ln 3 - (2/3) ln 2
@@ -372,6 +452,19 @@ def test_token_logprobs_at_temperature_two() -> None:
     assert torch.allclose(logp, torch.tensor([[math.log(1 / 3), math.log(2 / 3)]]), atol=1e-6)
     want = math.log(3) - 2 / 3 * math.log(2)
     assert torch.allclose(entropy, torch.tensor([[want, want]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_a_minus_inf_logit_leaves_the_entropy_finite(top_k: int) -> None:
+    # a model may put -inf on tokens it never emits; with or without truncation that token has
+    # p = 0 and adds nothing: logits (0, 0, -inf) have the entropy of a fair coin
+    from grpo.processors import Sampling
+
+    logits = torch.tensor([[0.0, 0.0, -math.inf]])
+    at, targets = torch.tensor([[0]]), torch.tensor([[1]])
+    logp, entropy = token_logprobs(logits, at, targets, Sampling(top_k=top_k), with_entropy=True)
+    assert torch.allclose(logp, torch.tensor([[math.log(0.5)]]), atol=1e-6)
+    assert torch.allclose(entropy, torch.tensor([[math.log(2)]]), atol=1e-6)
 
 
 def test_group_rows_default_to_temperature_one_without_entropy_and_keep_the_longest(model):

@@ -186,8 +186,8 @@ class Scorer:
         if self.with_entropy if with_entropy is None else with_entropy:
             with torch.no_grad():  # logged and used for token selection, never differentiated
                 probs = torch.softmax(kept, dim=-1)  # 0 on removed tokens
-                finite = kept if cutoff is None else kept.nan_to_num(neginf=0.0)
-                entropy = lse - (probs * finite).sum(dim=-1)
+                # a -inf logit (truncated, or the model's own) has p = 0: 0 * -inf is NaN
+                entropy = lse - (probs * kept.nan_to_num(neginf=0.0)).sum(dim=-1)
         return picked, lse, cutoff, entropy
 
     def of_logits(self, logits: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor | None]:
@@ -267,11 +267,8 @@ class _ChunkedHead(torch.autograd.Function):
             logits = F.linear(h, w, b).requires_grad_()  # the forward's logits, exactly
             with torch.enable_grad():
                 picked, lse, _, _ = scorer.terms(logits, start, (lo, hi), with_entropy=False)
-            grads = (
-                torch.zeros_like(picked) if grad_picked is None else grad_picked[lo:hi],
-                torch.zeros_like(lse) if grad_lse is None else grad_lse[start:stop],
-            )
-            torch.autograd.backward((picked, lse), grads)
+            # an output the loss does not use gets zeros here, never None (materialized grads)
+            torch.autograd.backward((picked, lse), (grad_picked[lo:hi], grad_lse[start:stop]))
             grad = logits.grad  # [c, V]
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad @ w
