@@ -301,16 +301,22 @@ def _softcapped_model():
     return Gemma2ForCausalLM(config)
 
 
-def test_a_model_that_post_processes_its_head_keeps_the_plain_head(capsys) -> None:
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_model_that_post_processes_its_head_keeps_the_plain_head(capsys, wrapped: bool) -> None:
     # Gemma 2 soft-caps its logits after the head: the first call sees that its output is not
-    # the head's, says so in one line, and scores from the full logits from then on
+    # the head's, says so in one line that names the model (never a DDP-like wrapper, which
+    # says nothing of what soft-caps), and scores from the full logits from then on
     model = _softcapped_model()
+    net = _Wrapper(model) if wrapped else model
     batch = _batch(g=2, n=4)
-    assert chunked_head_slot(model) is not None
-    logp, _ = completion_logprobs(model, *batch)
-    assert capsys.readouterr().err.count("post-processes its LM head's output") == 1
-    assert chunked_head_slot(model) is None
-    again, _ = completion_logprobs(model, *batch)
+    assert chunked_head_slot(net) is not None
+    logp, _ = completion_logprobs(net, *batch)
+    assert capsys.readouterr().err == (
+        "scoring log-probs: Gemma2ForCausalLM post-processes its LM head's output "
+        "(soft-capping or scaling), so the head computes full logits\n"
+    )
+    assert chunked_head_slot(net) is None
+    again, _ = completion_logprobs(net, *batch)
     assert "post-processes" not in capsys.readouterr().err
     ids = torch.cat([batch[0][0], batch[2][0, :2]])[None]  # row 0: its prompt of 5, 2 tokens
     with torch.no_grad():

@@ -385,42 +385,6 @@ def test_wrapped_models_pack_and_models_without_a_config_do_not(tiny_model_dir, 
         assert calls == [1]  # no config: nothing says a custom mask is safe
 
 
-def _softcapped_model() -> torch.nn.Module:
-    """A tiny Gemma 2: it soft-caps its logits after the LM head."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(
-        vocab_size=104,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        final_logit_softcapping=0.5,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return Gemma2ForCausalLM(config).eval()
-
-
-@pytest.mark.parametrize("wrapped", [False, True])
-def test_the_post_processing_notice_names_the_model_not_its_wrapper(capsys, wrapped: bool):
-    # under DDP the notice would otherwise name DistributedDataParallel, which says nothing
-    # about which model soft-caps
-    inner = _softcapped_model()
-    net = _Wrapper(inner, expose=True) if wrapped else inner
-    batch = _padded_batch()
-    with torch.no_grad():
-        logp, _ = full_sequence_logprobs(net, *batch)
-        want, _ = full_sequence_logprobs(inner, *batch)  # from the full logits now
-    assert capsys.readouterr().err == (
-        "scoring log-probs: Gemma2ForCausalLM post-processes its LM head's output "
-        "(soft-capping or scaling), so the head computes full logits\n"
-    )
-    assert torch.equal(logp, want)
-
-
 def test_more_prompts_than_packed_positions_under_a_repetition_penalty(model) -> None:
     # four prompts of 2 or 3 tokens, each with a one-token completion: more packed sequences (4)
     # than tokens in the longest (3), so the penalty's per-position owners must be counted by
