@@ -186,8 +186,9 @@ class Scorer:
         if self.with_entropy if with_entropy is None else with_entropy:
             with torch.no_grad():  # logged and used for token selection, never differentiated
                 probs = torch.softmax(kept, dim=-1)  # 0 on removed tokens
-                # a -inf logit (truncated, or the model's own) has p = 0: 0 * -inf is NaN
-                entropy = lse - (probs * kept.nan_to_num(neginf=0.0)).sum(dim=-1)
+                # -p ln p, 0 at p = 0: a -inf logit (truncated, or the model's own) adds
+                # nothing, with no NaN from 0 * -inf and no sanitised copy of the logits
+                entropy = torch.special.entr(probs).sum(dim=-1)
         return picked, lse, cutoff, entropy
 
     def of_logits(self, logits: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor | None]:
