@@ -305,6 +305,17 @@ def table(
         ]
         killed = status.count("killed") + status.count("timeout")
         checked = killed + status.count("survived")
+        unchecked = len(scoped) - checked
+        was = earlier[module]["in_scope"] - earlier[module]["checked"] if module in earlier else 0
+        if module in earlier and unchecked > was:
+            # mutmut forgets results when sources or tests change; a row built from what is
+            # left would read as a whole table of fewer mutants
+            print(
+                f"mutation: {module}: {unchecked} mutants without a result in mutants/ (the "
+                f"results file's row had {was}); this row counts them unchecked: run the file "
+                "whole (--resume --files ...) for a full row",
+                file=sys.stderr,
+            )
         rows.append(
             {
                 "module": module,

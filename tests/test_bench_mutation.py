@@ -123,6 +123,28 @@ def test_a_run_of_some_files_keeps_the_other_rows(
     assert rows[1] == row and rows[0]["module"] == "rewards/length.py"
 
 
+def test_a_row_with_fewer_results_than_the_results_files_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # mutants/ lost two results the results file had (a refresh after an edit): the new row
+    # counts them unchecked, and the console says so in one line
+    monkeypatch.setattr(mutation, "ROOT", tmp_path)
+    monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
+    monkeypatch.setattr(mutation, "files", lambda: [FILE])
+    counts = {"mutants": 3, "in_scope": 3, "checked": 3, "killed": 2, "survived": 1}
+    row = {"module": "rewards/length.py", "commit": "abc1234", **counts, "survivors": [SURVIVOR]}
+    (tmp_path / "mutation.json").write_text(json.dumps({"rows": [row], "runs": []}))
+    write_meta(tmp_path, {KILLED: 1, SURVIVOR: 0, UNCHECKED: 1})
+    assert mutation.table()[0]["checked"] == 3
+    assert capsys.readouterr().err == ""
+    write_meta(tmp_path, {KILLED: None, SURVIVOR: 0, UNCHECKED: None})
+    (new,) = mutation.table()
+    assert (new["checked"], new["in_scope"]) == (1, 3)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "rewards/length.py: 2 mutants without a result" in err and "had 0" in err
+
+
 def test_a_sample_needs_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
         run_main(tmp_path, monkeypatch, ["--sample", "3"], forget=False)
