@@ -199,9 +199,9 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """The LM head a chunk at a time (``model.chunked_head``) against full logits, forward and
     forward + backward, at chunks of 64 to 512 rows, with the embedding lookup's gradient
     sparse or dense; and the head's
-    weight gradient over 1024 positions, 64 at a time: a product in the run's dtype cast and
-    added per chunk (what the chunked head does under autocast) against float32 ``addmm_`` of
-    the same values (no [V, H] temporary)."""
+    weight gradient over 1024 positions, 64 at a time: float32 ``addmm_`` of the chunk's values
+    into the gradient (what the chunked head does: no [V, H] temporary) against a product in the
+    run's dtype (bf16 under autocast), cast and added per chunk (what it did before)."""
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
 
     def run(
@@ -251,7 +251,7 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
             {"dense": run(True, True, lookup=False), "sparse": run(True, True)}, repeats
         ),
         "head_weight_gradient": alternate(
-            {"product_per_chunk": accumulate(False), "float32_addmm": accumulate(True)}, repeats
+            {"float32_addmm": accumulate(True), "product_per_chunk": accumulate(False)}, repeats
         ),
     }
     logprobs.full_logits(model, on=False)

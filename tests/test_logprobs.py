@@ -431,6 +431,15 @@ def test_a_minus_inf_logit_leaves_the_entropy_finite(top_k: int) -> None:
     assert torch.allclose(entropy, torch.tensor([[math.log(2)]]), atol=1e-6)
 
 
+def test_a_nan_logit_still_shows_in_the_entropy() -> None:
+    # the entropy drops the 0 * -inf terms of removed tokens, and only those: a NaN the model
+    # produced must reach the log, not be summed away
+    logits = torch.tensor([[0.0, math.nan, 0.0]])
+    at, targets = torch.tensor([[0]]), torch.tensor([[0]])
+    _, entropy = token_logprobs(logits, at, targets, 1.0, with_entropy=True)
+    assert torch.isnan(entropy).all()
+
+
 def test_group_rows_default_to_temperature_one_without_entropy_and_keep_the_longest(model):
     # two one-token completions (padded to 3): logp [2, 1], the longest completion's length
     from grpo.logprobs import group_rows_logprobs
