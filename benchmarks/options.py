@@ -6,7 +6,14 @@
         --variant no_checkpointing=model.gradient_checkpointing=false
 
 Each variant is ``name=override,override,...`` (dotted grpo overrides, none for the set-up as it
-is). Rounds run every variant once, in order (A B C A B C ...), each in its own process so peak
+is). ``name@revision=...`` runs grpo's code as it was at a git revision (from a worktree of it;
+the benchmark's own code stays this tree's), so a change is timed against its parent side by
+side in one run:
+
+    .venv/bin/python -m benchmarks.options --setup smollm2 --steps 4 --rounds 2 \
+        --variant before@HEAD~1= --variant after=
+
+Rounds run every variant once, in order (A B C A B C ...), each in its own process so peak
 RSS is its own; round r uses seed r. The JSON has every run and, per variant, the median step
 time over all its steps, its highest peak RSS and both as ratios to the first variant.
 """
@@ -14,6 +21,7 @@ time over all its steps, its highest peak RSS and both as ratios to the first va
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -27,16 +35,56 @@ from benchmarks import common
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_variant(setup: str, steps: int, seed: int, overrides: list[str], out: Path) -> dict:
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_variant(
+    setup: str, steps: int, seed: int, overrides: list[str], out: Path, src: Path | None = None
+) -> dict:
+    """One ``benchmarks.step`` run in its own process; grpo imported from ``src`` if given."""
     cmd = ["-m", "benchmarks.step", "--setup", setup, "--steps", str(steps), "--seed", str(seed)]
     env = {**os.environ, "TQDM_DISABLE": "1"}
+    if src is not None:  # ahead of the installed (editable) grpo on the import path
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(":")
     subprocess.run(
         [sys.executable, *cmd, "--out", str(out), *overrides],
         check=True,
         env=env,
         stdout=subprocess.DEVNULL,
     )
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if src is not None and not Path(result["grpo_source"]).is_relative_to(src):
+        raise SystemExit(f"grpo came from {result['grpo_source']}, not from {src}")
+    return result
+
+
+def parse_variant(spec: str) -> tuple[str, str | None, list[str]]:
+    """``name[@revision]=override,...`` -> name, revision (None: this tree), overrides."""
+    head, _, overrides = spec.partition("=")
+    name, _, revision = head.partition("@")
+    return name, revision or None, [o for o in overrides.split(",") if o]
+
+
+def commit_of(revision: str) -> str:
+    git = ["git", "-C", str(REPO), "rev-parse", "--verify", f"{revision}^{{commit}}"]
+    return subprocess.run(git, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@contextlib.contextmanager
+def worktrees(revisions: set[str], tmp: Path):
+    """{revision: its grpo source folder}, from a detached git worktree of each, removed after."""
+    trees: dict[str, Path] = {}
+    try:
+        for rev in sorted(revisions):
+            tree = tmp / f"tree-{len(trees)}"
+            git = ["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), rev]
+            subprocess.run(git, check=True)
+            trees[rev] = tree / "src"
+        yield trees
+    finally:
+        for src in trees.values():
+            remove = ["git", "-C", str(REPO), "worktree", "remove", "--force", str(src.parent)]
+            subprocess.run(remove, check=False)
 
 
 def summarize(variants: dict[str, list[str]], runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -66,25 +114,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", action="append", required=True, help="name=k=v,k=v")
     parser.add_argument("--out", type=Path, help="JSON file to write")
     args = parser.parse_args(argv)
-    variants = {}
+    variants, revisions = {}, {}
     for spec in args.variant:
-        name, _, overrides = spec.partition("=")
-        variants[name] = [o for o in overrides.split(",") if o]
+        name, revision, overrides = parse_variant(spec)
+        variants[name], revisions[name] = overrides, revision
     steps = args.steps or common.SETUPS[args.setup]["steps"]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for name, overrides in variants.items():
-                result = run_variant(
-                    args.setup, steps, r, overrides, Path(tmp) / f"{name}-{r}.json"
-                )
-                print(
-                    f"round {r} {name}: median step {result['median_step_s']:.3f} s, "
-                    f"peak RSS {result['peak_rss_mb']:.0f} MiB",
-                    flush=True,
-                )
-                runs.append({"variant": name, "round": r, **result})
+        wanted = {rev for rev in revisions.values() if rev is not None}
+        with worktrees(wanted, Path(tmp)) as trees:
+            for r in range(args.rounds):
+                for name, overrides in variants.items():
+                    out = Path(tmp) / f"{name}-{r}.json"
+                    src = trees.get(revisions[name])
+                    result = run_variant(args.setup, steps, r, overrides, out, src)
+                    print(
+                        f"round {r} {name}: median step {result['median_step_s']:.3f} s, "
+                        f"peak RSS {result['peak_rss_mb']:.0f} MiB",
+                        flush=True,
+                    )
+                    runs.append({"variant": name, "round": r, **result})
     summary = {"setup": args.setup, "steps": steps, "rounds": args.rounds}
+    summary["revisions"] = {
+        name: {"revision": rev, "commit": commit_of(rev)}
+        for name, rev in revisions.items()
+        if rev is not None
+    }
     summary["variants"] = summarize(variants, runs)
     out = args.out or RESULTS / f"options_{args.setup}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

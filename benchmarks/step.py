@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+import grpo
 from benchmarks import common, rewards
 from grpo.config import Config, build_config, parse_overrides
 from grpo.config import _merge as merge_trees
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         tree = config_tree(setup, args.steps or setup["steps"], args.seed, tmp)
         config = build_config(merge_trees(tree, parse_overrides(args.overrides)))
         result = {"setup": args.setup, "overrides": args.overrides, **run(config)}
+    result["grpo_source"] = str(Path(grpo.__file__).resolve().parent)  # which code ran
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

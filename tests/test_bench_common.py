@@ -141,6 +141,44 @@ def test_options_summary_is_relative_to_the_first_variant() -> None:
     assert out["lean"]["overrides"] == ["train.malloc=return"]
 
 
+def test_an_options_variant_names_its_revision_and_overrides() -> None:
+    from benchmarks.options import parse_variant
+
+    assert parse_variant("default=") == ("default", None, [])
+    assert parse_variant("before@HEAD~1=train.malloc=return,train.threads=1") == (
+        "before",
+        "HEAD~1",
+        ["train.malloc=return", "train.threads=1"],
+    )
+
+
+def test_an_options_revision_runs_from_its_own_worktree_removed_after(tmp_path) -> None:
+    import json
+    import subprocess
+    from unittest import mock
+
+    from benchmarks import options
+
+    def listed() -> str:
+        git = ["git", "-C", str(options.REPO), "worktree", "list"]
+        return subprocess.run(git, capture_output=True, text=True, check=True).stdout
+
+    with options.worktrees({"HEAD"}, tmp_path) as trees:
+        src = trees["HEAD"]
+        assert (src / "grpo" / "__init__.py").is_file()
+        assert str(src.parent) in listed()
+        # a step whose grpo came from anywhere else is refused, not reported as that revision
+        out = tmp_path / "run.json"
+
+        def step(cmd, env, **kwargs):
+            assert env["PYTHONPATH"].split(":")[0] == str(src)
+            out.write_text(json.dumps({"grpo_source": str(options.REPO / "src" / "grpo")}))
+
+        with mock.patch.object(options.subprocess, "run", step), pytest.raises(SystemExit):
+            options.run_variant("tiny", 1, 0, [], out, src)
+    assert str(src.parent) not in listed()
+
+
 def test_update_mfu_counts_the_positions_computed(tiny_config) -> None:
     # one step of G = 4 completions of 2 prompts, packed: each prompt is computed once per
     # group, so fewer positions than prompt + completion per row (what the estimate charged)
