@@ -456,3 +456,10 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
     trainer.train_step()
     # the rollout, the reference forward and the update's forward
     assert seen == [(w, autocast, torch.float32) for w in ("sample", "score", "score")]
+    # under autocast the frozen reference holds its linear layers' weights as bf16, what the
+    # products run in; the tied head stays the embedding, in float32
+    ref = trainer.reference.copy
+    want = torch.bfloat16 if autocast else torch.float32
+    assert ref.model.layers[0].mlp.up_proj.weight.dtype == want
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight
+    assert ref.lm_head.weight.dtype == torch.float32

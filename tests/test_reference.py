@@ -56,6 +56,38 @@ def test_soft_refresh_mixes(tiny_model_dir: Path) -> None:
         assert torch.allclose(reference.copy.state_dict()[key], expected, atol=1e-6), key
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_bf16_reference_scores_as_autocast_does_over_float32(
+    tiny_model_dir: Path, tied: bool
+) -> None:
+    # autocast multiplies in bf16 anyway: linear weights stored in bf16 give the very same
+    # logits; a head tied to the embedding stays float32 (the lookup is no product)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=tied)
+    perturb(policy)  # an untied head must not start as a copy of the embedding
+    lean, full = Reference(policy, torch.bfloat16), Reference(policy)
+    head = lean.copy.lm_head.weight
+    assert head.dtype == (torch.float32 if tied else torch.bfloat16)
+    assert lean.copy.model.embed_tokens.weight.dtype == torch.float32
+    assert lean.copy.model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(logits(lean.copy), logits(full.copy))
+
+
+def test_a_bf16_reference_mixes_in_float32_and_rounds_once(tiny_model_dir: Path) -> None:
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    reference = Reference(policy, torch.bfloat16)
+    name = "model.layers.0.mlp.up_proj.weight"
+    before = reference.copy.state_dict()[name].float()
+    perturb(policy)
+    reference.refresh(0.3)
+    mixed = reference.copy.state_dict()[name]
+    exact = 0.3 * policy.state_dict()[name] + 0.7 * before
+    assert mixed.dtype == torch.bfloat16
+    # within half a bf16 step (2^-8 relative) of the float32 mixture: one rounding, not the
+    # two or three of mixing in bf16
+    assert ((mixed.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-30).all()
+
+
 def test_reference_state_is_empty_until_refreshed(tiny_model_dir: Path) -> None:
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     reference = Reference(policy)

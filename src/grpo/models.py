@@ -391,15 +391,32 @@ def is_lora(model: nn.Module) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
+def linear_layers_of_their_own(model: nn.Module) -> list[nn.Linear]:
+    """The plain ``nn.Linear`` layers of ``model`` whose weights no other module uses: a head
+    tied to the input embedding is left out, since the embedding's lookup is no matrix product
+    that autocast would cast."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    return [m for m in linears if all(users[id(p)] == 1 for p in m.parameters(recurse=False))]
+
+
 class Reference:
     """The reference policy, frozen between refreshes.
 
     Full weights: a frozen deep copy made at start. LoRA: the policy with its adapters disabled
     (no second copy of the weights) until the first ``refresh``; from then on the base with a
     frozen snapshot of the trainable (adapter) weights, swapped in for the reference forward.
+
+    ``autocast``: the dtype every reference forward casts its matrix products to (bf16 under
+    ``model.autocast``). The copy's linear layers then hold their weights in it, which is what
+    autocast would multiply anyway: the same log-probs, half their memory, and no cast per
+    forward (autocast caches casts only of weights that take gradients).
     """
 
-    def __init__(self, policy: nn.Module) -> None:
+    def __init__(self, policy: nn.Module, autocast: torch.dtype | None = None) -> None:
         self.policy = policy
         self.copy: nn.Module | None = None
         self.adapter: dict[str, torch.Tensor] | None = None  # LoRA snapshot, None = adapters off
@@ -407,6 +424,9 @@ class Reference:
         if not is_lora(policy):
             self.copy = copy.deepcopy(policy).eval()
             self.copy.requires_grad_(False)
+            if autocast is not None:
+                for layer in linear_layers_of_their_own(self.copy):
+                    layer.to(autocast)
 
     def _trainable(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.policy.named_parameters() if p.requires_grad}

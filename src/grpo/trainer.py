@@ -436,7 +436,8 @@ class Trainer:
         self.prompt_format.check(self.tokenizer, self.rows)
         self.policy = load_policy(config.model, model_path).to(self.dist.device)
         self.policy.train()
-        self.reference = Reference(self.policy) if config.algorithm.beta > 0 else None
+        products = torch.bfloat16 if config.model.autocast else None  # what autocast runs
+        self.reference = Reference(self.policy, products) if config.algorithm.beta > 0 else None
         # training forwards go through the DDP wrapper / the FSDP2-sharded policy; generation and
         # saving use self.policy (the same module, and the same object under FSDP2)
         self.train_model = distributed.wrap_model(self.policy, config.train.distributed, self.dist)
