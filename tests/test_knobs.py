@@ -438,12 +438,14 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
 ) -> None:
     trainer = Trainer(knob_config(model={"autocast": autocast}, algorithm={"beta": 0.1}))
     seen: list[tuple[str, bool, torch.dtype | None]] = []
+    caching: list[bool] = []
 
     def recorded(what: str, fn):
         def wrapper(*args, **kwargs):
             result = fn(*args, **kwargs)
             logp = result[0] if isinstance(result, tuple) else result.sampler_logp
             seen.append((what, torch.is_autocast_enabled("cpu"), logp.dtype))
+            caching.append(torch.is_autocast_cache_enabled())
             return result
 
         return wrapper
@@ -456,6 +458,8 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
     trainer.train_step()
     # the rollout, the reference forward and the update's forward
     assert seen == [(w, autocast, torch.float32) for w in ("sample", "score", "score")]
+    # decoding reuses each weight's bf16 cast at every step; a scoring forward keeps none
+    assert caching == [True, False, False]
     # under autocast the frozen reference holds its linear layers' weights as bf16, what the
     # products run in; the tied head stays the embedding, in float32
     ref = trainer.reference.copy
