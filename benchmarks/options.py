@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from grpo import memory
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -43,7 +44,8 @@ def run_variant(
 ) -> dict:
     """One ``benchmarks.step`` run in its own process; grpo imported from ``src`` if given."""
     cmd = ["-m", "benchmarks.step", "--setup", setup, "--steps", str(steps), "--seed", str(seed)]
-    env = {**os.environ, "TQDM_DISABLE": "1"}
+    # as found: each run's own grpo decides its kernel caches (an older revision's may not cap)
+    env = {**memory.environment_as_found(), "TQDM_DISABLE": "1"}
     if src is not None:  # ahead of the installed (editable) grpo on the import path
         env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(":")
     subprocess.run(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.step import config_tree
+from grpo import memory
 from grpo.config import build_config
 
 RESULTS = Path(__file__).parent / "results"
@@ -73,6 +73,9 @@ def _on_text(fn: Any) -> Any:
 
 
 def run_trl(setup: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:
+    # TRL as a program without grpo runs it: oneDNN's kernel caches at their own size (this
+    # process imported grpo, which caps them, before any bf16 product)
+    memory.unbound_kernel_caches()
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -183,7 +186,7 @@ def run_one(
     else:
         cmd = ["-m", "benchmarks.step", "--setup", setup]
     cmd += ["--precision", precision, "--steps", str(steps), "--seed", str(seed), "--out", str(out)]
-    env = {**os.environ, "TQDM_DISABLE": "1"}
+    env = {**memory.environment_as_found(), "TQDM_DISABLE": "1"}
     subprocess.run([sys.executable, *cmd], check=True, env=env, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 

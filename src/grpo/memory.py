@@ -14,12 +14,19 @@ policies (measured on SmolLM2-135M in README, Performance):
   comes back as fresh pages (about 5 million page faults, 20 GB, per SmolLM2 update in a
   profile). Lowest peak RSS, slowest steps.
 - ``default``: glibc's own adaptive thresholds, untouched.
+
+A second hold on host memory is not glibc's: oneDNN, which runs bf16 matrix products on the
+CPU, and ideep around it each cache up to 1024 compiled kernels, one per shape seen, with their
+buffers. Scoring sees new shapes nearly every step (a packed micro-batch's length is that of
+its completions), so both caches fill and hold hundreds of MiB. ``bound_kernel_caches`` caps
+them at import of grpo.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from typing import Literal
 
 MallocPolicy = Literal["keep", "return", "default"]
@@ -45,3 +52,35 @@ def set_malloc_policy(policy: MallocPolicy) -> bool:
     except (OSError, AttributeError):
         return False
     return all(bool(mallopt(param, value)) for param, value in POLICIES[policy].items())
+
+
+# what oneDNN's primitive cache and ideep's computation cache read, each at its first use; 64
+# holds every shape of one micro-batch's forward and backward (README, Memory options)
+KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+KERNEL_CACHE_CAPACITY = 64
+
+
+_SET_HERE: set[str] = set()  # the variables bound_kernel_caches set in this process
+
+
+def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
+    """Cap both kernel caches at ``capacity`` entries where the environment does not already
+    set them. They read it once, at their first use: before any bf16 product in the process."""
+    for name in KERNEL_CACHES:
+        if name not in os.environ:
+            os.environ[name] = str(capacity)
+            _SET_HERE.add(name)
+
+
+def unbound_kernel_caches() -> None:
+    """Undo ``bound_kernel_caches`` in this process, before its first bf16 product: the
+    libraries' own defaults, as a program without grpo runs them (TRL's side in benchmarks)."""
+    for name in _SET_HERE:
+        os.environ.pop(name, None)
+    _SET_HERE.clear()
+
+
+def environment_as_found() -> dict[str, str]:
+    """This process's environment without what ``bound_kernel_caches`` set in it: for a child
+    process, which then decides for itself (its own grpo import caps them again)."""
+    return {k: v for k, v in os.environ.items() if k not in _SET_HERE}
