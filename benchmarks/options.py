@@ -87,6 +87,8 @@ def worktrees(revisions: set[str], tmp: Path):
         for src in trees.values():
             remove = ["git", "-C", str(REPO), "worktree", "remove", "--force", str(src.parent)]
             subprocess.run(remove, check=False)
+        # what a failed add or remove left registered (its folder goes with the temporary one)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], check=False)
 
 
 def summarize(variants: dict[str, list[str]], runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -120,15 +122,21 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.variant:
         name, revision, overrides = parse_variant(spec)
         variants[name], revisions[name] = overrides, revision
+    # resolved before the runs, so a moving name (HEAD~1) is recorded as what ran
+    commits = {
+        name: {"revision": rev, "commit": commit_of(rev)}
+        for name, rev in revisions.items()
+        if rev is not None
+    }
     steps = args.steps or common.SETUPS[args.setup]["steps"]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        wanted = {rev for rev in revisions.values() if rev is not None}
+        wanted = {c["commit"] for c in commits.values()}
         with worktrees(wanted, Path(tmp)) as trees:
             for r in range(args.rounds):
                 for name, overrides in variants.items():
                     out = Path(tmp) / f"{name}-{r}.json"
-                    src = trees.get(revisions[name])
+                    src = trees.get(commits[name]["commit"]) if name in commits else None
                     result = run_variant(args.setup, steps, r, overrides, out, src)
                     print(
                         f"round {r} {name}: median step {result['median_step_s']:.3f} s, "
@@ -137,11 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                     )
                     runs.append({"variant": name, "round": r, **result})
     summary = {"setup": args.setup, "steps": steps, "rounds": args.rounds}
-    summary["revisions"] = {
-        name: {"revision": rev, "commit": commit_of(rev)}
-        for name, rev in revisions.items()
-        if rev is not None
-    }
+    summary["revisions"] = commits
     summary["variants"] = summarize(variants, runs)
     out = args.out or RESULTS / f"options_{args.setup}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

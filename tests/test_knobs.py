@@ -467,3 +467,12 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
     assert ref.model.layers[0].mlp.up_proj.weight.dtype == want
     assert ref.lm_head.weight is ref.model.embed_tokens.weight
     assert ref.lm_head.weight.dtype == torch.float32
+
+
+def test_a_reference_that_refreshes_by_mixing_stays_float32_under_autocast(knob_config) -> None:
+    mixing = {"beta": 0.1, "ref_update_every": 2, "ref_mix_alpha": 0.5}
+    trainer = Trainer(knob_config(model={"autocast": True}, algorithm=mixing))
+    assert trainer.reference.copy.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    copying = {**mixing, "ref_mix_alpha": 1.0}
+    trainer = Trainer(knob_config(model={"autocast": True}, algorithm=copying))
+    assert trainer.reference.copy.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16

@@ -431,13 +431,26 @@ def test_a_minus_inf_logit_leaves_the_entropy_finite(top_k: int) -> None:
     assert torch.allclose(entropy, torch.tensor([[math.log(2)]]), atol=1e-6)
 
 
-def test_a_nan_logit_still_shows_in_the_entropy() -> None:
-    # the entropy drops the 0 * -inf terms of removed tokens, and only those: a NaN the model
-    # produced must reach the log, not be summed away
-    logits = torch.tensor([[0.0, math.nan, 0.0]])
+@pytest.mark.parametrize(
+    "row", [[0.0, math.nan, 0.0], [0.0, math.inf, 0.0], [-math.inf, -math.inf, -math.inf]]
+)
+def test_a_broken_logit_row_still_shows_in_the_entropy(row: list[float]) -> None:
+    # the entropy drops the 0 * -inf terms of removed tokens, and only those: a NaN or +inf the
+    # model produced, or a row with no token left, must reach the log, not be summed away
     at, targets = torch.tensor([[0]]), torch.tensor([[0]])
-    _, entropy = token_logprobs(logits, at, targets, 1.0, with_entropy=True)
+    _, entropy = token_logprobs(torch.tensor([row]), at, targets, 1.0, with_entropy=True)
     assert torch.isnan(entropy).all()
+
+
+def test_the_entropy_of_large_logits_keeps_float32_precision() -> None:
+    # logits around 100: summing p x and subtracting it from lse would cancel two sums near
+    # 100 (errors ~3e-4 in float32); per-token lse - x keeps each term small and >= 0
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 5000, generator=gen, dtype=torch.float64) * 3 + 100
+    want = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    at, targets = torch.arange(8)[None], torch.zeros(1, 8, dtype=torch.long)
+    _, entropy = token_logprobs(logits.float(), at, targets, 1.0, with_entropy=True)
+    assert torch.allclose(entropy[0].double(), want, atol=2e-5, rtol=0)
 
 
 def test_group_rows_default_to_temperature_one_without_entropy_and_keep_the_longest(model):

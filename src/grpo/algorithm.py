@@ -311,7 +311,5 @@ def soft_update_(targets: list[Tensor], sources: list[Tensor], alpha: float) -> 
     for target, source in zip(targets, sources, strict=True):
         if alpha == 1.0 or not target.is_floating_point():
             target.copy_(source)  # integer buffers (positions, counters) are copied, never mixed
-        elif target.dtype != source.dtype:  # a bf16 reference: mixed in float32, rounded once
-            target.copy_(torch.lerp(target.to(source.dtype), source, alpha))
         else:
             target.mul_(1.0 - alpha).add_(source.to(target.dtype), alpha=alpha)

@@ -186,10 +186,12 @@ class Scorer:
         if self.with_entropy if with_entropy is None else with_entropy:
             with torch.no_grad():  # logged and used for token selection, never differentiated
                 probs = torch.softmax(kept, dim=-1)  # 0 on removed tokens
-                # -sum p ln p = lse - sum p x, with no logarithm per logit (5x faster than
-                # entr); nansum drops only 0 * -inf, a removed or -inf logit's term, since a
-                # NaN or +inf logit makes lse NaN or inf and so the entropy too
-                entropy = lse - (probs * kept).nansum(dim=-1)
+                # -sum p ln p as sum p (lse - x): no logarithm per logit (5x faster than entr)
+                # and no cancellation between two large sums, each term >= 0. nansum drops
+                # the 0 * inf of a removed or -inf logit; lse - lse (NaN where lse is not
+                # finite: a NaN or +inf logit, or every logit -inf) keeps such a row NaN
+                terms = probs * (lse[:, None] - kept)
+                entropy = terms.nansum(dim=-1) + (lse - lse)
         return picked, lse, cutoff, entropy
 
     def of_logits(self, logits: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor | None]:
@@ -245,7 +247,8 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.spans = scorer.spans(hidden.shape[0], chunk)
         ctx.save_for_backward(hidden, weight, bias)
         # cast once, not per chunk (autocast caches no cast of a frozen weight, the reference's),
-        # and kept for backward, which comes next: nothing runs between the two but the loss
+        # and kept for backward, which comes next (nothing runs between the two but the loss)
+        # and drops it: ctx outlives backward for as long as the loss is referenced
         w, b = weight.to(run), None if bias is None else bias.to(run)
         ctx.run_weights = w, b
         parts = enumerate(zip(hidden.split(chunk), ctx.spans, strict=True))
@@ -265,6 +268,7 @@ class _ChunkedHead(torch.autograd.Function):
         )
         grad_bias = torch.zeros_like(bias) if need_bias else None
         w, b = ctx.run_weights  # the forward's, so its logits come back exactly
+        ctx.run_weights = None
         for k, (h, (lo, hi)) in enumerate(zip(hidden.split(chunk), ctx.spans, strict=True)):
             start, stop = k * chunk, k * chunk + h.shape[0]
             h = h.to(w.dtype)
@@ -283,7 +287,7 @@ class _ChunkedHead(torch.autograd.Function):
                 to = grad_weight.dtype
                 grad_weight.addmm_(grad.T.to(to), h.to(to))
             if grad_bias is not None:
-                grad_bias += grad.sum(dim=0).to(grad_bias.dtype)
+                grad_bias += grad.sum(dim=0, dtype=grad_bias.dtype)
         if into_grad:
             grad_weight = None  # already in weight.grad
         return grad_hidden, grad_weight, grad_bias, None, None, None, None

@@ -413,7 +413,9 @@ class Reference:
     ``autocast``: the dtype every reference forward casts its matrix products to (bf16 under
     ``model.autocast``). The copy's linear layers then hold their weights in it, which is what
     autocast would multiply anyway: the same log-probs, half their memory, and no cast per
-    forward (autocast caches casts only of weights that take gradients).
+    forward (autocast caches casts only of weights that take gradients). Refreshes can then
+    only copy (alpha 1, rounding as autocast does): a mix rounded to bf16 would lose every
+    step under half a bf16 unit.
     """
 
     def __init__(self, policy: nn.Module, autocast: torch.dtype | None = None) -> None:
@@ -427,6 +429,7 @@ class Reference:
             if autocast is not None:
                 for layer in linear_layers_of_their_own(self.copy):
                     layer.to(autocast)
+        self.autocast = autocast
 
     def _trainable(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
@@ -461,6 +464,10 @@ class Reference:
 
         With LoRA only alpha 1 is defined: mixing the factors A and B does not mix B @ A.
         """
+        if alpha != 1.0 and self.autocast is not None:
+            raise ValueError(
+                f"a reference held in {self.autocast} can only be refreshed by copying"
+            )
         if self.copy is None:
             if alpha != 1.0:
                 raise ValueError("a LoRA reference can only be refreshed by copying (alpha 1)")

@@ -436,8 +436,12 @@ class Trainer:
         self.prompt_format.check(self.tokenizer, self.rows)
         self.policy = load_policy(config.model, model_path).to(self.dist.device)
         self.policy.train()
-        products = torch.bfloat16 if config.model.autocast else None  # what autocast runs
-        self.reference = Reference(self.policy, products) if config.algorithm.beta > 0 else None
+        # a bf16 reference is what autocast multiplies, unless refreshes mix it: rounding to
+        # bf16 after each mix would swallow every step smaller than half a bf16 unit
+        algo = config.algorithm
+        mixes = algo.ref_update_every > 0 and algo.ref_mix_alpha < 1
+        products = torch.bfloat16 if config.model.autocast and not mixes else None
+        self.reference = Reference(self.policy, products) if algo.beta > 0 else None
         # training forwards go through the DDP wrapper / the FSDP2-sharded policy; generation and
         # saving use self.policy (the same module, and the same object under FSDP2)
         self.train_model = distributed.wrap_model(self.policy, config.train.distributed, self.dist)
@@ -612,7 +616,9 @@ class Trainer:
 
         ``cache``: keep each weight's bf16 cast for the whole context. Generation reuses it at
         every decoding step; a scoring forward uses each weight once, so there the cache only
-        holds a bf16 copy of every trained weight until the forward ends (SmolLM2: 210 MiB)."""
+        holds a bf16 copy of every trained weight until the forward ends (SmolLM2: 210 MiB),
+        where without it a cast lives as long as autograd needs it: not at all in a no-grad or
+        checkpointed forward."""
         return torch.autocast(
             self.dist.device.type,
             dtype=torch.bfloat16,
