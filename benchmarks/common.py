@@ -18,9 +18,14 @@ is measured against what it could give at that time.
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +34,7 @@ from torch import nn
 # the shared rewards live in a module without torch: grpo imports it in each reward worker
 from benchmarks.rewards import answer_tag as answer_tag
 from benchmarks.rewards import last_integer as last_integer
+from grpo import memory
 
 # ------------------------------------------------------------------------------------ set-ups
 
@@ -175,6 +181,18 @@ def with_precision(setup: dict[str, Any], precision: str | None) -> dict[str, An
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_child(args: list[str], out: Path, src: Path | None = None) -> dict[str, Any]:
+    """``python <args>`` in a fresh process (so its peak RSS is its own) that writes JSON to
+    ``out``; returns it. The child gets this process's environment as found (its own grpo
+    import decides the kernel caches, an older revision's may not) and imports grpo from
+    ``src`` when given, ahead of the installed one."""
+    env = {**memory.environment_as_found(), "TQDM_DISABLE": "1"}
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p)
+    subprocess.run([sys.executable, *args], check=True, env=env, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
 
 
 def median(values: list[float]) -> float:

@@ -23,15 +23,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from grpo import memory
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -44,18 +41,8 @@ def run_variant(
 ) -> dict:
     """One ``benchmarks.step`` run in its own process; grpo imported from ``src`` if given."""
     cmd = ["-m", "benchmarks.step", "--setup", setup, "--steps", str(steps), "--seed", str(seed)]
-    # as found: each run's own grpo decides its kernel caches (an older revision's may not cap)
-    env = {**memory.environment_as_found(), "TQDM_DISABLE": "1"}
-    if src is not None:  # ahead of the installed (editable) grpo on the import path
-        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(":")
-    subprocess.run(
-        [sys.executable, *cmd, "--out", str(out), *overrides],
-        check=True,
-        env=env,
-        stdout=subprocess.DEVNULL,
-    )
-    result = json.loads(out.read_text())
-    if src is not None and not Path(result["grpo_source"]).is_relative_to(src):
+    result = common.run_child([*cmd, "--out", str(out), *overrides], out, src)
+    if src is not None and not Path(result["grpo_source"]).is_relative_to(src.resolve()):
         raise SystemExit(f"grpo came from {result['grpo_source']}, not from {src}")
     return result
 
@@ -68,8 +55,12 @@ def parse_variant(spec: str) -> tuple[str, str | None, list[str]]:
 
 
 def commit_of(revision: str) -> str:
-    git = ["git", "-C", str(REPO), "rev-parse", "--verify", f"{revision}^{{commit}}"]
-    return subprocess.run(git, check=True, capture_output=True, text=True).stdout.strip()
+    """The commit ``revision`` names; a name git does not know is one line, no traceback."""
+    git = ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"]
+    found = subprocess.run(git, capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"--variant ...@{revision}: no such commit in {REPO}")
+    return found.stdout.strip()
 
 
 @contextlib.contextmanager

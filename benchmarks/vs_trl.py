@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -186,9 +184,7 @@ def run_one(
     else:
         cmd = ["-m", "benchmarks.step", "--setup", setup]
     cmd += ["--precision", precision, "--steps", str(steps), "--seed", str(seed), "--out", str(out)]
-    env = {**memory.environment_as_found(), "TQDM_DISABLE": "1"}
-    subprocess.run([sys.executable, *cmd], check=True, env=env, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    return common.run_child(cmd, out)
 
 
 def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -152,6 +152,14 @@ def test_an_options_variant_names_its_revision_and_overrides() -> None:
     )
 
 
+def test_an_options_revision_git_does_not_know_is_one_line() -> None:
+    from benchmarks import options
+
+    with pytest.raises(SystemExit, match=r"@no-such-revision: no such commit"):
+        options.commit_of("no-such-revision")
+    assert len(options.commit_of("HEAD")) == 40
+
+
 def test_an_options_revision_runs_from_its_own_worktree_removed_after(tmp_path) -> None:
     import json
     import subprocess

@@ -190,7 +190,7 @@ class Scorer:
                 # and no cancellation between two large sums, each term >= 0. nansum drops
                 # the 0 * inf of a removed or -inf logit; lse - lse (NaN where lse is not
                 # finite: a NaN or +inf logit, or every logit -inf) keeps such a row NaN
-                terms = probs * (lse[:, None] - kept)
+                terms = (lse[:, None] - kept).mul_(probs)  # one [c, V] temporary, not two
                 entropy = terms.nansum(dim=-1) + (lse - lse)
         return picked, lse, cutoff, entropy
 
