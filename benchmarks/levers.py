@@ -199,9 +199,10 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """The LM head a chunk at a time (``model.chunked_head``) against full logits, forward and
     forward + backward, at chunks of 64 to 512 rows, with the embedding lookup's gradient
     sparse or dense; and the head's
-    weight gradient over 1024 positions, 64 at a time: float32 ``addmm_`` of the chunk's values
-    into the gradient (what the chunked head does: no [V, H] temporary) against a product in the
-    run's dtype (bf16 under autocast), cast and added per chunk (what it did before)."""
+    weight gradient over 1024 positions, 64 at a time: ``logprobs.add_product_`` (what the
+    chunked head does: products in the run's dtype a block of rows at a time, no [V, H]
+    temporary) against float32 ``addmm_`` of the chunk's values (what it did at 432d0f6) and a
+    whole product in the run's dtype, cast and added (what it did before that)."""
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
 
     def run(
@@ -226,13 +227,16 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     grad = (torch.randn(1024, head.shape[0]) * 1e-3).to(run_dtype)
     acc = torch.zeros_like(head, dtype=torch.float32)
 
-    def accumulate(in_place: bool) -> Callable[[], None]:
+    products: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+        "blocks": lambda g, h: logprobs.add_product_(acc, g.T, h),
+        "float32_addmm": lambda g, h: acc.addmm_(g.T.float(), h.float()),
+        "product_per_chunk": lambda g, h: acc.add_((g.T @ h).float()),
+    }
+
+    def accumulate(product: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[], None]:
         def go() -> None:
             for g, h in zip(grad.split(64), hidden.split(64), strict=True):
-                if in_place:
-                    acc.addmm_(g.T.float(), h.float())
-                else:
-                    acc.add_((g.T @ h).float())
+                product(g, h)
 
         return go
 
@@ -251,7 +255,7 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
             {"dense": run(True, True, lookup=False), "sparse": run(True, True)}, repeats
         ),
         "head_weight_gradient": alternate(
-            {"float32_addmm": accumulate(True), "product_per_chunk": accumulate(False)}, repeats
+            {name: accumulate(product) for name, product in products.items()}, repeats
         ),
     }
     logprobs.full_logits(model, on=False)

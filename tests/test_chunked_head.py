@@ -85,6 +85,10 @@ def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypat
     # the recomputed logits are the forward's (the head's products in bf16 both times), and the
     # gradients go back through the same casts as autograd's
     monkeypatch.setattr(logprobs, "CHUNK", 5)
+    hidden = model.get_output_embeddings().weight.shape[1]
+    # the head's weight gradient in blocks of 7 rows of the vocabulary, the last one ragged
+    monkeypatch.setattr(logprobs, "PRODUCT_BLOCK_BYTES", 7 * 6 * hidden)
+    assert model.get_output_embeddings().weight.shape[0] % 7
     batch = _batch(g=3, n=6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _scored(model, batch, Sampling(0.7), plain=False, monkeypatch=monkeypatch)
@@ -94,14 +98,30 @@ def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypat
         torch.testing.assert_close(g, w, atol=2e-2, rtol=5e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_product_adds_every_row_of_the_product(dtype, monkeypatch) -> None:
+    # out += a @ b: in bf16 a block of 5 rows at a time (37 = 7 x 5 + 2), each block added
+    # into the float32 out; in float32 one addmm_. Rounded to bf16 once per block at most
+    gen = torch.Generator().manual_seed(3)
+    monkeypatch.setattr(logprobs, "PRODUCT_BLOCK_BYTES", 5 * 6 * 8)
+    a = torch.randn(37, 9, generator=gen).to(dtype)
+    b = torch.randn(9, 8, generator=gen).to(dtype)
+    out = torch.randn(37, 8, generator=gen)
+    want = out.double() + a.double() @ b.double()
+    logprobs.add_product_(out, a, b)
+    tol = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(out.double(), want, **tol)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
-def test_a_head_with_a_bias_gets_every_gradient(autocast: bool) -> None:
+def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, monkeypatch) -> None:
     # the autograd function alone, on an untied head with a bias: hidden, weight and bias
     # gradients equal the full logits' (a head that needs no weight gradient gets none). Under
     # bf16 autocast the backward runs outside it, as the trainer's does, so the recomputed head
     # must cast its bias too to run in the forward's dtype
     gen = torch.Generator().manual_seed(0)
     m, h, v = 11, 6, 17
+    monkeypatch.setattr(logprobs, "PRODUCT_BLOCK_BYTES", 5 * 6 * h)  # blocks of 5, 5, 5, 2 rows
     head = nn.Linear(h, v)
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])  # positions shared by targets

@@ -43,6 +43,11 @@ PACKABLE = {"sdpa": torch.bool, "eager": None, PREFIX: torch.bool}
 # float32 is 12 MiB on SmolLM2 (V = 49152), under the heap's 16 MiB mmap threshold
 CHUNK = 64
 
+# bytes of one block of the head's weight gradient made by one product in a lower precision:
+# its result and oneDNN's float32 accumulator (6 bytes a value) stay under ``train.malloc:
+# keep``'s 16 MiB mmap threshold, so they reuse heap memory rather than come as fresh pages
+PRODUCT_BLOCK_BYTES = 8 << 20
+
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding, as `generate` computes them: [B, L] -> [B, L]."""
@@ -68,6 +73,23 @@ def token_logprobs(
     """
     scorer = Scorer.of(at, targets, sampling, with_entropy, history, logits.shape[0])
     return scorer.of_logits(logits, chunk)
+
+
+def add_product_(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` ([V, c] @ [c, H] into [V, H]), in the operands' dtype.
+
+    float32 operands: one ``addmm_``, no temporary. Lower precision (bf16 under autocast): one
+    product per block of ``out``'s rows, each added into ``out``; a single product would make
+    [V, H] temporaries (its float32 accumulator, its result: 162 MiB on SmolLM2 by arithmetic)
+    that come as fresh pages every chunk. Each block is rounded to the operands' dtype once
+    before it is added, as autocast's own weight gradients are.
+    """
+    if a.dtype == torch.float32:
+        out.addmm_(a, b)
+        return
+    rows = max(1, PRODUCT_BLOCK_BYTES // (6 * b.shape[1]))
+    for lo in range(0, out.shape[0], rows):
+        out[lo : lo + rows].add_(a[lo : lo + rows] @ b)
 
 
 def _cat(parts: list[Tensor | None]) -> Tensor | None:
@@ -281,11 +303,7 @@ class _ChunkedHead(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad @ w
             if grad_weight is not None:
-                # in the gradient's dtype, into it: a bf16 product would make [V, H]
-                # temporaries (its float32 accumulator, its bf16 result, their cast) that come
-                # as fresh pages every chunk, 3x slower than float32 here (benchmarks.levers)
-                to = grad_weight.dtype
-                grad_weight.addmm_(grad.T.to(to), h.to(to))
+                add_product_(grad_weight, grad.T, h)
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0, dtype=grad_bias.dtype)
         if into_grad:
