@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from grpo.config import RolloutConfig
 from grpo.models import load_tokenizer
-from grpo.rollout import completion_mask_and_truncation, render_prompt
+from grpo.rollout import completion_mask_and_truncation, hf, render_prompt
 from grpo.rollout.hf import HFEngine
 
 
@@ -171,3 +173,34 @@ def test_reward_inputs_of_no_prompts_are_empty() -> None:
     from grpo.trainer import empty_rollout
 
     assert reward_inputs(empty_rollout(2)) == ([], [], {}, [])
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bf16_sampling_packs_the_linear_layers_and_samples_the_same(
+    tiny_model_dir, monkeypatch, bf16
+) -> None:
+    # under bf16 autocast on the CPU every nn.Linear multiplies by its weight packed once: the
+    # same bf16 products, so the same tokens and log-probs; afterwards the layers are as they
+    # were. In float32 nothing is packed
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)), RolloutConfig(max_new_tokens=8))
+    prompts = ["a", "a much longer prompt"]
+    calls = []
+    packed = hf._packed_linear
+    monkeypatch.setattr(hf, "_packed_linear", lambda *a: calls.append(1) or packed(*a))
+
+    def sample(pack: bool):
+        with monkeypatch.context() as patch:
+            if not pack:
+                patch.setattr(hf, "packed_linears", lambda model: contextlib.nullcontext())
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return engine.generate(prompts, [{}, {}], group_size=3, seeds=[1, 2])
+
+    got, want = sample(pack=True), sample(pack=False)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert bool(calls) == bf16 and len(calls) % len(linears) == 0
+    assert not any("forward" in vars(m) for m in linears)  # each layer's own forward again
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.sampler_logp, want.sampler_logp)
