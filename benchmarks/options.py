@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -64,22 +65,42 @@ def commit_of(revision: str) -> str:
 
 
 @contextlib.contextmanager
-def worktrees(revisions: set[str], tmp: Path):
-    """{revision: its grpo source folder}, from a detached git worktree of each, removed after."""
-    trees: dict[str, Path] = {}
+def terminated_as_exit():
+    """Inside, SIGTERM raises SystemExit, so ``finally`` blocks still run (a plain SIGTERM ends
+    the process without them) and ``subprocess.run`` kills the child it waits for."""
+
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(f"stopped by signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, leave)
     try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def worktrees(revisions: set[str], tmp: Path):
+    """{revision: its grpo source folder}, from a detached git worktree of each, removed after,
+    also when the run is stopped by SIGTERM."""
+    trees: dict[str, Path] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(terminated_as_exit())
+        stack.callback(remove_worktrees, trees)
         for rev in sorted(revisions):
             tree = tmp / f"tree-{len(trees)}"
             git = ["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), rev]
             subprocess.run(git, check=True)
             trees[rev] = tree / "src"
         yield trees
-    finally:
-        for src in trees.values():
-            remove = ["git", "-C", str(REPO), "worktree", "remove", "--force", str(src.parent)]
-            subprocess.run(remove, check=False)
-        # what a failed add or remove left registered (its folder goes with the temporary one)
-        subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], check=False)
+
+
+def remove_worktrees(trees: dict[str, Path]) -> None:
+    for src in trees.values():
+        remove = ["git", "-C", str(REPO), "worktree", "remove", "--force", str(src.parent)]
+        subprocess.run(remove, check=False)
+    # what a failed add or remove left registered (its folder goes with the temporary one)
+    subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], check=False)
 
 
 def summarize(variants: dict[str, list[str]], runs: list[dict[str, Any]]) -> dict[str, Any]:

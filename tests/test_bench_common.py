@@ -187,6 +187,34 @@ def test_an_options_revision_runs_from_its_own_worktree_removed_after(tmp_path) 
     assert str(src.parent) not in listed()
 
 
+def test_a_terminated_options_run_removes_its_worktrees(tmp_path) -> None:
+    # SIGTERM (what timeout and most schedulers send) during the runs still removes them
+    import subprocess
+    import sys
+
+    from benchmarks import options
+
+    child = (
+        "import os, pathlib, signal, sys, time\n"
+        "from benchmarks import options\n"
+        "with options.worktrees({'HEAD'}, pathlib.Path(sys.argv[1])) as trees:\n"
+        "    print(trees['HEAD'].parent, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(60)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=options.REPO,
+    )
+    tree = done.stdout.strip()
+    assert tree and done.returncode != 0 and "stopped by signal" in done.stderr
+    git = ["git", "-C", str(options.REPO), "worktree", "list"]
+    assert tree not in subprocess.run(git, capture_output=True, text=True, check=True).stdout
+
+
 def test_update_mfu_counts_the_positions_computed(tiny_config) -> None:
     # one step of G = 4 completions of 2 prompts, packed: each prompt is computed once per
     # group, so fewer positions than prompt + completion per row (what the estimate charged)

@@ -35,7 +35,7 @@ def test_full_refresh_copies_weights_exactly(tiny_model_dir: Path) -> None:
     perturb(policy)
     name = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(reference.copy.state_dict()[name], policy.state_dict()[name])
-    reference.refresh(1.0)
+    reference.refresh()
     ref_state, pol_state = reference.copy.state_dict(), policy.state_dict()
     assert ref_state.keys() == pol_state.keys()
     for key in pol_state:
@@ -46,10 +46,10 @@ def test_full_refresh_copies_weights_exactly(tiny_model_dir: Path) -> None:
 
 def test_soft_refresh_mixes(tiny_model_dir: Path) -> None:
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    reference = Reference(policy)
+    reference = Reference(policy, alpha=0.25)
     before = {k: v.clone() for k, v in reference.copy.state_dict().items()}
     perturb(policy)
-    reference.refresh(0.25)
+    reference.refresh()
     # ref <- 0.25 * policy + 0.75 * ref, parameter by parameter
     for key, value in policy.state_dict().items():
         expected = 0.25 * value + 0.75 * before[key]
@@ -73,18 +73,18 @@ def test_a_bf16_reference_scores_as_autocast_does_over_float32(
         assert torch.equal(logits(lean.copy), logits(full.copy))
 
 
-def test_a_bf16_reference_refreshes_by_copying_only(tiny_model_dir: Path) -> None:
+def test_a_bf16_reference_is_kept_only_where_refreshes_copy(tiny_model_dir: Path) -> None:
     # a copy rounds the policy as autocast would; a mix rounded to bf16 would lose every step
-    # under half a bf16 unit, so it is refused (the trainer keeps a mixing reference float32)
+    # under half a bf16 unit, so a reference that mixes keeps float32 weights
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     reference = Reference(policy, torch.bfloat16)
     perturb(policy)
-    reference.refresh(1.0)
+    reference.refresh()
     name = "model.layers.0.mlp.up_proj.weight"
     want = policy.state_dict()[name].bfloat16()
     assert torch.equal(reference.copy.state_dict()[name], want)
-    with pytest.raises(ValueError, match="refreshed by copying"):
-        reference.refresh(0.3)
+    mixing = Reference(policy, torch.bfloat16, alpha=0.3)
+    assert mixing.copy.state_dict()[name].dtype == torch.float32
 
 
 def test_reference_state_is_empty_until_refreshed(tiny_model_dir: Path) -> None:
@@ -115,7 +115,7 @@ def test_lora_refresh_snapshots_the_adapter(lora_policy: torch.nn.Module) -> Non
         assert torch.equal(logits(model), base)  # before a refresh: the adapter-disabled base
     at_refresh = logits(lora_policy)
     assert not torch.allclose(at_refresh, base, atol=1e-4)
-    reference.refresh(1.0)
+    reference.refresh()
     perturb(lora_policy, trainable_only=True, seed=2)  # a training step moves the adapter
     live = {n: p.detach().clone() for n, p in lora_policy.named_parameters() if p.requires_grad}
     with reference.model() as model:
@@ -138,7 +138,7 @@ def test_lora_refresh_state_round_trip_and_no_mixing(lora_policy: torch.nn.Modul
     with restored.model() as model:
         assert torch.equal(logits(model), expected)
     with pytest.raises(ValueError, match="alpha 1"):
-        reference.refresh(0.5)
+        Reference(lora_policy, alpha=0.5)
 
 
 # ----------------------------------------------------------------------------- in the trainer

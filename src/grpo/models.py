@@ -410,26 +410,34 @@ class Reference:
     (no second copy of the weights) until the first ``refresh``; from then on the base with a
     frozen snapshot of the trainable (adapter) weights, swapped in for the reference forward.
 
+    ``alpha``: how each ``refresh`` mixes the policy in (1 copies it; LoRA: 1 only, since
+    mixing the factors A and B does not mix B @ A).
+
     ``autocast``: the dtype every reference forward casts its matrix products to (bf16 under
-    ``model.autocast``). The copy's linear layers then hold their weights in it, which is what
-    autocast would multiply anyway: the same log-probs, half their memory, and no cast per
-    forward (autocast caches casts only of weights that take gradients). Refreshes can then
-    only copy (alpha 1, rounding as autocast does): a mix rounded to bf16 would lose every
-    step under half a bf16 unit.
+    ``model.autocast``). A copy refreshed by copying (alpha 1) then holds its linear layers'
+    weights in it, which is what autocast would multiply anyway: the same log-probs, half their
+    memory, and no cast per forward (autocast caches casts only of weights that take
+    gradients). One that mixes stays float32: a mix rounded to bf16 would lose every step under
+    half a bf16 unit.
     """
 
-    def __init__(self, policy: nn.Module, autocast: torch.dtype | None = None) -> None:
+    def __init__(
+        self, policy: nn.Module, autocast: torch.dtype | None = None, alpha: float = 1.0
+    ) -> None:
         self.policy = policy
+        self.alpha = alpha
         self.copy: nn.Module | None = None
         self.adapter: dict[str, torch.Tensor] | None = None  # LoRA snapshot, None = adapters off
         self.refreshes = 0
-        if not is_lora(policy):
+        if is_lora(policy):
+            if alpha != 1.0:
+                raise ValueError("a LoRA reference can only be refreshed by copying (alpha 1)")
+        else:
             self.copy = copy.deepcopy(policy).eval()
             self.copy.requires_grad_(False)
-            if autocast is not None:
+            if autocast is not None and alpha == 1.0:
                 for layer in linear_layers_of_their_own(self.copy):
                     layer.to(autocast)
-        self.autocast = autocast
 
     def _trainable(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
@@ -459,18 +467,9 @@ class Reference:
             with self._swapped_adapter() as model:
                 yield model
 
-    def refresh(self, alpha: float = 1.0) -> None:
-        """ref <- alpha * policy + (1 - alpha) * ref (iterative GRPO; alpha 1 copies exactly).
-
-        With LoRA only alpha 1 is defined: mixing the factors A and B does not mix B @ A.
-        """
-        if alpha != 1.0 and self.autocast is not None:
-            raise ValueError(
-                f"a reference held in {self.autocast} can only be refreshed by copying"
-            )
+    def refresh(self) -> None:
+        """ref <- alpha * policy + (1 - alpha) * ref (iterative GRPO; alpha 1 copies exactly)."""
         if self.copy is None:
-            if alpha != 1.0:
-                raise ValueError("a LoRA reference can only be refreshed by copying (alpha 1)")
             self.adapter = {n: p.detach().clone() for n, p in self._trainable().items()}
         else:
             ref = self.copy.state_dict(keep_vars=True)
@@ -478,7 +477,7 @@ class Reference:
             # tied weights (embeddings = LM head) appear under two names: mix each tensor once
             unique = {id(t): k for k, t in reversed(list(ref.items()))}
             keys = sorted(unique.values())
-            soft_update_([ref[k] for k in keys], [pol[k] for k in keys], alpha)
+            soft_update_([ref[k] for k in keys], [pol[k] for k in keys], self.alpha)
         self.refreshes += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -436,12 +436,10 @@ class Trainer:
         self.prompt_format.check(self.tokenizer, self.rows)
         self.policy = load_policy(config.model, model_path).to(self.dist.device)
         self.policy.train()
-        # a bf16 reference is what autocast multiplies, unless refreshes mix it: rounding to
-        # bf16 after each mix would swallow every step smaller than half a bf16 unit
         algo = config.algorithm
-        mixes = algo.ref_update_every > 0 and algo.ref_mix_alpha < 1
-        products = torch.bfloat16 if config.model.autocast and not mixes else None
-        self.reference = Reference(self.policy, products) if algo.beta > 0 else None
+        products = torch.bfloat16 if config.model.autocast else None
+        alpha = algo.ref_mix_alpha if algo.ref_update_every > 0 else 1.0
+        self.reference = Reference(self.policy, products, alpha) if algo.beta > 0 else None
         # training forwards go through the DDP wrapper / the FSDP2-sharded policy; generation and
         # saving use self.policy (the same module, and the same object under FSDP2)
         self.train_model = distributed.wrap_model(self.policy, config.train.distributed, self.dist)
@@ -1023,7 +1021,7 @@ class Trainer:
         if not every or self.reference is None:
             return {}
         if self.step % every == 0:
-            self.reference.refresh(self.config.algorithm.ref_mix_alpha)
+            self.reference.refresh()
         return {"ref/refreshes": float(self.reference.refreshes)}
 
     def sampling_metrics(self, batch: Collected, clock: dict[str, float]) -> dict[str, float]:
