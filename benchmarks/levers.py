@@ -36,7 +36,7 @@ from grpo.models import load_tokenizer, resolve_model_path
 from grpo.prefix_attention import PREFIX
 from grpo.processors import process_logits
 from grpo.rollout import render_prompt, sampling_of
-from grpo.rollout.hf import HFEngine, SeededGroupSampler, sample_groups
+from grpo.rollout.hf import HFEngine, SeededGroupSampler, packed_linears, sample_groups
 from grpo.trainer import micro_batches
 
 RESULTS = Path(__file__).parent / "results"
@@ -75,7 +75,8 @@ class GumbelSampler(LogitsProcessor):
 
 def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int) -> dict:
     """One prefill per prompt against generate() on P*G copies; inference mode; the inverse-CDF
-    sampler against Gumbel-max."""
+    sampler against Gumbel-max; linear layers on weights packed once (``packed_linears``, bf16
+    only) against the weights as they are."""
     seeds = list(range(enc.input_ids.shape[0]))
     t = engine.config.max_new_tokens
 
@@ -99,10 +100,12 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
         )
 
     def shared(
-        mode: Callable[[], Any] = torch.no_grad, sampler: type = SeededGroupSampler
+        mode: Callable[[], Any] = torch.no_grad,
+        sampler: type = SeededGroupSampler,
+        packed: bool = False,
     ) -> Callable[[], None]:
         def run() -> None:
-            with mode():
+            with mode(), packed_linears(model) if packed else contextlib.nullcontext():
                 sample_groups(
                     model,
                     enc.input_ids,
@@ -124,6 +127,7 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
         "inverse_cdf_sampler": alternate(
             {"gumbel": shared(sampler=GumbelSampler), "inverse_cdf": shared()}, repeats
         ),
+        "packed_weights": alternate({"as_is": shared(), "packed": shared(packed=True)}, repeats),
     }
 
 
@@ -319,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--attention", action="store_true", help="only the prefix attention lever")
     parser.add_argument("--head", action="store_true", help="only the chunked LM head's levers")
+    parser.add_argument("--rollout", action="store_true", help="only the rollout's levers")
     parser.add_argument(
         "--precision", choices=["float32", "bfloat16"], help="default: the set-up's"
     )
@@ -361,6 +366,7 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
     alone = {
         "attention": lambda: attention_lever(model, rollout, mb, args.repeats),
         "head": lambda: head_lever(model, rollout, mb, args.repeats),
+        "rollout": lambda: rollout_levers(model, tokenizer, enc, engine, g, args.repeats),
         "compile": lambda: {"compile_rollout": compile_lever(engine, prompts, rows, g)},
     }
     for name, lever in alone.items():
