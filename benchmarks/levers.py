@@ -232,9 +232,10 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     acc = torch.zeros_like(head, dtype=torch.float32)
 
     products: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
-        "blocks": lambda g, h: logprobs.add_product_(acc, g.T, h),
+        # what it replaced first, what it is last: the ratio is blocks / float32_addmm
         "float32_addmm": lambda g, h: acc.addmm_(g.T.float(), h.float()),
         "product_per_chunk": lambda g, h: acc.add_((g.T @ h).float()),
+        "blocks": lambda g, h: logprobs.add_product_(acc, g.T, h),
     }
 
     def accumulate(product: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[], None]:
