@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -204,3 +205,23 @@ def test_bf16_sampling_packs_the_linear_layers_and_samples_the_same(
     assert not any("forward" in vars(m) for m in linears)  # each layer's own forward again
     assert torch.equal(got.completion_ids, want.completion_ids)
     assert torch.equal(got.sampler_logp, want.sampler_logp)
+
+
+def test_packing_leaves_a_replaced_forward_alone_and_nests(tiny_model_dir) -> None:
+    # a forward already set on the instance (accelerate's hooks do this) is neither packed nor
+    # removed; a packing inside another packs nothing more and both undo cleanly
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    hooked = model.lm_head
+    hooked.forward = hooked_forward = lambda x: torch.nn.Linear.forward(hooked, x)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with torch.autocast("cpu", dtype=torch.bfloat16), hf.packed_linears(model):
+        assert hooked.forward is hooked_forward
+        packed = {m: m.forward for m in linears if m is not hooked}
+        assert all(isinstance(f, functools.partial) for f in packed.values())
+        with hf.packed_linears(model):
+            assert all(m.forward is f for m, f in packed.items())
+        assert all(m.forward is f for m, f in packed.items())
+    assert hooked.forward is hooked_forward
+    assert not any("forward" in vars(m) for m in linears if m is not hooked)

@@ -149,10 +149,12 @@ def packed_linears(model: nn.Module) -> Iterator[None]:
 
     ``F.linear`` takes the weight as it is at every call; a decode step's products have few
     rows, where the packed weight pays most (0.6-0.8x the time at 5-64 rows on SmolLM2's
-    shapes, about the same at 240-480, in a one-off probe; whole rollouts: README). The products are the same bf16
-    products, so the tokens and log-probs are too (tested). Packing costs one reorder of each
-    weight per rollout (48 ms on SmolLM2) and holds a bf16 copy of them while sampling, as
-    autocast's weight cache does. Where torch has no such ops, the layers run as they are.
+    shapes, about the same at 240-480, in a one-off probe; whole rollouts: README). The
+    products are the same bf16 products, so the tokens and log-probs are too (tested).
+    Packing costs one reorder of each weight per rollout (48 ms on SmolLM2) and holds a bf16
+    copy of them while sampling, as autocast's weight cache does. Where torch has no such ops,
+    the layers run as they are; so does a layer whose forward is already replaced on the
+    instance (accelerate's hooks, or a sampling call inside another).
     """
     ops = torch.ops.mkldnn
     packs = all(hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
@@ -162,8 +164,9 @@ def packed_linears(model: nn.Module) -> Iterator[None]:
     patched = []
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        # a subclass (LoRA, quantised layers) or a sharded weight runs as it is
-        if type(module) is not nn.Linear or type(weight.data) is not torch.Tensor:
+        # a subclass (LoRA, quantised layers), a sharded weight or a hooked forward runs as it is
+        own = type(module) is nn.Linear and "forward" not in vars(module)
+        if not own or type(weight.data) is not torch.Tensor:
             continue
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16))
         bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
