@@ -98,6 +98,30 @@ def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypat
         torch.testing.assert_close(g, w, atol=2e-2, rtol=5e-2)
 
 
+def test_backward_recomputes_the_logits_in_the_forwards_dtype(monkeypatch) -> None:
+    # backward runs outside autocast (as the trainer's does), so the head must cast itself:
+    # its logits are then the forward's bf16 ones, not a float32 product autocast never made
+    gen = torch.Generator().manual_seed(0)
+    head = nn.Linear(6, 17)
+    hidden = torch.randn(11, 6, generator=gen, requires_grad=True)
+    at = torch.tensor([[0, 3, 4], [0, 7, 10]])
+    scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), Sampling(), False, None, 11)
+    seen: list[torch.dtype] = []
+    terms = Scorer.terms
+
+    def spy(self, part, *args, **kwargs):
+        seen.append(part.dtype)
+        return terms(self, part, *args, **kwargs)
+
+    monkeypatch.setattr(Scorer, "terms", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        picked, lse = logprobs._ChunkedHead.apply(
+            hidden, head.weight, head.bias, scorer, 4, [], False
+        )
+    (picked.sum() + lse.sum()).backward()
+    assert seen == [torch.bfloat16] * 6  # three chunks forward, three in backward
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_add_product_adds_every_row_of_the_product(dtype, monkeypatch) -> None:
     # out += a @ b: in bf16 a block of 5 rows at a time (37 = 7 x 5 + 2), each block added

@@ -21,7 +21,7 @@ from grpo.data import DataError
 from grpo.logprobs import full_sequence_logprobs
 from grpo.models import CHAT_TEMPLATE, load_policy, load_tokenizer
 from grpo.prompts import prompt_format_for
-from grpo.rollout import render_prompt
+from grpo.rollout import close_engine, render_prompt
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.tools import PythonTool, last_error_line, notebook_source
 from grpo.rollout.turns import (
@@ -218,6 +218,17 @@ def test_the_turn_loop_pushes_the_trainers_weights_to_its_engine(tiny_model_dir)
     policy = torch.nn.Linear(1, 1)
     MultiTurnEngine(scripted, scripted.tokenizer, _rollout_config()).sync_weights(policy)
     assert scripted.synced is policy
+
+
+def test_closing_the_turn_loop_closes_its_engine(tiny_model_dir) -> None:
+    # close_engine calls an engine's close where it has one (vLLM's engine core must go before
+    # the process group it joined); the turn loop passes its own close on to its engine
+    scripted = ScriptedEngine(load_tokenizer(tiny_model_dir))
+    closed: list[object] = []
+    scripted.close = lambda: closed.append(scripted)
+    MultiTurnEngine(scripted, scripted.tokenizer, _rollout_config()).close()
+    close_engine(object())  # no close: nothing to do, no error
+    assert closed == [scripted]
 
 
 def test_greedy_answers_give_each_prompt_one_completion_in_batches(tiny_model_dir) -> None:
