@@ -26,6 +26,7 @@ import json
 import signal
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,9 @@ def terminated_as_exit():
     def leave(signum: int, frame: Any) -> None:
         raise SystemExit(f"stopped by signal {signum}")
 
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set a handler; there SIGTERM ends the process as ever
+        return
     previous = signal.signal(signal.SIGTERM, leave)
     try:
         yield

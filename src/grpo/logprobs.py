@@ -76,16 +76,17 @@ def token_logprobs(
 
 
 def add_product_(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """``out += a @ b`` ([V, c] @ [c, H] into [V, H]), in the operands' dtype.
+    """``out += a @ b`` ([V, c] @ [c, H] into [V, H]).
 
-    float32 operands: one ``addmm_``, no temporary. Lower precision (bf16 under autocast): one
-    product per block of ``out``'s rows, each added into ``out``; a single product would make
-    [V, H] temporaries (its float32 accumulator, its result: 162 MiB on SmolLM2 by arithmetic)
-    that come as fresh pages every chunk. Each block is rounded to the operands' dtype once
-    before it is added, as autocast's own weight gradients are.
+    float32 operands, or any device but the CPU: one ``addmm_`` in ``out``'s dtype, no
+    temporary. bf16 operands on the CPU (under autocast): one product per block of ``out``'s
+    rows, each added into ``out``; a single product would make [V, H] temporaries (its float32
+    accumulator, its result: 162 MiB on SmolLM2 by arithmetic) that come as fresh pages every
+    chunk. Each block of each chunk is rounded to bf16 once before it is added: a rounding per
+    64-row chunk, where autocast rounds a layer's weight gradient once per product.
     """
-    if a.dtype == torch.float32:
-        out.addmm_(a, b)
+    if a.dtype == torch.float32 or out.device.type != "cpu":
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
         return
     rows = max(1, PRODUCT_BLOCK_BYTES // (6 * b.shape[1]))
     for lo in range(0, out.shape[0], rows):
