@@ -141,6 +141,12 @@ def test_lora_refresh_state_round_trip_and_no_mixing(lora_policy: torch.nn.Modul
         Reference(lora_policy, alpha=0.5)
 
 
+@pytest.mark.parametrize("alpha", [0.0, 1.5, -0.2])
+def test_a_reference_alpha_outside_0_1_is_refused(tiny_model_dir: Path, alpha: float) -> None:
+    with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\]"):
+        Reference(AutoModelForCausalLM.from_pretrained(tiny_model_dir), alpha=alpha)
+
+
 # ----------------------------------------------------------------------------- in the trainer
 
 

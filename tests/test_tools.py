@@ -646,6 +646,27 @@ def test_hf_engine_replays_the_scripted_exchange(scripted_model_dir: Path) -> No
     assert torch.equal(alone.sampled_mask, both.sampled_mask[:2, :n])
 
 
+def test_a_tool_rollout_packs_the_weights_once_for_all_its_turns(scripted_model_dir, monkeypatch):
+    # under bf16 the HF engine packs its linear layers per session; the turn loop holds one
+    # session around its turns, so a two-turn rollout packs each layer once, not twice
+    from grpo.rollout import hf
+
+    tokenizer = load_tokenizer(scripted_model_dir)
+    model = load_policy(ModelConfig(name=str(scripted_model_dir)), str(scripted_model_dir))
+    if not hf._packs(torch.nn.Linear(1, 1).bfloat16()):
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    config = _rollout_config()
+    engine = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config, greedy=True)
+    reorder, packed = torch.ops.mkldnn._reorder_linear_weight, []
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_reorder_linear_weight", lambda w: packed.append(1) or reorder(w)
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rollout = engine.generate([render_prompt(tokenizer, QUESTION, None)], [{}], 1, seeds=[0])
+    assert len(rollout.turns[0]) >= 2  # the call, its output, then the answer
+    assert len(packed) == sum(type(m) is torch.nn.Linear for m in model.modules())
+
+
 def _tool_recipe(tiny_config, scripted_model_dir: Path, tmp_path: Path, **train_args):
     reward = tmp_path / "used_tool.py"
     reward.write_text(

@@ -424,6 +424,8 @@ class Reference:
     def __init__(
         self, policy: nn.Module, autocast: torch.dtype | None = None, alpha: float = 1.0
     ) -> None:
+        if not 0 < alpha <= 1:  # above 1 a refresh would extrapolate past the policy
+            raise ValueError(f"Reference alpha must be in (0, 1], got {alpha}")
         self.policy = policy
         self.alpha = alpha
         self.copy: nn.Module | None = None

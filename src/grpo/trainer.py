@@ -614,9 +614,9 @@ class Trainer:
 
         ``cache``: keep each weight's bf16 cast for the whole context. Generation reuses it at
         every decoding step; a scoring forward uses each weight once, so there the cache only
-        holds a bf16 copy of every trained weight until the forward ends (SmolLM2: 210 MiB by arithmetic),
-        where without it a cast lives as long as autograd needs it: not at all in a no-grad or
-        checkpointed forward."""
+        holds a bf16 copy of every trained weight until the forward ends (SmolLM2: 210 MiB, by
+        arithmetic), where without it a cast lives as long as autograd needs it: not at all in
+        a no-grad or checkpointed forward."""
         return torch.autocast(
             self.dist.device.type,
             dtype=torch.bfloat16,

@@ -334,8 +334,11 @@ class HFEngine:
         """Nothing to do: this engine samples from the policy object itself."""
 
     @contextlib.contextmanager
-    def _sampling(self) -> Iterator[None]:
-        """The policy in eval mode (no dropout) with its linear layers packed, then as it was."""
+    def session(self) -> Iterator[None]:
+        """The policy in eval mode (no dropout) with its linear layers packed, then as it was.
+        Every sampling call runs in one; a caller that samples several times from unchanged
+        weights (the turns of a tool rollout, evaluation's batches) holds one around them all,
+        so the weights are packed once (a call inside finds them packed)."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -372,7 +375,7 @@ class HFEngine:
             attention.repeat_interleave(group_size, dim=0),
             self.extra,
         )
-        with self._sampling():
+        with self.session():
             # each prompt's G completions, groups contiguous (the chooser supplies the randomness)
             out = sample_groups(
                 self.model,
@@ -435,7 +438,7 @@ class HFEngine:
             self.extra,
         )
         strings = [*stop, *self.config.stop]
-        with self._sampling():
+        with self.session():
             out = sample_groups(
                 self.model,
                 ids,

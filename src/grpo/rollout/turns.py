@@ -22,6 +22,7 @@ as the keyword column ``turns``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -285,6 +286,10 @@ class MultiTurnEngine:
         with ThreadPoolExecutor(max_workers=TOOL_THREADS) as pool:
             return list(pool.map(run, calls))
 
+    def session(self) -> contextlib.AbstractContextManager:
+        """The engine's sampling session (``HFEngine.session``), where it has one."""
+        return getattr(self.engine, "session", contextlib.nullcontext)()
+
     def generate(
         self,
         prompts: list[str],
@@ -292,6 +297,17 @@ class MultiTurnEngine:
         group_size: int,
         seeds: list[int] | None = None,
         temperature: float | None = None,
+    ) -> Rollout:
+        with self.session():  # every turn samples from the same weights
+            return self._generate(prompts, rows, group_size, seeds, temperature)
+
+    def _generate(
+        self,
+        prompts: list[str],
+        rows: list[dict[str, Any]],
+        group_size: int,
+        seeds: list[int] | None,
+        temperature: float | None,
     ) -> Rollout:
         if seeds is None:
             seeds = torch.randint(2**62, (len(prompts),)).tolist()
@@ -432,9 +448,10 @@ def greedy_answers(
     """One greedy multi-turn completion per prompt: (answers, turns), ``batch_size`` at a time."""
     answers: list[str] = []
     turns: list[list[dict[str, Any]]] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        rollout = engine.generate(chunk, [{} for _ in chunk], 1, seeds=[0] * len(chunk))
-        answers += rollout.answers
-        turns += rollout.turns
+    with engine.session():  # one session for every batch: the weights do not change
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            rollout = engine.generate(chunk, [{} for _ in chunk], 1, seeds=[0] * len(chunk))
+            answers += rollout.answers
+            turns += rollout.turns
     return answers, turns
