@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -253,3 +254,38 @@ def test_a_readme_without_the_list_explains_nothing() -> None:
         ["x_soft_overlong__mutmut_3"],
         [],
     )
+
+
+def test_a_test_map_of_other_sources_is_stale(tmp_path: Path) -> None:
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True)
+        return out.stdout.strip()
+
+    source = tmp_path / FILE
+    source.parent.mkdir(parents=True)
+    source.write_text("def f():\n    return 1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    stats = tmp_path / "mutants" / "mutmut-stats.json"
+    assert not mutation.stale_test_map(tmp_path)  # no record: mutmut measures everything
+    stats.parent.mkdir()
+    stats.write_text(json.dumps({"git_commit": git("rev-parse", "HEAD")}))
+    assert not mutation.stale_test_map(tmp_path)
+    source.write_text("def f():\n    return _g()\n\n\ndef _g():\n    return 1\n")
+    assert mutation.stale_test_map(tmp_path)  # the working tree moved on
+    stats.write_text(json.dumps({"git_commit": "0" * 40}))
+    source.write_text("def f():\n    return 1\n")
+    assert mutation.stale_test_map(tmp_path)  # a commit this clone does not have
+
+
+def test_a_resume_measures_the_suite_again_over_a_stale_test_map(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    stats = tmp_path / "mutants" / "mutmut-stats.json"
+    stats.parent.mkdir(parents=True)
+    stats.write_text("{}")
+    monkeypatch.setattr(mutation, "stale_test_map", lambda root: root == tmp_path)
+    run_main(tmp_path, monkeypatch, ["--resume"], forget=False)
+    assert not stats.exists()
+    assert "measured again" in capsys.readouterr().out
