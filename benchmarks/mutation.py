@@ -158,10 +158,16 @@ def stale_test_map(root: Path) -> bool:
     stats = root / "mutants" / "mutmut-stats.json"
     if not stats.exists():
         return False  # mutmut measures the whole suite
-    commit = json.loads(stats.read_text()).get("git_commit") or "unknown"
+    try:
+        commit = json.loads(stats.read_text()).get("git_commit") or "unknown"
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        return True  # damaged (a run killed mid-write) or not mutmut's: measure again
     # exit 1: the sources differ from that commit's; 128: the commit is unknown here
     diff = ["git", "diff", "--quiet", commit, "--", "src/grpo"]
-    return subprocess.run(diff, cwd=root, capture_output=True).returncode != 0
+    if subprocess.run(diff, cwd=root, capture_output=True).returncode != 0:
+        return True
+    new = ["git", "ls-files", "--others", "--exclude-standard", "--", "src/grpo"]
+    return bool(subprocess.run(new, cwd=root, capture_output=True, text=True).stdout.strip())
 
 
 def earlier_rows() -> dict[str, dict]:

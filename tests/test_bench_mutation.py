@@ -274,9 +274,17 @@ def test_a_test_map_of_other_sources_is_stale(tmp_path: Path) -> None:
     assert not mutation.stale_test_map(tmp_path)
     source.write_text("def f():\n    return _g()\n\n\ndef _g():\n    return 1\n")
     assert mutation.stale_test_map(tmp_path)  # the working tree moved on
+    source.write_text("def f():\n    return 1\n")
+    assert not mutation.stale_test_map(tmp_path)
+    (source.parent / "new.py").write_text("def h():\n    return 2\n")
+    assert mutation.stale_test_map(tmp_path)  # a new file git does not track yet
+    (source.parent / "new.py").unlink()
     stats.write_text(json.dumps({"git_commit": "0" * 40}))
     source.write_text("def f():\n    return 1\n")
     assert mutation.stale_test_map(tmp_path)  # a commit this clone does not have
+    for damaged in ('{"git_commit": "ab', "[]"):  # cut off mid-write; not mutmut's record
+        stats.write_text(damaged)
+        assert mutation.stale_test_map(tmp_path)
 
 
 def test_a_resume_measures_the_suite_again_over_a_stale_test_map(
