@@ -36,7 +36,14 @@ from grpo.models import load_tokenizer, resolve_model_path
 from grpo.prefix_attention import PREFIX
 from grpo.processors import process_logits
 from grpo.rollout import render_prompt, sampling_of
-from grpo.rollout.hf import HFEngine, SeededGroupSampler, packed_linears, sample_groups
+from grpo.rollout.hf import (
+    Chooser,
+    HFEngine,
+    SeededGroupSampler,
+    packed_linears,
+    processor_choice,
+    sample_groups,
+)
 from grpo.trainer import micro_batches
 
 RESULTS = Path(__file__).parent / "results"
@@ -76,7 +83,9 @@ class GumbelSampler(LogitsProcessor):
 def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int) -> dict:
     """One prefill per prompt against generate() on P*G copies; inference mode; the inverse-CDF
     sampler against Gumbel-max; linear layers on weights packed once (``packed_linears``, bf16
-    only) against the weights as they are."""
+    only) against the weights as they are; the engine's chooser, which processes the running
+    rows and keeps the drawn token's log-prob only, against a logits processor over every row
+    whose output is an argmax (what ``sample_groups`` ran before)."""
     seeds = list(range(enc.input_ids.shape[0]))
     t = engine.config.max_new_tokens
 
@@ -99,11 +108,25 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
             logits_processor=processors(),
         )
 
+    def chooser() -> Chooser:
+        ids, mask = (x.repeat_interleave(g, dim=0) for x in (enc.input_ids, enc.attention_mask))
+        sampler = SeededGroupSampler(seeds, g, model.device)
+        return Chooser(sampling_of(engine.config), sampler, ids, mask, LogitsProcessorList())
+
     def shared(
         mode: Callable[[], Any] = torch.no_grad,
         sampler: type = SeededGroupSampler,
         packed: bool = False,
+        choice: str = "processors",
     ) -> Callable[[], None]:
+        n = enc.input_ids.shape[0] * g
+        choices = {
+            "processors": lambda: processor_choice(processors(sampler), n),
+            # the chooser as a processor over every row, the argmax of its output the token
+            "chooser_every_row": lambda: processor_choice(chooser(), n),
+            "chooser": lambda: chooser().pick,
+        }
+
         def run() -> None:
             with mode(), packed_linears(model) if packed else contextlib.nullcontext():
                 sample_groups(
@@ -111,7 +134,7 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
                     enc.input_ids,
                     enc.attention_mask,
                     g,
-                    processors(sampler),
+                    choices[choice](),
                     t,
                     engine.eos,
                     tokenizer.pad_token_id,
@@ -128,6 +151,13 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
             {"gumbel": shared(sampler=GumbelSampler), "inverse_cdf": shared()}, repeats
         ),
         "packed_weights": alternate({"as_is": shared(), "packed": shared(packed=True)}, repeats),
+        "running_rows_choice": alternate(
+            {
+                "every_row": shared(choice="chooser_every_row"),
+                "running_rows": shared(choice="chooser"),
+            },
+            repeats,
+        ),
     }
 
 

@@ -9,7 +9,13 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 from grpo.config import RolloutConfig
 from grpo.models import load_tokenizer
 from grpo.rollout import completion_mask_and_truncation, sampling_of
-from grpo.rollout.hf import Chooser, HFEngine, SeededGroupSampler, sample_groups
+from grpo.rollout.hf import (
+    Chooser,
+    HFEngine,
+    SeededGroupSampler,
+    processor_choice,
+    sample_groups,
+)
 
 
 @pytest.mark.parametrize("eos_bias", [0.0, 2.0])
@@ -26,11 +32,14 @@ def test_prefill_once_samples_what_generate_samples(tiny_model_dir, eos_bias: fl
     def bias_eos(_: object, scores: torch.Tensor) -> torch.Tensor:
         return scores + eos_bias * (torch.arange(scores.shape[1]) == tok.eos_token_id)
 
-    def processors() -> LogitsProcessorList:
+    def chooser(extra: LogitsProcessorList) -> Chooser:
         sampler = SeededGroupSampler(seeds, g, model.device)
         ids, mask = (x.repeat_interleave(g, dim=0) for x in (enc.input_ids, enc.attention_mask))
-        chooser = Chooser(sampling_of(engine.config), sampler, ids, mask, LogitsProcessorList())
-        return LogitsProcessorList([bias_eos, chooser])
+        return Chooser(sampling_of(engine.config), sampler, ids, mask, extra)
+
+    # generate() keeps every row in its batch: its chooser processes all 12 at each step
+    every = chooser(LogitsProcessorList())
+    running = chooser(LogitsProcessorList([bias_eos]))
 
     with torch.no_grad():
         plain = model.generate(
@@ -42,14 +51,14 @@ def test_prefill_once_samples_what_generate_samples(tiny_model_dir, eos_bias: fl
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=engine.eos,
             ),
-            logits_processor=processors(),
+            logits_processor=LogitsProcessorList([bias_eos, every]),
         )[:, enc.input_ids.shape[1] :]
         fast = sample_groups(
             model,
             enc.input_ids,
             enc.attention_mask,
             g,
-            processors(),
+            running.pick,
             16,
             engine.eos,
             tok.pad_token_id,
@@ -58,6 +67,11 @@ def test_prefill_once_samples_what_generate_samples(tiny_model_dir, eos_bias: fl
     plain = plain.masked_fill(~mask, tok.pad_token_id)
     assert fast.shape == plain.shape == (12, plain.shape[1])
     assert torch.equal(fast, plain)
+    # the same log-prob of each drawn token, whether the chooser saw every row or the running ones
+    t = plain.shape[1]
+    fast_logp, plain_logp = (torch.stack(c.logps, dim=1)[:, :t] for c in (running, every))
+    torch.testing.assert_close(fast_logp[mask], plain_logp[mask], rtol=0, atol=1e-6)
+    assert bool((fast_logp[mask] < 0).all())
     if eos_bias:  # rows really did finish apart, so the batch shrank along the way
         lengths = mask.sum(dim=1)
         assert int((lengths < lengths.max() // 2).sum()) >= 3
@@ -78,7 +92,8 @@ def test_sample_groups_stops_when_every_row_has_finished(tiny_model_dir) -> None
 
     enc = tok(["ab", "abc"], return_tensors="pt", padding=True)
     with torch.no_grad():
-        out = sample_groups(model, enc.input_ids, enc.attention_mask, 2, eos_on_third, 16, [eos], 0)
+        choose = processor_choice(eos_on_third, 4)
+        out = sample_groups(model, enc.input_ids, enc.attention_mask, 2, choose, 16, [eos], 0)
     assert out.tokens.tolist() == [[7, 7, eos]] * 4
     assert out.lengths.tolist() == [3] * 4 and out.finished.all()
 

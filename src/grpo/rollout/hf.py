@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -56,30 +56,62 @@ class SeededGroupSampler(LogitsProcessor):
         self.device = device
         self.generators = [torch.Generator(device).manual_seed(s) for s in seeds]
 
-    def draw(self, scores: torch.Tensor) -> torch.Tensor:
-        """[N, V] scores -> [N, 1] the drawn token of each row."""
+    def draw(self, scores: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, V] scores of the batch rows ``rows`` [b] (default: all N) -> [b, 1] the drawn token
+        of each. Every group's generator advances for all its rows at every call, so what a row
+        draws does not depend on which rows are still running."""
         u = torch.cat(
             [
                 torch.rand(self.group_size, 1, generator=g, device=self.device)
                 for g in self.generators
             ]
         )  # [N, 1] uniform in [0, 1)
-        cdf = torch.softmax(scores.float(), dim=-1).cumsum_(dim=-1)  # [N, V]
+        if rows is not None:
+            u = u[rows]
+        cdf = torch.softmax(scores.float(), dim=-1).cumsum_(dim=-1)  # [b, V]
         # scaled by the total so float rounding in the sum can never push u past the last token
-        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
+        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [b, 1]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         return torch.full_like(scores, -math.inf).scatter_(-1, self.draw(scores), 0.0)
 
 
+Choice = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""One decode step's choice: (completions so far [b, t], raw scores [b, V], the batch rows they
+are [b]) -> [b] the next tokens. ``b`` shrinks as rows finish (``sample_groups``)."""
+
+
+def greedy_choice(
+    input_ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """The most likely token (a ``Choice``)."""
+    return scores.argmax(dim=-1)
+
+
+def processor_choice(
+    processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n: int
+) -> Choice:
+    """A transformers-style logits processor over all ``n`` rows (the token is the argmax of
+    what it returns) as a ``Choice``: rows that left the batch get zero scores, as in
+    ``generate``'s batch, which keeps every row. Slower than ``Chooser``; for comparisons."""
+
+    def choose(input_ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        every = scores.new_zeros(n, scores.shape[1]).index_copy_(0, rows, scores)
+        ids = input_ids.new_zeros(n, input_ids.shape[1]).index_copy_(0, rows, input_ids)
+        return processor(ids, every).argmax(dim=-1)[rows]
+
+    return choose
+
+
 class Chooser(LogitsProcessor):
-    """One decode step of the engine: raw scores -> the drawn token (0 there, -inf elsewhere).
+    """One decode step of the engine: raw scores -> the drawn token (``pick``).
 
     ``extra`` (transformers' processors from ``rollout.generation_kwargs``) runs on the raw
     logits, then ``grpo.processors`` (penalty, temperature, min-p, top-k, top-p), then the seeded
     draw. The log-prob of every drawn token under the distribution it was drawn from is kept
-    (``logps``, one [N] tensor per step), as vLLM reports it. ``seen`` [N, V] tracks the prompt's
-    and the completion's tokens for the repetition penalty (prompt padding excluded).
+    (``logps``, one [N] tensor per step, 0 for rows that had finished), as vLLM reports it.
+    ``seen`` [N, V] tracks the prompt's and the completion's tokens for the repetition penalty
+    (prompt padding excluded).
     """
 
     def __init__(
@@ -95,19 +127,33 @@ class Chooser(LogitsProcessor):
         self.seen: torch.Tensor | None = None  # built at the first step, when V is known
         self.logps: list[torch.Tensor] = []
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        """input_ids: [N, t] the completions so far; scores: [N, V] -> [N, V]."""
+    def pick(
+        self, input_ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """A ``Choice``: input_ids [b, t] the completions so far of batch rows ``rows`` [b],
+        scores [b, V] their raw logits -> [b] the drawn tokens. Only the running rows are
+        processed: each [b, V] pass is a stream through memory, and a decode step makes several."""
         if self.extra:
-            scores = self.extra(torch.cat([self.prompt_ids, input_ids], dim=1), scores)
+            scores = self.extra(torch.cat([self.prompt_ids[rows], input_ids], dim=1), scores)
         if self.sampling.repetition_penalty != 1.0 and self.seen is None:
-            self.seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+            self.seen = torch.zeros(
+                (len(self.prompt_ids), scores.shape[1]), dtype=torch.bool, device=scores.device
+            )
             self.seen.scatter_(1, self.prompt_ids, self.prompt_mask.bool())
-        processed = process_logits(scores.float(), self.sampling, self.seen)  # [N, V]
-        picked = self.sampler.draw(processed)  # [N, 1]
-        self.logps.append(torch.log_softmax(processed, dim=-1).gather(1, picked)[:, 0])
+        seen = None if self.seen is None else self.seen[rows]
+        processed = process_logits(scores.float(), self.sampling, seen)  # [b, V]
+        picked = self.sampler.draw(processed, rows)  # [b, 1]
+        # log_softmax at the drawn token only: no second [b, V] tensor
+        logp = processed.gather(1, picked)[:, 0] - torch.logsumexp(processed, dim=-1)
+        self.logps.append(logp.new_zeros(len(self.prompt_ids)).index_copy_(0, rows, logp))
         if self.seen is not None:
-            self.seen.scatter_(1, picked, True)
-        return torch.full_like(scores, -math.inf).scatter_(-1, picked, 0.0)
+            self.seen[rows, picked[:, 0]] = True
+        return picked[:, 0]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """As a transformers logits processor (every row): 0 at the drawn token, -inf elsewhere."""
+        picked = self.pick(input_ids, scores, torch.arange(len(scores), device=scores.device))
+        return torch.full_like(scores, -math.inf).scatter_(-1, picked[:, None], 0.0)
 
 
 class StopStrings:
@@ -210,7 +256,7 @@ def sample_groups(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     group_size: int,
-    choose: LogitsProcessor | LogitsProcessorList,
+    choose: Choice,
     max_new_tokens: int,
     eos: list[int],
     pad_id: int,
@@ -220,7 +266,7 @@ def sample_groups(
 
     Each prompt is prefilled once and its KV cache repeated G times, instead of prefilling G copies
     (what ``generate(num_return_sequences=G)`` does): the prompt costs P, not P*G, forwards. Tokens
-    are ``argmax(choose(completions so far, scores))`` (the seeded sampler makes that a sample);
+    are ``choose(completions so far, scores, rows)`` (``Chooser.pick`` draws them);
     rows that emitted EOS (or a stop string) get ``pad_id`` and leave the batch; the loop stops
     when every row has finished.
     """
@@ -239,19 +285,14 @@ def sample_groups(
     mask = attention_mask.repeat_interleave(group_size, dim=0)  # [N, S + t]
     position = positions[:, -1:].repeat_interleave(group_size, dim=0)  # [N, 1]
     eos_t = torch.tensor(eos, device=input_ids.device)
-    n, vocab = logits.shape
+    n = logits.shape[0]
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=input_ids.device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=input_ids.device)
     finished = torch.zeros(n, dtype=torch.bool, device=input_ids.device)
     rows = torch.arange(n, device=input_ids.device)  # batch row -> completion it extends
     done = torch.zeros(n, dtype=torch.bool, device=input_ids.device)  # per batch row
     for step in range(max_new_tokens):
-        # the sampler draws noise for all N rows at every step, so what a row samples does not
-        # depend on which other rows are still running
-        scores = (
-            logits if len(rows) == n else logits.new_zeros(n, vocab).index_copy_(0, rows, logits)
-        )
-        nxt = choose(tokens[:, :step], scores).argmax(dim=-1)[rows].masked_fill(done, pad_id)
+        nxt = choose(tokens[rows, :step], logits, rows).masked_fill(done, pad_id)  # [b]
         tokens[rows, step] = nxt  # [b]
         ended = torch.isin(nxt, eos_t)
         if stop is not None:
@@ -382,7 +423,7 @@ class HFEngine:
                 ids,
                 attention,
                 group_size,
-                chooser,
+                chooser.pick,
                 self.config.max_new_tokens,
                 self.eos,
                 self.tokenizer.pad_token_id,
@@ -444,7 +485,7 @@ class HFEngine:
                 ids,
                 mask,
                 n,
-                (lambda _, scores: scores) if greedy else chooser,
+                greedy_choice if greedy else chooser.pick,
                 max(r.max_tokens for r in requests),
                 self.eos,
                 self.tokenizer.pad_token_id,
