@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from unittest import mock
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -35,7 +37,7 @@ from grpo.memory import set_malloc_policy
 from grpo.models import load_tokenizer, resolve_model_path
 from grpo.prefix_attention import PREFIX
 from grpo.processors import process_logits
-from grpo.rollout import render_prompt, sampling_of
+from grpo.rollout import hf, render_prompt, sampling_of
 from grpo.rollout.hf import (
     Chooser,
     HFEngine,
@@ -83,7 +85,8 @@ class GumbelSampler(LogitsProcessor):
 def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int) -> dict:
     """One prefill per prompt against generate() on P*G copies; inference mode; the inverse-CDF
     sampler against Gumbel-max; linear layers on weights packed once (``packed_linears``, bf16
-    only) against the weights as they are; the engine's chooser, which processes the running
+    only) against the weights as they are; the KV cache reserved for the rollout against
+    transformers' concatenating one; the engine's chooser, which processes the running
     rows and keeps the drawn token's log-prob only, against a logits processor over every row
     whose output is an argmax (what ``sample_groups`` ran before)."""
     seeds = list(range(enc.input_ids.shape[0]))
@@ -118,6 +121,7 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
         sampler: type = SeededGroupSampler,
         packed: bool = False,
         choice: str = "processors",
+        concatenated_cache: bool = False,
     ) -> Callable[[], None]:
         n = enc.input_ids.shape[0] * g
         choices = {
@@ -128,7 +132,15 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
         }
 
         def run() -> None:
-            with mode(), packed_linears(model) if packed else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(mode())
+                if packed:
+                    stack.enter_context(packed_linears(model))
+                if concatenated_cache:  # transformers' own: each token copies the whole cache
+                    plain = mock.patch.object(
+                        hf, "reserved_cache", lambda m, _: DynamicCache(config=m.config)
+                    )
+                    stack.enter_context(plain)
                 sample_groups(
                     model,
                     enc.input_ids,
@@ -151,6 +163,13 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
             {"gumbel": shared(sampler=GumbelSampler), "inverse_cdf": shared()}, repeats
         ),
         "packed_weights": alternate({"as_is": shared(), "packed": shared(packed=True)}, repeats),
+        "reserved_kv_cache": alternate(
+            {
+                "concatenated": shared(choice="chooser", concatenated_cache=True),
+                "reserved": shared(choice="chooser"),
+            },
+            repeats,
+        ),
         "running_rows_choice": alternate(
             {
                 "every_row": shared(choice="chooser_every_row"),
@@ -159,6 +178,48 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
             repeats,
         ),
     }
+
+
+def long_cache_lever(model, enc, engine: HFEngine, g: int, tokens: int, repeats: int) -> dict:
+    """The reserved KV cache against transformers' concatenating one on long completions: the
+    set-up's first prompt, G rows, EOS banned so every row runs ``tokens`` tokens (the cache
+    copy per token grows with the length; the weights streamed per token do not)."""
+    ids, mask = enc.input_ids[:1], enc.attention_mask[:1]
+    no_eos = torch.tensor(engine.eos)
+
+    def ban_eos(_: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.index_fill_(1, no_eos, -math.inf)
+
+    def run(concatenated: bool) -> Callable[[], None]:
+        def go() -> None:
+            sampler = SeededGroupSampler([0], g, model.device)
+            rows_ids, rows_mask = (x.repeat_interleave(g, dim=0) for x in (ids, mask))
+            extra = LogitsProcessorList([ban_eos])
+            chooser = Chooser(sampling_of(engine.config), sampler, rows_ids, rows_mask, extra)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.no_grad())
+                if concatenated:
+                    stack.enter_context(
+                        mock.patch.object(
+                            hf, "reserved_cache", lambda m, _: DynamicCache(config=m.config)
+                        )
+                    )
+                out = sample_groups(
+                    model,
+                    ids,
+                    mask,
+                    g,
+                    chooser.pick,
+                    tokens,
+                    engine.eos,
+                    engine.tokenizer.pad_token_id,
+                )
+            assert int(out.lengths.min()) == tokens
+
+        return go
+
+    result = alternate({"concatenated": run(True), "reserved": run(False)}, repeats)
+    return {"long_reserved_kv_cache": {"rows": g, "tokens": tokens, **result}}
 
 
 def scoring(model, batches: list, logprobs: Callable[..., Any], grad: bool) -> Callable[[], None]:
@@ -357,6 +418,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head", action="store_true", help="only the chunked LM head's levers")
     parser.add_argument("--rollout", action="store_true", help="only the rollout's levers")
     parser.add_argument(
+        "--long-cache",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="only the reserved KV cache, on G rows of TOKENS tokens each (EOS banned)",
+    )
+    parser.add_argument(
         "--precision", choices=["float32", "bfloat16"], help="default: the set-up's"
     )
     args = parser.parse_args(argv)
@@ -400,6 +468,9 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
         "head": lambda: head_lever(model, rollout, mb, args.repeats),
         "rollout": lambda: rollout_levers(model, tokenizer, enc, engine, g, args.repeats),
         "compile": lambda: {"compile_rollout": compile_lever(engine, prompts, rows, g)},
+        "long_cache": lambda: long_cache_lever(
+            model, enc, engine, g, args.long_cache, args.repeats
+        ),
     }
     for name, lever in alone.items():
         if getattr(args, name):

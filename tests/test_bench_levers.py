@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
 
 from grpo.config import RolloutConfig
 from grpo.models import load_tokenizer
-from grpo.rollout import completion_mask_and_truncation, sampling_of
+from grpo.rollout import completion_mask_and_truncation, hf, sampling_of
 from grpo.rollout.hf import (
     Chooser,
     HFEngine,
@@ -91,11 +93,20 @@ def test_sample_groups_stops_when_every_row_has_finished(tiny_model_dir) -> None
         return forced
 
     enc = tok(["ab", "abc"], return_tensors="pt", padding=True)
-    with torch.no_grad():
+    caches, reserve = [], hf.reserved_cache
+
+    def recorded(model: object, capacity: int) -> object:
+        caches.append(reserve(model, capacity))
+        return caches[-1]
+
+    # a token limit far past what completions reach reserves no cache for it
+    with torch.no_grad(), mock.patch.object(hf, "reserved_cache", recorded):
         choose = processor_choice(eos_on_third, 4)
-        out = sample_groups(model, enc.input_ids, enc.attention_mask, 2, choose, 16, [eos], 0)
+        out = sample_groups(model, enc.input_ids, enc.attention_mask, 2, choose, 10**6, [eos], 0)
     assert out.tokens.tolist() == [[7, 7, eos]] * 4
     assert out.lengths.tolist() == [3] * 4 and out.finished.all()
+    width = enc.input_ids.shape[1] + hf.RESERVED_TOKENS
+    assert caches[0].layers[0].key_buffer.shape[2] == width
 
 
 def test_micro_batch_order_keeps_groups_whole_longest_first() -> None:
@@ -105,3 +116,41 @@ def test_micro_batch_order_keeps_groups_whole_longest_first() -> None:
     prompt = torch.tensor([10, 10, 4, 4, 10, 10])
     completion = torch.tensor([1, 9, 2, 2, 8, 8])
     assert micro_batch_order(prompt, completion, 2).tolist() == [4, 5, 0, 1, 2, 3]
+
+
+def test_reserved_cache_layer_returns_what_concatenation_returns() -> None:
+    from transformers import DynamicLayer
+
+    from grpo.rollout.hf import ReservedLayer
+
+    gen = torch.Generator().manual_seed(0)
+    reserved, plain = ReservedLayer(capacity=4), DynamicLayer()
+
+    def update(batch: int, n: int) -> None:
+        k, v = (torch.randn(batch, 2, n, 5, generator=gen) for _ in range(2))
+        got, want = reserved.update(k, v), plain.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert reserved.get_seq_length() == plain.get_seq_length()
+
+    update(4, 2)  # prefill
+    buffer = reserved.key_buffer.data_ptr()
+    update(4, 1)
+    update(4, 1)  # fills the reservation, written in place: the cache was never copied
+    assert reserved.key_buffer.data_ptr() == buffer
+    update(4, 2)  # grows past it: doubled, so the next tokens are written in place again
+    assert reserved.key_buffer.shape[2] == 8
+    buffer = reserved.key_buffer.data_ptr()
+    update(4, 1)
+    assert reserved.key_buffer.data_ptr() == buffer
+    for layer in (reserved, plain):
+        layer.batch_select_indices(torch.tensor([3, 1]))
+    update(2, 1)
+    for layer in (reserved, plain):
+        layer.batch_repeat_interleave(3)
+    update(6, 1)
+    for layer in (reserved, plain):
+        layer.crop(-2)
+    update(6, 1)
+    for layer in (reserved, plain):
+        layer.reset()
+    update(3, 2)  # a reset layer starts over

@@ -14,6 +14,7 @@ from packaging.version import Version
 from torch import nn
 from transformers import (
     DynamicCache,
+    DynamicLayer,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -241,6 +242,86 @@ def packed_linears(model: nn.Module) -> Iterator[None]:
             del module.forward
 
 
+# completion positions a rollout's KV cache holds from the start (beyond: it doubles), so a large
+# max_new_tokens that completions rarely reach reserves no memory they do not use
+RESERVED_TOKENS = 1024
+
+
+class ReservedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in a buffer reserved for the whole rollout.
+
+    ``DynamicLayer`` concatenates at every token, copying the layer's whole cache each time, so
+    a decode step moves the cache through memory three times (read and write to append, read to
+    attend) where attending needs one read: quadratic traffic in the completion's length, and
+    the cost of a decode step on a CPU whose memory bandwidth is its limit. Here each token
+    writes only itself and attention reads a view of the filled part. Holds ``capacity``
+    positions at first; a write past them doubles the buffer (at least), so growing costs a
+    copy per doubling, not per token, and the buffer is never more than twice what it holds.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length = 0  # after a reset too
+        b, h, _, d = key_states.shape
+        self.key_buffer = key_states.new_empty(b, h, self.capacity, d)
+        self.value_buffer = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.key_buffer.shape[-2]:
+            grow = max(end, 2 * self.key_buffer.shape[-2]) - self.key_buffer.shape[-2]
+            self.key_buffer, self.value_buffer = (
+                torch.cat([x, x.new_empty(*x.shape[:2], grow, x.shape[-1])], dim=2)
+                for x in (self.key_buffer, self.value_buffer)
+            )
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self._view()
+        return self.keys, self.values
+
+    def _view(self) -> None:
+        self.keys = self.key_buffer[:, :, : self.length]
+        self.values = self.value_buffer[:, :, : self.length]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # checks the argument, as DynamicLayer's callers expect
+        if self.is_initialized:
+            self.length = self.keys.shape[-2]
+            self._view()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.length:
+            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+            self._view()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.length:
+            self.key_buffer = self.key_buffer[indices]
+            self.value_buffer = self.value_buffer[indices]
+            self._view()
+
+
+def reserved_cache(model: nn.Module, capacity: int) -> DynamicCache:
+    """The model's ``DynamicCache`` with each full-attention layer reserving ``capacity``
+    positions; sliding-window and other special layers keep their own behaviour."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [
+        ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
+    ]
+    return cache
+
+
 class Decoded(NamedTuple):
     """What ``sample_groups`` returns: tokens [N, T] (pad after a row's end), lengths [N] (tokens
     up to and including the one that ended the row), finished [N] (ended by EOS or a stop string
@@ -270,7 +351,7 @@ def sample_groups(
     rows that emitted EOS (or a stop string) get ``pad_id`` and leave the batch; the loop stops
     when every row has finished.
     """
-    cache = DynamicCache(config=model.config)
+    cache = reserved_cache(model, input_ids.shape[1] + min(max_new_tokens, RESERVED_TOKENS))
     positions = position_ids_from_mask(attention_mask)  # [P, S]
     out = model(
         input_ids=input_ids,
