@@ -234,8 +234,8 @@ def test_a_penalty_without_the_history_it_reads_is_refused() -> None:
 
 
 def test_micro_batches_accumulate_the_heads_gradient_into_the_weights(model, monkeypatch):
-    # a second micro-batch adds the head's gradient into the (tied) weight's .grad in place:
-    # after both, every gradient equals the full logits' accumulated over the same two
+    # every micro-batch adds the head's gradient into the (tied) weight's .grad in place, the
+    # first making it: after both, every gradient equals the full logits' accumulated over both
     monkeypatch.setattr(logprobs, "CHUNK", 4)
     first, second = _batch(g=3, n=6), _batch(g=2, n=9)
 
@@ -259,7 +259,7 @@ def test_micro_batches_accumulate_the_heads_gradient_into_the_weights(model, mon
     with monkeypatch.context() as patch:
         patch.setattr(torch.Tensor, "addmm_", spy)
         got = accumulated(plain=False)
-    assert any(added)  # the second micro-batch wrote into .grad
+    assert added and all(added)  # every chunk of both micro-batches wrote into .grad
     for g, w in zip(got, accumulated(plain=True), strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
@@ -290,9 +290,10 @@ def test_the_embedding_lookup_adds_its_rows_into_the_dense_grad(tiny_model_dir, 
         return [p.grad.clone() for p in model.parameters()]
 
     got = accumulated(dense=False)
-    # tied: the head's dense gradient and the rows, summed; then the rows alone (the head's
-    # went into .grad in place). Untied: a dense lookup gradient becomes .grad; then the rows
-    assert layouts == [torch.strided, torch.sparse_coo]
+    # tied: the rows alone, both times (the head's gradient went into .grad in place, made by
+    # the head at the first micro-batch). Untied: a dense lookup gradient becomes .grad; then
+    # the rows
+    assert layouts == [torch.sparse_coo if tied else torch.strided, torch.sparse_coo]
     # tied, the first micro-batch's rows meet the head's dense gradient: sparse from the start
     assert lookups == [tied, True]
     assert emb.weight.grad.layout == torch.strided and not emb.sparse

@@ -252,11 +252,12 @@ class _ChunkedHead(torch.autograd.Function):
     gradient ever exists (a float32 [350, 49152] is 66 MiB on SmolLM2, per tensor). The
     recomputation costs one more head forward (a third of the head's update FLOPs).
 
-    ``in_place``: where the weight already holds a gradient (every micro-batch after a step's
-    first), add the head's into it and give autograd none, instead of a second [V, H] tensor
-    that autograd would add (on SmolLM2's tied embedding, 108 MiB at the update's peak). Only
-    for a model run as it is: DDP and FSDP2 reduce what autograd accumulates, so under them
-    the gradient goes the usual way. (``loss.backward()`` then has it in ``.grad`` as usual;
+    ``in_place``: add the head's gradient into the weight's ``.grad`` (made here at a step's
+    first micro-batch) and give autograd none, instead of a second [V, H] tensor that autograd
+    would add (on SmolLM2's tied embedding, 108 MiB at the update's peak; at a step's first
+    micro-batch autograd would sum it with the lookup's rows into a third). Only for a model
+    run as it is: DDP and FSDP2 reduce what autograd accumulates, so under them the gradient
+    goes the usual way. (``loss.backward()`` then has it in ``.grad`` as usual;
     ``torch.autograd.grad`` over the weight would not see it, and nothing here calls that.)
     """
 
@@ -285,7 +286,9 @@ class _ChunkedHead(torch.autograd.Function):
         scorer, chunk = ctx.scorer, ctx.chunk
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # every row is written
-        into_grad = need_weight and ctx.in_place and weight.grad is not None
+        into_grad = need_weight and ctx.in_place
+        if into_grad and weight.grad is None:  # a step's first micro-batch: .grad starts here
+            weight.grad = torch.zeros_like(weight)
         grad_weight = (
             weight.grad if into_grad else torch.zeros_like(weight) if need_weight else None
         )
