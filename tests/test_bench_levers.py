@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 
 from grpo.config import RolloutConfig
 from grpo.models import load_tokenizer
+from grpo.processors import Sampling
 from grpo.rollout import completion_mask_and_truncation, hf, sampling_of
 from grpo.rollout.hf import (
     Chooser,
@@ -154,3 +155,52 @@ def test_reserved_cache_layer_returns_what_concatenation_returns() -> None:
     for layer in (reserved, plain):
         layer.reset()
     update(3, 2)  # a reset layer starts over
+
+
+def test_a_model_with_sliding_window_layers_samples_what_generate_samples() -> None:
+    # Gemma 3's layers alternate a 4-token window with full attention: the full layers' cache is
+    # reserved, the windowed layers keep transformers' own (it holds the window only; the mask
+    # is what keeps the window, so the tokens would not tell); 12 tokens run past the window
+    # and rows finish apart, and every token must equal what generate() draws
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        attn_implementation="sdpa",
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    kinds = [type(layer).__name__ for layer in hf.reserved_cache(model, 8).layers]
+    assert kinds == ["DynamicSlidingWindowLayer", "ReservedLayer"] * 2
+    ids = torch.randint(1, 63, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    g, eos = 3, 63
+
+    def chooser() -> Chooser:
+        rows_ids, rows_mask = (x.repeat_interleave(g, dim=0) for x in (ids, mask))
+        sampler = SeededGroupSampler([5, 6], g, torch.device("cpu"))
+        return Chooser(Sampling(0.9), sampler, rows_ids, rows_mask, LogitsProcessorList())
+
+    with torch.no_grad():
+        plain = model.generate(
+            input_ids=ids.repeat_interleave(g, dim=0),
+            attention_mask=mask.repeat_interleave(g, dim=0),
+            generation_config=GenerationConfig(
+                do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=eos
+            ),
+            logits_processor=LogitsProcessorList([chooser()]),
+        )[:, ids.shape[1] :]
+        fast = sample_groups(model, ids, mask, g, chooser().pick, 12, [eos], 0).tokens
+    done, _ = completion_mask_and_truncation(plain, [eos])
+    assert torch.equal(fast, plain.masked_fill(~done, 0)[:, : fast.shape[1]])
+    lengths = done.sum(dim=1)
+    assert int(lengths.max()) == 12 and int(lengths.min()) < 12  # past the window, rows apart
