@@ -22,10 +22,14 @@ from grpo.rollout.hf import (
 
 
 @pytest.mark.parametrize("eos_bias", [0.0, 2.0])
-def test_prefill_once_samples_what_generate_samples(tiny_model_dir, eos_bias: float) -> None:
+def test_prefill_once_samples_what_generate_samples(
+    tiny_model_dir, eos_bias: float, monkeypatch
+) -> None:
     # the prompt is prefilled once per group and its cache repeated G times, and finished rows
     # leave the batch; with the same seeded sampler, every token must equal what generate() draws
-    # from G separate prefills. A bias on EOS makes rows finish at different steps.
+    # from G separate prefills. A bias on EOS makes rows finish at different steps. The cache
+    # reserves 3 new tokens past the prompt, so it grows (doubling) on the way to 16
+    monkeypatch.setattr(hf, "RESERVED_TOKENS", 3)
     tok = load_tokenizer(str(tiny_model_dir))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     engine = HFEngine(model, tok, RolloutConfig(max_new_tokens=16, temperature=0.7, top_k=20))
