@@ -161,6 +161,37 @@ def test_reserved_cache_layer_returns_what_concatenation_returns() -> None:
     update(3, 2)  # a reset layer starts over
 
 
+def test_reserved_cache_copies_only_what_it_holds() -> None:
+    # selecting and repeating rows copy the filled positions, not the whole reservation: the
+    # rest may never be written (1024 reserved for 20-token completions), and copying it would
+    # touch every page of it
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo.rollout.hf import ReservedLayer
+
+    class LargestWrite(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "empty" not in func.__name__ and isinstance(out, torch.Tensor):
+                self.most = max(self.most, out.numel())
+            return out
+
+    layer = ReservedLayer(capacity=100)
+    layer.update(torch.randn(4, 2, 3, 5), torch.randn(4, 2, 3, 5))  # 3 of 100 positions held
+    for change, rows in (
+        (lambda: layer.batch_select_indices(torch.tensor([3, 1])), 2),
+        (lambda: layer.batch_repeat_interleave(4), 8),
+    ):
+        with LargestWrite() as largest:
+            change()
+        assert largest.most <= rows * 2 * 3 * 5
+        assert layer.key_buffer.shape == (rows, 2, 100, 5) and layer.get_seq_length() == 3
+
+
 def test_a_model_with_sliding_window_layers_samples_what_generate_samples() -> None:
     # Gemma 3's layers alternate a 4-token window with full attention: the full layers' cache is
     # reserved, the windowed layers keep transformers' own (it holds the window only; the mask

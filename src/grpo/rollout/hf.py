@@ -267,9 +267,18 @@ class ReservedLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.length = 0  # after a reset too
-        b, h, _, d = key_states.shape
-        self.key_buffer = key_states.new_empty(b, h, self.capacity, d)
-        self.value_buffer = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self._reserve(key_states[:, :, :0], value_states[:, :, :0], self.capacity)
+
+    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """Fresh buffers of ``capacity`` positions holding ``keys`` and ``values`` at the front.
+        Only the filled part is ever copied: the rest is memory the rollout may never write (a
+        reservation of 1024 tokens for completions of 20), whose pages stay untouched."""
+        self.key_buffer = keys.new_empty(*keys.shape[:2], capacity, keys.shape[-1])
+        self.value_buffer = values.new_empty(*values.shape[:2], capacity, values.shape[-1])
+        self.key_buffer[:, :, : keys.shape[2]] = keys
+        self.value_buffer[:, :, : values.shape[2]] = values
+        self.length = keys.shape[2]
+        self._view()
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -277,12 +286,9 @@ class ReservedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
-        if end > self.key_buffer.shape[-2]:
-            grow = max(end, 2 * self.key_buffer.shape[-2]) - self.key_buffer.shape[-2]
-            self.key_buffer, self.value_buffer = (
-                torch.cat([x, x.new_empty(*x.shape[:2], grow, x.shape[-1])], dim=2)
-                for x in (self.key_buffer, self.value_buffer)
-            )
+        held = self.key_buffer.shape[-2]
+        if end > held:
+            self._reserve(self.keys, self.values, max(end, 2 * held))
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
@@ -301,15 +307,13 @@ class ReservedLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.length:
-            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
-            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
-            self._view()
+            rows = torch.arange(self.keys.shape[0], device=self.keys.device)
+            self.batch_select_indices(rows.repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.length:
-            self.key_buffer = self.key_buffer[indices]
-            self.value_buffer = self.value_buffer[indices]
-            self._view()
+            held = self.key_buffer.shape[-2]
+            self._reserve(self.keys[indices], self.values[indices], held)
 
 
 def reserved_cache(model: nn.Module, capacity: int) -> DynamicCache:
