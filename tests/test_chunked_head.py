@@ -122,6 +122,25 @@ def test_backward_recomputes_the_logits_in_the_forwards_dtype(monkeypatch) -> No
     assert seen == [torch.bfloat16] * 6  # three chunks forward, three in backward
 
 
+def test_a_head_weight_computed_from_others_hands_its_gradient_on() -> None:
+    # in place, the head adds into its weight's .grad; a weight that is no leaf (computed from
+    # a parameter, as a parametrization does) keeps none, so its gradient must go through
+    # autograd to the parameter, micro-batch after micro-batch, as the plain head's does
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(17, 6, generator=gen, requires_grad=True)
+    hidden = torch.randn(11, 6, generator=gen)
+    at = torch.tensor([[0, 3, 4], [0, 7, 10]])
+    scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), Sampling(), False, None, 11)
+    for _ in range(2):
+        picked, lse = logprobs._ChunkedHead.apply(hidden, base * 2.0, None, scorer, 4, [], True)
+        scorer.logprobs(picked, lse, None, None)[0].sum().backward()
+    got = base.grad.clone()
+    base.grad = None
+    for _ in range(2):
+        scorer.of_logits(hidden @ (base * 2.0).T, chunk=4)[0].sum().backward()
+    torch.testing.assert_close(got, base.grad)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_add_product_adds_every_row_of_the_product(dtype, monkeypatch) -> None:
     # out += a @ b: in bf16 a block of 5 rows at a time (37 = 7 x 5 + 2), each block added

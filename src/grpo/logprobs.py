@@ -286,7 +286,9 @@ class _ChunkedHead(torch.autograd.Function):
         scorer, chunk = ctx.scorer, ctx.chunk
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # every row is written
-        into_grad = need_weight and ctx.in_place
+        # only a leaf keeps a .grad: a weight computed from others (a parametrization) hands
+        # its gradient on through autograd, or it would be lost
+        into_grad = need_weight and ctx.in_place and weight.is_leaf
         if into_grad and weight.grad is None:  # a step's first micro-batch: .grad starts here
             weight.grad = torch.zeros_like(weight)
         grad_weight = (
