@@ -82,6 +82,23 @@ class GumbelSampler(LogitsProcessor):
         return scores + -torch.log(-torch.log(noise.clamp(min=1e-20)))
 
 
+def engine_chooser(
+    engine: HFEngine, ids: torch.Tensor, mask: torch.Tensor, g: int, extra: list | None = None
+) -> Chooser:
+    """The engine's chooser for ``ids`` / ``mask`` [P, S], G rows each, seeded 0 .. P-1."""
+    rows_ids, rows_mask = (x.repeat_interleave(g, dim=0) for x in (ids, mask))
+    sampler = SeededGroupSampler(list(range(ids.shape[0])), g, engine.model.device)
+    processors = LogitsProcessorList(extra or [])
+    return Chooser(sampling_of(engine.config), sampler, rows_ids, rows_mask, processors)
+
+
+def concatenating_cache() -> contextlib.AbstractContextManager:
+    """``sample_groups`` on transformers' own KV cache, which copies itself at every token."""
+    return mock.patch.object(
+        hf, "reserved_cache", lambda model, _: DynamicCache(config=model.config)
+    )
+
+
 def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int) -> dict:
     """One prefill per prompt against generate() on P*G copies; inference mode; the inverse-CDF
     sampler against Gumbel-max; linear layers on weights packed once (``packed_linears``, bf16
@@ -111,11 +128,6 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
             logits_processor=processors(),
         )
 
-    def chooser() -> Chooser:
-        ids, mask = (x.repeat_interleave(g, dim=0) for x in (enc.input_ids, enc.attention_mask))
-        sampler = SeededGroupSampler(seeds, g, model.device)
-        return Chooser(sampling_of(engine.config), sampler, ids, mask, LogitsProcessorList())
-
     def shared(
         mode: Callable[[], Any] = torch.no_grad,
         sampler: type = SeededGroupSampler,
@@ -124,6 +136,10 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
         concatenated_cache: bool = False,
     ) -> Callable[[], None]:
         n = enc.input_ids.shape[0] * g
+
+        def chooser() -> Chooser:
+            return engine_chooser(engine, enc.input_ids, enc.attention_mask, g)
+
         choices = {
             "processors": lambda: processor_choice(processors(sampler), n),
             # the chooser as a processor over every row, the argmax of its output the token
@@ -136,11 +152,8 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
                 stack.enter_context(mode())
                 if packed:
                     stack.enter_context(packed_linears(model))
-                if concatenated_cache:  # transformers' own: each token copies the whole cache
-                    plain = mock.patch.object(
-                        hf, "reserved_cache", lambda m, _: DynamicCache(config=m.config)
-                    )
-                    stack.enter_context(plain)
+                if concatenated_cache:
+                    stack.enter_context(concatenating_cache())
                 sample_groups(
                     model,
                     enc.input_ids,
@@ -192,18 +205,9 @@ def long_cache_lever(model, enc, engine: HFEngine, g: int, tokens: int, repeats:
 
     def run(concatenated: bool) -> Callable[[], None]:
         def go() -> None:
-            sampler = SeededGroupSampler([0], g, model.device)
-            rows_ids, rows_mask = (x.repeat_interleave(g, dim=0) for x in (ids, mask))
-            extra = LogitsProcessorList([ban_eos])
-            chooser = Chooser(sampling_of(engine.config), sampler, rows_ids, rows_mask, extra)
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.no_grad())
-                if concatenated:
-                    stack.enter_context(
-                        mock.patch.object(
-                            hf, "reserved_cache", lambda m, _: DynamicCache(config=m.config)
-                        )
-                    )
+            chooser = engine_chooser(engine, ids, mask, g, [ban_eos])
+            cache = concatenating_cache() if concatenated else contextlib.nullcontext()
+            with torch.no_grad(), cache:
                 out = sample_groups(
                     model,
                     ids,
