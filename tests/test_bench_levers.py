@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from unittest import mock
 
 import pytest
@@ -36,8 +37,11 @@ def test_prefill_once_samples_what_generate_samples(
     enc = tok(["a", "a much longer prompt", "mid prompt"], return_tensors="pt", padding=True)
     g, seeds = 4, [11, 12, 13]
 
-    def bias_eos(_: object, scores: torch.Tensor) -> torch.Tensor:
-        return scores + eos_bias * (torch.arange(scores.shape[1]) == tok.eos_token_id)
+    def bias_eos(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        # and no token twice in a row: reads each row's own history, so a processor handed
+        # another row's tokens (once rows have left the batch) would draw otherwise
+        scores = scores + eos_bias * (torch.arange(scores.shape[1]) == tok.eos_token_id)
+        return scores.scatter(1, ids[:, -1:], -math.inf)
 
     def chooser(extra: LogitsProcessorList) -> Chooser:
         sampler = SeededGroupSampler(seeds, g, model.device)

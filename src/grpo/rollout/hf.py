@@ -78,8 +78,9 @@ class SeededGroupSampler(LogitsProcessor):
 
 
 Choice = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""One decode step's choice: (completions so far [b, t], raw scores [b, V], the batch rows they
-are [b]) -> [b] the next tokens. ``b`` shrinks as rows finish (``sample_groups``)."""
+"""One decode step's choice: (every row's completion so far [N, t], the running rows' raw
+scores [b, V], which rows they are [b]) -> [b] their next tokens. ``b`` shrinks as rows finish
+(``sample_groups``)."""
 
 
 def greedy_choice(
@@ -98,8 +99,7 @@ def processor_choice(
 
     def choose(input_ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         every = scores.new_zeros(n, scores.shape[1]).index_copy_(0, rows, scores)
-        ids = input_ids.new_zeros(n, input_ids.shape[1]).index_copy_(0, rows, input_ids)
-        return processor(ids, every).argmax(dim=-1)[rows]
+        return processor(input_ids, every).argmax(dim=-1)[rows]
 
     return choose
 
@@ -131,11 +131,11 @@ class Chooser(LogitsProcessor):
     def pick(
         self, input_ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
-        """A ``Choice``: input_ids [b, t] the completions so far of batch rows ``rows`` [b],
-        scores [b, V] their raw logits -> [b] the drawn tokens. Only the running rows are
-        processed: each [b, V] pass is a stream through memory, and a decode step makes several."""
+        """A ``Choice``: input_ids [N, t] every row's completion so far, scores [b, V] the raw
+        logits of the running rows ``rows`` [b] -> [b] their drawn tokens. Only the running rows
+        are processed: each [b, V] pass is a stream through memory, and a step makes several."""
         if self.extra:
-            scores = self.extra(torch.cat([self.prompt_ids[rows], input_ids], dim=1), scores)
+            scores = self.extra(torch.cat([self.prompt_ids, input_ids], dim=1)[rows], scores)
         if self.sampling.repetition_penalty != 1.0 and self.seen is None:
             self.seen = torch.zeros(
                 (len(self.prompt_ids), scores.shape[1]), dtype=torch.bool, device=scores.device
@@ -377,7 +377,7 @@ def sample_groups(
     rows = torch.arange(n, device=input_ids.device)  # batch row -> completion it extends
     done = torch.zeros(n, dtype=torch.bool, device=input_ids.device)  # per batch row
     for step in range(max_new_tokens):
-        nxt = choose(tokens[rows, :step], logits, rows).masked_fill(done, pad_id)  # [b]
+        nxt = choose(tokens[:, :step], logits, rows).masked_fill(done, pad_id)  # [b]
         tokens[rows, step] = nxt  # [b]
         ended = torch.isin(nxt, eos_t)
         if stop is not None:
