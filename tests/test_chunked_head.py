@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
 from grpo import logprobs
@@ -45,6 +46,15 @@ def _batch(g: int = 6, n: int = 12):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
+def _chunks_of(rows: int, vocab: int, monkeypatch) -> None:
+    """Chunks of ``rows`` positions on both of the chunked head's paths: the autograd one
+    (``CHUNK``) and plain sampling's in-place one (``PLAIN_CHUNK_BYTES``), whose entropy then
+    takes two rows at a time."""
+    monkeypatch.setattr(logprobs, "CHUNK", rows)
+    monkeypatch.setattr(logprobs, "PLAIN_CHUNK_BYTES", rows * 4 * vocab)
+    monkeypatch.setattr(logprobs, "ENTROPY_BLOCK_BYTES", 2 * 4 * vocab)
+
+
 def _scored(model, batch, sampling, plain: bool, monkeypatch):
     """logp, entropy and every parameter's gradient of sum(logp * w) over real tokens."""
     with monkeypatch.context() as patch:
@@ -64,8 +74,9 @@ def _scored(model, batch, sampling, plain: bool, monkeypatch):
 def test_chunked_head_equals_the_plain_head(model, monkeypatch, path: str, name: str) -> None:
     # values, entropy and the gradient of every parameter (the tied embedding takes the head's)
     # equal the plain head's full logits, with chunks of 3 positions cutting through targets
-    # that share a position (a prompt's last token predicts each completion's first)
-    monkeypatch.setattr(logprobs, "CHUNK", 3)
+    # that share a position (a prompt's last token predicts each completion's first); under
+    # plain sampling (temperatures) the in-place path, its entropy two rows at a time
+    _chunks_of(3, model.config.vocab_size, monkeypatch)
     if path == "rows":
         monkeypatch.setattr(logprobs.ScoringCost, "packing_pays", lambda *_: False)
     if path == "full":
@@ -84,7 +95,7 @@ def test_chunked_head_equals_the_plain_head(model, monkeypatch, path: str, name:
 def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypatch) -> None:
     # the recomputed logits are the forward's (the head's products in bf16 both times), and the
     # gradients go back through the same casts as autograd's
-    monkeypatch.setattr(logprobs, "CHUNK", 5)
+    _chunks_of(5, model.config.vocab_size, monkeypatch)
     hidden = model.get_output_embeddings().weight.shape[1]
     # the head's weight gradient in blocks of 7 rows of the vocabulary, the last one ragged
     monkeypatch.setattr(logprobs, "PRODUCT_BLOCK_BYTES", 7 * 6 * hidden)
@@ -98,22 +109,24 @@ def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypat
         torch.testing.assert_close(g, w, atol=2e-2, rtol=5e-2)
 
 
-def test_backward_recomputes_the_logits_in_the_forwards_dtype(monkeypatch) -> None:
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(top_k=5)], ids=["plain", "top-k"])
+def test_backward_recomputes_the_logits_in_the_forwards_dtype(sampling, monkeypatch) -> None:
     # backward runs outside autocast (as the trainer's does), so the head must cast itself:
     # its logits are then the forward's bf16 ones, not a float32 product autocast never made
     gen = torch.Generator().manual_seed(0)
     head = nn.Linear(6, 17)
     hidden = torch.randn(11, 6, generator=gen, requires_grad=True)
     at = torch.tensor([[0, 3, 4], [0, 7, 10]])
-    scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), Sampling(), False, None, 11)
+    scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), sampling, False, None, 11)
     seen: list[torch.dtype] = []
-    terms = Scorer.terms
+    linear = F.linear
 
-    def spy(self, part, *args, **kwargs):
-        seen.append(part.dtype)
-        return terms(self, part, *args, **kwargs)
+    def spy(*args, **kwargs):
+        out = linear(*args, **kwargs)
+        seen.append(out.dtype)
+        return out
 
-    monkeypatch.setattr(Scorer, "terms", spy)
+    monkeypatch.setattr(F, "linear", spy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         picked, lse = logprobs._ChunkedHead.apply(
             hidden, head.weight, head.bias, scorer, 4, [], False
@@ -163,8 +176,11 @@ def test_add_product_adds_every_row_of_the_product(dtype, monkeypatch) -> None:
         assert torch.equal(out, before)
 
 
+@pytest.mark.parametrize(
+    "sampling", [Sampling(0.5), Sampling(0.5, top_k=5)], ids=["plain", "top-k"]
+)
 @pytest.mark.parametrize("autocast", [False, True])
-def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, monkeypatch) -> None:
+def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, monkeypatch) -> None:
     # the autograd function alone, on an untied head with a bias: hidden, weight and bias
     # gradients equal the full logits' (a head that needs no weight gradient gets none). Under
     # bf16 autocast the backward runs outside it, as the trainer's does, so the recomputed head
@@ -176,7 +192,6 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, monkeypatch) -> 
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])  # positions shared by targets
     targets = torch.randint(0, v, (3, 3), generator=gen)
-    sampling = Sampling(0.5, top_k=5, repetition_penalty=1.0)
     scorer = Scorer.of(at, targets, sampling, False, None, m)
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     tol = {"atol": 2e-2, "rtol": 2e-2} if autocast else {}
@@ -211,8 +226,8 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, monkeypatch) -> 
 def test_a_models_head_with_a_bias_equals_the_plain_head(tiny_model_dir, monkeypatch) -> None:
     # the scoring head that stands in for the model's own passes its bias on: values and every
     # gradient, the bias's included, are the plain head's
-    monkeypatch.setattr(logprobs, "CHUNK", 4)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=False)
+    _chunks_of(4, model.config.vocab_size, monkeypatch)
     torch.manual_seed(0)
     model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features)
     nn.init.normal_(model.lm_head.bias)  # large enough to move every log-prob
@@ -255,7 +270,7 @@ def test_a_penalty_without_the_history_it_reads_is_refused() -> None:
 def test_micro_batches_accumulate_the_heads_gradient_into_the_weights(model, monkeypatch):
     # every micro-batch adds the head's gradient into the (tied) weight's .grad in place, the
     # first making it: after both, every gradient equals the full logits' accumulated over both
-    monkeypatch.setattr(logprobs, "CHUNK", 4)
+    _chunks_of(4, model.config.vocab_size, monkeypatch)
     first, second = _batch(g=3, n=6), _batch(g=2, n=9)
 
     def accumulated(plain: bool) -> list[torch.Tensor]:
@@ -461,3 +476,62 @@ def test_a_head_the_model_holds_in_no_module_keeps_the_plain_head() -> None:
             return self.heads[0]
 
     assert chunked_head_slot(Unheld()) is None
+
+
+@pytest.mark.parametrize(
+    ("positions", "chunk"), [(1, 1), (170, 170), (171, 86), (270, 135), (1000, 167)]
+)
+def test_plain_sampling_spreads_positions_evenly_over_chunks_of_the_buffer(positions, chunk):
+    # SmolLM2's vocabulary: 32 MiB of float32 logits hold 170 positions; more are spread over
+    # as few chunks as hold them, evenly, not a full chunk and a ragged one that reads the
+    # whole weight for a few rows. Other samplings keep CHUNK
+    at = torch.zeros(1, 1, dtype=torch.long)
+    plain = Scorer.of(at, at, Sampling(0.7), False, None, positions)
+    assert plain.head_chunk(positions, 49152) == chunk
+    top_k = Scorer.of(at, at, Sampling(0.7, top_k=5), False, None, positions)
+    assert top_k.head_chunk(positions, 49152) == logprobs.CHUNK
+
+
+def test_the_plain_head_computes_in_one_logits_buffer_per_pass(monkeypatch) -> None:
+    # under plain sampling, forward and backward each make one float32 [chunk, V] buffer and
+    # work in it in place: no other tensor of a chunk's logits (softmax, its gradient, a
+    # logsumexp's exp) is made, and the entropy's exp takes a few rows at a time
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gen = torch.Generator().manual_seed(0)
+    m, h, v, rows = 23, 6, 40, 8
+    monkeypatch.setattr(logprobs, "PLAIN_CHUNK_BYTES", rows * 4 * v)
+    monkeypatch.setattr(logprobs, "ENTROPY_BLOCK_BYTES", 3 * 4 * v)
+    weight = torch.randn(v, h, generator=gen, requires_grad=True)
+    hidden = torch.randn(m, h, generator=gen, requires_grad=True)
+    at = torch.randint(0, m, (4, 5), generator=gen)
+    scorer = Scorer.of(at, torch.randint(0, v, (4, 5), generator=gen), Sampling(0.7), True, None, m)
+    chunk = scorer.head_chunk(m, v)
+    made: list[int] = []  # rows of each new tensor of V columns an op made (not a view)
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            inputs = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+            seen = {a.untyped_storage().data_ptr() for a in inputs}
+            out = func(*args, **kwargs)
+            for t in out if isinstance(out, tuple | list) else [out]:
+                new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
+                if new and t.dim() == 2 and t.shape[1] == v:
+                    made.append(t.shape[0])
+            return out
+
+    extras: list = []
+    with Record():
+        picked, lse = logprobs._ChunkedHead.apply(
+            hidden, weight, None, scorer, chunk, extras, False
+        )
+    forward = list(made)
+    made.clear()
+    with Record():
+        scorer.logprobs(picked, lse, *extras)[0].sum().backward()
+    # chunks of 8, 8, 7 positions; the entropy's exp 3, 3, 2 (or 1) rows at a time
+    assert chunk == 8 and forward == [8, 3, 3, 2, 3, 3, 2, 3, 3, 1]
+    assert made == [8]  # the buffer; the weight's gradient has H columns
+    want = scorer.of_logits(hidden.detach() @ weight.detach().T, chunk=chunk)
+    torch.testing.assert_close(scorer.logprobs(picked, lse, *extras)[1], want[1])

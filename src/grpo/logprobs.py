@@ -43,6 +43,15 @@ PACKABLE = {"sdpa": torch.bool, "eager": None, PREFIX: torch.bool}
 # float32 is 12 MiB on SmolLM2 (V = 49152), under the heap's 16 MiB mmap threshold
 CHUNK = 64
 
+# the chunked head under plain sampling (temperature only: ``Sampling.plain``) works in one
+# float32 [rows, V] buffer per forward and per backward, overwritten in place, so it takes
+# more positions at a time: each chunk reads the whole head weight once per product, and at
+# 64 rows those products are a third slower per FLOP than at 128-256 (README, Performance)
+PLAIN_CHUNK_BYTES = 32 << 20
+
+# rows of a [rows, V] float32 temporary per step of the in-place entropy (4 MiB)
+ENTROPY_BLOCK_BYTES = 4 << 20
+
 # bytes of one block of the head's weight gradient made by one product in a lower precision:
 # its result and oneDNN's float32 accumulator (6 bytes a value) stay under ``train.malloc:
 # keep``'s 16 MiB mmap threshold, so they reuse heap memory rather than come as fresh pages
@@ -91,6 +100,22 @@ def add_product_(out: Tensor, a: Tensor, b: Tensor) -> None:
     rows = max(1, PRODUCT_BLOCK_BYTES // (6 * b.shape[1]))
     for lo in range(0, out.shape[0], rows):
         out[lo : lo + rows].add_(a[lo : lo + rows] @ b)
+
+
+def _logits_buffer(hidden: Tensor, weight: Tensor, chunk: int) -> Tensor:
+    """The float32 [chunk, V] buffer the plain chunked head computes each chunk's logits in."""
+    rows = min(chunk, hidden.shape[0])
+    return torch.empty(rows, weight.shape[0], dtype=torch.float32, device=hidden.device)
+
+
+def _logits_into(buffer: Tensor, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """The logits of hidden states ``h`` [c, H] under head ``w``, ``b``, in ``buffer[:c]``: the
+    product writes there when it runs in float32, else its result is copied in."""
+    out = buffer[: h.shape[0]]
+    if w.dtype != out.dtype:
+        return out.copy_(F.linear(h.to(w.dtype), w, b))
+    h = h.to(w.dtype)
+    return torch.mm(h, w.T, out=out) if b is None else torch.addmm(b, h, w.T, out=out)
 
 
 def _cat(parts: list[Tensor | None]) -> Tensor | None:
@@ -217,6 +242,64 @@ class Scorer:
                 entropy = terms.nansum(dim=-1) + (lse - lse)
         return picked, lse, cutoff, entropy
 
+    def head_chunk(self, positions: int, vocab: int) -> int:
+        """Positions per chunk of the chunked head: ``CHUNK``, or under plain sampling as many
+        as fit ``PLAIN_CHUNK_BYTES`` of float32 logits, spread evenly over the chunks (a ragged
+        last chunk would read the whole weight for a few rows)."""
+        if not self.sampling.plain:
+            return CHUNK
+        most = max(1, PLAIN_CHUNK_BYTES // (4 * vocab))
+        count = -(-max(positions, 1) // most)
+        return -(-max(positions, 1) // count)
+
+    def plain_terms_(self, logits: Tensor, start: int, span: tuple[int, int]) -> Terms:
+        """``terms`` under plain sampling, computed in ``logits`` ([c, V] float32, overwritten):
+        no [c, V] temporary but a few rows at a time for the entropy."""
+        if self.sampling.temperature != 1.0:
+            logits.div_(self.sampling.temperature)  # as ``shape_logits`` divides
+        lo, hi = span
+        picked = logits[self.sorted_at[lo:hi] - start, self.tokens[lo:hi]]
+        top = logits.amax(dim=-1, keepdim=True)
+        shifted = logits.sub_(top)  # x - max: every exp <= 1
+        if not self.with_entropy:
+            total = shifted.exp_().sum(dim=-1)
+            return picked, top.squeeze(-1) + total.log(), None, None
+        # entropy = lse - sum p x = log(total) - sum e (x - max) / total, e = exp(x - max); e
+        # and x - max are both needed, so e is made a few rows at a time
+        total = torch.empty_like(top.squeeze(-1))
+        moment = torch.empty_like(total)
+        rows = max(1, ENTROPY_BLOCK_BYTES // (4 * logits.shape[1]))
+        for r in range(0, logits.shape[0], rows):
+            part = shifted[r : r + rows]
+            e = part.exp()
+            total[r : r + rows] = e.sum(dim=-1)
+            # nansum: a removed or -inf logit's 0 * -inf adds nothing, as in ``terms``
+            moment[r : r + rows] = e.mul_(part).nansum(dim=-1)
+        return picked, top.squeeze(-1) + total.log(), None, total.log() - moment / total
+
+    def plain_grad_(
+        self,
+        logits: Tensor,
+        start: int,
+        span: tuple[int, int],
+        lse: Tensor,
+        grad_picked: Tensor,
+        grad_lse: Tensor,
+    ) -> Tensor:
+        """The gradient of the raw ``logits`` ([c, V] float32) from those of ``plain_terms_``'s
+        picked logits and log-normaliser, computed in ``logits`` (overwritten, returned):
+        softmax * grad_lse, plus grad_picked at each target, over the temperature."""
+        temperature = self.sampling.temperature
+        if temperature != 1.0:
+            logits.div_(temperature)
+        grad = logits.sub_(lse[:, None]).exp_().mul_(grad_lse[:, None])
+        lo, hi = span
+        # accumulate: a position shared by several targets (a prompt's last) takes each one's
+        grad.index_put_(
+            (self.sorted_at[lo:hi] - start, self.tokens[lo:hi]), grad_picked, accumulate=True
+        )
+        return grad.div_(temperature) if temperature != 1.0 else grad
+
     def of_logits(self, logits: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor | None]:
         """``logprobs`` of the terms of [M, V] logits, ``chunk`` positions at a time."""
         # one split, not a slice per chunk: a slice's backward writes its gradient into a zero
@@ -276,9 +359,18 @@ class _ChunkedHead(torch.autograd.Function):
         w, b = weight.to(run), None if bias is None else bias.to(run)
         ctx.run_weights = w, b
         parts = enumerate(zip(hidden.split(chunk), ctx.spans, strict=True))
-        terms = [scorer.terms(F.linear(h, w, b), k * chunk, s) for k, (h, s) in parts]
+        if scorer.sampling.plain:
+            buffer = _logits_buffer(hidden, weight, chunk)
+            terms = [
+                scorer.plain_terms_(_logits_into(buffer, h, w, b), k * chunk, s)
+                for k, (h, s) in parts
+            ]
+        else:
+            terms = [scorer.terms(F.linear(h, w, b), k * chunk, s) for k, (h, s) in parts]
         out.extend([_cat([t[2] for t in terms]), _cat([t[3] for t in terms])])
-        return torch.cat([t[0] for t in terms]), torch.cat([t[1] for t in terms])
+        picked, lse = torch.cat([t[0] for t in terms]), torch.cat([t[1] for t in terms])
+        ctx.lse = lse.detach()  # the plain backward's softmax, without a logsumexp again
+        return picked, lse
 
     @staticmethod
     def backward(ctx, grad_picked, grad_lse):  # type: ignore[override]
@@ -297,15 +389,26 @@ class _ChunkedHead(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if need_bias else None
         w, b = ctx.run_weights  # the forward's, so its logits come back exactly
         ctx.run_weights = None
+        buffer = _logits_buffer(hidden, weight, chunk) if scorer.sampling.plain else None
         for k, (h, (lo, hi)) in enumerate(zip(hidden.split(chunk), ctx.spans, strict=True)):
             start, stop = k * chunk, k * chunk + h.shape[0]
             h = h.to(w.dtype)
-            logits = F.linear(h, w, b).requires_grad_()  # the forward's logits, exactly
-            with torch.enable_grad():
-                picked, lse, _, _ = scorer.terms(logits, start, (lo, hi), with_entropy=False)
             # an output the loss does not use gets zeros here, never None (materialized grads)
-            torch.autograd.backward((picked, lse), (grad_picked[lo:hi], grad_lse[start:stop]))
-            grad = logits.grad  # [c, V]
+            if buffer is not None:
+                grad = scorer.plain_grad_(
+                    _logits_into(buffer, h, w, b),
+                    start,
+                    (lo, hi),
+                    ctx.lse[start:stop],
+                    grad_picked[lo:hi],
+                    grad_lse[start:stop],
+                ).to(w.dtype)  # [c, V]: the products run in the forward's dtype
+            else:
+                logits = F.linear(h, w, b).requires_grad_()  # the forward's logits, exactly
+                with torch.enable_grad():
+                    picked, lse, _, _ = scorer.terms(logits, start, (lo, hi), with_entropy=False)
+                torch.autograd.backward((picked, lse), (grad_picked[lo:hi], grad_lse[start:stop]))
+                grad = logits.grad  # [c, V]
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad @ w
             if grad_weight is not None:
@@ -322,16 +425,17 @@ class _ScoringHead(nn.Module):
     on the hidden states it is given and returns the differentiable terms as the "logits", so
     they leave the model through its output (where DDP and FSDP2 hook their backward)."""
 
-    def __init__(self, head: nn.Linear, scorer: Scorer, chunk: int, in_place: bool) -> None:
+    def __init__(self, head: nn.Linear, scorer: Scorer, in_place: bool) -> None:
         super().__init__()
-        self.head, self.scorer, self.chunk, self.in_place = head, scorer, chunk, in_place
+        self.head, self.scorer, self.in_place = head, scorer, in_place
         self.extras: list[Tensor | None] = []  # cutoff and entropy, set by the forward
         self.output: Tensor | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         w, b = self.head.weight, self.head.bias
-        args = (self.scorer, self.chunk, self.extras, self.in_place)
+        chunk = self.scorer.head_chunk(flat.shape[0], w.shape[0])
+        args = (self.scorer, chunk, self.extras, self.in_place)
         picked, lse = _ChunkedHead.apply(flat, w, b, *args)
         self.output = torch.cat([picked, lse])[None, None]
         return self.output
@@ -431,7 +535,7 @@ def _scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor 
 def _forward_scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor | None]:
     slot = chunked_head_slot(model)
     if slot is not None:
-        head = _ScoringHead(slot.head, scorer, CHUNK, in_place=_runs_as_it_is(model))
+        head = _ScoringHead(slot.head, scorer, in_place=_runs_as_it_is(model))
         with slot.holding(head):
             out = model(**inputs)
         if out.logits is head.output:
