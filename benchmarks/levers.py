@@ -36,7 +36,7 @@ from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
 from grpo.memory import set_malloc_policy
 from grpo.models import load_tokenizer, resolve_model_path
 from grpo.prefix_attention import PREFIX
-from grpo.processors import process_logits
+from grpo.processors import Sampling, process_logits
 from grpo.rollout import hf, render_prompt, sampling_of
 from grpo.rollout.hf import (
     Chooser,
@@ -297,20 +297,31 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
 def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """The LM head a chunk at a time (``model.chunked_head``) against full logits, forward and
     forward + backward, at chunks of 64 to 512 rows, with the embedding lookup's gradient
-    sparse or dense; and the head's
+    sparse or dense, and under plain sampling in place or through autograd; and the head's
     weight gradient over 1024 positions, 64 at a time: ``logprobs.add_product_`` (what the
     chunked head does: products in the run's dtype a block of rows at a time, no [V, H]
     temporary) against float32 ``addmm_`` of the chunk's values (what it did at 432d0f6) and a
     whole product in the run's dtype, cast and added (what it did before that)."""
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
+    vocab = model.get_output_embeddings().weight.shape[0]
 
     def run(
-        chunked: bool, grad: bool, lookup: bool = True, rows: int = logprobs.CHUNK
+        chunked: bool,
+        grad: bool,
+        lookup: bool = True,
+        rows: int | None = None,
+        in_place: bool = True,
     ) -> Callable[[], None]:
         def scored(*args: Any) -> Any:
             logprobs.full_logits(model, on=not chunked)
             with contextlib.ExitStack() as patches:
-                patches.enter_context(mock.patch.object(logprobs, "CHUNK", rows))
+                if rows is not None:  # chunks of this many positions, on either path
+                    patches.enter_context(mock.patch.object(logprobs, "CHUNK", rows))
+                    size = mock.patch.object(logprobs, "PLAIN_CHUNK_BYTES", rows * 4 * vocab)
+                    patches.enter_context(size)
+                if not in_place:  # plain sampling through autograd, as before 74cd9ad
+                    autograd = mock.patch.object(Sampling, "plain", property(lambda s: False))
+                    patches.enter_context(autograd)
                 if not lookup:  # the dense lookup gradient, as before lookup_into_grad
                     no_lookup = mock.patch.object(
                         logprobs, "lookup_into_grad", lambda m: contextlib.nullcontext()
@@ -347,6 +358,12 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
         ),
         "update_chunked_head": alternate(
             {"full_logits": run(False, True), "chunked": run(True, True)}, repeats
+        ),
+        "reference_forward_plain_in_place": alternate(
+            {"autograd": run(True, False, in_place=False), "in_place": run(True, False)}, repeats
+        ),
+        "update_plain_in_place": alternate(
+            {"autograd": run(True, True, in_place=False), "in_place": run(True, True)}, repeats
         ),
         "update_chunk_rows": alternate(
             {str(rows): run(True, True, rows=rows) for rows in (64, 128, 256, 512)}, repeats
