@@ -10,9 +10,9 @@ attention covers the whole square. Either way, for long completions a cost rule
 the group one row per completion instead: the prompt repeated, no mask at all (plain causal
 attention), memory linear in the tokens scored. The LM
 head runs only on the positions that predict completion tokens (``logits_to_keep``), and it runs
-``CHUNK`` positions at a time together with the log-normaliser (``logsumexp``), recomputed in
-backward (``_ChunkedHead``), so neither the [positions, vocab] logits nor their gradient ever
-exists whole; models whose head is no plain linear layer, or that change its output, get the
+a chunk of positions at a time together with the log-normaliser, recomputed in backward
+(``_ChunkedHead``; under temperature-only sampling in one float32 buffer, in place), so
+neither the [positions, vocab] logits nor their gradient ever exists whole; models whose head is no plain linear layer, or that change its output, get the
 full logits, normalised a chunk at a time. Logits go through the sampling controls the
 engine used (temperature, and when set repetition penalty, min-p, top-k, top-p:
 ``grpo.processors``), so the log-probs are those of the distribution the tokens were sampled
@@ -46,7 +46,8 @@ CHUNK = 64
 # the chunked head under plain sampling (temperature only: ``Sampling.plain``) works in one
 # float32 [rows, V] buffer per forward and per backward, overwritten in place, so it takes
 # more positions at a time: each chunk reads the whole head weight once per product, and at
-# 64 rows those products are a third slower per FLOP than at 128-256 (README, Performance)
+# 64 rows SmolLM2's head products ran at 204-268 GFLOP/s against 259-339 at 128-384 rows on
+# the Xeon of README's Performance (one-off probe)
 PLAIN_CHUNK_BYTES = 32 << 20
 
 # rows of a [rows, V] float32 temporary per step of the in-place entropy (4 MiB)
@@ -333,7 +334,10 @@ class _ChunkedHead(torch.autograd.Function):
     Only the hidden states are kept for backward: each chunk's logits are computed again there
     and their gradient folded into the head's at once, so neither the [M, V] logits nor their
     gradient ever exists (a float32 [350, 49152] is 66 MiB on SmolLM2, per tensor). The
-    recomputation costs one more head forward (a third of the head's update FLOPs).
+    recomputation costs one more head forward (a third of the head's update FLOPs). Under
+    plain sampling each pass makes one float32 [chunk, V] buffer and does all of a chunk's work
+    in it (``Scorer.plain_terms_``, ``Scorer.plain_grad_``), so its chunks are larger
+    (``Scorer.head_chunk``); other samplings go through autograd, ``CHUNK`` positions a chunk.
 
     ``in_place``: add the head's gradient into the weight's ``.grad`` (made here at a step's
     first micro-batch) and give autograd none, instead of a second [V, H] tensor that autograd
