@@ -219,11 +219,10 @@ def test_one_token_completions_only(tiny_model_dir) -> None:
     assert torch.allclose(got[:, 0], want[:, 0], atol=1e-5)
 
 
-def test_rows_past_the_explicit_scores_budget_take_sdpa(tiny_model_dir, monkeypatch) -> None:
+def test_prompts_and_rows_attend_through_sdpa(tiny_model_dir, monkeypatch) -> None:
     # SDPA keeps no scores for backward; the same numbers as the dense mask, gradients too
     from grpo import prefix_attention
 
-    monkeypatch.setattr(prefix_attention, "EXPLICIT_SCORES_MAX", 0)
     sdpa_calls = []
     original = prefix_attention.F.scaled_dot_product_attention
 
