@@ -535,3 +535,21 @@ def test_the_plain_head_computes_in_one_logits_buffer_per_pass(monkeypatch) -> N
     assert made == [8]  # the buffer; the weight's gradient has H columns
     want = scorer.of_logits(hidden.detach() @ weight.detach().T, chunk=chunk)
     torch.testing.assert_close(scorer.logprobs(picked, lse, *extras)[1], want[1])
+
+
+@pytest.mark.parametrize(
+    "sampling", [Sampling(0.7), Sampling(0.7, top_k=5)], ids=["plain", "top-k"]
+)
+def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling) -> None:
+    # every completion of one token predicts nothing: no positions reach the head, and both
+    # paths hand back empty terms and a zero gradient, not an error from an empty buffer
+    hidden = torch.zeros(0, 6, requires_grad=True)
+    weight = torch.randn(17, 6, requires_grad=True)
+    none = torch.zeros(0, 0, dtype=torch.long)
+    scorer = Scorer.of(none, none, sampling, True, None, 0)
+    extras: list = []
+    chunk = scorer.head_chunk(0, 17)
+    picked, lse = logprobs._ChunkedHead.apply(hidden, weight, None, scorer, chunk, extras, False)
+    (picked.sum() + lse.sum()).backward()
+    assert picked.shape == lse.shape == extras[1].shape == (0,)
+    assert torch.equal(weight.grad, torch.zeros_like(weight))

@@ -373,7 +373,8 @@ class _ChunkedHead(torch.autograd.Function):
             terms = [scorer.terms(F.linear(h, w, b), k * chunk, s) for k, (h, s) in parts]
         out.extend([_cat([t[2] for t in terms]), _cat([t[3] for t in terms])])
         picked, lse = torch.cat([t[0] for t in terms]), torch.cat([t[1] for t in terms])
-        ctx.lse = lse.detach()  # the plain backward's softmax, without a logsumexp again
+        if scorer.sampling.plain:  # its backward's softmax, without a logsumexp again
+            ctx.lse = lse.detach()
         return picked, lse
 
     @staticmethod

@@ -135,7 +135,7 @@ class Chooser(LogitsProcessor):
         logits of the running rows ``rows`` [b] -> [b] their drawn tokens. Only the running rows
         are processed: each [b, V] pass is a stream through memory, and a step makes several."""
         if self.extra:
-            scores = self.extra(torch.cat([self.prompt_ids, input_ids], dim=1)[rows], scores)
+            scores = self.extra(torch.cat([self.prompt_ids[rows], input_ids[rows]], dim=1), scores)
         if self.sampling.repetition_penalty != 1.0 and self.seen is None:
             self.seen = torch.zeros(
                 (len(self.prompt_ids), scores.shape[1]), dtype=torch.bool, device=scores.device
