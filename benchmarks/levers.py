@@ -295,8 +295,9 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
 
 
 def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
-    """The LM head a chunk at a time (``model.chunked_head``) against full logits, forward and
-    forward + backward, at chunks of 64 to 512 rows, with the embedding lookup's gradient
+    """Full logits kept for backward (``model.chunked_head: false`` under plain sampling)
+    against the model's own head; the LM head a chunk at a time (``model.chunked_head``)
+    against full logits, forward and forward + backward, at chunks of 64 to 512 rows, with the embedding lookup's gradient
     sparse or dense, and under plain sampling in place or through autograd; and the head's
     weight gradient over 1024 positions, 64 at a time: ``logprobs.add_product_`` (what the
     chunked head does: products in the run's dtype a block of rows at a time, no [V, H]
@@ -311,10 +312,13 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
         lookup: bool = True,
         rows: int | None = None,
         in_place: bool = True,
+        kept: bool = True,
     ) -> Callable[[], None]:
         def scored(*args: Any) -> Any:
             logprobs.full_logits(model, on=not chunked)
             with contextlib.ExitStack() as patches:
+                if not kept:  # full logits from the model's own head, as before they were kept
+                    patches.enter_context(mock.patch.object(logprobs, "head_slot", lambda m: None))
                 if rows is not None:  # chunks of this many positions, on either path
                     patches.enter_context(mock.patch.object(logprobs, "CHUNK", rows))
                     size = mock.patch.object(logprobs, "PLAIN_CHUNK_BYTES", rows * 4 * vocab)
@@ -353,6 +357,12 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
 
     model.train()
     result = {
+        "reference_forward_kept_logits": alternate(
+            {"own_head": run(False, False, kept=False), "kept": run(False, False)}, repeats
+        ),
+        "update_kept_logits": alternate(
+            {"own_head": run(False, True, kept=False), "kept": run(False, True)}, repeats
+        ),
         "reference_forward_chunked_head": alternate(
             {"full_logits": run(False, False), "chunked": run(True, False)}, repeats
         ),

@@ -59,7 +59,7 @@ def _scored(model, batch, sampling, plain: bool, monkeypatch):
     """logp, entropy and every parameter's gradient of sum(logp * w) over real tokens."""
     with monkeypatch.context() as patch:
         if plain:
-            patch.setattr(logprobs, "chunked_head_slot", lambda model: None)
+            patch.setattr(logprobs, "head_slot", lambda model: None)
         model.zero_grad()
         logp, entropy = completion_logprobs(model, *batch, sampling, with_entropy=True)
         mask = batch[3]
@@ -69,19 +69,24 @@ def _scored(model, batch, sampling, plain: bool, monkeypatch):
     return logp[mask], entropy[mask], grads
 
 
+@pytest.mark.parametrize("head", ["chunked", "kept"])
 @pytest.mark.parametrize("path", ["packed", "rows", "full"])
 @pytest.mark.parametrize("name", list(SAMPLINGS))
-def test_chunked_head_equals_the_plain_head(model, monkeypatch, path: str, name: str) -> None:
+def test_chunked_head_equals_the_plain_head(model, monkeypatch, head, path: str, name: str) -> None:
     # values, entropy and the gradient of every parameter (the tied embedding takes the head's)
     # equal the plain head's full logits, with chunks of 3 positions cutting through targets
     # that share a position (a prompt's last token predicts each completion's first); under
-    # plain sampling (temperatures) the in-place path, its entropy two rows at a time
+    # plain sampling (temperatures) the in-place path, its entropy two rows at a time, and
+    # with full logits asked for ("kept") every position's logits in one buffer kept for
+    # backward (other samplings then score from the model's own head)
     _chunks_of(3, model.config.vocab_size, monkeypatch)
+    if head == "kept":
+        logprobs.full_logits(model)
     if path == "rows":
         monkeypatch.setattr(logprobs.ScoringCost, "packing_pays", lambda *_: False)
     if path == "full":
         monkeypatch.setattr(logprobs, "scoring_path", lambda model: ("rows", "test"))
-    assert chunked_head_slot(model) is not None
+    assert logprobs.head_slot(model) is not None
     batch = _batch()
     got = _scored(model, batch, SAMPLINGS[name], plain=False, monkeypatch=monkeypatch)
     want = _scored(model, batch, SAMPLINGS[name], plain=True, monkeypatch=monkeypatch)
@@ -92,10 +97,13 @@ def test_chunked_head_equals_the_plain_head(model, monkeypatch, path: str, name:
     assert got[2][0].abs().sum() > 0  # the embedding (tied head) got a gradient
 
 
-def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypatch) -> None:
+@pytest.mark.parametrize("head", ["chunked", "kept"])
+def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypatch, head) -> None:
     # the recomputed logits are the forward's (the head's products in bf16 both times), and the
-    # gradients go back through the same casts as autograd's
+    # gradients go back through the same casts as autograd's; kept logits likewise
     _chunks_of(5, model.config.vocab_size, monkeypatch)
+    if head == "kept":
+        logprobs.full_logits(model)
     hidden = model.get_output_embeddings().weight.shape[1]
     # the head's weight gradient in blocks of 7 rows of the vocabulary, the last one ragged
     monkeypatch.setattr(logprobs, "PRODUCT_BLOCK_BYTES", 7 * 6 * hidden)
@@ -129,7 +137,7 @@ def test_backward_recomputes_the_logits_in_the_forwards_dtype(sampling, monkeypa
     monkeypatch.setattr(F, "linear", spy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         picked, lse = logprobs._ChunkedHead.apply(
-            hidden, head.weight, head.bias, scorer, 4, [], False
+            hidden, head.weight, head.bias, scorer, 4, [], False, False
         )
     (picked.sum() + lse.sum()).backward()
     assert seen == [torch.bfloat16] * 6  # three chunks forward, three in backward
@@ -145,7 +153,9 @@ def test_a_head_weight_computed_from_others_hands_its_gradient_on() -> None:
     at = torch.tensor([[0, 3, 4], [0, 7, 10]])
     scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), Sampling(), False, None, 11)
     for _ in range(2):
-        picked, lse = logprobs._ChunkedHead.apply(hidden, base * 2.0, None, scorer, 4, [], True)
+        picked, lse = logprobs._ChunkedHead.apply(
+            hidden, base * 2.0, None, scorer, 4, [], True, False
+        )
         scorer.logprobs(picked, lse, None, None)[0].sum().backward()
     got = base.grad.clone()
     base.grad = None
@@ -177,14 +187,16 @@ def test_add_product_adds_every_row_of_the_product(dtype, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "sampling", [Sampling(0.5), Sampling(0.5, top_k=5)], ids=["plain", "top-k"]
+    ("sampling", "keep"),
+    [(Sampling(0.5), False), (Sampling(0.5), True), (Sampling(0.5, top_k=5), False)],
+    ids=["plain", "plain-kept", "top-k"],
 )
 @pytest.mark.parametrize("autocast", [False, True])
-def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, monkeypatch) -> None:
+def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, monkeypatch):
     # the autograd function alone, on an untied head with a bias: hidden, weight and bias
     # gradients equal the full logits' (a head that needs no weight gradient gets none). Under
     # bf16 autocast the backward runs outside it, as the trainer's does, so the recomputed head
-    # must cast its bias too to run in the forward's dtype
+    # must cast its bias too to run in the forward's dtype (the kept logits are its products')
     gen = torch.Generator().manual_seed(0)
     m, h, v = 11, 6, 17
     monkeypatch.setattr(logprobs, "PRODUCT_BLOCK_BYTES", 5 * 6 * h)  # blocks of 5, 5, 5, 2 rows
@@ -198,7 +210,7 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, monkey
     extras: list = []
     with bf16:
         picked, lse = logprobs._ChunkedHead.apply(
-            hidden, head.weight, head.bias, scorer, 4, extras, False
+            hidden, head.weight, head.bias, scorer, 4, extras, False, keep
         )
     got = scorer.logprobs(picked, lse, *extras)[0]
     got.sum().backward()
@@ -216,7 +228,7 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, monkey
     extras = []
     with bf16:
         frozen = logprobs._ChunkedHead.apply(
-            hidden, head.weight, head.bias, scorer, 4, extras, False
+            hidden, head.weight, head.bias, scorer, 4, extras, False, keep
         )
     scorer.logprobs(*frozen, *extras)[0].sum().backward()
     assert head.weight.grad is None and head.bias.grad is None
@@ -276,7 +288,7 @@ def test_micro_batches_accumulate_the_heads_gradient_into_the_weights(model, mon
     def accumulated(plain: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as patch:
             if plain:
-                patch.setattr(logprobs, "chunked_head_slot", lambda model: None)
+                patch.setattr(logprobs, "head_slot", lambda model: None)
             model.zero_grad(set_to_none=True)
             for batch in (first, second):
                 logp, _ = completion_logprobs(model, *batch, Sampling(0.9))
@@ -359,7 +371,7 @@ def test_no_tensor_of_every_positions_logits_is_kept_for_backward(model, monkeyp
 
         with monkeypatch.context() as patch:
             if plain:
-                patch.setattr(logprobs, "chunked_head_slot", lambda model: None)
+                patch.setattr(logprobs, "head_slot", lambda model: None)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 completion_logprobs(model, *batch)
         return max(sizes)
@@ -492,22 +504,24 @@ def test_plain_sampling_spreads_positions_evenly_over_chunks_of_the_buffer(posit
     assert top_k.head_chunk(positions, 49152) == logprobs.CHUNK
 
 
-def test_the_plain_head_computes_in_one_logits_buffer_per_pass(monkeypatch) -> None:
-    # under plain sampling, forward and backward each make one float32 [chunk, V] buffer and
-    # work in it in place: no other tensor of a chunk's logits (softmax, its gradient, a
-    # logsumexp's exp) is made, and the entropy's exp takes a few rows at a time
+def _logits_made(keep: bool, m: int, v: int, monkeypatch) -> tuple[list, list, list, Scorer]:
+    """The plain head's forward and backward on random numbers (``m`` positions, vocabulary
+    ``v``, buffer chunks of 8 and entropy blocks of 3 rows): the rows of each new tensor of V
+    columns an op made (no view) in forward and in backward, the products it ran (op name,
+    rows) and the scorer; asserts the log-probs are the full logits'."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     gen = torch.Generator().manual_seed(0)
-    m, h, v, rows = 23, 6, 40, 8
-    monkeypatch.setattr(logprobs, "PLAIN_CHUNK_BYTES", rows * 4 * v)
+    h = 6
+    monkeypatch.setattr(logprobs, "PLAIN_CHUNK_BYTES", 8 * 4 * v)
     monkeypatch.setattr(logprobs, "ENTROPY_BLOCK_BYTES", 3 * 4 * v)
     weight = torch.randn(v, h, generator=gen, requires_grad=True)
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.randint(0, m, (4, 5), generator=gen)
     scorer = Scorer.of(at, torch.randint(0, v, (4, 5), generator=gen), Sampling(0.7), True, None, m)
     chunk = scorer.head_chunk(m, v)
-    made: list[int] = []  # rows of each new tensor of V columns an op made (not a view)
+    made: list[int] = []
+    products: list[tuple[str, int]] = []
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -515,6 +529,9 @@ def test_the_plain_head_computes_in_one_logits_buffer_per_pass(monkeypatch) -> N
             inputs = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
             seen = {a.untyped_storage().data_ptr() for a in inputs}
             out = func(*args, **kwargs)
+            name = func.__name__.split(".")[0]
+            if name in ("mm", "addmm", "addmm_"):  # the left operand's rows
+                products.append((name, args[0 if name == "mm" else 1].shape[0]))
             for t in out if isinstance(out, tuple | list) else [out]:
                 new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
                 if new and t.dim() == 2 and t.shape[1] == v:
@@ -524,17 +541,43 @@ def test_the_plain_head_computes_in_one_logits_buffer_per_pass(monkeypatch) -> N
     extras: list = []
     with Record():
         picked, lse = logprobs._ChunkedHead.apply(
-            hidden, weight, None, scorer, chunk, extras, False
+            hidden, weight, None, scorer, chunk, extras, False, keep
         )
     forward = list(made)
     made.clear()
     with Record():
         scorer.logprobs(picked, lse, *extras)[0].sum().backward()
-    # chunks of 8, 8, 7 positions; the entropy's exp 3, 3, 2 (or 1) rows at a time
-    assert chunk == 8 and forward == [8, 3, 3, 2, 3, 3, 2, 3, 3, 1]
-    assert made == [8]  # the buffer; the weight's gradient has H columns
     want = scorer.of_logits(hidden.detach() @ weight.detach().T, chunk=chunk)
-    torch.testing.assert_close(scorer.logprobs(picked, lse, *extras)[1], want[1])
+    got = scorer.logprobs(picked.detach(), lse.detach(), *extras)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    return forward, made, products, scorer
+
+
+def test_the_plain_head_computes_in_one_logits_buffer_per_pass(monkeypatch) -> None:
+    # under plain sampling, forward and backward each make one float32 [chunk, V] buffer and
+    # work in it in place: no other tensor of a chunk's logits (softmax, its gradient, a
+    # logsumexp's exp) is made, and the entropy's exp takes a few rows at a time
+    forward, backward, products, scorer = _logits_made(False, 23, 40, monkeypatch)
+    # chunks of 8, 8, 7 positions; the entropy's exp 3, 3, 2 (or 1) rows at a time
+    assert scorer.head_chunk(23, 40) == 8 and forward == [8, 3, 3, 2, 3, 3, 2, 3, 3, 1]
+    assert backward == [8]  # the buffer; the weight's gradient has H columns
+    # each chunk's logits in forward; in backward again, then its hidden gradient (grad @ W)
+    # and its weight gradient (grad.T @ h, into the weight's, V rows)
+    backward_products = [p for c in (8, 8, 7) for p in [("mm", c), ("mm", c), ("addmm_", 40)]]
+    assert products == [("mm", 8), ("mm", 8), ("mm", 7), *backward_products]
+
+
+def test_kept_full_logits_are_one_buffer_and_one_product_per_pass(monkeypatch) -> None:
+    # with full logits kept for backward: one product makes every position's logits in one
+    # [M, V] buffer, which holds the log-softmax for backward and becomes the logits' gradient
+    # there (no logits computed again, no second [M, V] tensor); the in-place passes still go
+    # a chunk at a time and the entropy's exp a few rows at a time
+    forward, backward, products, _ = _logits_made(True, 23, 40, monkeypatch)
+    assert forward == [23, 3, 3, 2, 3, 3, 2, 3, 3, 1]
+    assert backward == []
+    # forward's logits; backward's hidden gradient (grad @ W) and weight gradient (grad.T @ h)
+    assert products == [("mm", 23), ("mm", 23), ("addmm_", 40)]
 
 
 @pytest.mark.parametrize(
@@ -549,7 +592,9 @@ def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling) -> N
     scorer = Scorer.of(none, none, sampling, True, None, 0)
     extras: list = []
     chunk = scorer.head_chunk(0, 17)
-    picked, lse = logprobs._ChunkedHead.apply(hidden, weight, None, scorer, chunk, extras, False)
+    picked, lse = logprobs._ChunkedHead.apply(
+        hidden, weight, None, scorer, chunk, extras, False, False
+    )
     (picked.sum() + lse.sum()).backward()
     assert picked.shape == lse.shape == extras[1].shape == (0,)
     assert torch.equal(weight.grad, torch.zeros_like(weight))

@@ -260,7 +260,7 @@ def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:
     assert lines == [
         "scoring log-probs: packed (prefix attention: each completion reads its prompt and its "
         "own tokens, no [L, L] mask; a group switches to one row per completion when packing "
-        "costs more (long completions)); LM head: 64 positions at a time"
+        "costs more (long completions)); LM head: a chunk at a time"
     ]
     trainer = Trainer(tiny_config(model={"chunked_head": False}, algorithm={"beta": 0.04}))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("scoring")]

@@ -48,7 +48,7 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute (README, Performance)."""
     chunked_head: bool = True
-    """Scoring forwards run the LM head and its log-normaliser a chunk of positions at a time (up to 32 MiB of float32 logits, computed in place, under temperature-only sampling; else 64), recomputed in backward: no [positions, vocab] logits or gradient is ever whole (the update's peak about 100 MiB lower on SmolLM2, measured). Its cost in time depends on the machine: from 1.08-1.20x the update on an AVX512-BF16 EPYC to 0.96x (faster) on an Intel Xeon in float32 (README, Levers). Off: full logits."""
+    """Scoring forwards run the LM head and its log-normaliser a chunk of positions at a time (up to 32 MiB of float32 logits, computed in place, under temperature-only sampling; else 64), recomputed in backward: no [positions, vocab] logits or gradient is ever whole (the update's peak about 100 MiB lower on SmolLM2, measured). Its cost in time depends on the machine: from 1.08-1.20x the update on an AVX512-BF16 EPYC to 0.96x (faster) on an Intel Xeon in float32 (README, Levers). Off: every position's logits at once, with no recomputation: under temperature-only sampling in one float32 buffer kept for backward, which becomes their gradient in place (about the model's own head's time and 250 MiB below its peak RSS on SmolLM2 with one micro-batch of 32, measured); else from the model's own head."""
     disable_dropout: bool = True
     """Zero every dropout of the policy (as TRL does), so current, old and reference log-probs come from one deterministic network."""
     lora: LoraConfig = LoraConfig()

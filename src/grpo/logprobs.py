@@ -253,16 +253,20 @@ class Scorer:
         count = -(-max(positions, 1) // most)
         return -(-max(positions, 1) // count)
 
-    def plain_terms_(self, logits: Tensor, start: int, span: tuple[int, int]) -> Terms:
+    def plain_terms_(
+        self, logits: Tensor, start: int, span: tuple[int, int], keep: bool = False
+    ) -> Terms:
         """``terms`` under plain sampling, computed in ``logits`` ([c, V] float32, overwritten):
-        no [c, V] temporary but a few rows at a time for the entropy."""
+        no [c, V] temporary but a few rows at a time for the entropy. ``keep``: leave the
+        log-softmax x / T - lse in ``logits``, from which ``softmax_grad_`` makes the gradient
+        without the logits again."""
         if self.sampling.temperature != 1.0:
             logits.div_(self.sampling.temperature)  # as ``shape_logits`` divides
         lo, hi = span
         picked = logits[self.sorted_at[lo:hi] - start, self.tokens[lo:hi]]
         top = logits.amax(dim=-1, keepdim=True)
         shifted = logits.sub_(top)  # x - max: every exp <= 1
-        if not self.with_entropy:
+        if not (self.with_entropy or keep):
             total = shifted.exp_().sum(dim=-1)
             return picked, top.squeeze(-1) + total.log(), None, None
         # entropy = lse - sum p x = log(total) - sum e (x - max) / total, e = exp(x - max); e
@@ -274,9 +278,14 @@ class Scorer:
             part = shifted[r : r + rows]
             e = part.exp()
             total[r : r + rows] = e.sum(dim=-1)
-            # nansum: a removed or -inf logit's 0 * -inf adds nothing, as in ``terms``
-            moment[r : r + rows] = e.mul_(part).nansum(dim=-1)
-        return picked, top.squeeze(-1) + total.log(), None, total.log() - moment / total
+            if self.with_entropy:
+                # nansum: a removed or -inf logit's 0 * -inf adds nothing, as in ``terms``
+                moment[r : r + rows] = e.mul_(part).nansum(dim=-1)
+        log_total = total.log()
+        if keep:
+            shifted.sub_(log_total[:, None])
+        entropy = log_total - moment / total if self.with_entropy else None
+        return picked, top.squeeze(-1) + log_total, None, entropy
 
     def plain_grad_(
         self,
@@ -288,17 +297,28 @@ class Scorer:
         grad_lse: Tensor,
     ) -> Tensor:
         """The gradient of the raw ``logits`` ([c, V] float32) from those of ``plain_terms_``'s
-        picked logits and log-normaliser, computed in ``logits`` (overwritten, returned):
+        picked logits and log-normaliser, computed in ``logits`` (overwritten, returned)."""
+        if self.sampling.temperature != 1.0:
+            logits.div_(self.sampling.temperature)
+        return self.softmax_grad_(logits.sub_(lse[:, None]), start, span, grad_picked, grad_lse)
+
+    def softmax_grad_(
+        self,
+        log_softmax: Tensor,
+        start: int,
+        span: tuple[int, int],
+        grad_picked: Tensor,
+        grad_lse: Tensor,
+    ) -> Tensor:
+        """``plain_grad_`` from the log-softmax x / T - lse of the chunk's positions, in place:
         softmax * grad_lse, plus grad_picked at each target, over the temperature."""
-        temperature = self.sampling.temperature
-        if temperature != 1.0:
-            logits.div_(temperature)
-        grad = logits.sub_(lse[:, None]).exp_().mul_(grad_lse[:, None])
+        grad = log_softmax.exp_().mul_(grad_lse[:, None])
         lo, hi = span
         # accumulate: a position shared by several targets (a prompt's last) takes each one's
         grad.index_put_(
             (self.sorted_at[lo:hi] - start, self.tokens[lo:hi]), grad_picked, accumulate=True
         )
+        temperature = self.sampling.temperature
         return grad.div_(temperature) if temperature != 1.0 else grad
 
     def of_logits(self, logits: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor | None]:
@@ -339,6 +359,12 @@ class _ChunkedHead(torch.autograd.Function):
     in it (``Scorer.plain_terms_``, ``Scorer.plain_grad_``), so its chunks are larger
     (``Scorer.head_chunk``); other samplings go through autograd, ``CHUNK`` positions a chunk.
 
+    ``keep`` (plain sampling, ``full_logits``): one product computes every position's logits in
+    one [M, V] buffer, the chunks' terms are taken in it in place, and it is kept for backward
+    holding the log-softmax, which becomes the logits' gradient in place: no recomputation, one
+    product per pass, and no [M, V] tensor but the buffer (the model's own head under autograd
+    keeps the logits and makes their gradient, a concatenation of it and a temporary per chunk).
+
     ``in_place``: add the head's gradient into the weight's ``.grad`` (made here at a step's
     first micro-batch) and give autograd none, instead of a second [V, H] tensor that autograd
     would add (on SmolLM2's tied embedding, 108 MiB at the update's peak; at a step's first
@@ -349,7 +375,7 @@ class _ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, scorer, chunk, out, in_place):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, scorer, chunk, out, in_place, keep):  # type: ignore[override]
         device = hidden.device.type
         # the dtype the head's products run in: autocast's (bf16) where it is on, else the weight's
         on = torch.is_autocast_enabled(device)
@@ -362,25 +388,32 @@ class _ChunkedHead(torch.autograd.Function):
         # and drops it: ctx outlives backward for as long as the loss is referenced
         w, b = weight.to(run), None if bias is None else bias.to(run)
         ctx.run_weights = w, b
-        parts = enumerate(zip(hidden.split(chunk), ctx.spans, strict=True))
-        if scorer.sampling.plain:
+        ctx.kept = None
+        if keep:  # plain sampling: one product, then each chunk's terms in place
+            logits = _logits_into(_logits_buffer(hidden, weight, hidden.shape[0]), hidden, w, b)
+            backward = any(ctx.needs_input_grad[:3])
+            parts = enumerate(zip(logits.split(chunk), ctx.spans, strict=True))
+            terms = [scorer.plain_terms_(x, k * chunk, s, keep=backward) for k, (x, s) in parts]
+            ctx.kept = logits if backward else None  # each position's log-softmax now
+        elif scorer.sampling.plain:
             buffer = _logits_buffer(hidden, weight, chunk)
+            parts = enumerate(zip(hidden.split(chunk), ctx.spans, strict=True))
             terms = [
                 scorer.plain_terms_(_logits_into(buffer, h, w, b), k * chunk, s)
                 for k, (h, s) in parts
             ]
         else:
+            parts = enumerate(zip(hidden.split(chunk), ctx.spans, strict=True))
             terms = [scorer.terms(F.linear(h, w, b), k * chunk, s) for k, (h, s) in parts]
         out.extend([_cat([t[2] for t in terms]), _cat([t[3] for t in terms])])
         picked, lse = torch.cat([t[0] for t in terms]), torch.cat([t[1] for t in terms])
-        if scorer.sampling.plain:  # its backward's softmax, without a logsumexp again
-            ctx.lse = lse.detach()
+        # the backward's softmax on the in-place path, without a logsumexp; None: autograd's
+        ctx.lse = lse.detach() if scorer.sampling.plain and not keep else None
         return picked, lse
 
     @staticmethod
     def backward(ctx, grad_picked, grad_lse):  # type: ignore[override]
         hidden, weight, bias = ctx.saved_tensors
-        scorer, chunk = ctx.scorer, ctx.chunk
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # every row is written
         # only a leaf keeps a .grad: a weight computed from others (a parametrization) hands
@@ -392,9 +425,40 @@ class _ChunkedHead(torch.autograd.Function):
             weight.grad if into_grad else torch.zeros_like(weight) if need_weight else None
         )
         grad_bias = torch.zeros_like(bias) if need_bias else None
-        w, b = ctx.run_weights  # the forward's, so its logits come back exactly
+        w = ctx.run_weights[0]
+        for start, h, grad in _ChunkedHead.logit_grads(ctx, hidden, grad_picked, grad_lse):
+            if grad_hidden is not None:
+                grad_hidden[start : start + h.shape[0]] = grad @ w
+            if grad_weight is not None:
+                add_product_(grad_weight, grad.T, h)
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0, dtype=grad_bias.dtype)
         ctx.run_weights = None
-        buffer = _logits_buffer(hidden, weight, chunk) if scorer.sampling.plain else None
+        if into_grad:
+            grad_weight = None  # already in weight.grad
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+    @staticmethod
+    def logit_grads(
+        ctx, hidden: Tensor, grad_picked: Tensor, grad_lse: Tensor
+    ) -> Iterator[tuple[int, Tensor, Tensor]]:
+        """(first position, hidden states [c, H], gradient of their logits [c, V]), both in the
+        forward's product dtype: every position at once from the kept log-softmax, else a
+        chunk at a time from the logits computed again."""
+        scorer, chunk = ctx.scorer, ctx.chunk
+        w, b = ctx.run_weights  # the forward's, so its logits come back exactly
+        if ctx.kept is not None:
+            grad, ctx.kept = ctx.kept, None
+            for k, ((lo, hi), part) in enumerate(zip(ctx.spans, grad.split(chunk), strict=True)):
+                start = k * chunk
+                stop = start + part.shape[0]
+                scorer.softmax_grad_(
+                    part, start, (lo, hi), grad_picked[lo:hi], grad_lse[start:stop]
+                )
+            grad = grad.to(w.dtype)  # a bf16 product's copy; float32's is the buffer itself
+            yield 0, hidden.to(w.dtype), grad
+            return
+        buffer = None if ctx.lse is None else _logits_buffer(hidden, w, chunk)
         for k, (h, (lo, hi)) in enumerate(zip(hidden.split(chunk), ctx.spans, strict=True)):
             start, stop = k * chunk, k * chunk + h.shape[0]
             h = h.to(w.dtype)
@@ -414,15 +478,7 @@ class _ChunkedHead(torch.autograd.Function):
                     picked, lse, _, _ = scorer.terms(logits, start, (lo, hi), with_entropy=False)
                 torch.autograd.backward((picked, lse), (grad_picked[lo:hi], grad_lse[start:stop]))
                 grad = logits.grad  # [c, V]
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = grad @ w
-            if grad_weight is not None:
-                add_product_(grad_weight, grad.T, h)
-            if grad_bias is not None:
-                grad_bias += grad.sum(dim=0, dtype=grad_bias.dtype)
-        if into_grad:
-            grad_weight = None  # already in weight.grad
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+            yield start, h, grad
 
 
 class _ScoringHead(nn.Module):
@@ -430,9 +486,9 @@ class _ScoringHead(nn.Module):
     on the hidden states it is given and returns the differentiable terms as the "logits", so
     they leave the model through its output (where DDP and FSDP2 hook their backward)."""
 
-    def __init__(self, head: nn.Linear, scorer: Scorer, in_place: bool) -> None:
+    def __init__(self, head: nn.Linear, scorer: Scorer, in_place: bool, keep: bool) -> None:
         super().__init__()
-        self.head, self.scorer, self.in_place = head, scorer, in_place
+        self.head, self.scorer, self.in_place, self.keep = head, scorer, in_place, keep
         self.extras: list[Tensor | None] = []  # cutoff and entropy, set by the forward
         self.output: Tensor | None = None
 
@@ -440,7 +496,7 @@ class _ScoringHead(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])
         w, b = self.head.weight, self.head.bias
         chunk = self.scorer.head_chunk(flat.shape[0], w.shape[0])
-        args = (self.scorer, chunk, self.extras, self.in_place)
+        args = (self.scorer, chunk, self.extras, self.in_place, self.keep)
         picked, lse = _ChunkedHead.apply(flat, w, b, *args)
         self.output = torch.cat([picked, lse])[None, None]
         return self.output
@@ -463,9 +519,11 @@ class _HeadSlot:
             setattr(self.parent, self.name, self.head)
 
 
-# LM heads scored from full logits: asked for (``full_logits``), or whose model changes what the
-# head returns (soft-capping, scaling), since the chunked head's terms are no logits to change
+# LM heads whose logits are computed whole and kept for backward (``full_logits``)
 _FULL_LOGITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# LM heads whose model changes what they return (soft-capping, scaling): scored from the
+# model's own logits, since the scoring head's terms are no logits to change
+_OWN_LOGITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def full_logits(model: nn.Module, on: bool = True) -> None:
@@ -478,14 +536,14 @@ def full_logits(model: nn.Module, on: bool = True) -> None:
         _FULL_LOGITS.discard(head)
 
 
-def chunked_head_slot(model: nn.Module) -> _HeadSlot | None:
-    """The LM head ``completion_logprobs`` computes a chunk at a time, or None when it cannot:
-    a head that is no plain ``nn.Linear`` (LoRA on the head, quantised), one whose model was
-    seen to post-process its output, or one ``full_logits`` was asked for."""
+def head_slot(model: nn.Module) -> _HeadSlot | None:
+    """The LM head ``completion_logprobs`` puts its scoring head in place of, or None when it
+    cannot: a head that is no plain ``nn.Linear`` (LoRA on the head, quantised), one no module
+    holds, or one whose model was seen to post-process its output."""
     inner = getattr(model, "module", model)  # DDP keeps the model on .module
     get = getattr(inner, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    if type(head) is not nn.Linear or head in _FULL_LOGITS:
+    if type(head) is not nn.Linear or head in _OWN_LOGITS:
         return None
     return next(
         (
@@ -496,6 +554,12 @@ def chunked_head_slot(model: nn.Module) -> _HeadSlot | None:
         ),
         None,
     )
+
+
+def chunked_head_slot(model: nn.Module) -> _HeadSlot | None:
+    """``head_slot`` where the head runs a chunk at a time (not asked for ``full_logits``)."""
+    slot = head_slot(model)
+    return None if slot is None or slot.head in _FULL_LOGITS else slot
 
 
 def _runs_as_it_is(model: nn.Module) -> bool:
@@ -532,15 +596,18 @@ def lookup_into_grad(model: nn.Module) -> Iterator[None]:
 
 def _scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor | None]:
     """One forward of ``model`` and the log-probs ``scorer`` makes of it: (logp, entropy). The
-    head runs a chunk at a time where ``chunked_head_slot`` allows it."""
+    scoring head stands in for the model's where ``head_slot`` allows it: a chunk at a time,
+    or under plain sampling with ``full_logits`` every position at once, kept for backward."""
     with lookup_into_grad(model):
         return _forward_scores(model, scorer, **inputs)
 
 
 def _forward_scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor | None]:
-    slot = chunked_head_slot(model)
-    if slot is not None:
-        head = _ScoringHead(slot.head, scorer, in_place=_runs_as_it_is(model))
+    slot = head_slot(model)
+    keep = slot is not None and slot.head in _FULL_LOGITS
+    # full logits under a sampling that shapes them (top-k, top-p, penalty) stay the model's
+    if slot is not None and (scorer.sampling.plain or not keep):
+        head = _ScoringHead(slot.head, scorer, in_place=_runs_as_it_is(model), keep=keep)
         with slot.holding(head):
             out = model(**inputs)
         if out.logits is head.output:
@@ -549,7 +616,7 @@ def _forward_scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor,
             picked, lse = flat[:targets], flat[targets:]
             return scorer.logprobs(picked, lse, *head.extras)
         # the model changed what its head returned: that forward is wasted, once per head
-        _FULL_LOGITS.add(slot.head)
+        _OWN_LOGITS.add(slot.head)
         print(
             f"scoring log-probs: {type(getattr(model, 'module', model)).__name__} post-processes "
             "its LM head's output (soft-capping or scaling), so the head computes full logits",

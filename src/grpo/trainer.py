@@ -450,7 +450,7 @@ class Trainer:
                     full_logits(model)
         if self.dist.is_main:
             path, why = scoring_path(self.policy)
-            head = "64 positions at a time" if chunked_head_slot(self.policy) else "full logits"
+            head = "a chunk at a time" if chunked_head_slot(self.policy) else "full logits"
             print(f"scoring log-probs: {path} ({why}); LM head: {head}")
         if self.dist.enabled and config.train.distributed == "fsdp" and frozen_copy is not None:
             distributed.fully_shard_model(frozen_copy, self.dist)
