@@ -581,11 +581,13 @@ def test_kept_full_logits_are_one_buffer_and_one_product_per_pass(monkeypatch) -
 
 
 @pytest.mark.parametrize(
-    "sampling", [Sampling(0.7), Sampling(0.7, top_k=5)], ids=["plain", "top-k"]
+    ("sampling", "keep"),
+    [(Sampling(0.7), False), (Sampling(0.7), True), (Sampling(0.7, top_k=5), False)],
+    ids=["plain", "plain-kept", "top-k"],
 )
-def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling) -> None:
-    # every completion of one token predicts nothing: no positions reach the head, and both
-    # paths hand back empty terms and a zero gradient, not an error from an empty buffer
+def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling, keep) -> None:
+    # every completion of one token predicts nothing: no positions reach the head, and every
+    # path hands back empty terms and a zero gradient, not an error from an empty buffer
     hidden = torch.zeros(0, 6, requires_grad=True)
     weight = torch.randn(17, 6, requires_grad=True)
     none = torch.zeros(0, 0, dtype=torch.long)
@@ -593,7 +595,7 @@ def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling) -> N
     extras: list = []
     chunk = scorer.head_chunk(0, 17)
     picked, lse = logprobs._ChunkedHead.apply(
-        hidden, weight, None, scorer, chunk, extras, False, False
+        hidden, weight, None, scorer, chunk, extras, False, keep
     )
     (picked.sum() + lse.sum()).backward()
     assert picked.shape == lse.shape == extras[1].shape == (0,)
