@@ -504,7 +504,9 @@ def test_plain_sampling_spreads_positions_evenly_over_chunks_of_the_buffer(posit
     assert top_k.head_chunk(positions, 49152) == logprobs.CHUNK
 
 
-def _logits_made(keep: bool, m: int, v: int, monkeypatch) -> tuple[list, list, list, Scorer]:
+def _logits_made(
+    keep: bool, m: int, v: int, monkeypatch, entropy: bool = True
+) -> tuple[list, list, list, Scorer]:
     """The plain head's forward and backward on random numbers (``m`` positions, vocabulary
     ``v``, buffer chunks of 8 and entropy blocks of 3 rows): the rows of each new tensor of V
     columns an op made (no view) in forward and in backward, the products it ran (op name,
@@ -518,7 +520,8 @@ def _logits_made(keep: bool, m: int, v: int, monkeypatch) -> tuple[list, list, l
     weight = torch.randn(v, h, generator=gen, requires_grad=True)
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.randint(0, m, (4, 5), generator=gen)
-    scorer = Scorer.of(at, torch.randint(0, v, (4, 5), generator=gen), Sampling(0.7), True, None, m)
+    targets = torch.randint(0, v, (4, 5), generator=gen)
+    scorer = Scorer.of(at, targets, Sampling(0.7), entropy, None, m)
     chunk = scorer.head_chunk(m, v)
     made: list[int] = []
     products: list[tuple[str, int]] = []
@@ -566,6 +569,55 @@ def test_the_plain_head_computes_in_one_logits_buffer_per_pass(monkeypatch) -> N
     # and its weight gradient (grad.T @ h, into the weight's, V rows)
     backward_products = [p for c in (8, 8, 7) for p in [("mm", c), ("mm", c), ("addmm_", 40)]]
     assert products == [("mm", 8), ("mm", 8), ("mm", 7), *backward_products]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_without_entropy_a_pass_makes_the_buffer_alone(monkeypatch, keep) -> None:
+    # no entropy asked for: the chunked forward exponentiates in the buffer, no row blocks;
+    # kept logits still need e = exp(x - max) beside x - max, a few rows at a time
+    forward, backward, _, _ = _logits_made(keep, 23, 40, monkeypatch, entropy=False)
+    assert forward == ([23, 3, 3, 2, 3, 3, 2, 3, 3, 1] if keep else [8])
+    assert backward == ([] if keep else [8])
+
+
+def test_logits_go_into_the_buffer_with_and_without_a_bias() -> None:
+    # float32 products write the chunk's logits into the buffer itself, a bias too
+    gen = torch.Generator().manual_seed(0)
+    h, w, b = torch.randn(5, 6, generator=gen), torch.randn(9, 6, generator=gen), torch.randn(9)
+    buffer = torch.empty(8, 9)
+    for bias in (None, b):
+        got = logprobs._logits_into(buffer, h, w, bias)
+        assert got.data_ptr() == buffer.data_ptr() and got.shape == (5, 9)
+        torch.testing.assert_close(got, F.linear(h, w, bias))
+
+
+@pytest.mark.parametrize(
+    "sampling", [Sampling(0.7), Sampling(0.7, top_k=5)], ids=["plain", "top-k"]
+)
+def test_full_logits_are_kept_under_plain_sampling_else_the_models_own(
+    model, sampling, monkeypatch
+):
+    # asked for full logits, a plain-sampling forward runs the scoring head with its logits
+    # kept (one chunk of every position); a sampling that shapes the logits runs the model's
+    # own head; not asked for, the scoring head chunks and recomputes. Chunks are the scorer's
+    # for the forward's positions and the head's vocabulary
+    _chunks_of(3, model.config.vocab_size, monkeypatch)  # chunks of 3 of this vocabulary
+    runs: list[bool] = []
+    apply = logprobs._ChunkedHead.apply
+    batch = _batch(g=2, n=4)
+
+    def spy(hidden, weight, bias, scorer, chunk, *rest):
+        runs.append(rest[-1])  # keep
+        # every position of the forward, spread over chunks of the scorer's size for this head
+        assert chunk == scorer.head_chunk(hidden.shape[0], weight.shape[0])
+        return apply(hidden, weight, bias, scorer, chunk, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logprobs._ChunkedHead, "apply", spy)
+        completion_logprobs(model, *batch, sampling)
+        logprobs.full_logits(model)
+        completion_logprobs(model, *batch, sampling)
+    assert runs == ([False, True] if sampling.plain else [False])
 
 
 def test_kept_full_logits_are_one_buffer_and_one_product_per_pass(monkeypatch) -> None:
