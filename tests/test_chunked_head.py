@@ -612,7 +612,7 @@ def test_full_logits_are_kept_under_plain_sampling_else_the_models_own(
         assert chunk == scorer.head_chunk(hidden.shape[0], weight.shape[0])
         return apply(hidden, weight, bias, scorer, chunk, *rest)
 
-    with pytest.MonkeyPatch.context() as patch:
+    with monkeypatch.context() as patch:
         patch.setattr(logprobs._ChunkedHead, "apply", spy)
         completion_logprobs(model, *batch, sampling)
         logprobs.full_logits(model)
