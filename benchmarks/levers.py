@@ -297,9 +297,9 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
 def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """Full logits kept for backward (``model.chunked_head: false`` under plain sampling)
     against the model's own head; the LM head a chunk at a time (``model.chunked_head``)
-    against full logits, forward and forward + backward, at chunks of 64 to 512 rows, with the embedding lookup's gradient
-    sparse or dense, and under plain sampling in place or through autograd; and the head's
-    weight gradient over 1024 positions, 64 at a time: ``logprobs.add_product_`` (what the
+    against full logits, forward and forward + backward, at chunks of 64 to 512 rows, with
+    the embedding lookup's gradient sparse or dense, and under plain sampling in place or
+    through autograd; and the head's weight gradient over 1024 positions, 64 at a time: ``logprobs.add_product_`` (what the
     chunked head does: products in the run's dtype a block of rows at a time, no [V, H]
     temporary) against float32 ``addmm_`` of the chunk's values (what it did at 432d0f6) and a
     whole product in the run's dtype, cast and added (what it did before that)."""

@@ -652,3 +652,13 @@ def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling, keep
     (picked.sum() + lse.sum()).backward()
     assert picked.shape == lse.shape == extras[1].shape == (0,)
     assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_kept_logits_refuse_a_sampling_that_shapes_them() -> None:
+    # the kept path takes a temperature's terms only: under top-k it would score the wrong
+    # distribution, so it refuses rather than return those numbers
+    at = torch.zeros(1, 1, dtype=torch.long)
+    scorer = Scorer.of(at, at, Sampling(0.7, top_k=5), False, None, 1)
+    hidden, weight = torch.randn(1, 6), torch.randn(17, 6)
+    with pytest.raises(ValueError, match="plain sampling"):
+        logprobs._ChunkedHead.apply(hidden, weight, None, scorer, 1, [], False, True)

@@ -389,22 +389,24 @@ class _ChunkedHead(torch.autograd.Function):
         w, b = weight.to(run), None if bias is None else bias.to(run)
         ctx.run_weights = w, b
         ctx.kept = None
-        if keep:  # plain sampling: one product, then each chunk's terms in place
+        if keep and not scorer.sampling.plain:  # its terms would be a temperature's alone
+            raise ValueError("kept logits take plain sampling (temperature only)")
+        if keep:  # one product, then each chunk's terms in place
             logits = _logits_into(_logits_buffer(hidden, weight, hidden.shape[0]), hidden, w, b)
             backward = any(ctx.needs_input_grad[:3])
             parts = enumerate(zip(logits.split(chunk), ctx.spans, strict=True))
             terms = [scorer.plain_terms_(x, k * chunk, s, keep=backward) for k, (x, s) in parts]
             ctx.kept = logits if backward else None  # each position's log-softmax now
-        elif scorer.sampling.plain:
-            buffer = _logits_buffer(hidden, weight, chunk)
-            parts = enumerate(zip(hidden.split(chunk), ctx.spans, strict=True))
-            terms = [
-                scorer.plain_terms_(_logits_into(buffer, h, w, b), k * chunk, s)
-                for k, (h, s) in parts
-            ]
         else:
             parts = enumerate(zip(hidden.split(chunk), ctx.spans, strict=True))
-            terms = [scorer.terms(F.linear(h, w, b), k * chunk, s) for k, (h, s) in parts]
+            if scorer.sampling.plain:
+                buffer = _logits_buffer(hidden, weight, chunk)
+                terms = [
+                    scorer.plain_terms_(_logits_into(buffer, h, w, b), k * chunk, s)
+                    for k, (h, s) in parts
+                ]
+            else:
+                terms = [scorer.terms(F.linear(h, w, b), k * chunk, s) for k, (h, s) in parts]
         out.extend([_cat([t[2] for t in terms]), _cat([t[3] for t in terms])])
         picked, lse = torch.cat([t[0] for t in terms]), torch.cat([t[1] for t in terms])
         # the backward's softmax on the in-place path, without a logsumexp; None: autograd's
