@@ -94,7 +94,10 @@ class StepClock:
                 self.positions += ids.numel()
                 # the head's positions, from the call: the chunked head's output is no logits
                 keep = kwargs.get("logits_to_keep", 0)
-                self.logits += ids.shape[0] * (keep if 0 < keep < ids.shape[1] else ids.shape[1])
+                if isinstance(keep, torch.Tensor):  # these positions of every sequence
+                    self.logits += ids.shape[0] * keep.numel()
+                else:
+                    self.logits += ids.shape[0] * (keep if 0 < keep < ids.shape[1] else ids.shape[1])
 
         trainer.frozen_logprobs = timed_frozen
         trainer.score = keep_scored

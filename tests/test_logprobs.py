@@ -509,14 +509,19 @@ def test_gpt2_packs_with_its_absolute_positions(model) -> None:
     assert torch.allclose(packed[mask], full[mask], atol=1e-5)
 
 
-def _worked_pack():
+def _worked_batch():
     # prompts [5, 6] (left padded to 3) for rows 0 and 2, [7, 8, 9] for row 1; completions of
     # 3, 1 and 2 tokens (right padded to 3)
     prompt_ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6]])
     prompt_mask = prompt_ids > 0
     completion_ids = torch.tensor([[10, 11, 12], [13, 0, 0], [14, 15, 0]])
     completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]]).bool()
-    return pack(prompt_ids, prompt_mask, completion_ids, completion_mask), completion_mask
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _worked_pack():
+    batch = _worked_batch()
+    return pack(*batch), batch[3]
 
 
 def test_pack_by_hand() -> None:
@@ -527,11 +532,30 @@ def test_pack_by_hand() -> None:
     assert torch.equal(packed.input_ids, torch.tensor([[5, 6, 10, 11, 14], [0, 0, 7, 8, 9]]))
     assert torch.equal(packed.position_ids, torch.tensor([[0, 1, 2, 3, 2], [0, 0, 0, 1, 2]]))
     assert torch.equal(packed.segment, torch.tensor([[0, 0, 1, 1, 2], [-1, -1, 0, 0, 0]]))
+    assert torch.equal(packed.group, torch.tensor([[0, 0, 0, 0, 0], [-1, -1, 1, 1, 1]]))
     # the predicting positions are each sequence's last 5 - 2 + 1 = 4; kept index = 4u + j - 1
     assert packed.keep == 4
     # row 0: 6, 10, 11 predict 10, 11, 12 (kept 0, 1, 2); row 1: 9 predicts 13 (kept 7);
     # row 2: 6 predicts 14 (kept 0, shared with row 0), 14 predicts 15 (kept 3)
     assert packed.at[completion_mask].tolist() == [0, 1, 2, 7, 0, 3]
+
+
+def test_pack_end_to_end_by_hand() -> None:
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _worked_batch()
+    packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, end_to_end=True)
+    # the two sequences of test_pack_by_hand one after the other, no padding
+    assert torch.equal(packed.input_ids, torch.tensor([[5, 6, 10, 11, 14, 7, 8, 9]]))
+    assert torch.equal(packed.position_ids, torch.tensor([[0, 1, 2, 3, 2, 0, 1, 2]]))
+    assert torch.equal(packed.segment, torch.tensor([[0, 0, 1, 1, 2, 0, 0, 0]]))
+    assert torch.equal(packed.group, torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]]))
+    # the head sees only the predicting positions: 6, 10, 11, 14 and 9
+    assert packed.keep.tolist() == [1, 2, 3, 4, 7]
+    assert packed.kept == 5
+    assert packed.at[completion_mask].tolist() == [0, 1, 2, 4, 0, 3]
+    # a token sees earlier tokens of its segment and its own group's prompt, never the other's
+    allowed = packed.attention_mask(torch.bool)[0, 0]
+    assert allowed[5:, :5].sum() == 0 and allowed[:5, 5:].sum() == 0
+    assert allowed[4, :2].all() and not allowed[4, 2:4].any()  # 14 sees its prompt, not 10 11
 
 
 def test_packed_attention_mask_by_hand() -> None:

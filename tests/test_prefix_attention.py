@@ -53,9 +53,10 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_the_layout_reads_what_the_dense_mask_allows() -> None:
-    packed = pack(*_batch())
-    layout = prefix_layout(packed.segment)
+@pytest.mark.parametrize("end_to_end", [False, True])
+def test_the_layout_reads_what_the_dense_mask_allows(end_to_end: bool) -> None:
+    packed = pack(*_batch(), end_to_end=end_to_end)
+    layout = prefix_layout(packed.segment, packed.group)
     dense = packed.attention_mask(torch.bool)[:, 0]  # [U, L, L]
     u_count, length = packed.segment.shape
     seen = torch.zeros(u_count * length, u_count * length, dtype=torch.bool)
@@ -160,6 +161,31 @@ def test_the_layout_forward_builds_no_mask(tiny_model_dir, monkeypatch) -> None:
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, PREFIX, spy)
     completion_logprobs(prefix, *_batch())
     assert len(seen) == prefix.config.num_hidden_layers and all(m is None for m in seen)
+
+
+def test_the_layout_forward_is_one_sequence_without_padding(tiny_model_dir, monkeypatch) -> None:
+    # groups of different lengths end to end: as a sequence per group the shorter ones would
+    # be padded to the longest, and the head would run on each sequence's whole tail
+    sdpa, prefix = _pair(tiny_model_dir)
+    calls = []
+    forward = prefix.forward
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["input_ids"].shape, kwargs["logits_to_keep"]))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(prefix, "forward", spy)
+    batch = _batch()
+    prompt_mask, completion_mask = batch[1], batch[3]
+    got, _ = completion_logprobs(prefix, *batch)
+    want, _ = completion_logprobs(sdpa, *batch)  # a sequence per group, dense mask
+    (shape, keep), = calls
+    groups = torch.unique(torch.cat([batch[0], prompt_mask.long()], dim=1), dim=0)
+    prompts = int(groups[:, batch[0].shape[1] :].sum())
+    bodies = int((completion_mask.sum(dim=1) - 1).clamp(min=0).sum())
+    assert shape == (1, prompts + bodies)  # each prompt once, each completion less its last
+    assert keep.numel() == len(groups) + bodies  # each prompt's last token, then the bodies
+    assert torch.allclose(got[completion_mask], want[completion_mask], atol=1e-5)
 
 
 def test_packed_scoring_defaults_to_temperature_one_without_entropy(tiny_model_dir) -> None:

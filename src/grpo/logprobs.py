@@ -769,10 +769,12 @@ def packed_logprobs(
     sampling: Sampling | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """``completion_logprobs`` with every row packed by prompt (see ``pack``)."""
-    packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    """``completion_logprobs`` with every row packed by prompt (see ``pack``): end to end under
+    prefix attention, else a sequence per group under a dense mask."""
     config = _config(model)
     implementation = getattr(config, "_attn_implementation", None)
+    prefix = implementation == PREFIX and not attention_dropout_on(model)
+    packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, end_to_end=prefix)
     inputs = {
         "input_ids": packed.input_ids,
         "position_ids": packed.position_ids,
@@ -780,13 +782,12 @@ def packed_logprobs(
         "use_cache": False,
     }
     history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    positions = packed.input_ids.shape[0] * packed.keep
-    scorer = Scorer.of(packed.at, completion_ids, sampling, with_entropy, history, positions)
-    if implementation == PREFIX and not attention_dropout_on(model):
+    scorer = Scorer.of(packed.at, completion_ids, sampling, with_entropy, history, packed.kept)
+    if prefix:
         # no [L, L] mask: the layout says what each token reads (grpo.prefix_attention). The
         # mask of ones keeps transformers from building one: given none, it reads packed
-        # sequences from the restarting position ids and builds their block mask, [U, L, L]
-        layout = prefix_layout(packed.segment)
+        # sequences from the restarting position ids and builds their block mask
+        layout = prefix_layout(packed.segment, packed.group)
         mask = torch.ones_like(packed.input_ids)
         result = _scores(model, scorer, **inputs, attention_mask=mask, prefix_layout=layout)
         if not layout.uses[0]:
@@ -855,21 +856,34 @@ def _config(model: nn.Module):
 
 @dataclass
 class Packed:
-    """Rows of a micro-batch packed by prompt: U sequences of L tokens, left padded.
+    """Rows of a micro-batch packed by prompt: each group is its prompt once, followed by the
+    completions that share it, each without its last token (nothing after it is predicted).
 
-    Sequence u is its prompt followed by the completions that share it, each without its last
-    token (nothing after it is predicted). ``segment`` is 0 on the prompt, k on the k-th
-    completion and -1 on padding.
+    Two layouts: one left-padded sequence per group ([U, L], for a dense mask, whose size
+    grows with each sequence's square), or every group end to end in one sequence ([1, N], for
+    prefix attention, which needs no mask: no position is padding, and the LM head sees only
+    the positions that predict a completion token). ``segment`` is 0 on a prompt, k on its
+    group's k-th completion and -1 on padding; ``group`` is the group's index, -1 on padding.
     """
 
-    input_ids: Tensor  # [U, L]
-    position_ids: Tensor  # [U, L] a completion's tokens continue its prompt's positions
-    segment: Tensor  # [U, L]
-    keep: int  # the last ``keep`` positions of every sequence hold all predicting positions
-    at: Tensor  # [B, T] index into the [U * keep] kept positions predicting completion token j
+    input_ids: Tensor  # [U, L] or [1, N]
+    position_ids: Tensor  # a completion's tokens continue its prompt's positions
+    segment: Tensor
+    group: Tensor
+    # ``logits_to_keep``: the last ``keep`` positions of every sequence, or these positions of
+    # the one sequence; either way they hold every predicting position
+    keep: int | Tensor
+    at: Tensor  # [B, T] index into the kept positions predicting completion token j
+
+    @property
+    def kept(self) -> int:
+        """How many positions the LM head runs on."""
+        if isinstance(self.keep, Tensor):
+            return self.keep.numel()
+        return self.input_ids.shape[0] * self.keep
 
     def attention_mask(self, dtype: torch.dtype) -> Tensor:
-        """[U, 1, L, L]: a token sees earlier tokens of its own segment and the whole prompt.
+        """[U, 1, L, L]: a token sees earlier tokens of its own segment and its group's prompt.
 
         Boolean (True = attend) for SDPA, additive (0 / most negative) for eager attention.
         Padding sees earlier padding, so no row of the softmax is empty.
@@ -877,7 +891,8 @@ class Packed:
         n = self.segment.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=self.segment.device).tril()
         query, key = self.segment[:, :, None], self.segment[:, None, :]
-        allowed = (causal & ((key == 0) | (key == query)))[:, None]
+        same_group = self.group[:, :, None] == self.group[:, None, :]
+        allowed = (causal & same_group & ((key == 0) | (key == query)))[:, None]
         if dtype == torch.bool:
             return allowed
         zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -885,9 +900,14 @@ class Packed:
 
 
 def pack(
-    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    end_to_end: bool = False,
 ) -> Packed:
-    """Pack rows that share a prompt (see ``Packed``). Shapes as in ``completion_logprobs``."""
+    """Pack rows that share a prompt (see ``Packed``): a sequence per group, or with
+    ``end_to_end`` all groups in one. Shapes as in ``completion_logprobs``."""
     s, device = prompt_ids.shape[1], prompt_ids.device
     distinct, prompt_of_row = torch.unique(
         torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True
@@ -897,29 +917,49 @@ def pack(
     prompt_len = distinct[:, s:].sum(dim=1).tolist()
     rows_of = [(prompt_of_row == u).nonzero()[:, 0].tolist() for u in range(len(distinct))]
     size = [p + sum(body[r] for r in rows) for p, rows in zip(prompt_len, rows_of, strict=True)]
-    longest = max(size)
-    keep = max(n - p + 1 for n, p in zip(size, prompt_len, strict=True))
-    shape = (len(distinct), longest)
-    input_ids = torch.zeros(shape, dtype=torch.long, device=device)
-    position_ids = torch.zeros(shape, dtype=torch.long, device=device)
-    segment = torch.full(shape, -1, dtype=torch.long, device=device)
-    at = torch.zeros(completion_ids.shape, dtype=torch.long, device=device)
+    if end_to_end:
+        shape = (1, sum(size))
+        first = list(itertools.accumulate([0, *size[:-1]]))  # each group's first position
+    else:
+        longest = max(size)
+        shape = (len(distinct), longest)
+        first = [u * longest + longest - n for u, n in enumerate(size)]  # left padded
+    count = shape[0] * shape[1]
+    input_ids = torch.zeros(count, dtype=torch.long, device=device)
+    position_ids = torch.zeros(count, dtype=torch.long, device=device)
+    segment = torch.full((count,), -1, dtype=torch.long, device=device)
+    group = torch.full((count,), -1, dtype=torch.long, device=device)
+    at = torch.zeros(completion_ids.shape, dtype=torch.long, device=device)  # positions first
+    predicting: list[int] = []
     for u, (p, rows) in enumerate(zip(prompt_len, rows_of, strict=True)):
-        start = longest - size[u]  # left padding
-        kept = u * keep - (longest - keep)  # + a padded position = its index among kept ones
-        input_ids[u, start : start + p] = distinct[u, :s][distinct[u, s:].bool()]
-        position_ids[u, start : start + p] = torch.arange(p, device=device)
-        segment[u, start : start + p] = 0
+        start = first[u]
+        input_ids[start : start + p] = distinct[u, :s][distinct[u, s:].bool()]
+        position_ids[start : start + p] = torch.arange(p, device=device)
+        segment[start : start + p] = 0
+        group[start : start + size[u]] = u
+        prompt_last = start + p - 1  # predicts every completion's token 0
+        predicting.append(prompt_last)
         start += p
         for k, row in enumerate(rows, start=1):
             n, span = body[row], slice(start, start + body[row])
-            input_ids[u, span] = completion_ids[row, :n]
-            position_ids[u, span] = p + torch.arange(n, device=device)
-            segment[u, span] = k
-            at[row] = kept + longest - size[u] + p - 1  # the prompt's last token predicts token 0
-            at[row, 1 : 1 + n] = kept + start + torch.arange(n, device=device)
+            input_ids[span] = completion_ids[row, :n]
+            position_ids[span] = p + torch.arange(n, device=device)
+            segment[span] = k
+            at[row, 0] = prompt_last
+            at[row, 1 : 1 + n] = torch.arange(start, start + n, device=device)
+            predicting.extend(range(start, start + n))
             start += n
-    return Packed(input_ids, position_ids, segment, keep, at)
+    if end_to_end:
+        keep: int | Tensor = torch.tensor(predicting, dtype=torch.long, device=device)
+        kept = keep
+    else:
+        keep = max(n - p + 1 for n, p in zip(size, prompt_len, strict=True))
+        tail = torch.arange(shape[1] - keep, shape[1], device=device)
+        kept = (torch.arange(shape[0], device=device)[:, None] * shape[1] + tail).flatten()
+    index = torch.zeros(count, dtype=torch.long, device=device)  # position -> its kept index
+    index[kept] = torch.arange(kept.numel(), device=device)
+    view = [x.view(shape) for x in (input_ids, position_ids, segment, group)]
+    return Packed(*view, keep, index[at])
 
 
 def full_sequence_logprobs(

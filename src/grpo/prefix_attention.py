@@ -48,17 +48,18 @@ class PrefixLayout:
     uses: list[int] = field(default_factory=lambda: [0])  # attention calls that took this path
 
 
-def prefix_layout(segment: Tensor) -> PrefixLayout:
-    """The layout of packed sequences from ``Packed.segment`` ([U, L]: 0 prompt, k the k-th
-    completion, -1 padding)."""
-    u_count, length = segment.shape
+def prefix_layout(segment: Tensor, group: Tensor) -> PrefixLayout:
+    """The layout of packed sequences from ``Packed.segment`` and ``Packed.group`` ([U, L]: 0
+    a prompt, k its group's k-th completion, -1 padding; and the group, -1 padding)."""
+    segment, group = segment.flatten(), group.flatten()
     device = segment.device
-    flat = torch.arange(u_count * length, device=device).view(u_count, length)
-    prompts = [flat[u][segment[u] == 0] for u in range(u_count)]
+    flat = torch.arange(segment.numel(), device=device)
+    members = [group == u for u in range(int(group.max()) + 1)]
+    prompts = [flat[ours & (segment == 0)] for ours in members]
     rows = [
-        (u, flat[u][segment[u] == k])
-        for u in range(u_count)
-        for k in range(1, int(segment[u].max()) + 1)
+        (u, flat[ours & (segment == k)])
+        for u, ours in enumerate(members)
+        for k in range(1, int(segment[ours].max()) + 1)
     ]
     p = max(len(x) for x in prompts)
     n = max((len(x) for _, x in rows), default=1)
