@@ -97,7 +97,9 @@ class StepClock:
                 if isinstance(keep, torch.Tensor):  # these positions of every sequence
                     self.logits += ids.shape[0] * keep.numel()
                 else:
-                    self.logits += ids.shape[0] * (keep if 0 < keep < ids.shape[1] else ids.shape[1])
+                    self.logits += ids.shape[0] * (
+                        keep if 0 < keep < ids.shape[1] else ids.shape[1]
+                    )
 
         trainer.frozen_logprobs = timed_frozen
         trainer.score = keep_scored

@@ -179,7 +179,7 @@ def test_the_layout_forward_is_one_sequence_without_padding(tiny_model_dir, monk
     prompt_mask, completion_mask = batch[1], batch[3]
     got, _ = completion_logprobs(prefix, *batch)
     want, _ = completion_logprobs(sdpa, *batch)  # a sequence per group, dense mask
-    (shape, keep), = calls
+    ((shape, keep),) = calls
     groups = torch.unique(torch.cat([batch[0], prompt_mask.long()], dim=1), dim=0)
     prompts = int(groups[:, batch[0].shape[1] :].sum())
     bodies = int((completion_mask.sum(dim=1) - 1).clamp(min=0).sum())
