@@ -137,7 +137,7 @@ def test_backward_recomputes_the_logits_in_the_forwards_dtype(sampling, monkeypa
     monkeypatch.setattr(F, "linear", spy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         picked, lse = logprobs._ChunkedHead.apply(
-            hidden, head.weight, head.bias, scorer, 4, [], False, False
+            hidden, head.weight, head.bias, scorer, 4, [], False, False, True
         )
     (picked.sum() + lse.sum()).backward()
     assert seen == [torch.bfloat16] * 6  # three chunks forward, three in backward
@@ -154,7 +154,7 @@ def test_a_head_weight_computed_from_others_hands_its_gradient_on() -> None:
     scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), Sampling(), False, None, 11)
     for _ in range(2):
         picked, lse = logprobs._ChunkedHead.apply(
-            hidden, base * 2.0, None, scorer, 4, [], True, False
+            hidden, base * 2.0, None, scorer, 4, [], True, False, True
         )
         scorer.logprobs(picked, lse, None, None)[0].sum().backward()
     got = base.grad.clone()
@@ -210,7 +210,7 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     extras: list = []
     with bf16:
         picked, lse = logprobs._ChunkedHead.apply(
-            hidden, head.weight, head.bias, scorer, 4, extras, False, keep
+            hidden, head.weight, head.bias, scorer, 4, extras, False, keep, True
         )
     got = scorer.logprobs(picked, lse, *extras)[0]
     got.sum().backward()
@@ -228,7 +228,7 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     extras = []
     with bf16:
         frozen = logprobs._ChunkedHead.apply(
-            hidden, head.weight, head.bias, scorer, 4, extras, False, keep
+            hidden, head.weight, head.bias, scorer, 4, extras, False, keep, True
         )
     scorer.logprobs(*frozen, *extras)[0].sum().backward()
     assert head.weight.grad is None and head.bias.grad is None
@@ -544,7 +544,7 @@ def _logits_made(
     extras: list = []
     with Record():
         picked, lse = logprobs._ChunkedHead.apply(
-            hidden, weight, None, scorer, chunk, extras, False, keep
+            hidden, weight, None, scorer, chunk, extras, False, keep, True
         )
     forward = list(made)
     made.clear()
@@ -607,7 +607,7 @@ def test_full_logits_are_kept_under_plain_sampling_else_the_models_own(
     batch = _batch(g=2, n=4)
 
     def spy(hidden, weight, bias, scorer, chunk, *rest):
-        runs.append(rest[-1])  # keep
+        runs.append(rest[-2])  # keep
         # every position of the forward, spread over chunks of the scorer's size for this head
         assert chunk == scorer.head_chunk(hidden.shape[0], weight.shape[0])
         return apply(hidden, weight, bias, scorer, chunk, *rest)
@@ -632,6 +632,35 @@ def test_kept_full_logits_are_one_buffer_and_one_product_per_pass(monkeypatch) -
     assert products == [("mm", 23), ("mm", 23), ("addmm_", 40)]
 
 
+def test_kept_logits_without_a_graph_are_left_as_logits(monkeypatch) -> None:
+    # a forward under no_grad (old log-probs) takes the kept path's one product, but leaves no
+    # log-softmax for a backward that never comes: no extra pass over the logits
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 6, generator=gen, requires_grad=True)
+    hidden = torch.randn(9, 6, generator=gen)
+    at = torch.randint(0, 9, (3, 3), generator=gen)
+    scorer = Scorer.of(
+        at, torch.randint(0, 40, (3, 3), generator=gen), Sampling(0.7), False, None, 9
+    )
+    kept: list[bool] = []
+    terms = Scorer.plain_terms_
+
+    def spy(self, logits, start, span, keep=False):
+        kept.append(keep)
+        return terms(self, logits, start, span, keep=keep)
+
+    monkeypatch.setattr(Scorer, "plain_terms_", spy)
+    head = logprobs._ScoringHead(nn.Linear(6, 40, bias=False), scorer, in_place=False, keep=True)
+    head.head.weight = nn.Parameter(weight)
+    with torch.no_grad():
+        frozen = head(hidden)
+    assert kept and not any(kept)
+    kept.clear()
+    live = head(hidden)
+    assert kept and all(kept)
+    torch.testing.assert_close(frozen, live.detach())
+
+
 @pytest.mark.parametrize(
     ("sampling", "keep"),
     [(Sampling(0.7), False), (Sampling(0.7), True), (Sampling(0.7, top_k=5), False)],
@@ -647,7 +676,7 @@ def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling, keep
     extras: list = []
     chunk = scorer.head_chunk(0, 17)
     picked, lse = logprobs._ChunkedHead.apply(
-        hidden, weight, None, scorer, chunk, extras, False, keep
+        hidden, weight, None, scorer, chunk, extras, False, keep, True
     )
     (picked.sum() + lse.sum()).backward()
     assert picked.shape == lse.shape == extras[1].shape == (0,)
@@ -661,4 +690,4 @@ def test_kept_logits_refuse_a_sampling_that_shapes_them() -> None:
     scorer = Scorer.of(at, at, Sampling(0.7, top_k=5), False, None, 1)
     hidden, weight = torch.randn(1, 6), torch.randn(17, 6)
     with pytest.raises(ValueError, match="plain sampling"):
-        logprobs._ChunkedHead.apply(hidden, weight, None, scorer, 1, [], False, True)
+        logprobs._ChunkedHead.apply(hidden, weight, None, scorer, 1, [], False, True, True)

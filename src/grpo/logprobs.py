@@ -375,7 +375,7 @@ class _ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, scorer, chunk, out, in_place, keep):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, scorer, chunk, out, in_place, keep, grad):  # type: ignore[override]
         device = hidden.device.type
         # the dtype the head's products run in: autocast's (bf16) where it is on, else the weight's
         on = torch.is_autocast_enabled(device)
@@ -393,7 +393,9 @@ class _ChunkedHead(torch.autograd.Function):
             raise ValueError("kept logits take plain sampling (temperature only)")
         if keep:  # one product, then each chunk's terms in place
             logits = _logits_into(_logits_buffer(hidden, weight, hidden.shape[0]), hidden, w, b)
-            backward = any(ctx.needs_input_grad[:3])
+            # grad: the caller's grad mode (under no_grad needs_input_grad still reads True
+            # for a weight that takes gradients, and the buffer would be made ready for nothing)
+            backward = grad and any(ctx.needs_input_grad[:3])
             parts = enumerate(zip(logits.split(chunk), ctx.spans, strict=True))
             terms = [scorer.plain_terms_(x, k * chunk, s, keep=backward) for k, (x, s) in parts]
             ctx.kept = logits if backward else None  # each position's log-softmax now
@@ -438,7 +440,7 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.run_weights = None
         if into_grad:
             grad_weight = None  # already in weight.grad
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
     @staticmethod
     def logit_grads(
@@ -498,7 +500,7 @@ class _ScoringHead(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])
         w, b = self.head.weight, self.head.bias
         chunk = self.scorer.head_chunk(flat.shape[0], w.shape[0])
-        args = (self.scorer, chunk, self.extras, self.in_place, self.keep)
+        args = (self.scorer, chunk, self.extras, self.in_place, self.keep, torch.is_grad_enabled())
         picked, lse = _ChunkedHead.apply(flat, w, b, *args)
         self.output = torch.cat([picked, lse])[None, None]
         return self.output
