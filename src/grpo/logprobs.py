@@ -953,13 +953,13 @@ def pack(
             start += n
     if end_to_end:
         keep: int | Tensor = torch.tensor(predicting, dtype=torch.long, device=device)
-        kept = keep
+        kept_at = keep
     else:
         keep = max(n - p + 1 for n, p in zip(size, prompt_len, strict=True))
         tail = torch.arange(shape[1] - keep, shape[1], device=device)
-        kept = (torch.arange(shape[0], device=device)[:, None] * shape[1] + tail).flatten()
+        kept_at = (torch.arange(shape[0], device=device)[:, None] * shape[1] + tail).flatten()
     index = torch.zeros(count, dtype=torch.long, device=device)  # position -> its kept index
-    index[kept] = torch.arange(kept.numel(), device=device)
+    index[kept_at] = torch.arange(kept_at.numel(), device=device)
     view = [x.view(shape) for x in (input_ids, position_ids, segment, group)]
     return Packed(*view, keep, index[at])
 
