@@ -11,6 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
+from grpo import logprobs
 from grpo.logprobs import (
     chunked_head_slot,
     completion_logprobs,
@@ -556,6 +557,16 @@ def test_pack_end_to_end_by_hand() -> None:
     allowed = packed.attention_mask(torch.bool)[0, 0]
     assert allowed[5:, :5].sum() == 0 and allowed[:5, 5:].sum() == 0
     assert allowed[4, :2].all() and not allowed[4, 2:4].any()  # 14 sees its prompt, not 10 11
+
+
+def test_the_shared_start_leaves_every_prompt_a_token_of_its_own() -> None:
+    shared = logprobs._shared_start
+    t = torch.tensor
+    assert shared([t([5, 6, 7, 8]), t([5, 6, 9]), t([5, 6, 7, 10])]) == 2
+    assert shared([t([5, 6, 7]), t([5, 6, 7, 8])]) == 2  # not all of the shorter one
+    assert shared([t([5, 6]), t([7, 6])]) == 0
+    assert shared([t([5]), t([5, 6])]) == 0
+    assert shared([t([5, 6, 7])]) == 0  # one prompt: nothing to share
 
 
 def test_packed_attention_mask_by_hand() -> None:

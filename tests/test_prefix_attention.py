@@ -41,6 +41,21 @@ def _batch():
     return prompt_ids, prompt_mask, completion_ids, completion_ids != 0
 
 
+def _shared_batch():
+    # three prompts that start alike ([5, 6], a system prompt's part), of 4, 3 and 4 tokens;
+    # completions of 3, 1 (prompt [5, 6, 7, 8]), 4, 2 ([5, 6, 9]) and 2 ([5, 6, 7, 10]) tokens
+    prompt_ids = torch.tensor(
+        [[5, 6, 7, 8], [5, 6, 7, 8], [0, 5, 6, 9], [0, 5, 6, 9], [5, 6, 7, 10]]
+    )
+    completion_ids = torch.tensor(
+        [[11, 12, 13, 0], [14, 0, 0, 0], [15, 16, 17, 18], [19, 20, 0, 0], [21, 22, 0, 0]]
+    )
+    return prompt_ids, prompt_ids != 0, completion_ids, completion_ids != 0
+
+
+BATCHES = pytest.mark.parametrize("batch", [_batch, _shared_batch], ids=["apart", "shared"])
+
+
 def _pair(tiny_model_dir, **config):
     sdpa = AutoModelForCausalLM.from_pretrained(tiny_model_dir, **config).train()
     prefix = copy.deepcopy(sdpa)
@@ -53,9 +68,10 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+@BATCHES
 @pytest.mark.parametrize("end_to_end", [False, True])
-def test_the_layout_reads_what_the_dense_mask_allows(end_to_end: bool) -> None:
-    packed = pack(*_batch(), end_to_end=end_to_end)
+def test_the_layout_reads_what_the_dense_mask_allows(batch, end_to_end: bool) -> None:
+    packed = pack(*batch(), end_to_end=end_to_end)
     layout = prefix_layout(packed.segment, packed.group)
     dense = packed.attention_mask(torch.bool)[:, 0]  # [U, L, L]
     u_count, length = packed.segment.shape
@@ -76,12 +92,14 @@ def test_the_layout_reads_what_the_dense_mask_allows(end_to_end: bool) -> None:
     assert sorted(layout.target.tolist()) == real_query.nonzero()[:, 0].tolist()
 
 
-def test_prefix_scoring_equals_the_masked_one_under_checkpointing(tiny_model_dir) -> None:
-    # the layout travels as a keyword argument, so the recomputation in backward takes it too
+@BATCHES
+def test_prefix_scoring_equals_the_masked_one_under_checkpointing(tiny_model_dir, batch) -> None:
+    # the layout travels as a keyword argument, so the recomputation in backward takes it too;
+    # prompts that start alike share those tokens, whose gradient must be counted once
     sdpa, prefix = _pair(tiny_model_dir)
     for model in (sdpa, prefix):
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    batch = _batch()
+    batch = batch()
     m = batch[-1]
     want, _ = completion_logprobs(sdpa, *batch, 0.8)
     got, _ = completion_logprobs(prefix, *batch, 0.8)
@@ -164,28 +182,28 @@ def test_the_layout_forward_builds_no_mask(tiny_model_dir, monkeypatch) -> None:
 
 
 def test_the_layout_forward_is_one_sequence_without_padding(tiny_model_dir, monkeypatch) -> None:
-    # groups of different lengths end to end: as a sequence per group the shorter ones would
-    # be padded to the longest, and the head would run on each sequence's whole tail
+    # groups of different lengths end to end, the prompts' shared start once: as a sequence per
+    # group the shorter ones would be padded to the longest, every prompt would carry the
+    # shared tokens, and the head would run on each sequence's whole tail
     sdpa, prefix = _pair(tiny_model_dir)
     calls = []
     forward = prefix.forward
 
     def spy(*args, **kwargs):
-        calls.append((kwargs["input_ids"].shape, kwargs["logits_to_keep"]))
+        calls.append((kwargs["input_ids"], kwargs["logits_to_keep"]))
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(prefix, "forward", spy)
-    batch = _batch()
-    prompt_mask, completion_mask = batch[1], batch[3]
+    batch = _shared_batch()
     got, _ = completion_logprobs(prefix, *batch)
     want, _ = completion_logprobs(sdpa, *batch)  # a sequence per group, dense mask
-    ((shape, keep),) = calls
-    groups = torch.unique(torch.cat([batch[0], prompt_mask.long()], dim=1), dim=0)
-    prompts = int(groups[:, batch[0].shape[1] :].sum())
-    bodies = int((completion_mask.sum(dim=1) - 1).clamp(min=0).sum())
-    assert shape == (1, prompts + bodies)  # each prompt once, each completion less its last
-    assert keep.numel() == len(groups) + bodies  # each prompt's last token, then the bodies
-    assert torch.allclose(got[completion_mask], want[completion_mask], atol=1e-5)
+    ((ids, keep),) = calls
+    # [5, 6] once; then 9 and the bodies 15 16 17, 19; 7 8 and 11 12 (14 has none); 7 10, 21
+    assert ids.tolist() == [[5, 6, 9, 15, 16, 17, 19, 7, 8, 11, 12, 7, 10, 21]]
+    # each prompt's last token (9, 8, 10) and the bodies
+    assert keep.tolist() == [2, 3, 4, 5, 6, 8, 9, 10, 12, 13]
+    m = batch[-1]
+    assert torch.allclose(got[m], want[m], atol=1e-5)
 
 
 def test_packed_scoring_defaults_to_temperature_one_without_entropy(tiny_model_dir) -> None:
@@ -233,10 +251,11 @@ def test_generation_and_other_models_are_unchanged(tiny_model_dir) -> None:
         assert policy.config._attn_implementation == PREFIX
 
 
-def test_one_token_completions_only(tiny_model_dir) -> None:
+@BATCHES
+def test_one_token_completions_only(tiny_model_dir, batch) -> None:
     # a completion's last token predicts nothing, so these pack to the prompts alone
     sdpa, prefix = _pair(tiny_model_dir)
-    prompt_ids, prompt_mask, completion_ids, _ = _batch()
+    prompt_ids, prompt_mask, completion_ids, _ = batch()
     completion_mask = torch.zeros_like(completion_ids, dtype=torch.bool)
     completion_mask[:, 0] = True
     batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from grpo.prefix_attention import PREFIX, prefix_layout
+from grpo.prefix_attention import PREFIX, SHARED, prefix_layout
 from grpo.processors import Sampling, seen_tokens, shape_logits, truncate
 
 # attention implementations that take a custom 4D mask (others get one full sequence per row);
@@ -864,8 +864,10 @@ class Packed:
     Two layouts: one left-padded sequence per group ([U, L], for a dense mask, whose size
     grows with each sequence's square), or every group end to end in one sequence ([1, N], for
     prefix attention, which needs no mask: no position is padding, and the LM head sees only
-    the positions that predict a completion token). ``segment`` is 0 on a prompt, k on its
-    group's k-th completion and -1 on padding; ``group`` is the group's index, -1 on padding.
+    the positions that predict a completion token, and the tokens every prompt starts with,
+    such as a system prompt, come once, first). ``segment`` is 0 on a prompt, k on its group's
+    k-th completion and -1 on padding; ``group`` is the group's index, -1 on padding and
+    ``SHARED`` on the shared start.
     """
 
     input_ids: Tensor  # [U, L] or [1, N]
@@ -893,7 +895,8 @@ class Packed:
         n = self.segment.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=self.segment.device).tril()
         query, key = self.segment[:, :, None], self.segment[:, None, :]
-        same_group = self.group[:, :, None] == self.group[:, None, :]
+        query_group, key_group = self.group[:, :, None], self.group[:, None, :]
+        same_group = (query_group == key_group) | ((key_group == SHARED) & (query_group >= 0))
         allowed = (causal & same_group & ((key == 0) | (key == query)))[:, None]
         if dtype == torch.bool:
             return allowed
@@ -916,12 +919,14 @@ def pack(
     )
     # completions are right padded; a completion's last token predicts nothing, so it is left out
     body = [max(n - 1, 0) for n in completion_mask.sum(dim=1).tolist()]
-    prompt_len = distinct[:, s:].sum(dim=1).tolist()
+    prompts = [distinct[u, :s][distinct[u, s:].bool()] for u in range(len(distinct))]
+    shared = _shared_start(prompts) if end_to_end else 0
     rows_of = [(prompt_of_row == u).nonzero()[:, 0].tolist() for u in range(len(distinct))]
-    size = [p + sum(body[r] for r in rows) for p, rows in zip(prompt_len, rows_of, strict=True)]
+    own = [len(x) - shared for x in prompts]  # each prompt's tokens after the shared ones
+    size = [o + sum(body[r] for r in rows) for o, rows in zip(own, rows_of, strict=True)]
     if end_to_end:
-        shape = (1, sum(size))
-        first = list(itertools.accumulate([0, *size[:-1]]))  # each group's first position
+        shape = (1, shared + sum(size))
+        first = list(itertools.accumulate([shared, *size[:-1]]))  # each group's first position
     else:
         longest = max(size)
         shape = (len(distinct), longest)
@@ -931,17 +936,21 @@ def pack(
     position_ids = torch.zeros(count, dtype=torch.long, device=device)
     segment = torch.full((count,), -1, dtype=torch.long, device=device)
     group = torch.full((count,), -1, dtype=torch.long, device=device)
+    input_ids[:shared] = prompts[0][:shared]
+    position_ids[:shared] = torch.arange(shared, device=device)
+    segment[:shared] = 0
+    group[:shared] = SHARED
     at = torch.zeros(completion_ids.shape, dtype=torch.long, device=device)  # positions first
     predicting: list[int] = []
-    for u, (p, rows) in enumerate(zip(prompt_len, rows_of, strict=True)):
-        start = first[u]
-        input_ids[start : start + p] = distinct[u, :s][distinct[u, s:].bool()]
-        position_ids[start : start + p] = torch.arange(p, device=device)
-        segment[start : start + p] = 0
+    for u, (prompt, rows) in enumerate(zip(prompts, rows_of, strict=True)):
+        start, p, o = first[u], len(prompt), own[u]
+        input_ids[start : start + o] = prompt[shared:]
+        position_ids[start : start + o] = torch.arange(shared, p, device=device)
+        segment[start : start + o] = 0
         group[start : start + size[u]] = u
-        prompt_last = start + p - 1  # predicts every completion's token 0
+        prompt_last = start + o - 1  # predicts every completion's token 0
         predicting.append(prompt_last)
-        start += p
+        start += o
         for k, row in enumerate(rows, start=1):
             n, span = body[row], slice(start, start + body[row])
             input_ids[span] = completion_ids[row, :n]
@@ -955,13 +964,25 @@ def pack(
         keep: int | Tensor = torch.tensor(predicting, dtype=torch.long, device=device)
         kept_at = keep
     else:
-        keep = max(n - p + 1 for n, p in zip(size, prompt_len, strict=True))
+        keep = max(n - o + 1 for n, o in zip(size, own, strict=True))
         tail = torch.arange(shape[1] - keep, shape[1], device=device)
         kept_at = (torch.arange(shape[0], device=device)[:, None] * shape[1] + tail).flatten()
     index = torch.zeros(count, dtype=torch.long, device=device)  # position -> its kept index
     index[kept_at] = torch.arange(kept_at.numel(), device=device)
     view = [x.view(shape) for x in (input_ids, position_ids, segment, group)]
     return Packed(*view, keep, index[at])
+
+
+def _shared_start(prompts: list[Tensor]) -> int:
+    """How many leading tokens every prompt shares (a system prompt, a chat template's header),
+    leaving each at least one of its own: 0 for a single prompt."""
+    if len(prompts) < 2:
+        return 0
+    shortest = min(len(x) for x in prompts) - 1
+    first = prompts[0][:shortest]
+    same = torch.stack([x[:shortest] == first for x in prompts[1:]]).all(dim=0)
+    differs = (~same).nonzero()
+    return int(differs[0, 0]) if len(differs) else shortest
 
 
 def full_sequence_logprobs(

@@ -48,14 +48,20 @@ class PrefixLayout:
     uses: list[int] = field(default_factory=lambda: [0])  # attention calls that took this path
 
 
+# ``Packed.group`` of the leading prompt tokens every group shares (packed once, end to end)
+SHARED = -2
+
+
 def prefix_layout(segment: Tensor, group: Tensor) -> PrefixLayout:
     """The layout of packed sequences from ``Packed.segment`` and ``Packed.group`` ([U, L]: 0
-    a prompt, k its group's k-th completion, -1 padding; and the group, -1 padding)."""
+    a prompt, k its group's k-th completion, -1 padding; and the group, -1 padding, ``SHARED``
+    on leading prompt tokens that every group's prompt starts with)."""
     segment, group = segment.flatten(), group.flatten()
     device = segment.device
     flat = torch.arange(segment.numel(), device=device)
+    shared = group == SHARED
     members = [group == u for u in range(int(group.max()) + 1)]
-    prompts = [flat[ours & (segment == 0)] for ours in members]
+    prompts = [flat[(ours | shared) & (segment == 0)] for ours in members]
     rows = [
         (u, flat[ours & (segment == k)])
         for u, ours in enumerate(members)
@@ -76,7 +82,11 @@ def prefix_layout(segment: Tensor, group: Tensor) -> PrefixLayout:
     rows_allowed = key_real[:, None, :] & ((j < start) | (j - start <= i))
     causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()
     prompt_allowed = causal[None] & prompt_real[:, None, :]
-    target = torch.cat([prompt_at[prompt_real], rows_query[query_real]])
+    # the shared tokens are every prompt's keys but the first prompt's queries alone: each is
+    # written back once, and its gradient counted once
+    prompt_query = prompt_real.clone()
+    prompt_query[1:, : int(shared.sum())] = False
+    target = torch.cat([prompt_at[prompt_query], rows_query[query_real]])
     return PrefixLayout(
         prompt_at,
         ~prompt_allowed[:, None],
@@ -84,7 +94,7 @@ def prefix_layout(segment: Tensor, group: Tensor) -> PrefixLayout:
         rows_key,
         ~rows_allowed[:, None],
         target,
-        (prompt_real, query_real),
+        (prompt_query, query_real),
     )
 
 
