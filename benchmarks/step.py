@@ -25,6 +25,7 @@ import grpo
 from benchmarks import common, rewards
 from grpo.config import Config, build_config, parse_overrides
 from grpo.config import _merge as merge_trees
+from grpo.logprobs import kept_positions
 from grpo.trainer import Trainer
 
 REWARDS_FILE = Path(rewards.__file__).resolve()
@@ -93,13 +94,7 @@ class StepClock:
                 ids = kwargs["input_ids"]
                 self.positions += ids.numel()
                 # the head's positions, from the call: the chunked head's output is no logits
-                keep = kwargs.get("logits_to_keep", 0)
-                if isinstance(keep, torch.Tensor):  # these positions of every sequence
-                    self.logits += ids.shape[0] * keep.numel()
-                else:
-                    self.logits += ids.shape[0] * (
-                        keep if 0 < keep < ids.shape[1] else ids.shape[1]
-                    )
+                self.logits += kept_positions(ids, kwargs.get("logits_to_keep", 0))
 
         trainer.frozen_logprobs = timed_frozen
         trainer.score = keep_scored

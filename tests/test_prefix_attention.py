@@ -288,3 +288,25 @@ def test_prompts_and_rows_attend_through_sdpa(tiny_model_dir, monkeypatch) -> No
     assert torch.allclose(got[m], want[m], atol=1e-5)
     for a, b in zip(_grads(sdpa), _grads(prefix), strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("own_head", [False, True])
+def test_a_model_that_ignores_logits_to_keep_is_refused(
+    tiny_model_dir, monkeypatch, own_head: bool
+) -> None:
+    # scored at every position instead of the ones asked for, its log-probs would be read off
+    # the wrong positions without a word
+    import grpo.logprobs as logprobs
+
+    _, prefix = _pair(tiny_model_dir)
+    forward = prefix.forward
+
+    def ignores(*args, **kwargs):
+        kwargs["logits_to_keep"] = 0
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(prefix, "forward", ignores)
+    if own_head:
+        monkeypatch.setattr(logprobs, "head_slot", lambda model: None)
+    with pytest.raises(RuntimeError, match="does not honour logits_to_keep"):
+        completion_logprobs(prefix, *_shared_batch())

@@ -495,12 +495,14 @@ class _ScoringHead(nn.Module):
         self.head, self.scorer, self.in_place, self.keep = head, scorer, in_place, keep
         self.extras: list[Tensor | None] = []  # cutoff and entropy, set by the forward
         self.output: Tensor | None = None
+        self.positions = 0  # the forward's, for the caller to check against what it asked
 
     def forward(self, hidden: Tensor) -> Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         w, b = self.head.weight, self.head.bias
         chunk = self.scorer.head_chunk(flat.shape[0], w.shape[0])
         args = (self.scorer, chunk, self.extras, self.in_place, self.keep, torch.is_grad_enabled())
+        self.positions = flat.shape[0]
         picked, lse = _ChunkedHead.apply(flat, w, b, *args)
         self.output = torch.cat([picked, lse])[None, None]
         return self.output
@@ -606,6 +608,26 @@ def _scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor 
         return _forward_scores(model, scorer, **inputs)
 
 
+def kept_positions(input_ids: Tensor, logits_to_keep: int | Tensor) -> int:
+    """How many positions' logits a forward given ``logits_to_keep`` computes (0: all)."""
+    rows, length = input_ids.shape
+    if isinstance(logits_to_keep, Tensor):  # these positions of every sequence
+        return rows * logits_to_keep.numel()
+    return rows * (logits_to_keep if 0 < logits_to_keep < length else length)
+
+
+def _check_positions(model: nn.Module, got: int, inputs: dict) -> None:
+    """A model that ignores ``logits_to_keep`` would have its log-probs read off the wrong
+    positions without a word: refuse it."""
+    want = kept_positions(inputs["input_ids"], inputs.get("logits_to_keep", 0))
+    if got != want:
+        name = type(getattr(model, "module", model)).__name__
+        raise RuntimeError(
+            f"{name} computed {got} positions' logits where logits_to_keep asked for {want}: "
+            "its forward does not honour logits_to_keep, so it cannot be scored packed"
+        )
+
+
 def _forward_scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor, Tensor | None]:
     slot = head_slot(model)
     keep = slot is not None and slot.head in _FULL_LOGITS
@@ -615,6 +637,7 @@ def _forward_scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor,
         with slot.holding(head):
             out = model(**inputs)
         if out.logits is head.output:
+            _check_positions(model, head.positions, inputs)
             flat = out.logits.reshape(-1)
             targets = scorer.tokens.numel()  # one picked logit per target, then the positions
             picked, lse = flat[:targets], flat[targets:]
@@ -628,7 +651,9 @@ def _forward_scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor,
             flush=True,
         )
     logits = model(**inputs).logits
-    return scorer.of_logits(logits.reshape(-1, logits.shape[-1]))
+    logits = logits.reshape(-1, logits.shape[-1])
+    _check_positions(model, logits.shape[0], inputs)
+    return scorer.of_logits(logits)
 
 
 def completion_logprobs(
