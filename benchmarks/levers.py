@@ -30,6 +30,7 @@ from transformers import (
 
 from benchmarks import common
 from grpo import logprobs
+from grpo.batch import Rollout
 from grpo.config import RolloutConfig, TrainConfig
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
@@ -37,7 +38,7 @@ from grpo.memory import set_malloc_policy
 from grpo.models import load_tokenizer, resolve_model_path
 from grpo.prefix_attention import PREFIX
 from grpo.processors import Sampling, process_logits
-from grpo.rollout import hf, render_prompt, sampling_of
+from grpo.rollout import decode, hf, render_prompt, sampling_of
 from grpo.rollout.hf import (
     Chooser,
     HFEngine,
@@ -191,6 +192,30 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
             repeats,
         ),
     }
+
+
+def decode_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: int, repeats: int):
+    """Whole rollouts decoding through the lean step (``rollout/decode.py``) against the
+    model's own forward, from the same seeds: the same tokens either way (checked here)."""
+    seeds = list(range(len(prompts)))
+    rollouts: dict[str, Rollout] = {}
+
+    def run(lean: bool) -> Callable[[], None]:
+        def go() -> None:
+            with contextlib.ExitStack() as stack:
+                if not lean:
+                    stack.enter_context(mock.patch.object(decode, "leanable", lambda m: False))
+                out = engine.generate(prompts, rows, g, seeds=seeds)
+            rollouts["lean" if lean else "own"] = out
+
+        return go
+
+    assert decode.leanable(engine.model), "this set-up's model has no lean decode step"
+    result = alternate({"own_forward": run(False), "lean": run(True)}, repeats)
+    own, lean = rollouts["own"], rollouts["lean"]
+    result["same_tokens"] = torch.equal(own.completion_ids, lean.completion_ids)
+    result["generated_tokens"] = int(lean.completion_mask.sum())
+    return {"lean_decode": result}
 
 
 def long_cache_lever(model, enc, engine: HFEngine, g: int, tokens: int, repeats: int) -> dict:
@@ -448,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", action="store_true", help="only the prefix attention lever")
     parser.add_argument("--head", action="store_true", help="only the chunked LM head's levers")
     parser.add_argument("--rollout", action="store_true", help="only the rollout's levers")
+    parser.add_argument("--decode", action="store_true", help="only the lean decode step")
     parser.add_argument(
         "--long-cache",
         type=int,
@@ -499,6 +525,7 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
         "head": lambda: head_lever(model, rollout, mb, args.repeats),
         "rollout": lambda: rollout_levers(model, tokenizer, enc, engine, g, args.repeats),
         "compile": lambda: {"compile_rollout": compile_lever(engine, prompts, rows, g)},
+        "decode": lambda: decode_lever(engine, prompts, rows, g, args.repeats),
         "long_cache": lambda: long_cache_lever(
             model, enc, engine, g, args.long_cache, args.repeats
         ),

@@ -96,9 +96,20 @@ class StepClock:
                 # the head's positions, from the call: the chunked head's output is no logits
                 self.logits += kept_positions(ids, kwargs.get("logits_to_keep", 0))
 
+        optimize = trainer.optimize
+
+        def counted_optimize(*args: Any, **kwargs: Any) -> Any:
+            # hooked only while it optimizes: a hook on the policy would make the rollout decode
+            # through the model's own forward (rollout/decode.py skips hooked modules)
+            hook = trainer.policy.register_forward_hook(count, with_kwargs=True)
+            try:
+                return optimize(*args, **kwargs)
+            finally:
+                hook.remove()
+
         trainer.frozen_logprobs = timed_frozen
         trainer.score = keep_scored
-        trainer.policy.register_forward_hook(count, with_kwargs=True)
+        trainer.optimize = counted_optimize
 
     def reset(self) -> None:
         self.frozen_s, self.scored = 0.0, None

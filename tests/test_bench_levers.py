@@ -243,3 +243,13 @@ def test_a_model_with_sliding_window_layers_samples_what_generate_samples() -> N
     assert torch.equal(fast, plain.masked_fill(~done, 0)[:, : fast.shape[1]])
     lengths = done.sum(dim=1)
     assert int(lengths.max()) == 12 and int(lengths.min()) < 12  # past the window, rows apart
+
+
+def test_the_decode_lever_times_both_paths_on_the_same_tokens(tiny_model_dir) -> None:
+    from benchmarks.levers import decode_lever
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)), RolloutConfig(max_new_tokens=6))
+    result = decode_lever(engine, ["a", "bcd"], [{}, {}], 2, repeats=2)["lean_decode"]
+    assert result["same_tokens"] and result["generated_tokens"] > 0
+    assert [len(t) for t in result["times_s"].values()] == [2, 2]

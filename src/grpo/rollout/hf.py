@@ -9,8 +9,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-import transformers
-from packaging.version import Version
 from torch import nn
 from transformers import (
     DynamicCache,
@@ -26,11 +24,8 @@ from grpo.config import ConfigError, RolloutConfig
 from grpo.logprobs import position_ids_from_mask
 from grpo.processors import Sampling, process_logits
 from grpo.rollout import grouped_rollout, sampling_of
+from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.turns import TurnRequest, TurnSample
-
-# transformers 5.20 renamed the cache argument (the old name still works there, with a warning);
-# vLLM's CPU build pins transformers < 5.20, where an unknown name would silently drop the cache
-CACHE_ARG = "cache" if Version(transformers.__version__) >= Version("5.20") else "past_key_values"
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> list[int]:
@@ -356,6 +351,7 @@ def sample_groups(
     when every row has finished.
     """
     cache = reserved_cache(model, input_ids.shape[1] + min(max_new_tokens, RESERVED_TOKENS))
+    decode = decode_step(model)
     positions = position_ids_from_mask(attention_mask)  # [P, S]
     out = model(
         input_ids=input_ids,
@@ -394,14 +390,7 @@ def sample_groups(
             rows, mask, position, nxt, done = (x[keep] for x in (rows, mask, position, nxt, done))
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
         position = position + 1
-        out = model(
-            input_ids=nxt[:, None],
-            attention_mask=mask,
-            position_ids=position,
-            **{CACHE_ARG: cache},
-            use_cache=True,
-        )
-        logits = out.logits[:, -1].float()
+        logits = decode(nxt, mask, position, cache)
     return Decoded(tokens[:, : int(lengths.max())], lengths, finished)
 
 

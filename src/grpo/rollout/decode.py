@@ -1,0 +1,165 @@
+"""One decode step of a Llama-family model without transformers' per-call machinery.
+
+A rollout's decode step runs the whole model for one token per row: on SmolLM2-135M, 30 layers
+whose products are small, where the Python around them (the decorators and keyword plumbing of
+every layer and attention call, the interface look-ups, the output containers) costs a tenth or
+more of the step (README, Performance). ``lean_step`` runs the same computation as the model's
+own forward, in the same order, through the model's own modules (projections, norms, MLP, rotary
+embedding), mask function, rotary function and attention interface, and so gives the same logits
+bit for bit (tested). It only replaces the glue between them.
+
+It takes exactly the model classes whose forward it mirrors (``LEAN_MODELS``), with every layer
+on full attention and no hook or replaced forward on any module whose forward it skips; any other
+model decodes through its own forward (``decode_step``).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+
+import torch
+import transformers
+from packaging.version import Version
+from torch import nn
+from transformers import Cache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# transformers 5.20 renamed the cache argument (the old name still works there, with a warning);
+# vLLM's CPU build pins transformers < 5.20, where an unknown name would silently drop the cache
+CACHE_ARG = "cache" if Version(transformers.__version__) >= Version("5.20") else "past_key_values"
+
+# causal LM class -> its decoder model's class: the forwards lean_step mirrors (transformers 5)
+LEAN_MODELS = {
+    "LlamaForCausalLM": "LlamaModel",
+    "Qwen2ForCausalLM": "Qwen2Model",
+}
+
+# a decode step: (next tokens [b], attention mask [b, S], positions [b, 1], cache) -> logits [b, V]
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Cache], torch.Tensor]
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` does more than its class's forward (hooks, an instance
+    forward such as accelerate's): skipping its call would skip that too."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or "forward" in vars(module)
+        or (getattr(module, "gradient_checkpointing", False) and module.training)
+    )
+
+
+def leanable(model: nn.Module) -> bool:
+    """Whether ``lean_step`` computes ``model``'s own decode forward."""
+    base = getattr(model, "model", None)
+    if LEAN_MODELS.get(type(model).__name__) != type(base).__name__:
+        return False
+    config = model.config
+    layers = list(base.layers)
+    if len(layers) != config.num_hidden_layers or base._forward_hooks or base._forward_pre_hooks:
+        return False
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        return False
+    skipped = [model, base, *layers, *(layer.self_attn for layer in layers)]
+    if any(_hooked(m) for m in skipped):
+        return False
+    return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
+
+
+def lean_step(model: nn.Module) -> DecodeStep:
+    """``model``'s decode forward (see the module docstring); ``leanable(model)`` must hold."""
+    base = model.model
+    config = model.config
+    modeling = sys.modules[type(model).__module__]
+    rotate, eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
+    window = hasattr(base.layers[0].self_attn, "sliding_window")  # Qwen2 passes it (None here)
+
+    def step(
+        tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Cache
+    ) -> torch.Tensor:
+        hidden = base.embed_tokens(tokens[:, None])
+        causal = create_causal_mask(
+            config=config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            cache=cache,
+            position_ids=positions,
+        )
+        cos, sin = base.rotary_emb(hidden, position_ids=positions)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
+        extra = {"sliding_window": None} if window else {}
+        for i, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            shape = (*x.shape[:-1], -1, attn.head_dim)
+            q = attn.q_proj(x).view(shape).transpose(1, 2)
+            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
+            q, k = rotate(q, k, cos, sin)
+            k, v = cache.update(k, v, i)
+            dropout = attn.attention_dropout if attn.training else 0.0
+            out, _ = attend(attn, q, k, v, causal, dropout=dropout, scaling=attn.scaling, **extra)
+            hidden = hidden + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return model.lm_head(base.norm(hidden))[:, -1].float()
+
+    return step
+
+
+def own_step(model: nn.Module) -> DecodeStep:
+    """A decode step through ``model``'s own forward."""
+
+    def step(
+        tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Cache
+    ) -> torch.Tensor:
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            **{CACHE_ARG: cache},
+            use_cache=True,
+        )
+        return out.logits[:, -1].float()
+
+    return step
+
+
+# model -> whether lean_step gave its own forward's logits bit for bit at its first decode step
+_VERIFIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def decode_step(model: nn.Module) -> DecodeStep:
+    """The decode step for ``model``: ``lean_step`` where it applies, else its own forward.
+
+    The first step of each model runs both on the same cache and compares their logits, so a
+    transformers version whose forward differs from what ``lean_step`` mirrors is caught at
+    once: it is said in one line and the model keeps its own forward."""
+    own = own_step(model)
+    if not leanable(model):
+        return own
+    lean = lean_step(model)
+
+    def step(
+        tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Cache
+    ) -> torch.Tensor:
+        verified = _VERIFIED.get(model)
+        if verified is not None:
+            return (lean if verified else own)(tokens, mask, positions, cache)
+        got = lean(tokens, mask, positions, cache)
+        cache.crop(-1)  # the model's own forward writes this token's keys and values again
+        expected = own(tokens, mask, positions, cache)
+        _VERIFIED[model] = same = torch.equal(got, expected)
+        if not same:
+            print(
+                f"rollout: the lean decode step differs from {type(model).__name__}'s forward "
+                f"(transformers {transformers.__version__}, max |diff| "
+                f"{(got - expected).abs().max().item():.2e}); decoding through the model's own",
+                file=sys.stderr,
+                flush=True,
+            )
+        return expected
+
+    return step

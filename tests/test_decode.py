@@ -1,0 +1,188 @@
+"""The lean decode step: the model's own decode forward, bit for bit, without its glue."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from grpo.config import RolloutConfig
+from grpo.models import load_tokenizer
+from grpo.prefix_attention import use_prefix_attention
+from grpo.rollout import decode
+from grpo.rollout.hf import HFEngine, reserved_cache
+
+SMALL = dict(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def qwen2(**overrides) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**SMALL, **overrides)).eval()  # q, k, v with biases
+
+
+def llama(**overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SMALL, **overrides)).eval()
+
+
+def decode_both(model, steps: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Left-padded prompts prefilled once per path, then ``steps`` decode steps through the
+    model's own forward and through lean_step, each on its own cache: their logits per step."""
+    ids = torch.randint(0, 50, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # rows of different prompt lengths
+    mask[1, :1] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    paths = []
+    for step in (decode.own_step(model), decode.lean_step(model)):
+        cache = reserved_cache(model, 20)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **{decode.CACHE_ARG: cache},
+            use_cache=True,
+        )
+        token, grown, at = out.logits[:, -1].argmax(-1), mask, positions[:, -1:]
+        logits = []
+        for _ in range(steps):
+            grown = torch.cat([grown, grown.new_ones(3, 1)], dim=1)
+            at = at + 1
+            logits.append(step(token, grown, at, cache))
+            token = logits[-1].argmax(-1)
+        paths.append(logits)
+    return list(zip(*paths, strict=True))
+
+
+@pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("attention", ["sdpa", "prefix", "eager"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
+def test_lean_step_gives_the_models_own_logits_bit_for_bit(build, attention, bf16) -> None:
+    model = build(attn_implementation="eager" if attention == "eager" else "sdpa")
+    if attention == "prefix":
+        assert use_prefix_attention(model)  # what the trainer's models run
+    assert decode.leanable(model)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        pairs = decode_both(model)
+    assert all(torch.equal(own, lean) for own, lean in pairs)
+    assert not torch.equal(pairs[0][0], pairs[1][0])  # the steps did move on
+
+
+def test_lean_step_follows_the_models_weights() -> None:
+    # it reads the modules, not a copy: a changed weight changes its logits as the model's
+    model = llama()
+    with torch.no_grad():
+        before = decode_both(model, steps=1)[0][1]
+        model.model.layers[1].mlp.down_proj.weight.mul_(2)
+        own, lean = decode_both(model, steps=1)[0]
+    assert torch.equal(own, lean) and not torch.equal(lean, before)
+
+
+def test_models_lean_step_does_not_mirror_keep_their_own_forward() -> None:
+    hooked = llama()
+    hooked.model.layers[0].self_attn.register_forward_hook(lambda *a: None)
+    replaced = llama()
+    layer = replaced.model.layers[1]
+    layer.forward = layer.forward  # an instance forward, as accelerate's hooks set
+    checkpointed = llama().train()
+    checkpointed.gradient_checkpointing_enable()
+    for model in (
+        hooked,
+        replaced,
+        checkpointed,
+        qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+        torch.nn.Linear(2, 2),
+    ):
+        assert not decode.leanable(model)
+    assert decode.leanable(llama()) and decode.leanable(qwen2())
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    return HFEngine(model, tokenizer, RolloutConfig(max_new_tokens=12))
+
+
+def sample(engine):
+    return engine.generate(["a", "a much longer prompt", "bc"], [{}] * 3, 4, seeds=[1, 2, 3])
+
+
+def test_a_rollout_decodes_lean_after_one_checked_step(engine, monkeypatch) -> None:
+    # the first decode step runs both paths and compares; every later one is lean alone. The
+    # tokens and sampler log-probs equal a rollout through the model's own forward
+    calls = []
+    forward = type(engine.model).forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine.model), "forward", counted)
+    lean = sample(engine)
+    assert decode._VERIFIED[engine.model] is True
+    assert calls.count(1) == 1  # the prefill (several tokens) and the one checked step
+    calls.clear()
+    again = sample(engine)
+    assert calls.count(1) == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(decode, "leanable", lambda model: False)
+        own = sample(engine)
+    assert calls.count(1) > 1
+    for got in (lean, again):
+        assert torch.equal(got.completion_ids, own.completion_ids)
+        assert torch.equal(got.sampler_logp, own.sampler_logp)
+
+
+def test_a_lean_step_that_differs_is_said_once_and_the_model_keeps_its_own(
+    engine, monkeypatch, capsys
+) -> None:
+    # as a transformers version whose forward lean_step no longer mirrors would
+    real = decode.lean_step
+
+    def off(model):
+        step = real(model)
+        return lambda *args: step(*args) + 1e-3
+
+    with monkeypatch.context() as patch:
+        patch.setattr(decode, "leanable", lambda model: False)
+        own = sample(engine)
+    monkeypatch.setattr(decode, "lean_step", off)
+    got = [sample(engine), sample(engine)]
+    said = [line for line in capsys.readouterr().err.splitlines() if "lean decode" in line]
+    assert len(said) == 1 and "LlamaForCausalLM" in said[0] and "1.00e-03" in said[0]
+    assert decode._VERIFIED[engine.model] is False
+    for rollout in got:
+        assert torch.equal(rollout.completion_ids, own.completion_ids)
+        assert torch.equal(rollout.sampler_logp, own.sampler_logp)
+
+
+def test_the_check_leaves_the_cache_as_the_models_own_forward_does(monkeypatch) -> None:
+    # the checked step writes its token's keys and values twice: the first write is cropped
+    model = llama()
+    ids = torch.randint(0, 50, (2, 5))
+    mask = torch.ones_like(ids)
+    caches = []
+    for step in (decode.decode_step(model), decode.own_step(model)):
+        cache = reserved_cache(model, 10)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, **{decode.CACHE_ARG: cache}, use_cache=True)
+            step(ids[:, -1], torch.ones(2, 6, dtype=torch.long), torch.full((2, 1), 5), cache)
+        caches.append(cache)
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 6
+    for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
