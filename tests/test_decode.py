@@ -186,3 +186,36 @@ def test_the_check_leaves_the_cache_as_the_models_own_forward_does(monkeypatch) 
     assert caches[0].get_seq_length() == caches[1].get_seq_length() == 6
     for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_a_lean_step_that_fails_is_said_once_and_the_model_keeps_its_own(
+    engine, monkeypatch, capsys
+) -> None:
+    # as a transformers version without the functions lean_step calls would; what it wrote to
+    # the cache before failing is cropped away
+    real = decode.lean_step
+
+    def failing(model):
+        step = real(model)
+
+        def go(tokens, mask, positions, cache):
+            step(tokens, mask, positions, cache)
+            raise TypeError("create_causal_mask() got an unexpected keyword argument 'cache'")
+
+        return go
+
+    with monkeypatch.context() as patch:
+        patch.setattr(decode, "leanable", lambda model: False)
+        own = sample(engine)
+    monkeypatch.setattr(decode, "lean_step", failing)
+    got = sample(engine)
+    said = [line for line in capsys.readouterr().err.splitlines() if "lean decode" in line]
+    assert len(said) == 1 and "TypeError: create_causal_mask()" in said[0]
+    assert torch.equal(got.completion_ids, own.completion_ids)
+    assert torch.equal(got.sampler_logp, own.sampler_logp)
+
+
+def test_custom_code_under_a_transformers_class_name_keeps_its_own_forward() -> None:
+    custom = type("LlamaForCausalLM", (LlamaForCausalLM,), {})  # defined here, not in transformers
+    torch.manual_seed(0)
+    assert not decode.leanable(custom(LlamaConfig(**SMALL)))

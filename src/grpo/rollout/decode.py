@@ -57,9 +57,11 @@ def leanable(model: nn.Module) -> bool:
     base = getattr(model, "model", None)
     if LEAN_MODELS.get(type(model).__name__) != type(base).__name__:
         return False
+    if not type(model).__module__.startswith("transformers.models."):
+        return False  # custom code (trust_remote_code) under a transformers class name
     config = model.config
     layers = list(base.layers)
-    if len(layers) != config.num_hidden_layers or base._forward_hooks or base._forward_pre_hooks:
+    if len(layers) != config.num_hidden_layers:
         return False
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
         return False
@@ -127,6 +129,15 @@ def own_step(model: nn.Module) -> DecodeStep:
     return step
 
 
+def _crop_to(cache: Cache, length: int) -> None:
+    """Every layer of ``cache`` back to ``length`` positions (a failed step may have written
+    some layers only; transformers' ``crop`` takes tokens to remove, not a length)."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)
+
+
 # model -> whether lean_step gave its own forward's logits bit for bit at its first decode step
 _VERIFIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
@@ -148,15 +159,21 @@ def decode_step(model: nn.Module) -> DecodeStep:
         verified = _VERIFIED.get(model)
         if verified is not None:
             return (lean if verified else own)(tokens, mask, positions, cache)
-        got = lean(tokens, mask, positions, cache)
-        cache.crop(-1)  # the model's own forward writes this token's keys and values again
+        length = cache.get_seq_length()
+        try:
+            got = lean(tokens, mask, positions, cache)
+        except Exception as error:  # an API this transformers version does not have
+            got, why = None, f"{type(error).__name__}: {error}"
+        _crop_to(cache, length)  # the model's own forward writes this token's keys and values
         expected = own(tokens, mask, positions, cache)
-        _VERIFIED[model] = same = torch.equal(got, expected)
+        if got is not None:
+            why = f"max |diff| {(got - expected).abs().max().item():.2e}"
+        _VERIFIED[model] = same = got is not None and torch.equal(got, expected)
         if not same:
             print(
                 f"rollout: the lean decode step differs from {type(model).__name__}'s forward "
-                f"(transformers {transformers.__version__}, max |diff| "
-                f"{(got - expected).abs().max().item():.2e}); decoding through the model's own",
+                f"(transformers {transformers.__version__}, {why}); decoding through the "
+                "model's own",
                 file=sys.stderr,
                 flush=True,
             )
