@@ -148,23 +148,36 @@ def test_a_rollout_decodes_lean_after_one_checked_step(engine, monkeypatch) -> N
         assert torch.equal(got.sampler_logp, own.sampler_logp)
 
 
-def test_a_lean_step_that_differs_is_said_once_and_the_model_keeps_its_own(
-    engine, monkeypatch, capsys
+def off_by_a_little(step):
+    # as a transformers version whose forward lean_step no longer mirrors would compute
+    return lambda *args: step(*args) + 1e-3
+
+
+def failing(step):
+    # as a transformers version without the functions lean_step calls would; what it wrote to
+    # the cache before failing must be cropped away
+    def go(*args):
+        step(*args)
+        raise TypeError("create_causal_mask() got an unexpected keyword argument 'cache'")
+
+    return go
+
+
+@pytest.mark.parametrize(
+    ("broken", "said_why"),
+    [(off_by_a_little, "max |diff| 1.00e-03"), (failing, "TypeError: create_causal_mask()")],
+)
+def test_a_lean_step_that_is_off_is_said_once_and_the_model_keeps_its_own(
+    engine, monkeypatch, capsys, broken, said_why
 ) -> None:
-    # as a transformers version whose forward lean_step no longer mirrors would
-    real = decode.lean_step
-
-    def off(model):
-        step = real(model)
-        return lambda *args: step(*args) + 1e-3
-
     with monkeypatch.context() as patch:
         patch.setattr(decode, "leanable", lambda model: False)
         own = sample(engine)
-    monkeypatch.setattr(decode, "lean_step", off)
+    real = decode.lean_step
+    monkeypatch.setattr(decode, "lean_step", lambda model: broken(real(model)))
     got = [sample(engine), sample(engine)]
     said = [line for line in capsys.readouterr().err.splitlines() if "lean decode" in line]
-    assert len(said) == 1 and "LlamaForCausalLM" in said[0] and "1.00e-03" in said[0]
+    assert len(said) == 1 and "LlamaForCausalLM" in said[0] and said_why in said[0]
     assert decode._VERIFIED[engine.model] is False
     for rollout in got:
         assert torch.equal(rollout.completion_ids, own.completion_ids)
@@ -186,33 +199,6 @@ def test_the_check_leaves_the_cache_as_the_models_own_forward_does(monkeypatch) 
     assert caches[0].get_seq_length() == caches[1].get_seq_length() == 6
     for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
-
-
-def test_a_lean_step_that_fails_is_said_once_and_the_model_keeps_its_own(
-    engine, monkeypatch, capsys
-) -> None:
-    # as a transformers version without the functions lean_step calls would; what it wrote to
-    # the cache before failing is cropped away
-    real = decode.lean_step
-
-    def failing(model):
-        step = real(model)
-
-        def go(tokens, mask, positions, cache):
-            step(tokens, mask, positions, cache)
-            raise TypeError("create_causal_mask() got an unexpected keyword argument 'cache'")
-
-        return go
-
-    with monkeypatch.context() as patch:
-        patch.setattr(decode, "leanable", lambda model: False)
-        own = sample(engine)
-    monkeypatch.setattr(decode, "lean_step", failing)
-    got = sample(engine)
-    said = [line for line in capsys.readouterr().err.splitlines() if "lean decode" in line]
-    assert len(said) == 1 and "TypeError: create_causal_mask()" in said[0]
-    assert torch.equal(got.completion_ids, own.completion_ids)
-    assert torch.equal(got.sampler_logp, own.sampler_logp)
 
 
 def test_custom_code_under_a_transformers_class_name_keeps_its_own_forward() -> None:
