@@ -87,8 +87,8 @@ def lean_step(model: nn.Module) -> DecodeStep:
             config=config,
             inputs_embeds=hidden,
             attention_mask=mask,
-            cache=cache,
             position_ids=positions,
+            **{CACHE_ARG: cache},
         )
         cos, sin = base.rotary_emb(hidden, position_ids=positions)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
