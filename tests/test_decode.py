@@ -8,8 +8,12 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from grpo.config import RolloutConfig
@@ -32,6 +36,17 @@ SMALL = dict(
 def qwen2(**overrides) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     return Qwen2ForCausalLM(Qwen2Config(**SMALL, **overrides)).eval()  # q, k, v with biases
+
+
+def qwen3(**overrides) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=8, **overrides)).eval()  # head norms
+
+
+def mistral(**overrides) -> MistralForCausalLM:
+    torch.manual_seed(0)
+    config = MistralConfig(**SMALL, **{"sliding_window": None, **overrides})
+    return MistralForCausalLM(config).eval()
 
 
 def llama(**overrides) -> LlamaForCausalLM:
@@ -68,7 +83,7 @@ def decode_both(model, steps: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]
     return list(zip(*paths, strict=True))
 
 
-@pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("build", [llama, mistral, qwen2, qwen3])
 @pytest.mark.parametrize("attention", ["sdpa", "prefix", "eager"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
 def test_lean_step_gives_the_models_own_logits_bit_for_bit(build, attention, bf16) -> None:
@@ -105,10 +120,12 @@ def test_models_lean_step_does_not_mirror_keep_their_own_forward() -> None:
         replaced,
         checkpointed,
         qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+        qwen3(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+        mistral(sliding_window=4),
         torch.nn.Linear(2, 2),
     ):
         assert not decode.leanable(model)
-    assert decode.leanable(llama()) and decode.leanable(qwen2())
+    assert all(decode.leanable(build()) for build in (llama, mistral, qwen2, qwen3))
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ own forward, in the same order, through the model's own modules (projections, no
 embedding), mask function, rotary function and attention interface, and so gives the same logits
 bit for bit (tested). It only replaces the glue between them.
 
-It takes exactly the model classes whose forward it mirrors (``LEAN_MODELS``), with every layer
-on full attention and no hook or replaced forward on any module whose forward it skips; any other
+It takes exactly the model classes whose forward it mirrors (``LEAN_MODELS``: Llama, Mistral,
+Qwen2, Qwen3), with every layer on full attention and no hook or replaced forward on any module whose forward it skips; any other
 model decodes through its own forward (``decode_step``).
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import transformers
@@ -31,10 +32,29 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 # vLLM's CPU build pins transformers < 5.20, where an unknown name would silently drop the cache
 CACHE_ARG = "cache" if Version(transformers.__version__) >= Version("5.20") else "past_key_values"
 
-# causal LM class -> its decoder model's class: the forwards lean_step mirrors (transformers 5)
+
+class Mirrored(NamedTuple):
+    """What ``lean_step`` needs to know of a model class whose decode forward it mirrors."""
+
+    base: str  # the class of its decoder model (``model.model``)
+    head_norms: bool  # its attention normalises each query and key head (Qwen3's q_norm, k_norm)
+    window: Callable[[nn.Module, Any], int | None]  # (attention, config) -> the window it passes
+
+
+def _own_window(attn: nn.Module, config: Any) -> int | None:
+    return getattr(attn, "sliding_window", None)
+
+
+def _config_window(attn: nn.Module, config: Any) -> int | None:
+    return getattr(config, "sliding_window", None)
+
+
+# causal LM class -> what its forward does that lean_step mirrors (transformers 5)
 LEAN_MODELS = {
-    "LlamaForCausalLM": "LlamaModel",
-    "Qwen2ForCausalLM": "Qwen2Model",
+    "LlamaForCausalLM": Mirrored("LlamaModel", False, _own_window),
+    "MistralForCausalLM": Mirrored("MistralModel", False, _config_window),
+    "Qwen2ForCausalLM": Mirrored("Qwen2Model", False, _own_window),
+    "Qwen3ForCausalLM": Mirrored("Qwen3Model", True, _own_window),
 }
 
 # a decode step: (next tokens [b], attention mask [b, S], positions [b, 1], cache) -> logits [b, V]
@@ -54,8 +74,9 @@ def _hooked(module: nn.Module) -> bool:
 
 def leanable(model: nn.Module) -> bool:
     """Whether ``lean_step`` computes ``model``'s own decode forward."""
+    mirrored = LEAN_MODELS.get(type(model).__name__)
     base = getattr(model, "model", None)
-    if LEAN_MODELS.get(type(model).__name__) != type(base).__name__:
+    if mirrored is None or mirrored.base != type(base).__name__:
         return False
     if not type(model).__module__.startswith("transformers.models."):
         return False  # custom code (trust_remote_code) under a transformers class name
@@ -68,7 +89,7 @@ def leanable(model: nn.Module) -> bool:
     skipped = [model, base, *layers, *(layer.self_attn for layer in layers)]
     if any(_hooked(m) for m in skipped):
         return False
-    return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
+    return all(mirrored.window(layer.self_attn, config) is None for layer in layers)
 
 
 def lean_step(model: nn.Module) -> DecodeStep:
@@ -77,7 +98,7 @@ def lean_step(model: nn.Module) -> DecodeStep:
     config = model.config
     modeling = sys.modules[type(model).__module__]
     rotate, eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
-    window = hasattr(base.layers[0].self_attn, "sliding_window")  # Qwen2 passes it (None here)
+    head_norms = LEAN_MODELS[type(model).__name__].head_norms
 
     def step(
         tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Cache
@@ -92,18 +113,22 @@ def lean_step(model: nn.Module) -> DecodeStep:
         )
         cos, sin = base.rotary_emb(hidden, position_ids=positions)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
-        extra = {"sliding_window": None} if window else {}
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             shape = (*x.shape[:-1], -1, attn.head_dim)
-            q = attn.q_proj(x).view(shape).transpose(1, 2)
-            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+            if head_norms:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q, k = rotate(q, k, cos, sin)
             k, v = cache.update(k, v, i)
             dropout = attn.attention_dropout if attn.training else 0.0
-            out, _ = attend(attn, q, k, v, causal, dropout=dropout, scaling=attn.scaling, **extra)
+            # every window is None here (``leanable``): what Qwen and Mistral pass, Llama's default
+            out, _ = attend(
+                attn, q, k, v, causal, dropout=dropout, scaling=attn.scaling, sliding_window=None
+            )
             hidden = hidden + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return model.lm_head(base.norm(hidden))[:, -1].float()
