@@ -210,7 +210,8 @@ def decode_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: int,
 
         return go
 
-    assert decode.leanable(engine.model), "this set-up's model has no lean decode step"
+    if not decode.leanable(engine.model):
+        raise SystemExit(f"--decode: {type(engine.model).__name__} has no lean decode step")
     result = alternate({"own_forward": run(False), "lean": run(True)}, repeats)
     own, lean = rollouts["own"], rollouts["lean"]
     result["same_tokens"] = torch.equal(own.completion_ids, lean.completion_ids)

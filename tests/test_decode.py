@@ -222,3 +222,29 @@ def test_custom_code_under_a_transformers_class_name_keeps_its_own_forward() -> 
     custom = type("LlamaForCausalLM", (LlamaForCausalLM,), {})  # defined here, not in transformers
     torch.manual_seed(0)
     assert not decode.leanable(custom(LlamaConfig(**SMALL)))
+
+
+def test_a_global_module_hook_keeps_the_models_own_forward() -> None:
+    # a hook for every module would miss the layer and attention calls lean_step skips
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert not decode.leanable(llama())
+    finally:
+        handle.remove()
+    assert decode.leanable(llama())
+
+
+def test_nan_logits_in_both_paths_are_no_mismatch(capsys) -> None:
+    # a diverged model gives NaN logits either way: that is no reason to leave the lean step
+    model = llama()
+    with torch.no_grad():
+        model.lm_head.weight[0] = float("nan")
+    ids = torch.randint(0, 50, (2, 5))
+    cache = reserved_cache(model, 10)
+    with torch.no_grad():
+        model(input_ids=ids, **{decode.CACHE_ARG: cache}, use_cache=True)
+        logits = decode.decode_step(model)(
+            ids[:, -1], torch.ones(2, 6, dtype=torch.long), torch.full((2, 1), 5), cache
+        )
+    assert logits[:, 0].isnan().all() and not logits[:, 1:].isnan().any()
+    assert decode._VERIFIED[model] is True and "lean decode" not in capsys.readouterr().err
