@@ -31,11 +31,11 @@ from transformers import (
 from benchmarks import common
 from grpo import logprobs
 from grpo.batch import Rollout
-from grpo.config import RolloutConfig, TrainConfig
+from grpo.config import ModelConfig, RolloutConfig, TrainConfig
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
 from grpo.memory import set_malloc_policy
-from grpo.models import load_tokenizer, resolve_model_path
+from grpo.models import load_policy, load_tokenizer, resolve_model_path
 from grpo.prefix_attention import PREFIX
 from grpo.processors import Sampling, process_logits
 from grpo.rollout import decode, hf, render_prompt, sampling_of
@@ -476,6 +476,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rollout", action="store_true", help="only the rollout's levers")
     parser.add_argument("--decode", action="store_true", help="only the lean decode step")
     parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="the model as model.lora.enabled builds the policy (PEFT's LoRA wrapper)",
+    )
+    parser.add_argument(
         "--long-cache",
         type=int,
         default=0,
@@ -497,7 +502,10 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
     set_malloc_policy(TrainConfig().malloc)  # freed memory handled as the trainer's default
     path = resolve_model_path(setup["model"])
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if args.lora:
+        model = load_policy(ModelConfig(lora={"enabled": True}), path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     config = RolloutConfig(
         prompts_per_step=setup["prompts_per_step"],
         group_size=setup["group_size"],
@@ -518,6 +526,7 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
         "completion_tokens_mean": float(rollout.completion_mask.sum(dim=1).float().mean()),
         "threads": torch.get_num_threads(),
         "precision": setup["precision"],
+        "lora": args.lora,
     }
     mb = setup["micro_batch_size"]
     # the levers run alone on request, each into its own file
@@ -534,7 +543,8 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
     for name, lever in alone.items():
         if getattr(args, name):
             result.update(lever())
-            out = args.out or RESULTS / f"levers_{name}_{args.setup}.json"
+            lora = "_lora" if args.lora else ""
+            out = args.out or RESULTS / f"levers_{name}_{args.setup}{lora}.json"
             out.write_text(json.dumps(result, indent=1) + "\n")
             print(json.dumps(result, indent=1))
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from unittest import mock
 
@@ -253,3 +254,12 @@ def test_the_decode_lever_times_both_paths_on_the_same_tokens(tiny_model_dir) ->
     result = decode_lever(engine, ["a", "bcd"], [{}, {}], 2, repeats=2)["lean_decode"]
     assert result["same_tokens"] and result["generated_tokens"] > 0
     assert [len(t) for t in result["times_s"].values()] == [2, 2]
+
+
+def test_the_decode_lever_runs_on_the_lora_policy(tmp_path) -> None:
+    from benchmarks import levers
+
+    out = tmp_path / "lora.json"
+    levers.main(["--setup", "tiny", "--decode", "--lora", "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["lora"] and result["lean_decode"]["same_tokens"]

@@ -16,8 +16,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from grpo.config import RolloutConfig
-from grpo.models import load_tokenizer
+from grpo.config import ModelConfig, RolloutConfig
+from grpo.models import load_policy, load_tokenizer
 from grpo.prefix_attention import use_prefix_attention
 from grpo.rollout import decode
 from grpo.rollout.hf import HFEngine, reserved_cache
@@ -128,9 +128,24 @@ def test_models_lean_step_does_not_mirror_keep_their_own_forward() -> None:
     assert all(decode.leanable(build()) for build in (llama, mistral, qwen2, qwen3))
 
 
-@pytest.fixture
-def engine(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+def lora_policy(path) -> torch.nn.Module:
+    # the trainer's LoRA policy (PEFT's wrapper, checkpointing's input hook) with adapters that
+    # change the logits (lora_B starts at 0)
+    policy = load_policy(ModelConfig(lora={"enabled": True, "r": 4}), str(path))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    return policy.eval()
+
+
+@pytest.fixture(params=["full", "lora"])
+def engine(request, tiny_model_dir):
+    if request.param == "lora":
+        model = lora_policy(tiny_model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tokenizer = load_tokenizer(str(tiny_model_dir))
     return HFEngine(model, tokenizer, RolloutConfig(max_new_tokens=12))
 
@@ -194,7 +209,7 @@ def test_a_lean_step_that_is_off_is_said_once_and_the_model_keeps_its_own(
     monkeypatch.setattr(decode, "lean_step", lambda model: broken(real(model)))
     got = [sample(engine), sample(engine)]
     said = [line for line in capsys.readouterr().err.splitlines() if "lean decode" in line]
-    assert len(said) == 1 and "LlamaForCausalLM" in said[0] and said_why in said[0]
+    assert len(said) == 1 and type(engine.model).__name__ in said[0] and said_why in said[0]
     assert decode._VERIFIED[engine.model] is False
     for rollout in got:
         assert torch.equal(rollout.completion_ids, own.completion_ids)
@@ -248,3 +263,29 @@ def test_nan_logits_in_both_paths_are_no_mismatch(capsys) -> None:
         )
     assert logits[:, 0].isnan().all() and not logits[:, 1:].isnan().any()
     assert decode._VERIFIED[model] is True and "lean decode" not in capsys.readouterr().err
+
+
+def test_lora_adapters_run_in_the_lean_step(tiny_model_dir) -> None:
+    # PEFT's LoRA wrapper only passes the call on; the adapted projections run their adapters
+    policy = lora_policy(tiny_model_dir)
+    assert decode.leanable(policy)
+    with torch.no_grad():
+        pairs = decode_both(policy)
+        with policy.disable_adapter():
+            base = decode_both(policy)
+    assert all(torch.equal(own, lean) for own, lean in pairs)
+    assert not torch.allclose(pairs[0][1], base[0][1], atol=1e-3)  # the adapters count
+
+
+def test_peft_methods_that_change_the_call_keep_their_own_forward(tiny_model_dir) -> None:
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+
+    def model():
+        return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+    prompt = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)  # adds tokens
+    activated = LoraConfig(task_type="CAUSAL_LM", r=2, alora_invocation_tokens=[3])
+    hooked = lora_policy(tiny_model_dir)
+    hooked.base_model.register_forward_pre_hook(lambda *a: None)  # a wrapper lean_step skips
+    for wrapped in (get_peft_model(model(), prompt), get_peft_model(model(), activated), hooked):
+        assert not decode.leanable(wrapped)

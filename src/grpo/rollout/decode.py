@@ -9,8 +9,10 @@ embedding), mask function, rotary function and attention interface, and so gives
 bit for bit (tested). It only replaces the glue between them.
 
 It takes exactly the model classes whose forward it mirrors (``LEAN_MODELS``: Llama, Mistral,
-Qwen2, Qwen3), with every layer on full attention and no hook or replaced forward on any module whose forward it skips; any other
-model decodes through its own forward (``decode_step``).
+Qwen2, Qwen3), also inside PEFT's LoRA wrapper (whose forward only calls the model within; the
+adapted projections are called as modules, so they run their adapters), with every layer on full
+attention and no hook or replaced forward on any module whose forward it skips; any other model
+decodes through its own forward (``decode_step``).
 """
 
 from __future__ import annotations
@@ -81,8 +83,28 @@ def _global_hooks() -> bool:
     return any(getattr(module, name, None) for name in names)
 
 
+def _unwrapped(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+    """The transformers model whose forward ``model``'s ends in, and the wrappers around it: a
+    PEFT LoRA model's forward passes its call through two of them unchanged (``PeftModel``,
+    ``LoraModel``); any other PEFT method changes the call (prompt learning adds tokens,
+    activated LoRA offsets), so its model is not unwrapped (and so not leanable)."""
+    if not type(model).__module__.startswith("peft."):
+        return model, []
+    config = getattr(model, "active_peft_config", None)
+    tuner = getattr(model, "base_model", None)
+    if (
+        config is None
+        or config.peft_type != "LORA"  # a str enum
+        or getattr(config, "alora_invocation_tokens", None) is not None
+        or not isinstance(getattr(tuner, "model", None), nn.Module)
+    ):
+        return model, []
+    return tuner.model, [model, tuner]
+
+
 def leanable(model: nn.Module) -> bool:
     """Whether ``lean_step`` computes ``model``'s own decode forward."""
+    model, wrappers = _unwrapped(model)
     mirrored = LEAN_MODELS.get(type(model).__name__)
     base = getattr(model, "model", None)
     if mirrored is None or mirrored.base != type(base).__name__:
@@ -95,7 +117,7 @@ def leanable(model: nn.Module) -> bool:
         return False
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
         return False
-    skipped = [model, base, *layers, *(layer.self_attn for layer in layers)]
+    skipped = [*wrappers, model, base, *layers, *(layer.self_attn for layer in layers)]
     if _global_hooks() or any(_hooked(m) for m in skipped):
         return False
     return all(mirrored.window(layer.self_attn, config) is None for layer in layers)
@@ -103,6 +125,7 @@ def leanable(model: nn.Module) -> bool:
 
 def lean_step(model: nn.Module) -> DecodeStep:
     """``model``'s decode forward (see the module docstring); ``leanable(model)`` must hold."""
+    model, _ = _unwrapped(model)
     base = model.model
     config = model.config
     modeling = sys.modules[type(model).__module__]
