@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 
 from grpo.cli import main
 from grpo.config import Config, ConfigError, build_config
+from grpo.models import build_tiny_model
 from grpo.run_dir import RunDirError, verify
 from grpo.trainer import Trainer, TrainingStopped, train
 
@@ -409,3 +411,112 @@ def test_the_engine_gets_the_restored_weights(tree: dict, monkeypatch) -> None:
     saved = weights(trainer.resume_from.path)
     assert len(pushed) == 1
     assert all(torch.equal(pushed[0][k], saved[k]) for k in saved)
+
+
+# --------------------------------------------------------------------------------- what is kept
+
+
+def test_a_run_with_no_checkpoint_to_resume_is_never_started_over_unasked(tree: dict) -> None:
+    # every checkpoint damaged: refused, and refused again on the next try (the damaged ones
+    # moved aside are no reason to start over); train.resume=never starts over
+    run_dir = train(make(tree, "unasked", steps=2))
+    for step in (1, 2):
+        os.truncate(run_dir / "checkpoints" / f"step-{step}" / "model.safetensors", 10)
+    for _ in range(2):
+        with pytest.raises(RunDirError) as refused:
+            Trainer(make(tree, "unasked", steps=3))
+        assert "train.resume=never" in str(refused.value) and "\n" not in str(refused.value)
+    assert "step-2.damaged" in str(refused.value) and "final/" in str(refused.value)
+    # checkpoints deleted to save space, final/ kept: a longer run is not a silent restart
+    for folder in (run_dir / "checkpoints").iterdir():
+        shutil.rmtree(folder)
+    with pytest.raises(RunDirError, match=r"holds a run \(final/, metrics.jsonl\) with no"):
+        Trainer(make(tree, "unasked", steps=3))
+    with pytest.raises(ConfigError, match=r"train.resume=force: no checkpoint"):
+        Trainer(make(tree, "fresh-forced", resume="force"))
+    train(make(tree, "unasked", steps=1, resume="never"))
+    assert [row["step"] for row in step_rows(run_dir)] == [1]
+
+
+def test_a_rewind_removes_what_followed_its_checkpoint(tree: dict, straight: Path, capsys) -> None:
+    run_dir = train(make(tree, "rewind", keep_last=3))  # step-2, step-3, step-4 and final/
+    capsys.readouterr()
+    train(make(tree, "rewind", keep_last=1, resume=str(run_dir / "checkpoints" / "step-2")))
+    out = capsys.readouterr().out
+    assert "removed what followed step 2: step-4, step-3, final/" in out, out
+    # the rewound run's final/ and newest checkpoint, not the abandoned ones
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-4"]
+    assert_same_run(run_dir, straight)
+    # another run's checkpoint resumes into a new run directory only
+    other = str(run_dir / "checkpoints" / "step-4")
+    with pytest.raises(RunDirError, match=r"another run's checkpoint .* another train.run_name"):
+        Trainer(make(tree, "unasked", resume=other))
+
+
+def test_what_no_resume_can_change_is_refused_in_one_line(tree: dict, tmp_path: Path) -> None:
+    run_dir = train(make(tree, "fixed", steps=2))
+    lora = {**tree, "model": {**tree["model"], "lora": {"enabled": True}}}
+    copy = tmp_path / "copy"
+    shutil.copytree(tree["model"]["name"], copy)
+    renamed = {**tree, "model": {**tree["model"], "name": str(copy)}}
+    for changed, key in ((lora, "model.lora.enabled"), (renamed, "model.name")):
+        with pytest.raises(ConfigError) as refused:
+            Trainer(make(changed, "fixed", steps=3, resume="force"))
+        message = str(refused.value)
+        assert key in message and "not even with train.resume=force" in message
+        assert "\n" not in message
+    with pytest.raises(ConfigError, match=r"train.steps 1 is below the step of .*step-2 \(2\)"):
+        Trainer(make(tree, "fixed", steps=1))
+    with pytest.raises(RunDirError, match="a saved model, not a checkpoint"):
+        Trainer(make(tree, "fixed", steps=3, resume=str(run_dir / "final")))
+
+
+def test_a_model_folder_changed_under_its_name_is_one_line(tree: dict, tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(tree["model"]["name"], folder)
+    moved = {**tree, "model": {**tree["model"], "name": str(folder)}}
+    train(make(moved, "swapped", steps=1))
+    shutil.rmtree(folder)
+    build_tiny_model(folder, hidden_size=32)
+    with pytest.raises(RunDirError) as refused:
+        train(make(moved, "swapped", steps=2))
+    message = str(refused.value)
+    assert "does not fit the model" in message and "size mismatch" in message
+    assert "\n" not in message
+
+
+def test_the_changes_a_resume_makes_are_said_on_the_console(tree: dict, capsys) -> None:
+    train(make(tree, "said", steps=1))
+    capsys.readouterr()
+    changed = {**tree, "optim": {**tree["optim"], "micro_batch_size": 4}}
+    train(make(changed, "said", steps=2, keep_last=1))
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if line.startswith("grpo: from step 1")]
+    assert len(said) == 1, out
+    for change in ("optim.micro_batch_size 8 -> 4", "train.keep_last 2 -> 1", "train.steps 1 -> 2"):
+        assert change in said[0]
+
+
+def test_the_resume_command_after_a_stop_continues_the_run(monkeypatch, capsys) -> None:
+    # the command as given would start over ("never") or rewind again (a path)
+    def stopped(config):
+        raise TrainingStopped(signal.SIGTERM, 3, Path("runs/x/checkpoints/step-3"), False)
+
+    monkeypatch.setattr("grpo.trainer.train", stopped)
+    for given in ("train.resume=never", "train.resume=runs/x/checkpoints/step-1"):
+        argv = ["grpo", "train", "train.run_name=x", given]
+        monkeypatch.setattr(sys, "argv", argv)
+        assert main(argv[1:]) == 143
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.endswith("resume with: grpo train train.run_name=x train.resume=auto"), last
+
+
+def test_a_rewind_then_a_forced_change_as_the_refusal_says(tree: dict) -> None:
+    run_dir = train(make(tree, "rewind-lr", steps=3, keep_last=3))
+    slower = {**tree, "optim": {**tree["optim"], "lr": 5e-3}}
+    step_1 = str(run_dir / "checkpoints" / "step-1")
+    with pytest.raises(ConfigError, match=r"rewind to it first \(train.steps=1 and its config\)"):
+        Trainer(make(slower, "rewind-lr", steps=3, resume=step_1))
+    train(make(tree, "rewind-lr", steps=1, resume=step_1))
+    train(make(slower, "rewind-lr", steps=3, resume="force"))
+    assert [row["lr"] for row in step_rows(run_dir)] == [1e-2, 5e-3, 5e-3]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpo.run_dir import (
+    Checkpoint,
     RunDir,
     RunDirError,
     changes_math,
@@ -20,6 +21,7 @@ from grpo.run_dir import (
     config_changes,
     is_disk_full,
     math_changes,
+    read_jsonl,
     seal,
     verify,
 )
@@ -58,7 +60,32 @@ DAMAGE = {
         lambda f: (f / "manifest.json").write_text('{"files": '),
         "manifest.json is unreadable",
     ),
+    # valid JSON of another shape: what one flipped bit in a key, or a hand edit, leaves
+    **{
+        f"manifest-{name}": (
+            lambda f, text=text: (f / "manifest.json").write_text(text),
+            "manifest.json is unreadable",
+        )
+        for name, text in {
+            "list": "[1, 2]",
+            "null": "null",
+            "no-step": '{"files": {}}',
+            "bad-entry": '{"step": 2, "files": {"model.safetensors": 700}}',
+            "no-config": '{"step": 2, "world_size": 1, "files": {}}',
+        }.items()
+    },
+    "no-state": (
+        lambda f: _reseal_without(f, "trainer_state.pt"),
+        "a saved model, not a checkpoint (no trainer_state.pt)",
+    ),
 }
+
+
+def _reseal_without(folder: Path, name: str) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / name).unlink()
+    (folder / "manifest.json").unlink()
+    seal(folder, {k: v for k, v in manifest.items() if k != "files"})
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
@@ -72,7 +99,7 @@ def test_a_damaged_checkpoint_is_named_and_skipped(tmp_path: Path, capsys, damag
     assert manifest["step"] == 2 and manifest["files"]["model.safetensors"]["size"] == 700
     hurt, message = DAMAGE[damage]
     hurt(newest)
-    assert message in verify(newest)
+    assert message in (verify(newest) or Checkpoint.read(newest))
     found = run.latest_checkpoint()
     assert found.step == 1 and found.config == {"optim": {"lr": 0.1}}
     err = capsys.readouterr().err.strip()
@@ -240,6 +267,37 @@ def test_a_key_a_newer_version_added_is_no_change_the_user_made() -> None:
     new = {"rewards": {"timeout_s": 10.0, "max_error_frac": 0.5}, "optim": {"lr": 0.2}}
     assert math_changes(old, new) == {"optim.lr": (0.1, 0.2)}
     assert config_changes(old, new)["rewards.max_error_frac"] == (None, 0.5)  # in the history
+    # against the defaults: a key the old config lacks had its default then
+    defaults = {"rewards": {"timeout_s": 10.0, "max_error_frac": 0.5}, "optim": {"lr": 1.0}}
+    assert math_changes(old, new, defaults) == {"optim.lr": (0.1, 0.2)}
+    assert "rewards.max_error_frac" not in config_changes(old, new, defaults)
+    changed = {**new, "rewards": {**new["rewards"], "max_error_frac": 0.9}}
+    assert math_changes(old, changed, defaults)["rewards.max_error_frac"] == (0.5, 0.9)
+
+
+def test_a_metrics_line_that_is_not_utf8_is_one_more_unreadable_line(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.metrics.write_bytes(b'{"step": 1}\n\xff\xfe garbage\n{"step": 2}\n')
+    rows, bad = read_jsonl(run.metrics)
+    assert rows == [{"step": 1}, {"step": 2}] and bad == [2]
+
+
+def test_what_a_previous_run_left_and_what_a_rewind_removes(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    run.claim()
+    assert run.previous_run() == []
+    run.log_event(0, "resume")  # event rows alone: no step was trained
+    assert run.previous_run() == []
+    for step in (1, 2, 3):
+        _checkpoint(run, step)
+    run.fresh_temp(run.final_temp())
+    run.commit_final(3, {})
+    (run.checkpoints / "step-2").rename(run.checkpoints / "step-2.damaged")
+    assert run.previous_run() == ["step-1", "step-2.damaged", "step-3", "final/"]
+    assert run.rewind(3) == []  # final/ at step 3 is this step's
+    assert run.rewind(1) == ["step-3", "final/"]
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-1", "step-2.damaged"]
 
 
 def test_disk_full_is_recognised_through_wrappers() -> None:

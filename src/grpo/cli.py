@@ -51,10 +51,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = train(config)
     except TrainingStopped as stop:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one line for the run
+            # train.resume=auto, whatever the recipe or the command said: run again with
+            # "never" or an older checkpoint, it would throw away the steps just saved
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                again = "the same torchrun command"
+                again = "the same torchrun command with train.resume=auto"
             else:
-                again = shlex.join(["grpo", *sys.argv[1:]])
+                kept = [a for a in sys.argv[1:] if not a.startswith("train.resume=")]
+                again = shlex.join(["grpo", *kept, "train.resume=auto"])
             print(f"grpo: {stop}; resume with: {again}", file=sys.stderr)
         return stop.exit_code
     print(f"run finished: {run_dir}")

@@ -265,7 +265,7 @@ class TrainConfig(Section):
     run_name: str = "default"
     """Run directory name: <output_dir>/<run_name>."""
     resume: str = "auto"
-    """"auto" continues from the run's newest complete checkpoint, refusing a config that changes the math; "force" does too and applies the changed keys; "never" starts over; or a checkpoint folder."""
+    """"auto" continues from the run's newest complete checkpoint, refusing a config that changes the math (and a folder holding a run with no checkpoint left); "force" does too and applies the changed keys (never model.name or the LoRA shape); "never" starts over, replacing what a previous run left; or a checkpoint folder, removing what the run wrote after it."""
     save_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0 = only the final one)."""
     keep_last: int = Field(2, ge=1)

@@ -65,6 +65,10 @@ FREE_KEYS = {
     "rewards.workers",
 }
 
+# Keys that decide which parameters exist, and so what a checkpoint's weights fit: no resume can
+# change them, not even a forced one (a new run can start from the checkpoint's weights instead).
+FIXED_KEYS = {"model.name", "model.lora.enabled", "model.lora.r", "model.lora.target_modules"}
+
 
 class RunDirError(ValueError):
     """The run directory cannot be used as asked; the message is one line for the user."""
@@ -125,13 +129,26 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return json.loads((folder / MANIFEST).read_text())
 
 
+def _manifest_files(folder: Path) -> dict[str, dict[str, Any]] | None:
+    """The manifest's file list when it has the shape ``seal`` writes (a step, and each file's
+    size and checksum); None for anything else, valid JSON or not."""
+    try:
+        manifest = read_manifest(folder)
+        files = manifest["files"]
+        well_formed = isinstance(manifest["step"], int) and all(
+            isinstance(e["size"], int) and isinstance(e["sha256"], str) for e in files.values()
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return files if well_formed else None
+
+
 def verify(folder: Path) -> str | None:
     """None when every file the manifest lists has its size and checksum; else what is wrong."""
     if not (folder / MANIFEST).is_file():
         return "it has no manifest.json (its write never finished)"
-    try:
-        files = read_manifest(folder)["files"]
-    except (ValueError, KeyError):
+    files = _manifest_files(folder)
+    if files is None:
         return "its manifest.json is unreadable"
     for name, expected in files.items():
         path = folder / name
@@ -174,7 +191,8 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     if not path.exists():
         return [], []
     rows, bad = [], []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    # bytes: a line that is not UTF-8 is one more unreadable line (json.loads decodes each)
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -209,18 +227,29 @@ def changes_math(key: str) -> bool:
     return key not in FREE_KEYS
 
 
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Every dotted key whose value differs: key -> (old, new); a missing side is None."""
+def config_changes(
+    old: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> dict[str, tuple[Any, Any]]:
+    """Every dotted key whose value differs: key -> (old, new). A key ``old`` lacks (a newer grpo
+    added it) had its value in ``defaults`` (the new config's defaults) then, so it changed only
+    where the new value is not the default; without ``defaults`` a missing side is None."""
     a, b = flatten(old), flatten(new)
+    base = flatten(defaults or {})
+    a = {**{k: base[k] for k in b.keys() - a.keys() if k in base}, **a}
     return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
-def math_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """The changes a resume must not make silently: keys that change the math, among the keys
-    both configs have (a key that a newer grpo added is no change the user made)."""
+def math_changes(
+    old: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> dict[str, tuple[Any, Any]]:
+    """The changes a resume must not make silently: keys that change the math. A key a newer
+    grpo added is compared with its default (see ``config_changes``), else left out: the user
+    did not change it."""
+    changes = config_changes(old, new, defaults)
     a, b = flatten(old), flatten(new)
-    both = sorted(a.keys() & b.keys())
-    return {k: (a[k], b[k]) for k in both if a[k] != b[k] and changes_math(k)}
+    if defaults is None:
+        changes = {k: v for k, v in changes.items() if k in a and k in b}
+    return {k: v for k, v in changes.items() if k in b and changes_math(k)}
 
 
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
@@ -241,9 +270,18 @@ class Checkpoint:
     world_size: int
 
     @classmethod
-    def read(cls, folder: Path) -> Checkpoint:
+    def read(cls, folder: Path) -> Checkpoint | str:
+        """The checkpoint in ``folder``, or what is wrong with it."""
+        problem = verify(folder)
+        if problem is not None:
+            return problem
         manifest = read_manifest(folder)
-        return cls(folder, manifest["step"], manifest["run_config"], manifest["world_size"])
+        config, world = manifest.get("run_config"), manifest.get("world_size")
+        if not isinstance(config, dict) or not isinstance(world, int):
+            return "its manifest.json is unreadable"
+        if "trainer_state.pt" not in manifest["files"]:
+            return "it is a saved model, not a checkpoint (no trainer_state.pt)"
+        return cls(folder, manifest["step"], config, world)
 
 
 class RunDir:
@@ -315,10 +353,11 @@ class RunDir:
         """
         damaged = []
         for _, folder in self.step_folders():
-            problem = verify(folder)
-            if problem is None:
+            found = Checkpoint.read(folder)
+            if isinstance(found, Checkpoint):
                 self.intact = folder
-                return Checkpoint.read(folder)
+                return found
+            problem = found
             aside = folder.with_name(f"{folder.name}.damaged")
             shutil.rmtree(aside, ignore_errors=True)
             folder.rename(aside)
@@ -334,10 +373,39 @@ class RunDir:
     @staticmethod
     def checkpoint_at(folder: Path) -> Checkpoint:
         """An explicit checkpoint folder (train.resume=<path>), which must verify."""
-        problem = verify(folder) if folder.is_dir() else "no such folder"
-        if problem is not None:
-            raise RunDirError(f"train.resume: {folder} is not a complete checkpoint: {problem}")
-        return Checkpoint.read(folder)
+        found = Checkpoint.read(folder) if folder.is_dir() else "no such folder"
+        if isinstance(found, str):
+            raise RunDirError(f"train.resume: {folder} is not a complete checkpoint: {found}")
+        return found
+
+    def previous_run(self) -> list[str]:
+        """What a previous run left here that a fresh start would delete and that cannot be
+        written again from a checkpoint: its checkpoints (damaged ones included), its final
+        model, the metrics of its steps. Empty for a new folder, or a run that died before its
+        first step."""
+        left = [p.name for p in sorted(self.checkpoints.glob("step-*")) if p.is_dir()]
+        if self.final.exists():
+            left.append("final/")
+        rows, _ = read_jsonl(self.metrics)
+        if any("event" not in row for row in rows):
+            left.append("metrics.jsonl")
+        return left
+
+    def rewind(self, step: int) -> list[str]:
+        """Remove what a run went on to write after ``step``, which a resume from ``step``
+        writes again: newer checkpoints (a later resume would pick them) and a newer final/
+        model (what was removed, by name). The logs: ``prepare_logs``."""
+        removed = []
+        for later, folder in self.step_folders():
+            if later > step:
+                shutil.rmtree(folder)
+                removed.append(folder.name)
+        if self.final.exists():
+            final = self.final_step()  # None when damaged: rewritten at the end either way
+            if final is None or final > step:
+                shutil.rmtree(self.final)
+                removed.append("final/")
+        return removed
 
     def start_fresh(self) -> None:
         """A fresh start replaces a previous run's outputs instead of mixing with them."""

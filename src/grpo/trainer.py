@@ -43,6 +43,7 @@ from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, close_engine, reward_inputs
 from grpo.rollout.turns import MultiTurnEngine, chat_tools, tool_metrics
 from grpo.run_dir import (
+    FIXED_KEYS,
     Checkpoint,
     RunDir,
     RunDirError,
@@ -493,16 +494,30 @@ class Trainer:
 
         A resume whose config changes the math is refused unless train.resume=force.
         """
-        self.run.claim()
+        run = self.run
+        run.claim()
         mode = self.config.train.resume
         if mode == "never":
             return None
         if mode in ("auto", "force"):
-            checkpoint = self.run.latest_checkpoint()
+            checkpoint = run.latest_checkpoint()
         else:
-            checkpoint = self.run.checkpoint_at(Path(mode))
+            checkpoint = run.checkpoint_at(Path(mode))
+        left = run.previous_run()
         if checkpoint is None:
+            if left:  # a fresh start would delete them: the user decides
+                raise RunDirError(
+                    f"{run.path} holds a run ({', '.join(left)}) with no checkpoint to resume; "
+                    "set train.resume=never to start over, or another train.run_name"
+                )
+            if mode == "force":
+                raise ConfigError(f"train.resume=force: no checkpoint in {run.checkpoints}")
             return None
+        if not checkpoint.path.resolve().is_relative_to(run.checkpoints.resolve()) and left:
+            raise RunDirError(
+                f"train.resume: {checkpoint.path} is another run's checkpoint and {run.path} "
+                f"holds a run of its own ({', '.join(left)}); set another train.run_name"
+            )
         saved_world = checkpoint.world_size
         if saved_world != self.dist.world_size:
             raise ConfigError(
@@ -510,14 +525,33 @@ class Trainer:
                 f"it with the same number (this run has {self.dist.world_size})"
             )
         new = self.config.model_dump(mode="json")
-        forced = math_changes(checkpoint.config, new)
+        defaults = Config().model_dump(mode="json")
+        forced = math_changes(checkpoint.config, new, defaults)
+        fixed = {key: change for key, change in forced.items() if key in FIXED_KEYS}
+        if fixed:
+            raise ConfigError(
+                f"resuming {checkpoint.path}: {describe_changes(fixed)} cannot change on resume "
+                "(the checkpoint's weights would not fit), not even with train.resume=force; "
+                f"start a new run (train.run_name) with model.name={checkpoint.path}"
+            )
+        if checkpoint.step > self.config.train.steps:
+            raise ConfigError(
+                f"train.steps {self.config.train.steps} is below the step of {checkpoint.path} "
+                f"({checkpoint.step}); raise it to train on"
+            )
         if forced and mode != "force":
+            how = (
+                "set train.resume=force to apply the change, or train.resume=never to start over"
+                if mode == "auto"
+                else "a chosen checkpoint resumes with its own config: rewind to it first "
+                f"(train.steps={checkpoint.step} and its config), then apply the change with "
+                "train.resume=force"
+            )
             raise ConfigError(
                 f"resuming {checkpoint.path} with a config that changes the math: "
-                f"{describe_changes(forced)}; set train.resume=force to apply the change, "
-                "or train.resume=never to start over"
+                f"{describe_changes(forced)}; {how}"
             )
-        self.config_changes = config_changes(checkpoint.config, new)
+        self.config_changes = config_changes(checkpoint.config, new, defaults)
         self.forced_changes = forced
         return checkpoint
 
@@ -874,6 +908,16 @@ class Trainer:
             save_hf(self.policy, self.tokenizer, path)
 
     def load_checkpoint(self, path: Path) -> None:
+        try:
+            self._load_checkpoint(path)
+        except (RuntimeError, ValueError, KeyError) as err:  # shapes, names, optimizer groups
+            said = " ".join(str(err).split()) or type(err).__name__  # torch's spans lines
+            raise RunDirError(
+                f"checkpoint {path} does not fit the model {self.config.model.name} as "
+                f"configured (were its files changed?): {said[:300]}"
+            ) from None
+
+    def _load_checkpoint(self, path: Path) -> None:
         from safetensors.torch import load_file
 
         state = torch.load(path / "trainer_state.pt", weights_only=False)
@@ -937,10 +981,16 @@ class Trainer:
                 else checkpoint.path
             )
             print(f"grpo: resuming from {checkpoint.path} (step {checkpoint.step})", flush=True)
+            removed = run.rewind(self.step)
+            if removed:
+                print(f"grpo: removed what followed step {self.step}: {', '.join(removed)}")
             run.log_event(self.step, "resume", checkpoint=str(where))
             if self.forced_changes:
                 changes = describe_changes(self.forced_changes)
                 print(f"grpo: train.resume=force: from step {self.step} {changes}", flush=True)
+            free = {k: v for k, v in self.config_changes.items() if k not in self.forced_changes}
+            if free:
+                print(f"grpo: from step {self.step} {describe_changes(free)}", flush=True)
         event = "start" if checkpoint is None else "resume"
         run.record_config(dump_config(self.config), self.step, event, self.config_changes)
 
