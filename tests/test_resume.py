@@ -448,9 +448,10 @@ def test_a_rewind_removes_what_followed_its_checkpoint(tree: dict, straight: Pat
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-4"]
     assert_same_run(run_dir, straight)
     # another run's checkpoint resumes into a new run directory only
+    train(make(tree, "own-run", steps=1))
     other = str(run_dir / "checkpoints" / "step-4")
     with pytest.raises(RunDirError, match=r"another run's checkpoint .* another train.run_name"):
-        Trainer(make(tree, "unasked", resume=other))
+        Trainer(make(tree, "own-run", resume=other))
 
 
 def test_what_no_resume_can_change_is_refused_in_one_line(tree: dict, tmp_path: Path) -> None:
