@@ -183,6 +183,14 @@ ADVERSARIAL = {
 }
 
 
+def test_the_tests_builtins_stay_pythons_whatever_the_candidate_defines():
+    # tests that apply a builtin to the candidate's output, as HumanEval's do
+    tests = ["assert abs(add(1, 2) - 3) < 1e-6", "assert all(add(i, i) == 2 * i for i in range(3))"]
+    shadows = "def abs(x):\n    return 0\ndef range(*a):\n    return []\n"
+    assert _judge(shadows + WRONG, tests).passed == []
+    assert _judge(shadows + GOOD, tests).passed == [0, 1]  # its own helpers may still be named so
+
+
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))
 def test_adversarial_program_fails_and_leaves_nothing(name: str):
     verdict = _judge(ADVERSARIAL[name])

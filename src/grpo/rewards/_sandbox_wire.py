@@ -201,7 +201,8 @@ def run_judge(spec: dict, path: str) -> None:
             except Exception:
                 traceback.print_exc()
         for name in names:
-            if type(name) is str and name not in namespace:
+            # never a builtin: the tests' abs, range, sorted ... are Python's, not the candidate's
+            if type(name) is str and name not in namespace and not hasattr(builtins, name):
                 namespace[name] = proxy(name, requests, replies)
         if entry_point:
             namespace[entry_point] = proxy(entry_point, requests, replies)
