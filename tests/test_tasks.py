@@ -20,9 +20,9 @@ from grpo.rewards.code import code_reward
 def test_every_task_has_rows_for_its_splits_and_known_rewards():
     for name, task in TASKS.items():
         for reward in task.default_rewards:
-            resolve_reward(
-                RewardSpec(name=reward, args={"math_verify": False} if reward == "accuracy" else {})
-            )
+            spec = RewardSpec(**reward)
+            if name != "math500":  # math-verify workers: not started for this check
+                resolve_reward(spec)
         kwargs = {"size": 5} if name in ("arithmetic", "countdown") else {}
         for split in task.splits:
             rows = task.rows(split, 0, **kwargs)
@@ -83,3 +83,19 @@ def test_arithmetic_asking_for_more_problems_than_exist_is_an_error() -> None:
     )
     with pytest.raises(DataError, match="needs 40 distinct problems for train \\+ test"):
         load_dataset_rows(config, seed=0)
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "multiplication", "gsm8k"])
+def test_a_numeric_tasks_reward_does_not_pay_for_restating_the_question(task: str) -> None:
+    # math-verify would pay "<answer>50 - 6</answer>" for 44: the numeric tasks compare numbers
+    from grpo.config import build_config
+    from grpo.rewards import RewardRunner
+
+    config = build_config({"data": {"task": task}})
+    runner = RewardRunner(config.rewards)
+    try:
+        texts = ["<answer>50 - 6</answer>", "<answer>44</answer>", "<answer>88 / 2</answer>"]
+        out = runner(texts, ["What is 50 - 6?"] * 3, {"answer": ["44"] * 3}, [[1]] * 3)
+    finally:
+        runner.close()
+    assert out.per_function[:, out.names.index("accuracy")].tolist() == [0.0, 1.0, 0.0]

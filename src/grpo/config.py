@@ -313,7 +313,7 @@ class Config(Section):
             resolved = RewardsConfig.model_validate(
                 {
                     **self.rewards.model_dump(exclude_unset=True),
-                    "functions": [{"name": name} for name in task.default_rewards],
+                    "functions": task.default_rewards,
                 }
             )
             # still a default, not the user's choice: a preset may extend it (dapo adds overlong)

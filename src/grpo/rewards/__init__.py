@@ -4,8 +4,8 @@ A reward function is any callable
 ``f(completions: list[str], *, prompts: list, completion_ids: list[list[int]], **columns)
 -> list[float | None]``: dataset columns arrive as keyword lists aligned with ``completions``;
 ``None`` means "not applicable" (excluded from that function's mean, weighted as 0).
-Functions with a true ``batched`` attribute get the whole batch in one call (a reward model);
-the others are called one completion at a time, so slow verifiers overlap and one failing
+Built-ins with a true ``batched`` attribute get the whole batch in one call (a reward model);
+the others, and every user function, are called one completion at a time, so slow verifiers overlap and one failing
 completion falls back alone. Built-ins run in this process; user functions, named by
 ``module:function`` or ``path/to/file.py:function``, run in worker processes that can be killed
 (``RewardRunner``). A built-in with a ``close()`` method is closed with the runner (worker
