@@ -99,7 +99,9 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     from grpo.data.tasks import TASKS
 
     for name, task in sorted(TASKS.items()):
-        print(f"{name:14s} {task.description}  [rewards: {', '.join(r['name'] for r in task.default_rewards)}]")
+        print(
+            f"{name:14s} {task.description}  [rewards: {', '.join(r['name'] for r in task.default_rewards)}]"
+        )
     return 0
 
 
