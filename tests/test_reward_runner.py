@@ -41,6 +41,10 @@ def wrong_length(completions, **kw):
     return [1.0, 2.0]
 def nan(completions, **kw):
     return [math.nan]
+def past_float32(completions, **kw):
+    return [1e39]
+def past_float(completions, **kw):
+    return [10**400]
 def string(completions, **kw):
     return ["1.0"]
 def scalar(completions, **kw):
@@ -51,6 +55,12 @@ def crash(completions, **kw):
     os._exit(3)  # as a segfault in a C extension would end the process
 def pid(completions, **kw):
     return [os.getpid()]
+def spawn_and_hang(completions, **kw):
+    import subprocess
+    child = subprocess.Popen(["sleep", "300"])
+    with open(completions[0], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(1000)
 def hang(completions, **kw):
     if completions[0] == "hang":
         time.sleep(1000)
@@ -313,6 +323,8 @@ def test_two_user_functions_each_score_their_own_column(user_module: Path, monke
         ("raises", "ValueError: always broken"),
         ("wrong_length", "reward 'wrong_length' returned 2 values for 1 completions"),
         ("nan", "reward 'nan' returned nan at position 0"),
+        ("past_float32", "reward 'past_float32' returned 1e+39 at position 0; expected a finite"),
+        ("past_float", "reward 'past_float' returned inf at position 0"),
         ("string", "reward 'string' returned a str '1.0' at position 0; expected a number"),
         ("scalar", "reward 'scalar' returned a float 1.0; expected a list of 1 numbers"),
         ("generator", "reward 'generator' returned a generator"),
@@ -373,6 +385,28 @@ def test_a_hanging_call_is_stopped_and_the_step_takes_one_timeout(user_module: P
     finally:
         runner.close()
     assert all(w is None or w.proc.poll() is not None for w in runner.pool.workers)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; its new parent reaps it
+
+
+def test_a_stopped_call_takes_the_processes_it_started_with_it(user_module: Path, tmp_path):
+    runner = _runner(RewardSpec(name=f"{user_module}:spawn_and_hang"), timeout_s=1.0, workers=1)
+    pid_file = tmp_path / "child.pid"
+    try:
+        assert _score(runner, [str(pid_file)]).errors == {"spawn_and_hang": 1}
+    finally:
+        runner.close()
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
 
 
 def test_a_leaking_worker_is_recycled_past_the_memory_ceiling(user_module: Path, capsys):

@@ -219,3 +219,16 @@ def test_accuracy_and_code_through_the_runner():
     # NaN where not applicable (None): accuracy has no gold for row 1, code no tests for row 0
     assert out.per_function[0, 0] == 1.0 and out.per_function[1, 1] == 1.0
     assert math.isnan(out.per_function[0, 1]) and math.isnan(out.per_function[1, 0])
+
+
+def test_a_column_a_built_in_reads_must_be_in_the_data():
+    # without it accuracy (or code) would score None for every completion, all run long
+    runner = _runner(RewardSpec(name="accuracy"), RewardSpec(name="code"), workers=1)
+    try:
+        runner.check_columns([{"prompt": "p", "answer": "1"}, {"prompt": "q", "tests": ["t"]}])
+        with pytest.raises(RewardError, match=r"'accuracy' reads the column 'answer', which no"):
+            runner.check_columns([{"prompt": "p", "solution": "2", "tests": ["t"]}])
+        with pytest.raises(RewardError, match=r"'code' reads the column 'tests'"):
+            runner.check_columns([{"prompt": "p", "answer": "1"}])
+    finally:
+        runner.close()

@@ -111,12 +111,13 @@ def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
         truncated=torch.zeros(n, dtype=torch.bool),
         prompts=["p0", "p0", "p1", "p1"],
         completions=["a", "b", "c", "d"],
-        rows=[{"prompt": "q0", "answer": "1"}, {"prompt": "q1", "answer": "2"}],
+        rows=[{"prompt": "q0", "answer": "1"}, {"prompt": "q1", "answer": "2", "tests": ["t"]}],
         group_size=2,
     )
     _, prompts, columns, ids = reward_inputs(rollout)
     assert prompts == ["q0", "q0", "q1", "q1"]
-    assert columns == {"answer": ["1", "1", "2", "2"]}  # the prompt is passed as prompts
+    # the prompt is passed as prompts; a column only some rows have is None in the others
+    assert columns == {"answer": ["1", "1", "2", "2"], "tests": [None, None, ["t"], ["t"]]}
     assert ids == [[7, 8], [7], [9, 9], [9]]
 
 

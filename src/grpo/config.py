@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,9 +19,13 @@ class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message is one line for the user."""
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's decay rates
+
+
 class Section(BaseModel):
+    # allow_inf_nan: an inf or NaN learning rate, weight, clip or fallback is never meant
     model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
     )
 
 
@@ -241,7 +245,7 @@ class OptimConfig(Section):
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[Beta, Beta] = (0.9, 0.99)
     """AdamW betas."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up, in optimizer steps."""

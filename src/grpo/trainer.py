@@ -39,7 +39,7 @@ from grpo.models import (
 )
 from grpo.processors import Sampling
 from grpo.prompts import prompt_format_for
-from grpo.rewards import ErrorWatch, RewardOutput, RewardRunner
+from grpo.rewards import ErrorWatch, RewardError, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, close_engine, reward_inputs
 from grpo.rollout.turns import MultiTurnEngine, chat_tools, tool_metrics
 from grpo.run_dir import (
@@ -415,6 +415,11 @@ class Trainer:
             heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
         )
         self.rewards = RewardRunner(config.rewards)
+        try:
+            self.rewards.check_columns(self.rows)
+        except RewardError:
+            self.rewards.close()
+            raise
         self.reward_errors = ErrorWatch(
             config.rewards.max_error_frac, config.rewards.error_patience
         )

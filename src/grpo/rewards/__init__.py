@@ -151,6 +151,19 @@ class RewardRunner:
                 raise RewardError(str(err)) from None
         self.reported: set[tuple[str, str]] = set()
 
+    def check_columns(self, rows: list[dict[str, Any]]) -> None:
+        """A built-in reads columns (``columns``) without which it scores None for every
+        completion: a column no row has is an error now, not a reward that never counts."""
+        present = {key for row in rows for key in row}
+        for k, fn in self.builtins.items():
+            for column in getattr(fn, "columns", ()):
+                if column not in present:
+                    raise RewardError(
+                        f"reward '{self.names[k]}' reads the column '{column}', which no row of "
+                        "the data has (its gold answers: data.answer_field; tests: the "
+                        "reward's tests_field)"
+                    )
+
     def close(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:

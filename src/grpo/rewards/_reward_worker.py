@@ -56,6 +56,9 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check_values(name: str, values: Any, expected: int) -> list[float | None]:
     """The function's return value as floats (None kept), or ValueError naming the function."""
     if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
@@ -76,9 +79,20 @@ def check_values(name: str, values: Any, expected: int) -> list[float | None]:
                 f"reward '{name}' returned a {_describe(value)} at position {i}; "
                 "expected a number or None"
             )
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"reward '{name}' returned {value} at position {i}")
-        out.append(None if value is None else float(value))
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            number = float(value)  # an int past float's range raises OverflowError
+        except OverflowError:
+            number = math.inf
+        # scores are float32: beyond its range a value would become inf there
+        if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+            raise ValueError(
+                f"reward '{name}' returned {number:.3g} at position {i}; expected a finite "
+                f"number within float32's range (+-{FLOAT32_MAX:.3g})"
+            )
+        out.append(number)
     return out
 
 

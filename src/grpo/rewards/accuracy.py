@@ -342,6 +342,7 @@ class AccuracyReward:
                 f"reward 'accuracy': unknown extract {unknown} (known: {', '.join(EXTRACTORS)})"
             )
         self.answer_field = answer_field
+        self.columns = (answer_field,)  # without it every score is None (RewardRunner checks)
         self.strategies = tuple(extract) + (
             ("last_number",) if last_number and "last_number" not in extract else ()
         )

@@ -139,4 +139,5 @@ def code_reward(
             out.append(min(1.0, max(0.0, SCORES[mode](passed, len(tests)))))
         return out
 
+    score.columns = (tests_field,)  # type: ignore[attr-defined]  # RewardRunner checks them
     return score

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -89,9 +90,16 @@ class _Worker:
             self.stop()
             raise WorkerStartError(detail)
 
-    def stop(self) -> None:
+    def kill(self) -> None:
+        """The worker and every process it started (its session's group: a reward's subprocess
+        would outlive the worker otherwise; one that left the session with setsid escapes)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.kill()
         self.proc.wait()
+
+    def stop(self) -> None:
+        self.kill()
         self.send.close()
         self.recv.close()
 
@@ -228,7 +236,6 @@ class WorkerPool:
             if worker is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     worker.proc.wait(max(end - time.monotonic(), 0.01))
-                worker.proc.kill()
-                worker.proc.wait()
+                worker.kill()
                 worker.recv.close()
                 self.workers[slot] = None

@@ -136,7 +136,8 @@ def reward_inputs(
     completion, and the counted completion token ids."""
     g = rollout.group_size
     columns: dict[str, list[Any]] = {}
-    for key in rollout.rows[0] if rollout.rows else {}:
+    keys = dict.fromkeys(key for row in rollout.rows for key in row)  # every row's, in order
+    for key in keys:
         if key != "prompt":
             columns[key] = [row.get(key) for row in rollout.rows for _ in range(g)]
     if rollout.turns is not None:
