@@ -147,3 +147,24 @@ def test_readme_config_reference_is_current() -> None:
     block = readme.split("<!-- config-reference:start -->\n", 1)[1]
     block = block.split("<!-- config-reference:end -->", 1)[0]
     assert block == reference_markdown(), "regenerate with: make docs"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            b"rollout: {group_size: 16}\noptim: {lr: 0.1}\nrollout: {max_new_tokens: 9}\n",
+            "invalid YAML at line 3, column 1: key 'rollout' is given twice",
+        ),
+        (b"optim:\n  lr: 0.1\n  lr: 0.2\n", "line 3, column 3: key 'lr' is given twice"),
+        (b"model:\n  name: caf\xe9\n", "is not UTF-8 text"),
+    ],
+)
+def test_a_recipe_that_would_lose_a_setting_is_one_line(
+    tmp_path: Path, capsys, content: bytes, message: str
+) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(content)
+    assert main(["config", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err

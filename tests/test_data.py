@@ -94,3 +94,37 @@ def test_task_split_and_args_errors():
         load_dataset_rows(DataConfig(task="countdown", task_args={"colour": "red"}), seed=0)
     rows = load_dataset_rows(DataConfig(task="countdown", task_args={"size": 3}), seed=0)
     assert len(rows) == 3 and rows.skipped == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("latin.jsonl", b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', "row 2 is not UTF-8 text"),
+        ("latin.csv", b"prompt\nok\ncaf\xe9\n", "row 3 is not UTF-8 text"),
+        ("ragged.csv", b"prompt,answer\na,1\nb,2,extra\n", "row 2 has more cells than the header"),
+        ("broken.parquet", b"PAR1 not really parquet", "not a readable Parquet file"),
+        ("array.json", b'[{"prompt": "a"}, 7]', "row 2 is not a JSON object"),
+        ("taken.jsonl", b'{"prompt": "a", "completions": 1}\n', "column 'completions' has the"),
+    ],
+)
+def test_files_that_cannot_be_read_are_one_line_naming_file_and_row(
+    tmp_path: Path, name: str, content: bytes, message: str
+):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message) as err:
+        load_dataset_rows(DataConfig(path=str(path)), seed=0)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_byte_order_mark_and_a_json_array_read_as_their_rows(tmp_path: Path):
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbfprompt,answer\nWhat is 1 + 1?,2\n")
+    array = tmp_path / "rows.json"
+    array.write_text(
+        json.dumps([{"prompt": "p", "answer": 3}, {"prompt": "q", "answer": 4}], indent=2)
+    )
+    assert [r["prompt"] for r in load_dataset_rows(DataConfig(path=str(bom)), 0)] == [
+        "What is 1 + 1?"
+    ]
+    assert [r["answer"] for r in load_dataset_rows(DataConfig(path=str(array)), 0)] == ["3", "4"]

@@ -53,6 +53,10 @@ def generator(completions, **kw):
     return (1.0 for _ in completions)
 def crash(completions, **kw):
     os._exit(3)  # as a segfault in a C extension would end the process
+def prompts_first(prompts, completions, **kw):
+    import numpy, torch
+    values = {"b": numpy.bool_(True), "t": torch.tensor(0.5), "f": numpy.float32(0.25)}
+    return [values[completions[0]]]
 def pid(completions, **kw):
     return [os.getpid()]
 def spawn_and_hang(completions, **kw):
@@ -527,3 +531,15 @@ def test_grpo_train_stops_with_one_line_after_patience(tmp_path: Path, tiny_mode
         "step 1: reward errors: boom 8/8",
         "step 2: reward errors: boom 8/8",
     ]
+
+
+def test_a_trl_style_reward_is_called_by_keyword_and_may_return_numpy_or_torch_numbers(
+    user_module: Path,
+):
+    runner = _runner(RewardSpec(name=f"{user_module}:prompts_first"))
+    try:
+        out = _score(runner, ["b", "t", "f"])
+    finally:
+        runner.close()
+    assert out.errors == {"prompts_first": 0}
+    assert out.per_function[:, 0].tolist() == [1.0, 0.5, 0.25]

@@ -7,6 +7,7 @@ messages) and, when the source has one, ``answer``; other columns pass through t
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 from pathlib import Path
@@ -22,31 +23,66 @@ class DataError(ValueError):
     """Data that cannot be used; the message names the file and row."""
 
 
+# what reward functions get besides the data's columns, which must not shadow them
+REWARD_ARGUMENTS = {"completions", "prompts", "completion_ids", "turns"}
+
+
+def _text(path: Path) -> str:
+    """The file as UTF-8 text (a byte-order mark dropped, as pandas and datasets do)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise DataError(f"{path}: row {line} is not UTF-8 text (byte {err.start})") from None
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    text = _text(path)
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return _read_json_array(path, text)  # one JSON array of objects, not lines
     rows = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}: row {line_no} is not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}: row {line_no} is not a JSON object")
-            rows.append(row)
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}: row {line_no} is not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: row {line_no} is not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def _read_json_array(path: Path, text: str) -> list[dict[str, Any]]:
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON ({err.msg}, line {err.lineno})") from None
+    for i, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: row {i} is not a JSON object")
     return rows
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
+    rows = list(csv.DictReader(io.StringIO(_text(path), newline="")))
+    for i, row in enumerate(rows, start=1):
+        if None in row:  # DictReader's key for cells past the header
+            raise DataError(f"{path}: row {i} has more cells than the header has columns")
+    return rows
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as err:
+        said = " ".join(str(err).split())[:200]
+        raise DataError(f"{path}: not a readable Parquet file ({said})") from None
 
 
 def _read_datasets_folder(path: Path, split: str) -> list[dict[str, Any]]:
@@ -136,6 +172,12 @@ def normalise_rows(
     and counted (``Rows.skipped``, and a warning) instead of failing the run.
     """
     has_answers = any(answer_field in row for row in rows)
+    taken = sorted({key for row in rows if isinstance(row, dict) for key in row} & REWARD_ARGUMENTS)
+    if taken:
+        raise DataError(
+            f"{source}: column '{taken[0]}' has the name of an argument every reward function "
+            f"gets ({', '.join(sorted(REWARD_ARGUMENTS))}); rename it"
+        )
     out = Rows()
     out.sources, out.numbers = [], []
     skipped_rows: list[int] = []

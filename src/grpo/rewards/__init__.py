@@ -2,7 +2,8 @@
 
 A reward function is any callable
 ``f(completions: list[str], *, prompts: list, completion_ids: list[list[int]], **columns)
--> list[float | None]``: dataset columns arrive as keyword lists aligned with ``completions``;
+-> list[float | None]`` (user functions get every argument by keyword, as TRL passes them):
+dataset columns arrive as keyword lists aligned with ``completions``;
 ``None`` means "not applicable" (excluded from that function's mean, weighted as 0).
 Built-ins with a true ``batched`` attribute get the whole batch in one call (a reward model);
 the others, and every user function, are called one completion at a time, so slow verifiers overlap and one failing

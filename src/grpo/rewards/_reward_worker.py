@@ -12,6 +12,7 @@ call; worker -> parent ``("ready", None)`` or ``("import_error", line)``, then p
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -74,6 +75,9 @@ def check_values(name: str, values: Any, expected: int) -> list[float | None]:
         )
     out: list[float | None] = []
     for i, value in enumerate(values):
+        if hasattr(value, "item") and not isinstance(value, (int, float)):
+            with contextlib.suppress(ValueError, TypeError, RuntimeError):  # not one number
+                value = value.item()  # a numpy scalar (np.bool_ too) or a 0-d tensor
         if value is not None and (isinstance(value, str) or not isinstance(value, numbers.Real)):
             raise ValueError(
                 f"reward '{name}' returned a {_describe(value)} at position {i}; "
@@ -124,7 +128,8 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
         except EOFError:  # the runner closed: done
             return
         try:
-            values = functions[k](completions, **kwargs)
+            # by keyword, as TRL calls rewards: f(prompts, completions, **kw) works as well
+            values = functions[k](completions=completions, **kwargs)
         except BaseException as err:  # user code: whatever it raises (SystemExit too) is reported
             frames = err.__traceback__.tb_next  # from the user's function down, not this loop
             outbox.send(("raised", "".join(traceback.format_exception(type(err), err, frames))))
