@@ -65,6 +65,7 @@ def test_train_writes_the_resolved_config(tmp_path: Path, tiny_model_dir: Path) 
             "config 'rollout.group_size': Input should be greater than or equal to 2",
         ),
         ("optim.lr=.inf", "config 'optim.lr': Input should be a finite number"),
+        ("train.run_name=2024-01-01", "got a date (values are read as YAML: quote it, train.run"),
         ("rewards.fallback=.nan", "config 'rewards.fallback': Input should be a finite number"),
         ("optim.betas=[1.5,0.9]", "config 'optim.betas.0': Input should be less than 1"),
         ("data.path=/no/such/file.jsonl", "data file not found: /no/such/file.jsonl"),

@@ -479,8 +479,10 @@ def test_a_model_folder_changed_under_its_name_is_one_line(tree: dict, tmp_path:
     train(make(moved, "swapped", steps=1))
     shutil.rmtree(folder)
     build_tiny_model(folder, hidden_size=32)
-    with pytest.raises(RunDirError) as refused:
-        train(make(moved, "swapped", steps=2))
+    with pytest.raises(ConfigError, match="the model folder's files"):
+        Trainer(make(moved, "swapped", steps=2))
+    with pytest.raises(RunDirError) as refused:  # forced: the weights cannot fit
+        train(make(moved, "swapped", steps=2, resume="force"))
     message = str(refused.value)
     assert "does not fit the model" in message and "size mismatch" in message
     assert "\n" not in message
@@ -521,3 +523,26 @@ def test_a_rewind_then_a_forced_change_as_the_refusal_says(tree: dict) -> None:
     train(make(tree, "rewind-lr", steps=1, resume=step_1))
     train(make(slower, "rewind-lr", steps=3, resume="force"))
     assert [row["lr"] for row in step_rows(run_dir)] == [1e-2, 5e-3, 5e-3]
+
+
+def test_inputs_changed_under_the_same_names_are_a_change_of_the_math(
+    tree: dict, tmp_path: Path
+) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"say {i}", "answer": str(i)}) + "\n" for i in range(8))
+    )
+    model = tmp_path / "model"
+    shutil.copytree(tree["model"]["name"], model)
+    moved = {**tree, "model": {"name": str(model)}, "data": {"path": str(data)}}
+    train(make(moved, "inputs", steps=1))
+    data.write_text(data.read_text().replace("say 3", "say three"))
+    with pytest.raises(ConfigError, match=r"changes the math: the data's rows '[0-9a-f]+' -> "):
+        Trainer(make(moved, "inputs", steps=2))
+    shutil.rmtree(model)
+    build_tiny_model(model, seed=1)  # another model of the same shapes under the same name
+    with pytest.raises(ConfigError, match=r"the data's rows .*, the model folder's files '"):
+        Trainer(make(moved, "inputs", steps=2))
+    run_dir = train(make(moved, "inputs", steps=2, resume="force"))
+    history = [json.loads(line) for line in (run_dir / "config_history.jsonl").open()]
+    assert {"the data's rows", "the model folder's files"} <= history[-1]["changed"].keys()

@@ -199,6 +199,17 @@ def test_unknown_reward_and_bad_args():
         resolve_reward(RewardSpec(name="accuracy", args={"extract": ["tea_leaves"]}))
     with pytest.raises(RewardError, match="mode"):
         resolve_reward(RewardSpec(name="code", args={"mode": "sometimes"}))
+    for name, below in {"cpu_s": 0, "wall_s": 0.001, "memory_mb": 1, "max_procs": 0}.items():
+        with pytest.raises(RewardError, match=rf"'code': {name} must be at least"):
+            resolve_reward(RewardSpec(name="code", args={name: below}))
+
+
+def test_a_right_program_passes_at_the_code_rewards_smallest_limits():
+    from grpo.rewards.code import LIMIT_FLOORS
+
+    score = resolve_reward(RewardSpec(name="code", args=LIMIT_FLOORS))
+    program = "```python\ndef add(a, b):\n    return a + b\n```"
+    assert score([program], tests=[["assert add(1, 2) == 3"]]) == [1.0]
 
 
 def test_accuracy_and_code_through_the_runner():

@@ -76,6 +76,18 @@ def test_notebook_source_prints_the_last_expression_of_several_lines() -> None:
     assert notebook_source("a = 1\nb = 2; a + b") == "a = 1\nb = 2; __value = (a + b)" + shown
 
 
+def test_notebook_source_counts_lines_and_columns_as_the_parser_does() -> None:
+    tool = PythonTool(timeout_s=5)
+    # a line separator or form feed inside a string is no line end; a column counts UTF-8 bytes
+    assert tool('s = "a\u2028b\x0cc"\nlen(s)').observation == "5"
+    assert tool('x = "é"; len(x)').observation == "1"
+    assert tool("x = 2\r\nx * 21").observation == "42"
+
+
+def test_a_program_that_exits_with_a_message_shows_it() -> None:
+    assert PythonTool(timeout_s=5)("raise SystemExit('bye')").error == "bye"
+
+
 def test_python_tool_errors_are_one_line_for_the_model() -> None:
     result = PythonTool(timeout_s=5)("print(1)\n1 / 0")
     assert result.output == "1"

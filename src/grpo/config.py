@@ -418,6 +418,12 @@ def _format_validation_error(err: ValidationError) -> str:
         suggestion = suggest_key(tuple(first["loc"]))
         hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
         return f"unknown config key '{where}'{hint}; every key: grpo config --reference"
+    if first["type"] == "string_type":  # YAML read 123, 2024-01-01 or on as another type
+        kind = type(first.get("input")).__name__
+        return (
+            f"config '{where}': {first['msg']}, got a {kind} (values are read as YAML: quote "
+            f"it, {where}='\"<value>\"' on the command line)"
+        )
     return f"config '{where}': {first['msg']}"
 
 

@@ -99,6 +99,45 @@ def file_digest(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
+def rows_digest(rows: list[dict[str, Any]]) -> str:
+    """A fingerprint of the rows a run trains on, in their order: a data file edited between a
+    checkpoint and its resume changes it, whatever its path."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode() + b"\n")
+    return digest.hexdigest()[:16]
+
+
+def model_digest(path: str) -> str | None:
+    """A fingerprint of a local model folder (None for a hub id): its config.json, and each
+    weights file's name, size and first MiB (past the header, tensors' bytes), so another model
+    put under the same name changes it without reading gigabytes."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+    for file in [folder / "config.json", *weights]:
+        if file.is_file():
+            with file.open("rb") as f:
+                digest.update(f"{file.name} {file.stat().st_size}\n".encode() + f.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+# what a run's checkpoints fingerprint besides its config, and how a change is named
+INPUTS = {"data": "the data's rows", "model": "the model folder's files"}
+
+
+def input_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Fingerprints that differ between a checkpoint (``old``) and this run (``new``), named
+    for the user; one a side lacks (an older checkpoint, a hub id) is no change."""
+    return {
+        label: (old[key], new[key])
+        for key, label in INPUTS.items()
+        if old.get(key) and new.get(key) and old[key] != new[key]
+    }
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text``: a reader sees the old file or the new one, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -268,6 +307,7 @@ class Checkpoint:
     step: int
     config: dict[str, Any]
     world_size: int
+    inputs: dict[str, Any]  # fingerprints of the data and model (``INPUTS``); {} when older
 
     @classmethod
     def read(cls, folder: Path) -> Checkpoint | str:
@@ -281,7 +321,10 @@ class Checkpoint:
             return "its manifest.json is unreadable"
         if "trainer_state.pt" not in manifest["files"]:
             return "it is a saved model, not a checkpoint (no trainer_state.pt)"
-        return cls(folder, manifest["step"], config, world)
+        inputs = manifest.get("inputs")
+        return cls(
+            folder, manifest["step"], config, world, inputs if isinstance(inputs, dict) else {}
+        )
 
 
 class RunDir:

@@ -49,8 +49,11 @@ from grpo.run_dir import (
     RunDirError,
     config_changes,
     describe_changes,
+    input_changes,
     is_disk_full,
     math_changes,
+    model_digest,
+    rows_digest,
 )
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
 from grpo.temperature import TemperatureController
@@ -424,6 +427,8 @@ class Trainer:
             config.rewards.max_error_frac, config.rewards.error_patience
         )
         model_path = resolve_model_path(config.model.name)
+        # what checkpoints fingerprint, so a resume sees inputs changed under the same names
+        self.inputs = {"data": rows_digest(self.rows), "model": model_digest(model_path)}
         # the run directory is locked, and a resume checked, before the model loads
         self.run = RunDir(config.run_dir)
         # what a resume changes (all keys, for the history; those that change the math)
@@ -532,6 +537,7 @@ class Trainer:
         new = self.config.model_dump(mode="json")
         defaults = Config().model_dump(mode="json")
         forced = math_changes(checkpoint.config, new, defaults)
+        forced.update(input_changes(checkpoint.inputs, self.inputs))
         fixed = {key: change for key, change in forced.items() if key in FIXED_KEYS}
         if fixed:
             raise ConfigError(
@@ -556,7 +562,10 @@ class Trainer:
                 f"resuming {checkpoint.path} with a config that changes the math: "
                 f"{describe_changes(forced)}; {how}"
             )
-        self.config_changes = config_changes(checkpoint.config, new, defaults)
+        self.config_changes = {
+            **config_changes(checkpoint.config, new, defaults),
+            **input_changes(checkpoint.inputs, self.inputs),
+        }
         self.forced_changes = forced
         return checkpoint
 
@@ -842,6 +851,7 @@ class Trainer:
         return {
             "world_size": self.dist.world_size,
             "run_config": self.config.model_dump(mode="json"),
+            "inputs": self.inputs,
         }
 
     def save_checkpoint(self) -> None:

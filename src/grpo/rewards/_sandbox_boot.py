@@ -279,6 +279,8 @@ def keeper(fds: dict[str, int]) -> None:
             first_process(spec, ctl, go_read, status_write, isolation)
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else (stop.code is not None)
+            if stop.code is not None and not isinstance(stop.code, int):
+                print(stop.code, file=sys.stderr)  # as Python says sys.exit("message")
         except BaseException:
             traceback.print_exc()
             code = 1

@@ -102,6 +102,10 @@ def _as_tests(value: Any) -> list[Any]:
     )
 
 
+# the smallest limits a correct program runs under (the candidate and the judge are two processes)
+LIMIT_FLOORS = {"cpu_s": 1, "wall_s": 1, "memory_mb": 64, "file_mb": 1, "max_procs": 2}
+
+
 @register("code")
 def code_reward(
     tests_field: str = "tests",
@@ -117,6 +121,13 @@ def code_reward(
     without tests."""
     if mode not in SCORES:
         raise RewardError(f"reward 'code': mode must be one of {', '.join(SCORES)}, got '{mode}'")
+    given = {"cpu_s": cpu_s, "wall_s": wall_s, "memory_mb": memory_mb, "file_mb": file_mb}
+    for name, value in {**given, "max_procs": max_procs}.items():
+        if value < LIMIT_FLOORS[name]:
+            raise RewardError(
+                f"reward 'code': {name} must be at least {LIMIT_FLOORS[name]}, got {value} "
+                "(below it no program, however right, runs to the end: every score would be 0)"
+            )
     limits = Limits(
         cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb, file_mb=file_mb, max_procs=max_procs
     )

@@ -15,6 +15,7 @@ the rollout goes on.
 from __future__ import annotations
 
 import ast
+import io
 import math
 import time
 from dataclasses import dataclass
@@ -52,8 +53,11 @@ def notebook_source(code: str) -> str:
     if not tree.body or not isinstance(tree.body[-1], ast.Expr):
         return code
     last = tree.body[-1]
-    lines = code.splitlines(keepends=True)
-    head = "".join(lines[: last.lineno - 1]) + lines[last.lineno - 1][: last.col_offset]
+    # the parser's lines (\n, \r\n, \r), not str.splitlines' (which also splits at U+2028 or a
+    # form feed inside a string); its column is a count of UTF-8 bytes
+    lines = io.StringIO(code, newline="").readlines()
+    start = lines[last.lineno - 1].encode()[: last.col_offset].decode()
+    head = "".join(lines[: last.lineno - 1]) + start
     expr = ast.get_source_segment(code, last.value)
     return f"{head}__value = ({expr})\nif __value is not None:\n    print(repr(__value))\n"
 
