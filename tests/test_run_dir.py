@@ -314,3 +314,18 @@ def test_disk_full_is_recognised_through_wrappers() -> None:
     except RuntimeError as outer:
         assert is_disk_full(outer)
     assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))
+
+
+def test_a_damaged_checkpoint_goes_once_older_than_every_one_kept(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    for step in (1, 2):
+        _checkpoint(run, step)
+    (run.checkpoints / "step-2").rename(run.checkpoints / "step-2.damaged")
+
+    def commit(step: int) -> list[str]:
+        run.fresh_temp(run.checkpoint_temp(step))
+        run.commit_checkpoint(step, {"world_size": 1, "run_config": {}}, keep_last=2)
+        return sorted(p.name for p in run.checkpoints.iterdir())
+
+    assert commit(3) == ["step-1", "step-2.damaged", "step-3"]
+    assert commit(4) == ["step-3", "step-4"]  # where a complete step-2 would have gone too

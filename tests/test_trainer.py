@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -246,6 +247,27 @@ def test_an_update_frees_its_gradients_once_its_step_is_taken(tiny_config) -> No
     assert all(p.grad is None for p in trainer.policy.parameters())
 
 
+def test_a_step_whose_gradient_is_not_finite_leaves_the_weights_and_says_so(
+    tiny_config, capsys
+) -> None:
+    trainer = Trainer(tiny_config())
+    scored = trainer.score(trainer.rollout())
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    weight = next(p for p in trainer.policy.parameters() if p.requires_grad)
+    hook = weight.register_hook(lambda grad: grad * float("nan"))  # as a diverged loss gives
+    trainer.step = 1
+    out = trainer.optimize(scored)
+    assert math.isnan(out["grad_norm"])
+    params = list(trainer.policy.parameters())
+    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    said = [line for line in capsys.readouterr().err.splitlines() if "not finite" in line]
+    assert len(said) == 1 and "step 1" in said[0] and "skipped" in said[0]
+    assert trainer.scheduler.last_epoch == 0 and all(p.grad is None for p in params)
+    hook.remove()
+    trainer.optimize(scored)  # the next finite step moves them
+    assert any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+
+
 def test_micro_batches_keep_groups_whole_longest_first_with_their_advantages(
     tiny_config,
 ) -> None:
@@ -360,3 +382,9 @@ def test_only_the_hf_engine_generates_from_gathered_parameters(tiny_config, monk
     trainer.config.rollout.engine = "vllm"  # the engine object stays; only the choice is read
     trainer.rollout()
     assert gathered == [trainer.policy]
+
+
+def test_progress_off_means_no_bars_at_all(tiny_config, capfd) -> None:
+    train(tiny_config(train={"steps": 1, "progress": False}))
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err, err[-500:]

@@ -287,7 +287,7 @@ class TrainConfig(Section):
     sinks: list[str] = ["jsonl", "tensorboard"]
     """Metric sinks: jsonl (always on), tensorboard, wandb, trackio (offline)."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show a progress bar (false: no bars at all, transformers' loading and saving ones too)."""
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads (default: torch's choice)."""
     malloc: Literal["keep", "return", "default"] = "keep"

@@ -523,6 +523,11 @@ class RunDir:
         self.intact = target
         for _, old in self.step_folders()[keep_last:]:
             shutil.rmtree(old)
+        # a damaged checkpoint goes once it is older than every one kept, as it would have
+        oldest = self.step_folders()[-1][0]
+        for damaged in self.checkpoints.glob("step-*.damaged"):
+            if int(damaged.name.split("-")[1].split(".")[0]) < oldest:
+                shutil.rmtree(damaged)
         return target
 
     def commit_final(self, step: int, meta: dict[str, Any]) -> Path:

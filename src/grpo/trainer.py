@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import Tensor, nn
 
 from grpo import algorithm, distributed
@@ -405,6 +406,8 @@ class Trainer:
             and self.dist.is_main
         ):
             print(K1_WARNING, file=sys.stderr)
+        if not config.train.progress:  # nor transformers' bars (loading, writing weights)
+            transformers.utils.logging.disable_progress_bar()
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
         torch.manual_seed(config.train.seed)
@@ -428,7 +431,11 @@ class Trainer:
         )
         model_path = resolve_model_path(config.model.name)
         # what checkpoints fingerprint, so a resume sees inputs changed under the same names
-        self.inputs = {"data": rows_digest(self.rows), "model": model_digest(model_path)}
+        self.inputs = {
+            # a task's rows follow from the config, which is compared anyway; a file can change
+            "data": rows_digest(self.rows) if config.data.path is not None else None,
+            "model": model_digest(model_path),
+        }
         # the run directory is locked, and a resume checked, before the model loads
         self.run = RunDir(config.run_dir)
         # what a resume changes (all keys, for the history; those that change the math)
@@ -787,13 +794,25 @@ class Trainer:
     def _clip_and_step(self) -> float:
         params = [p for p in self.policy.parameters() if p.requires_grad]
         max_norm = self.config.optim.max_grad_norm or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        self.optimizer.step()
+        norm = distributed.as_float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        finite = math.isfinite(norm)
+        if finite:
+            self.optimizer.step()
+        elif self.dist.is_main:
+            # an inf or NaN step would make every weight NaN (and the next rollout fail): the
+            # weights stay as they are, as mixed precision's loss scaling skips such a step
+            print(
+                f"grpo: warning: step {self.step}: the gradient's norm is {norm} (not finite); "
+                "the optimizer step is skipped, the weights are unchanged",
+                file=sys.stderr,
+                flush=True,
+            )
         # free the gradients now, not at the next update: the rollout and the frozen log-probs
         # between the two then reuse their memory instead of growing the process (as TRL does)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return distributed.as_float(norm)
+        if finite:
+            self.scheduler.step()
+        return norm
 
     # ----------------------------------------------------------------------------- bookkeeping
 
