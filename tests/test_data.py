@@ -99,8 +99,8 @@ def test_task_split_and_args_errors():
 @pytest.mark.parametrize(
     ("name", "content", "message"),
     [
-        ("latin.jsonl", b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', "row 2 is not UTF-8 text"),
-        ("latin.csv", b"prompt\nok\ncaf\xe9\n", "row 3 is not UTF-8 text"),
+        ("latin.jsonl", b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', "line 2 is not UTF-8 text"),
+        ("latin.csv", b"prompt\nok\ncaf\xe9\n", "line 3 is not UTF-8 text"),
         ("ragged.csv", b"prompt,answer\na,1\nb,2,extra\n", "row 2 has more cells than the header"),
         ("broken.parquet", b"PAR1 not really parquet", "not a readable Parquet file"),
         ("array.json", b'[{"prompt": "a"}, 7]', "row 2 is not a JSON object"),
@@ -115,6 +115,12 @@ def test_files_that_cannot_be_read_are_one_line_naming_file_and_row(
     with pytest.raises(DataError, match=message) as err:
         load_dataset_rows(DataConfig(path=str(path)), seed=0)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_line_separator_inside_a_json_string_is_no_line_end(tmp_path: Path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "a\u2028b\x85c"}, ensure_ascii=False) + "\n")
+    assert load_dataset_rows(DataConfig(path=str(path)), 0)[0]["prompt"] == "a\u2028b\x85c"
 
 
 def test_a_byte_order_mark_and_a_json_array_read_as_their_rows(tmp_path: Path):

@@ -457,9 +457,8 @@ def test_a_rewind_removes_what_followed_its_checkpoint(tree: dict, straight: Pat
 def test_what_no_resume_can_change_is_refused_in_one_line(tree: dict, tmp_path: Path) -> None:
     run_dir = train(make(tree, "fixed", steps=2))
     lora = {**tree, "model": {**tree["model"], "lora": {"enabled": True}}}
-    copy = tmp_path / "copy"
-    shutil.copytree(tree["model"]["name"], copy)
-    renamed = {**tree, "model": {**tree["model"], "name": str(copy)}}
+    other = build_tiny_model(tmp_path / "other", seed=1)  # the same shapes, other weights
+    renamed = {**tree, "model": {**tree["model"], "name": str(other)}}
     for changed, key in ((lora, "model.lora.enabled"), (renamed, "model.name")):
         with pytest.raises(ConfigError) as refused:
             Trainer(make(changed, "fixed", steps=3, resume="force"))
@@ -470,6 +469,11 @@ def test_what_no_resume_can_change_is_refused_in_one_line(tree: dict, tmp_path: 
         Trainer(make(tree, "fixed", steps=1))
     with pytest.raises(RunDirError, match="a saved model, not a checkpoint"):
         Trainer(make(tree, "fixed", steps=3, resume=str(run_dir / "final")))
+    # what changes nothing goes on: the same files in another folder, LoRA's rank with LoRA off
+    moved = tmp_path / "moved"
+    shutil.copytree(tree["model"]["name"], moved)
+    same = {**tree, "model": {"name": str(moved), "lora": {"r": 4}}}
+    assert Trainer(make(same, "fixed", steps=3)).resume_from.step == 2
 
 
 def test_a_model_folder_changed_under_its_name_is_one_line(tree: dict, tmp_path: Path) -> None:
@@ -512,6 +516,14 @@ def test_the_resume_command_after_a_stop_continues_the_run(monkeypatch, capsys) 
         assert main(argv[1:]) == 143
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.endswith("resume with: grpo train train.run_name=x train.resume=auto"), last
+
+    def stopped_before_a_checkpoint(config):
+        raise TrainingStopped(signal.SIGINT, 1, None, True)
+
+    monkeypatch.setattr("grpo.trainer.train", stopped_before_a_checkpoint)
+    assert main(argv[1:]) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith("start over with: grpo train train.run_name=x train.resume=never"), last
 
 
 def test_a_rewind_then_a_forced_change_as_the_refusal_says(tree: dict) -> None:

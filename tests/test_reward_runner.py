@@ -57,6 +57,8 @@ def prompts_first(prompts, completions, **kw):
     import numpy, torch
     values = {"b": numpy.bool_(True), "t": torch.tensor(0.5), "f": numpy.float32(0.25)}
     return [values[completions[0]]]
+def named_otherwise(texts, **kw):
+    return [float(len(texts[0]))]
 def pid(completions, **kw):
     return [os.getpid()]
 def spawn_and_hang(completions, **kw):
@@ -543,3 +545,8 @@ def test_a_trl_style_reward_is_called_by_keyword_and_may_return_numpy_or_torch_n
         runner.close()
     assert out.errors == {"prompts_first": 0}
     assert out.per_function[:, 0].tolist() == [1.0, 0.5, 0.25]
+    runner = _runner(RewardSpec(name=f"{user_module}:named_otherwise"))  # f(texts, **kw)
+    try:
+        assert _score(runner, ["abc"]).per_function[0, 0] == 3.0
+    finally:
+        runner.close()

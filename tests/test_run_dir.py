@@ -273,6 +273,11 @@ def test_a_key_a_newer_version_added_is_no_change_the_user_made() -> None:
     assert "rewards.max_error_frac" not in config_changes(old, new, defaults)
     changed = {**new, "rewards": {**new["rewards"], "max_error_frac": 0.9}}
     assert math_changes(old, changed, defaults)["rewards.max_error_frac"] == (0.5, 0.9)
+    # a key removed from a value the new config still has ({} task_args) is a change
+    args = {"data": {"task_args": {"max_number": 50}}}
+    assert math_changes(args, {"data": {"task_args": {}}}, {"data": {"task_args": {}}}) == {
+        "data.task_args.max_number": (50, None)
+    }
 
 
 def test_a_metrics_line_that_is_not_utf8_is_one_more_unreadable_line(tmp_path: Path) -> None:
@@ -288,6 +293,8 @@ def test_what_a_previous_run_left_and_what_a_rewind_removes(tmp_path: Path) -> N
     run.claim()
     assert run.previous_run() == []
     run.log_event(0, "resume")  # event rows alone: no step was trained
+    with run.metrics.open("a") as f:
+        f.write('{"step": 0, "eval/reward/mean": 0.1}\n')  # the baseline eval before step 1
     assert run.previous_run() == []
     for step in (1, 2, 3):
         _checkpoint(run, step)

@@ -1070,3 +1070,13 @@ def test_an_observation_that_fills_the_budget_ends_the_completion(tiny_model_dir
     assert len(requests) == 1
     assert [(t["call"], t["output"]) for t in rollout.turns[0]] == [("print(12*34)\n", "408")]
     assert rollout.truncated.all() and int(rollout.completion_mask.sum()) == budget
+
+
+def test_a_data_column_named_turns_is_refused_in_a_tool_run(tiny_config, tmp_path) -> None:
+    from grpo.data import DataError
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "p", "answer": "1", "turns": 3}) + "\n")
+    with pytest.raises(DataError, match="column 'turns' has the name"):
+        Trainer(tiny_config(data={"path": str(data)}, rollout={"tools": ["python"]}))
+    Trainer(tiny_config(data={"path": str(data)}))  # without tools it is a column like any other

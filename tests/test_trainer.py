@@ -385,6 +385,10 @@ def test_only_the_hf_engine_generates_from_gathered_parameters(tiny_config, monk
 
 
 def test_progress_off_means_no_bars_at_all(tiny_config, capfd) -> None:
+    from transformers.utils import logging
+
+    logging.enable_progress_bar()
     train(tiny_config(train={"steps": 1, "progress": False}))
     err = capfd.readouterr().err
     assert "Loading weights" not in err and "Writing model shards" not in err, err[-500:]
+    assert logging.is_progress_bar_enabled()  # as they were, once the run ends

@@ -52,13 +52,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingStopped as stop:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one line for the run
             # train.resume=auto, whatever the recipe or the command said: run again with
-            # "never" or an older checkpoint, it would throw away the steps just saved
+            # "never" or an older checkpoint, it would throw away the steps just saved; with
+            # no checkpoint there is nothing to resume, and the run starts over
+            how, mode = ("resume", "auto") if stop.checkpoint else ("start over", "never")
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                again = "the same torchrun command with train.resume=auto"
+                again = f"the same torchrun command with train.resume={mode}"
             else:
                 kept = [a for a in sys.argv[1:] if not a.startswith("train.resume=")]
-                again = shlex.join(["grpo", *kept, "train.resume=auto"])
-            print(f"grpo: {stop}; resume with: {again}", file=sys.stderr)
+                again = shlex.join(["grpo", *kept, f"train.resume={mode}"])
+            print(f"grpo: {stop}; {how} with: {again}", file=sys.stderr)
         return stop.exit_code
     print(f"run finished: {run_dir}")
     return 0

@@ -8,6 +8,7 @@ Unknown keys are errors. ``load_config`` returns a validated ``Config``; bad inp
 from __future__ import annotations
 
 import difflib
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -469,14 +470,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
-        for key_node, _ in node.value:
+        for key_node, _ in node.value:  # as written: keys a merge (<<: *anchor) brings may repeat
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            if isinstance(key, Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key '{key}' is given twice", key_node.start_mark
                 )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+            if isinstance(key, Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)  # an unhashable key: its own error
 
 
 def read_recipe(path: str | Path) -> dict[str, Any]:

@@ -288,7 +288,28 @@ def math_changes(
     a, b = flatten(old), flatten(new)
     if defaults is None:
         changes = {k: v for k, v in changes.items() if k in a and k in b}
-    return {k: v for k, v in changes.items() if k in b and changes_math(k)}
+
+    def kept(key: str) -> bool:
+        # a key only the old config has counts when a section above it is a value the new one
+        # has ({} task_args lost max_number); else a newer grpo dropped it
+        parts = key.split(".")
+        return key in b or any(".".join(parts[:i]) in b for i in range(1, len(parts)))
+
+    return {k: v for k, v in changes.items() if kept(k) and changes_math(k)}
+
+
+def moot_change(key: str, change: tuple[Any, Any], new: dict[str, Any], same_model: bool) -> bool:
+    """A config change that changes nothing: ``model.name`` naming a folder whose files are the
+    same (moved or copied), LoRA's shape while LoRA is off, its target modules in another order."""
+    old_value, new_value = change
+    if key == "model.name":
+        return same_model
+    if key.startswith("model.lora.") and key != "model.lora.enabled":
+        if not flatten(new).get("model.lora.enabled"):  # enabled is compared on its own
+            return True
+        lists = isinstance(old_value, list) and isinstance(new_value, list)
+        return lists and sorted(old_value) == sorted(new_value)
+    return False
 
 
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
@@ -430,7 +451,7 @@ class RunDir:
         if self.final.exists():
             left.append("final/")
         rows, _ = read_jsonl(self.metrics)
-        if any("event" not in row for row in rows):
+        if any("event" not in row and row.get("step", 0) > 0 for row in rows):  # step 0: baseline
             left.append("metrics.jsonl")
         return left
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from grpo import algorithm, distributed
 from grpo.batch import Rollout, Scored
 from grpo.config import Config, ConfigError, dump_config
-from grpo.data import load_dataset_rows, system_prompt_for
+from grpo.data import DataError, load_dataset_rows, system_prompt_for
 from grpo.eval import evaluate, evaluate_with_tools, heldout_rows, settings_for
 from grpo.logprobs import chunked_head_slot, completion_logprobs, full_logits, scoring_path
 from grpo.memory import set_malloc_policy
@@ -54,6 +54,7 @@ from grpo.run_dir import (
     is_disk_full,
     math_changes,
     model_digest,
+    moot_change,
     rows_digest,
 )
 from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
@@ -406,7 +407,9 @@ class Trainer:
             and self.dist.is_main
         ):
             print(K1_WARNING, file=sys.stderr)
-        if not config.train.progress:  # nor transformers' bars (loading, writing weights)
+        # nor transformers' bars (loading, writing weights), until train() ends
+        self.bars_were_on = transformers.utils.logging.is_progress_bar_enabled()
+        if not config.train.progress:
             transformers.utils.logging.disable_progress_bar()
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
@@ -414,6 +417,11 @@ class Trainer:
         random.seed(config.train.seed)
         # everything that can fail on bad input happens before the run directory is touched
         self.rows = load_dataset_rows(config.data, config.train.seed)
+        if config.rollout.tools and any("turns" in row for row in self.rows):
+            raise DataError(
+                f"{config.data.path or config.data.task}: column 'turns' has the name of the "
+                "argument rewards get a tool rollout's turns in; rename it"
+            )
         self.prompt_format = prompt_format_for(
             config.data, system_prompt_for(config.data), chat_tools(config.rollout)
         )
@@ -544,6 +552,13 @@ class Trainer:
         new = self.config.model_dump(mode="json")
         defaults = Config().model_dump(mode="json")
         forced = math_changes(checkpoint.config, new, defaults)
+        model = self.inputs["model"]
+        same_model = model is not None and checkpoint.inputs.get("model") == model
+        forced = {
+            key: change
+            for key, change in forced.items()
+            if not moot_change(key, change, new, same_model)
+        }
         forced.update(input_changes(checkpoint.inputs, self.inputs))
         fixed = {key: change for key, change in forced.items() if key in FIXED_KEYS}
         if fixed:
@@ -944,6 +959,8 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         try:
             self._load_checkpoint(path)
+        except (torch.OutOfMemoryError, torch.distributed.DistError):
+            raise  # the machine's trouble, not the checkpoint's
         except (RuntimeError, ValueError, KeyError) as err:  # shapes, names, optimizer groups
             said = " ".join(str(err).split()) or type(err).__name__  # torch's spans lines
             raise RunDirError(
@@ -1047,6 +1064,8 @@ class Trainer:
             self.rewards.close()
             close_engine(self.engine)
             self.run.release()
+            if self.bars_were_on:
+                transformers.utils.logging.enable_progress_bar()
         return self.config.run_dir
 
     def _loop(self, stop: StopSignals) -> None:

@@ -24,7 +24,7 @@ class DataError(ValueError):
 
 
 # what reward functions get besides the data's columns, which must not shadow them
-REWARD_ARGUMENTS = {"completions", "prompts", "completion_ids", "turns"}
+REWARD_ARGUMENTS = {"completions", "prompts", "completion_ids"}
 
 
 def _text(path: Path) -> str:
@@ -34,7 +34,7 @@ def _text(path: Path) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
-        raise DataError(f"{path}: row {line} is not UTF-8 text (byte {err.start})") from None
+        raise DataError(f"{path}: line {line} is not UTF-8 text (byte {err.start})") from None
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -42,7 +42,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".json" and text.lstrip().startswith("["):
         return _read_json_array(path, text)  # one JSON array of objects, not lines
     rows = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    # JSON lines end at \n (or \r\n, \r); U+2028 and the like may stand raw inside a string
+    for line_no, line in enumerate(io.StringIO(text, newline=None), start=1):
         if not line.strip():
             continue
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -100,6 +101,14 @@ def check_values(name: str, values: Any, expected: int) -> list[float | None]:
     return out
 
 
+def _names_completions(fn: Any) -> bool:
+    """Whether ``fn`` has a parameter called ``completions`` (then it gets them by keyword)."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read
+        return False
+
+
 def _exit_with_parent(parent: int) -> None:
     # a call stuck in user code never reads EOF, so watch the parent instead
     while os.getppid() == parent:
@@ -122,14 +131,17 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
             return
     outbox.send(("ready", None))
     names = [ref.rpartition(":")[2] for ref in refs]
+    by_name = [_names_completions(fn) for fn in functions]
     while True:
         try:
             k, completions, kwargs = inbox.recv()
         except EOFError:  # the runner closed: done
             return
         try:
-            # by keyword, as TRL calls rewards: f(prompts, completions, **kw) works as well
-            values = functions[k](completions=completions, **kwargs)
+            if by_name[k]:  # by keyword, as TRL calls rewards: f(prompts, completions, **kw)
+                values = functions[k](completions=completions, **kwargs)
+            else:  # f(texts, **kw): the completions are its first argument
+                values = functions[k](completions, **kwargs)
         except BaseException as err:  # user code: whatever it raises (SystemExit too) is reported
             frames = err.__traceback__.tb_next  # from the user's function down, not this loop
             outbox.send(("raised", "".join(traceback.format_exception(type(err), err, frames))))
