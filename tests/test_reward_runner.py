@@ -57,6 +57,11 @@ def prompts_first(prompts, completions, **kw):
     import numpy, torch
     values = {"b": numpy.bool_(True), "t": torch.tensor(0.5), "f": numpy.float32(0.25)}
     return [values[completions[0]]]
+def group_relative(completions, answer, **kw):
+    # each completion against the batch's mean length, as a group-relative reward is
+    mean = sum(map(len, completions)) / len(completions)
+    return [len(c) - mean for c in completions]
+group_relative.batched = True
 def named_otherwise(texts, **kw):
     return [float(len(texts[0]))]
 def pid(completions, **kw):
@@ -253,7 +258,7 @@ class ScriptedPool:
     script: ClassVar[list[Outcome]] = []
 
     def __init__(self, names: list[str], workers: int, max_rss_mb: float) -> None:
-        pass
+        self.batched = [False] * len(names)
 
     def run(self, calls: list, timeout_s: float) -> list[Outcome]:
         assert len(calls) == len(self.script)
@@ -550,3 +555,15 @@ def test_a_trl_style_reward_is_called_by_keyword_and_may_return_numpy_or_torch_n
         assert _score(runner, ["abc"]).per_function[0, 0] == 3.0
     finally:
         runner.close()
+
+
+def test_a_batched_user_function_scores_the_whole_batch_in_one_call(user_module: Path):
+    runner = _runner(
+        RewardSpec(name=f"{user_module}:group_relative"), RewardSpec(name=f"{user_module}:pid")
+    )
+    try:
+        out = _score(runner, ["a", "abc", "abcde"], answer="1")
+    finally:
+        runner.close()
+    assert out.per_function[:, 0].tolist() == [-2.0, 0.0, 2.0]  # one call saw all three
+    assert out.errors == {"group_relative": 0, "pid": 0}

@@ -5,8 +5,8 @@ A reward function is any callable
 -> list[float | None]`` (user functions get every argument by keyword, as TRL passes them):
 dataset columns arrive as keyword lists aligned with ``completions``;
 ``None`` means "not applicable" (excluded from that function's mean, weighted as 0).
-Built-ins with a true ``batched`` attribute get the whole batch in one call (a reward model);
-the others, and every user function, are called one completion at a time, so slow verifiers overlap and one failing
+Functions with a true ``batched`` attribute get the whole batch in one call (a reward model,
+a reward relative to its group); the others are called one completion at a time, so slow verifiers overlap and one failing
 completion falls back alone. Built-ins run in this process; user functions, named by
 ``module:function`` or ``path/to/file.py:function``, run in worker processes that can be killed
 (``RewardRunner``). A built-in with a ``close()`` method is closed with the runner (worker
@@ -195,11 +195,21 @@ class RewardRunner:
                 future = self.threads.submit(fn, [completions[i]], **rows[i])
                 threaded.append((k, [i], future))
         if self.pool is not None:
-            # completion-major, so one slow function does not hold back the others' first calls
-            which = [(j, i) for i in range(n) for j in range(len(self.user))]
-            calls = [(j, [completions[i]], rows[i]) for j, i in which]
+            # a batched function's one call first; the others completion-major, so one slow
+            # function does not hold back the others' first calls
+            batched = self.pool.batched
+            which = [(j, list(range(n))) for j in range(len(self.user)) if batched[j]]
+            which += [(j, [i]) for i in range(n) for j in range(len(self.user)) if not batched[j]]
+            calls = [
+                (
+                    j,
+                    [completions[i] for i in idx],
+                    {key: [v[i] for i in idx] for key, v in kwargs.items()},
+                )
+                for j, idx in which
+            ]
             outcomes = self.pool.run(calls, self.config.timeout_s)
-            for (j, i), outcome in zip(which, outcomes, strict=True):
+            for (j, idx), outcome in zip(which, outcomes, strict=True):
                 k = self.user[j]
                 if outcome.recycled:
                     limit = self.config.max_worker_rss_mb
@@ -207,9 +217,9 @@ class RewardRunner:
                         k, "recycled", f"passed rewards.max_worker_rss_mb={limit:g} after a call"
                     )
                 if outcome.kind == "ok":
-                    self._store(scores, k, [i], outcome.values)
+                    self._store(scores, k, idx, outcome.values)
                 else:
-                    self._fail(scores, errors, k, [i], outcome.kind, outcome.detail)
+                    self._fail(scores, errors, k, idx, outcome.kind, outcome.detail)
         for k, idx, future in threaded:
             try:
                 values = future.result()

@@ -6,7 +6,7 @@ in-process and worker paths judge a return value the same way.
 
 Protocol over two inherited pipe fds (``multiprocessing.connection`` framing, pickled messages):
 parent -> worker ``{"refs": [...], "sys_path": [...]}``, then ``(k, completions, kwargs)`` per
-call; worker -> parent ``("ready", None)`` or ``("import_error", line)``, then per call one of
+call; worker -> parent ``("ready", [each function's batched flag])`` or ``("import_error", line)``, then per call one of
 ``("ok", values)``, ``("bad", line)`` (a malformed return value), ``("raised", traceback)``.
 """
 
@@ -129,7 +129,7 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
         except ValueError as err:
             outbox.send(("import_error", f"reward '{ref}': {err}"))
             return
-    outbox.send(("ready", None))
+    outbox.send(("ready", [bool(getattr(fn, "batched", False)) for fn in functions]))
     names = [ref.rpartition(":")[2] for ref in refs]
     by_name = [_names_completions(fn) for fn in functions]
     while True:

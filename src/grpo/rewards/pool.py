@@ -89,6 +89,7 @@ class _Worker:
         if kind != "ready":
             self.stop()
             raise WorkerStartError(detail)
+        self.batched: list[bool] = detail  # each function's ``batched`` attribute
 
     def kill(self) -> None:
         """The worker and every process it started (its session's group: a reward's subprocess
@@ -119,6 +120,8 @@ class WorkerPool:
         except WorkerStartError:
             self.close()
             raise
+        # which functions take the whole batch in one call (their ``batched`` attribute)
+        self.batched = next(w.batched for w in self.workers if w is not None)
 
     def _refill(self) -> None:
         """Start a worker in every empty slot, all at once (imports overlap), and wait for them."""
