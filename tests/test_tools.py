@@ -86,6 +86,8 @@ def test_notebook_source_counts_lines_and_columns_as_the_parser_does() -> None:
 
 def test_a_program_that_exits_with_a_message_shows_it() -> None:
     assert PythonTool(timeout_s=5)("raise SystemExit('bye')").error == "bye"
+    ended = PythonTool(timeout_s=5)("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)")
+    assert ended.error == "ended by SIGTERM"
 
 
 def test_python_tool_errors_are_one_line_for_the_model() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import io
 import math
+import signal
 import time
 from dataclasses import dataclass
 
@@ -98,6 +99,8 @@ class PythonTool:
             errors.append(f"timed out after {self.timeout_s:g} s")
         elif result.exit_code in SIGNAL_NAMES:
             errors.append(SIGNAL_NAMES[result.exit_code])
+        elif result.exit_code is not None and result.exit_code < 0:  # any other signal
+            errors.append(f"ended by {signal.Signals(-result.exit_code).name}")
         elif result.exit_code:
             errors.append(last_error_line(result.stderr))
         return ToolResult(output, "; ".join(errors) or None, elapsed)
