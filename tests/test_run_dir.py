@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,8 +304,30 @@ def test_what_a_previous_run_left_and_what_a_rewind_removes(tmp_path: Path) -> N
     (run.checkpoints / "step-2").rename(run.checkpoints / "step-2.damaged")
     assert run.previous_run() == ["step-1", "step-2.damaged", "step-3", "final/"]
     assert run.rewind(3) == []  # final/ at step 3 is this step's
-    assert run.rewind(1) == ["step-3", "final/"]
+    assert run.rewind(1) == ["final/", "step-3"]
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-1", "step-2.damaged"]
+
+
+def test_a_rewind_killed_midway_leaves_a_run_that_resumes(tmp_path: Path, monkeypatch) -> None:
+    # killed while removing step-3: step-4, the newest abandoned, is whole (its logs not cut
+    # yet), what was half removed is a .old- folder the next owner clears
+    run = RunDir(tmp_path / "run")
+    run.claim()
+    for step in (1, 2, 3, 4):
+        _checkpoint(run, step)
+    real = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):
+        (Path(path) / "model.safetensors").unlink()  # one file gone, then the kill
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        run.rewind(2)
+    monkeypatch.setattr(shutil, "rmtree", real)
+    run.claim()
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-1", "step-2", "step-4"]
+    assert run.latest_checkpoint().step == 4
 
 
 def test_disk_full_is_recognised_through_wrappers() -> None:
@@ -328,11 +351,16 @@ def test_a_damaged_checkpoint_goes_once_older_than_every_one_kept(tmp_path: Path
     for step in (1, 2):
         _checkpoint(run, step)
     (run.checkpoints / "step-2").rename(run.checkpoints / "step-2.damaged")
+    (run.checkpoints / "step-x.damaged").mkdir()  # not grpo's: left alone, and no crash
 
     def commit(step: int) -> list[str]:
         run.fresh_temp(run.checkpoint_temp(step))
         run.commit_checkpoint(step, {"world_size": 1, "run_config": {}}, keep_last=2)
         return sorted(p.name for p in run.checkpoints.iterdir())
 
-    assert commit(3) == ["step-1", "step-2.damaged", "step-3"]
-    assert commit(4) == ["step-3", "step-4"]  # where a complete step-2 would have gone too
+    assert commit(3) == ["step-1", "step-2.damaged", "step-3", "step-x.damaged"]
+    assert commit(4) == [
+        "step-3",
+        "step-4",
+        "step-x.damaged",
+    ]  # where a complete step-2 would have gone too

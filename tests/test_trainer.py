@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from grpo.config import ConfigError
 from grpo.logprobs import completion_logprobs
 from grpo.models import is_lora
 from grpo.trainer import Trainer, micro_batches, train
@@ -392,3 +393,6 @@ def test_progress_off_means_no_bars_at_all(tiny_config, capfd) -> None:
     err = capfd.readouterr().err
     assert "Loading weights" not in err and "Writing model shards" not in err, err[-500:]
     assert logging.is_progress_bar_enabled()  # as they were, once the run ends
+    with pytest.raises(ConfigError):  # and when the trainer cannot be built
+        Trainer(tiny_config(train={"progress": False, "resume": "force", "run_name": "none"}))
+    assert logging.is_progress_bar_enabled()

@@ -45,6 +45,7 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
+DAMAGED_RE = re.compile(r"^step-(\d+)\.damaged$")  # a checkpoint moved aside
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 # outputs of a previous run that a fresh start (no checkpoint, or train.resume=never) replaces
 RUN_OUTPUTS = (
@@ -457,19 +458,21 @@ class RunDir:
 
     def rewind(self, step: int) -> list[str]:
         """Remove what a run went on to write after ``step``, which a resume from ``step``
-        writes again: newer checkpoints (a later resume would pick them) and a newer final/
-        model (what was removed, by name). The logs: ``prepare_logs``."""
-        removed = []
-        for later, folder in self.step_folders():
-            if later > step:
-                shutil.rmtree(folder)
-                removed.append(folder.name)
+        writes again: a newer final/ model and newer checkpoints (a later resume would pick
+        them), by name. Before the logs are cut (``prepare_logs``), and each folder renamed to
+        ``.old-*`` first (what ``claim`` clears), the newest last: a kill midway leaves the
+        newest abandoned checkpoint whole with its logs, or the rewind's step as the newest."""
+        doomed = []
         if self.final.exists():
             final = self.final_step()  # None when damaged: rewritten at the end either way
             if final is None or final > step:
-                shutil.rmtree(self.final)
-                removed.append("final/")
-        return removed
+                doomed.append(self.final)
+        doomed += [folder for later, folder in reversed(self.step_folders()) if later > step]
+        for folder in doomed:
+            old = folder.with_name(f".old-{folder.name}")
+            folder.rename(old)
+            shutil.rmtree(old)
+        return [f"{f.name}/" if f == self.final else f.name for f in doomed]
 
     def start_fresh(self) -> None:
         """A fresh start replaces a previous run's outputs instead of mixing with them."""
@@ -546,8 +549,8 @@ class RunDir:
             shutil.rmtree(old)
         # a damaged checkpoint goes once it is older than every one kept, as it would have
         oldest = self.step_folders()[-1][0]
-        for damaged in self.checkpoints.glob("step-*.damaged"):
-            if int(damaged.name.split("-")[1].split(".")[0]) < oldest:
+        for damaged in self.checkpoints.iterdir():
+            if (m := DAMAGED_RE.match(damaged.name)) and int(m[1]) < oldest:
                 shutil.rmtree(damaged)
         return target
 

@@ -407,10 +407,6 @@ class Trainer:
             and self.dist.is_main
         ):
             print(K1_WARNING, file=sys.stderr)
-        # nor transformers' bars (loading, writing weights), until train() ends
-        self.bars_were_on = transformers.utils.logging.is_progress_bar_enabled()
-        if not config.train.progress:
-            transformers.utils.logging.disable_progress_bar()
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
         torch.manual_seed(config.train.seed)
@@ -449,11 +445,17 @@ class Trainer:
         # what a resume changes (all keys, for the history; those that change the math)
         self.config_changes: dict[str, tuple[Any, Any]] = {}
         self.forced_changes: dict[str, tuple[Any, Any]] = {}
+        # nor transformers' bars (loading, writing weights), until train() ends
+        self.bars_were_on = transformers.utils.logging.is_progress_bar_enabled()
+        if not config.train.progress:
+            transformers.utils.logging.disable_progress_bar()
         try:
             self.resume_from = distributed.from_main(self._claim_run_dir)
             self._build(model_path, engine)
         except BaseException:
             self.run.release()
+            if self.bars_were_on:
+                transformers.utils.logging.enable_progress_bar()
             raise
 
     def _build(self, model_path: str, engine: RolloutEngine | None) -> None:
@@ -1025,6 +1027,7 @@ class Trainer:
         if checkpoint is None:
             run.start_fresh()
         else:
+            removed = run.rewind(self.step)  # before the logs: see its docstring
             run.prepare_logs(self.step)
             where = (
                 checkpoint.path.relative_to(run.path)
@@ -1032,7 +1035,6 @@ class Trainer:
                 else checkpoint.path
             )
             print(f"grpo: resuming from {checkpoint.path} (step {checkpoint.step})", flush=True)
-            removed = run.rewind(self.step)
             if removed:
                 print(f"grpo: removed what followed step {self.step}: {', '.join(removed)}")
             run.log_event(self.step, "resume", checkpoint=str(where))
