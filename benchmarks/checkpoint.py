@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-import grpo.run_dir
+import grpo.runs.directory
 from grpo.config import build_config
-from grpo.run_dir import verify
-from grpo.trainer import Trainer
+from grpo.runs.directory import verify
+from grpo.training.trainer import Trainer
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint_smollm2.json"
 
@@ -46,14 +46,14 @@ def main() -> None:
     trainer.optimizer.step()
 
     sealing: list[float] = []
-    original = grpo.run_dir.seal
+    original = grpo.runs.directory.seal
 
     def timed_seal(folder: Path, meta: dict) -> None:
         t0 = time.perf_counter()
         original(folder, meta)
         sealing.append(time.perf_counter() - t0)
 
-    grpo.run_dir.seal = timed_seal
+    grpo.runs.directory.seal = timed_seal
     rounds = []
     for step in range(1, args.rounds + 1):
         trainer.step = step

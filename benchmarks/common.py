@@ -34,7 +34,7 @@ from torch import nn
 # the shared rewards live in a module without torch: grpo imports it in each reward worker
 from benchmarks.rewards import answer_tag as answer_tag
 from benchmarks.rewards import last_integer as last_integer
-from grpo import memory
+from grpo.runtime import host_memory as memory
 
 # ------------------------------------------------------------------------------------ set-ups
 

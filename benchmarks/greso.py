@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import build_config
-from grpo.trainer import Trainer
+from grpo.training.trainer import Trainer
 
 
 def digit_share(completions: list[str], answer: list[str], **_: Any) -> list[float]:

@@ -29,15 +29,10 @@ from transformers import (
 )
 
 from benchmarks import common
-from grpo import logprobs
-from grpo.batch import Rollout
 from grpo.config import ModelConfig, RolloutConfig, TrainConfig
+from grpo.containers import Rollout
 from grpo.data import load_dataset_rows, system_prompt_for
-from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
-from grpo.memory import set_malloc_policy
 from grpo.models import load_policy, load_tokenizer, resolve_model_path
-from grpo.prefix_attention import PREFIX
-from grpo.processors import Sampling, process_logits
 from grpo.rollout import decode, hf, render_prompt, sampling_of
 from grpo.rollout.hf import (
     Chooser,
@@ -47,7 +42,12 @@ from grpo.rollout.hf import (
     processor_choice,
     sample_groups,
 )
-from grpo.trainer import micro_batches
+from grpo.runtime.host_memory import set_malloc_policy
+from grpo.scoring import logprobs
+from grpo.scoring.distribution import Sampling, process_logits
+from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs, pack
+from grpo.scoring.prefix_attention import PREFIX
+from grpo.training.trainer import micro_batches
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -298,7 +298,7 @@ def logprob_levers(model, rollout, micro_batch_size: int, repeats: int) -> dict:
 
 def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """Packed scoring with SDPA over the dense [L, L] mask against prefix attention (each
-    completion reads its prompt and its own tokens: ``grpo.prefix_attention``), forward and
+    completion reads its prompt and its own tokens: ``grpo.scoring.prefix_attention``), forward and
     forward + backward; the same packed positions either way."""
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
 

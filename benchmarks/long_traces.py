@@ -56,14 +56,14 @@ def measure(path: str, group_size: int, length: int, model_dir: str) -> dict[str
     """Reference forward + update forward/backward on one path; runs in a worker process."""
     from transformers import AutoModelForCausalLM
 
-    from grpo import logprobs
+    from grpo.scoring import logprobs
 
     scorers = {
         "packed": logprobs.packed_logprobs,
         "padded_rows": logprobs.full_sequence_logprobs,
         "rule": logprobs.completion_logprobs,
     }
-    from grpo.prefix_attention import use_prefix_attention
+    from grpo.scoring.prefix_attention import use_prefix_attention
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if path == "rule":

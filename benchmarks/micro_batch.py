@@ -23,16 +23,16 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-import grpo.logprobs
+import grpo.scoring.logprobs
 from benchmarks import common
 from benchmarks.levers import alternate
 from grpo.config import DataConfig, RolloutConfig
 from grpo.data import load_dataset_rows, system_prompt_for
-from grpo.logprobs import completion_logprobs
 from grpo.models import load_tokenizer, resolve_model_path
 from grpo.rollout import render_prompt
 from grpo.rollout.hf import HFEngine
-from grpo.trainer import micro_batches
+from grpo.scoring.logprobs import completion_logprobs
+from grpo.training.trainer import micro_batches
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -56,12 +56,12 @@ def sliced_token_logprobs(
 
 @contextmanager
 def sliced() -> Iterator[None]:
-    original = grpo.logprobs.token_logprobs
-    grpo.logprobs.token_logprobs = sliced_token_logprobs
+    original = grpo.scoring.logprobs.token_logprobs
+    grpo.scoring.logprobs.token_logprobs = sliced_token_logprobs
     try:
         yield
     finally:
-        grpo.logprobs.token_logprobs = original
+        grpo.scoring.logprobs.token_logprobs = original
 
 
 def update_pass(model, batches, old_path: bool) -> Callable[[], None]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from grpo.data.tasks import humaneval_rows, package_data
 from grpo.rewards.code import code_reward
-from grpo.rewards.sandbox import run_python
+from grpo.sandbox import run_python
 
 
 def humaneval_rate(workers: int) -> dict[str, float]:

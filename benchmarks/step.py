@@ -23,10 +23,9 @@ import torch
 
 import grpo
 from benchmarks import common, rewards
-from grpo.config import Config, build_config, parse_overrides
-from grpo.config import _merge as merge_trees
-from grpo.logprobs import kept_positions
-from grpo.trainer import Trainer
+from grpo.config import Config, build_config, merge_trees, parse_overrides
+from grpo.scoring.logprobs import kept_positions
+from grpo.training.trainer import Trainer
 
 REWARDS_FILE = Path(rewards.__file__).resolve()
 

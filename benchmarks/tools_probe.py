@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from grpo.config import ModelConfig, RolloutConfig
+from grpo.data.prompts import PromptFormat
 from grpo.data.tasks import MULTIPLICATION_SYSTEM, multiplication_rows
 from grpo.models import load_policy, load_tokenizer, resolve_model_path
-from grpo.prompts import PromptFormat
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.turns import MultiTurnEngine, TurnRequest
 

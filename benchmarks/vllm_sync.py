@@ -21,9 +21,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.config import load_config
-from grpo.logprobs import completion_logprobs
 from grpo.models import resolve_model_path
-from grpo.trainer import Trainer
+from grpo.scoring.logprobs import completion_logprobs
+from grpo.training.trainer import Trainer
 
 
 def gaps(model: torch.nn.Module, rollout, sampler_logp: torch.Tensor) -> dict[str, float]:

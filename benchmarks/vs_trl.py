@@ -29,8 +29,8 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.step import config_tree
-from grpo import memory
 from grpo.config import build_config
+from grpo.runtime import host_memory as memory
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -41,7 +41,7 @@ RESULTS = Path(__file__).parent / "results"
 def trl_dataset_rows(setup: dict[str, Any], steps: int, seed: int) -> list[dict[str, Any]]:
     """The rows grpo's prompt stream yields over ``steps`` steps, as TRL conversational prompts."""
     from grpo.data import load_dataset_rows, system_prompt_for
-    from grpo.trainer import PromptStream
+    from grpo.training.trainer import PromptStream
 
     config = build_config(config_tree(setup, steps, seed, tempfile.gettempdir()))
     rows = load_dataset_rows(config.data, seed)

@@ -27,8 +27,8 @@ def arm(kill_at: int, log: Path) -> Callable[[], int]:
     returns a function giving the number of events so far."""
     import torch
 
-    import grpo.trainer
-    from grpo.metrics import MetricsLogger
+    import grpo.training.trainer
+    from grpo.runs.metrics import MetricsLogger
 
     count = 0
 
@@ -54,8 +54,8 @@ def arm(kill_at: int, log: Path) -> Callable[[], int]:
     for name in ("fsync", "rename", "replace"):
         around(os, name)
     around(torch, "save")
-    around(grpo.trainer.Trainer, "collect")  # rollout + rewards of a step
-    around(grpo.trainer.Trainer, "optimize")  # the update: weights move, not yet saved
+    around(grpo.training.trainer.Trainer, "collect")  # rollout + rewards of a step
+    around(grpo.training.trainer.Trainer, "optimize")  # the update: weights move, not yet saved
     around(MetricsLogger, "log")
     return lambda: count
 
@@ -64,7 +64,7 @@ def life(config: Any, kill_at: int, log: Path) -> dict[str, Any]:
     """One child process training ``config``: how it ended, and how many events it saw."""
     pid = os.fork()
     if pid == 0:
-        from grpo.trainer import train
+        from grpo.training.trainer import train
 
         events = arm(kill_at, log)
         code = 0
@@ -118,6 +118,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import grpo.trainer  # noqa: F401  (the imports every child shares)
+    import grpo.training.trainer  # noqa: F401  (the imports every child shares)
 
     main()

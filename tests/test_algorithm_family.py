@@ -19,7 +19,7 @@ from grpo.algorithm import (
     zero_std_groups,
 )
 from grpo.config import AlgorithmConfig, Config, ConfigError, build_config, dump_config
-from grpo.presets import PRESETS
+from grpo.config.presets import PRESETS
 
 # ----------------------------------------------------------------------------- presets resolve
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.batch import Rollout, concat_rollouts
-from grpo.processors import Sampling
+from grpo.containers import Rollout, concat_rollouts
+from grpo.scoring.distribution import Sampling
 
 
 def rollout(

@@ -86,7 +86,7 @@ def test_compare_reports_grpo_over_trl() -> None:
 
 FREE_AND_MEASURE = """
 import resource, sys, torch
-from grpo.memory import set_malloc_policy
+from grpo.runtime.host_memory import set_malloc_policy
 assert set_malloc_policy(sys.argv[1])
 def resident_mib():
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
@@ -233,7 +233,7 @@ def test_update_mfu_counts_the_positions_computed(tiny_config) -> None:
 def test_stage_memory_puts_a_short_spike_in_its_own_stage(tiny_config, monkeypatch) -> None:
     # a 256 MiB tensor touched and freed within the frozen log-probs is that stage's peak and
     # the run's: read from the kernel's mark, however short the spike
-    from grpo.trainer import Trainer
+    from grpo.training.trainer import Trainer
 
     frozen = Trainer.frozen_logprobs
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.logprobs import completion_logprobs, full_sequence_logprobs, pack
-from grpo.prefix_attention import PREFIX
-from grpo.processors import Sampling
+from grpo.scoring.distribution import Sampling
+from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs, pack
+from grpo.scoring.prefix_attention import PREFIX
 
 
 def _batch():
@@ -40,7 +40,7 @@ def _batch():
         (0.7, "eager"),
         # a penalty reads each row's history (its prompt and completion so far) on both paths
         (Sampling(temperature=0.7, repetition_penalty=1.3, top_k=20), "sdpa"),
-        # no mask: each completion attends to its prompt and itself (grpo.prefix_attention)
+        # no mask: each completion attends to its prompt and itself (grpo.scoring.prefix_attention)
         (0.7, PREFIX),
         (Sampling(temperature=0.7, repetition_penalty=1.3, top_k=20), PREFIX),
     ],
@@ -91,7 +91,7 @@ def test_pack_computes_each_prompt_once_and_no_completion_padding() -> None:
 def test_windowed_models_and_attention_without_custom_masks_get_full_sequences(
     tiny_model_dir, monkeypatch
 ) -> None:
-    import grpo.logprobs as logprobs
+    import grpo.scoring.logprobs as logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     calls = []

@@ -1,4 +1,4 @@
-"""The chunked LM head (``grpo.logprobs``): the head and the log-normaliser a chunk of positions
+"""The chunked LM head (``grpo.scoring.logprobs``): the head and the log-normaliser a chunk of positions
 at a time, recomputed in backward, against the plain head's full logits."""
 
 from __future__ import annotations
@@ -12,9 +12,15 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
-from grpo import logprobs
-from grpo.logprobs import History, Scorer, chunked_head_slot, completion_logprobs, token_logprobs
-from grpo.processors import Sampling
+from grpo.scoring import logprobs
+from grpo.scoring.distribution import Sampling
+from grpo.scoring.logprobs import (
+    History,
+    Scorer,
+    chunked_head_slot,
+    completion_logprobs,
+    token_logprobs,
+)
 
 SAMPLINGS = {
     "temperature 1": Sampling(),

@@ -18,9 +18,9 @@ from transformers import (
 
 from grpo.config import ModelConfig, RolloutConfig
 from grpo.models import load_policy, load_tokenizer
-from grpo.prefix_attention import use_prefix_attention
 from grpo.rollout import decode
 from grpo.rollout.hf import HFEngine, reserved_cache
+from grpo.scoring.prefix_attention import use_prefix_attention
 
 SMALL = dict(
     vocab_size=50,

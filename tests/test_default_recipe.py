@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from grpo.config import default_recipe_path, load_config, read_recipe
-from grpo.report import write_report
-from grpo.trainer import train
+from grpo.runs.report import write_report
+from grpo.training.trainer import train
 
 
 def test_default_recipe_is_the_real_model_with_held_out_eval() -> None:

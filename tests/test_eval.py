@@ -17,6 +17,7 @@ from torch import nn
 from grpo.cli import main
 from grpo.config import RewardsConfig, RewardSpec, build_config
 from grpo.data import DataError
+from grpo.data.prompts import PromptFormat
 from grpo.eval import (
     DEFAULT_EXTRACT,
     EvalSettings,
@@ -30,9 +31,8 @@ from grpo.eval import (
     settings_for,
 )
 from grpo.models import load_tokenizer
-from grpo.prompts import PromptFormat
 from grpo.rewards import RewardRunner
-from grpo.trainer import train
+from grpo.training.trainer import train
 
 # ------------------------------------------------------------------------------------ pass@k
 

@@ -10,7 +10,7 @@ import yaml
 
 from grpo.cli import main
 from grpo.config import load_config
-from grpo.trainer import train
+from grpo.training.trainer import train
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from grpo.trainer import train
+from grpo.training.trainer import train
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo.trainer
+import grpo.training.trainer
 from grpo import algorithm
-from grpo.batch import Rollout, Scored
 from grpo.config import Config, build_config
-from grpo.logprobs import completion_logprobs as original_logprobs
+from grpo.containers import Rollout, Scored
 from grpo.rollout import decode_completions, sampling_of
-from grpo.trainer import Trainer
+from grpo.scoring.logprobs import completion_logprobs as original_logprobs
+from grpo.training.trainer import Trainer
 
 MAX_NEW = 12
 
@@ -119,7 +119,7 @@ def test_the_trainer_passes_each_knob_to_the_math(knob_config, rollout, monkeypa
     scored = scored_by(trainer, rollout)
     losses = spy_on(monkeypatch, algorithm, "policy_loss")
     entropy = spy_on(monkeypatch, algorithm, "top_entropy_mask")
-    logprobs = spy_on(monkeypatch, grpo.trainer, "completion_logprobs")
+    logprobs = spy_on(monkeypatch, grpo.training.trainer, "completion_logprobs")
     metrics = trainer.optimize(scored)
     assert len(losses) == 2 * 2  # num_iterations x micro-batches
     for call in losses:
@@ -258,7 +258,7 @@ def test_every_loss_the_trainer_computes_is_the_formula(
     )
     trainer = Trainer(config)
     scored = scored_by(trainer, rollout)
-    batches = spy_on(monkeypatch, grpo.trainer, "micro_batches")
+    batches = spy_on(monkeypatch, grpo.training.trainer, "micro_batches")
     calls = spy_on(monkeypatch, algorithm, "policy_loss")
     start = weights.of(trainer.policy)
     metrics = trainer.optimize(scored)
@@ -357,7 +357,7 @@ def first_token_frequencies(trainer: Trainer, monkeypatch) -> tuple[dict, dict, 
         plain, _ = original_logprobs(
             trainer.policy, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 1.0
         )
-    calls = spy_on(monkeypatch, grpo.trainer, "completion_logprobs")
+    calls = spy_on(monkeypatch, grpo.training.trainer, "completion_logprobs")
     trainer.optimize(scored)  # beta 0, one iteration: the gradient pass is the only scoring
     (call,) = calls
     ids = call["completion_ids"][:, 0]
@@ -452,7 +452,9 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
 
     monkeypatch.setattr(trainer.engine, "generate", recorded("sample", trainer.engine.generate))
     monkeypatch.setattr(
-        grpo.trainer, "completion_logprobs", recorded("score", grpo.trainer.completion_logprobs)
+        grpo.training.trainer,
+        "completion_logprobs",
+        recorded("score", grpo.training.trainer.completion_logprobs),
     )
     trainer.step = 1
     trainer.train_step()

@@ -11,8 +11,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
-from grpo import logprobs
-from grpo.logprobs import (
+from grpo.scoring import logprobs
+from grpo.scoring.logprobs import (
     chunked_head_slot,
     completion_logprobs,
     full_sequence_logprobs,
@@ -93,7 +93,7 @@ def test_token_logprobs_chunking_is_exact(chunk: int) -> None:
 
 
 def test_a_repetition_penalty_without_the_rows_history_is_a_clear_error() -> None:
-    from grpo.processors import Sampling
+    from grpo.scoring.distribution import Sampling
 
     logits, at = torch.zeros(4, 11), torch.arange(4).view(2, 2)
     with pytest.raises(ValueError, match="repetition_penalty needs each row's history"):
@@ -132,7 +132,7 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
 
 
 def test_packing_pays_by_hand() -> None:
-    from grpo.logprobs import ScoringCost
+    from grpo.scoring.logprobs import ScoringCost
 
     cost = ScoringCost(position=1.0, pair=1.0)
     # prompt 10, two completions of 2: packed 10 + 1 + 1 = 12 -> 12 + 144 = 156;
@@ -149,7 +149,7 @@ def test_packing_pays_by_hand() -> None:
 def test_scoring_cost_reads_the_models_config() -> None:
     from transformers import GPT2Config, LlamaConfig
 
-    from grpo.logprobs import ScoringCost
+    from grpo.scoring.logprobs import ScoringCost
 
     llama = LlamaConfig(hidden_size=32, intermediate_size=80, num_hidden_layers=3)
     assert ScoringCost.of(llama) == ScoringCost(
@@ -181,8 +181,8 @@ def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch, penal
     # group A (prompt of 5) is packed, group B (prompt of 3) scored one row per completion:
     # values and gradients equal one padded sequence per row (also under a repetition penalty
     # and top-k, which read each row's history)
-    from grpo import logprobs
-    from grpo.processors import Sampling
+    from grpo.scoring import logprobs
+    from grpo.scoring.distribution import Sampling
 
     sampling = Sampling(0.7, top_k=20, repetition_penalty=1.3) if penalised else 0.7
 
@@ -211,7 +211,7 @@ def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch, penal
 def test_long_completions_build_no_square_mask(model, monkeypatch) -> None:
     # two completions of 200 after a 5-token prompt: the rule gives each its own row, and the
     # model is called without any attention mask (plain causal attention, linear memory)
-    from grpo.logprobs import ScoringCost
+    from grpo.scoring.logprobs import ScoringCost
 
     with torch.no_grad():
         want, _ = _naive(model, [10, 11, 12, 13, 14], [31] * 150, 1.0)
@@ -234,7 +234,7 @@ def test_long_completions_build_no_square_mask(model, monkeypatch) -> None:
 def test_scoring_path_says_why() -> None:
     from types import SimpleNamespace
 
-    from grpo.logprobs import scoring_path
+    from grpo.scoring.logprobs import scoring_path
 
     def model(**config):
         return SimpleNamespace(config=SimpleNamespace(**config))
@@ -254,7 +254,7 @@ def test_scoring_path_says_why() -> None:
 
 
 def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:
-    from grpo.trainer import Trainer
+    from grpo.training.trainer import Trainer
 
     Trainer(tiny_config())
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("scoring")]
@@ -330,7 +330,7 @@ def _padded_batch() -> tuple[torch.Tensor, ...]:
 
 
 def test_completion_logprobs_defaults_and_the_windowed_path(tiny_model_dir, monkeypatch) -> None:
-    import grpo.logprobs as logprobs
+    import grpo.scoring.logprobs as logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     batch = _padded_batch()
@@ -372,7 +372,7 @@ class _Wrapper(torch.nn.Module):
 
 
 def test_wrapped_models_pack_and_models_without_a_config_do_not(tiny_model_dir, monkeypatch):
-    import grpo.logprobs as logprobs
+    import grpo.scoring.logprobs as logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     calls = []
@@ -390,8 +390,8 @@ def test_more_prompts_than_packed_positions_under_a_repetition_penalty(model) ->
     # four prompts of 2 or 3 tokens, each with a one-token completion: more packed sequences (4)
     # than tokens in the longest (3), so the penalty's per-position owners must be counted by
     # sequences x kept positions, not by length
-    from grpo.logprobs import packed_logprobs
-    from grpo.processors import Sampling
+    from grpo.scoring.distribution import Sampling
+    from grpo.scoring.logprobs import packed_logprobs
 
     prompts = [[10, 11], [12, 13, 14], [15, 16], [17, 18, 10]]
     completions = [[11], [20], [16], [18]]  # 11, 16, 18 repeat a prompt token
@@ -423,7 +423,7 @@ def test_token_logprobs_at_temperature_two() -> None:
 def test_a_minus_inf_logit_leaves_the_entropy_finite(top_k: int) -> None:
     # a model may put -inf on tokens it never emits; with or without truncation that token has
     # p = 0 and adds nothing: logits (0, 0, -inf) have the entropy of a fair coin
-    from grpo.processors import Sampling
+    from grpo.scoring.distribution import Sampling
 
     logits = torch.tensor([[0.0, 0.0, -math.inf]])
     at, targets = torch.tensor([[0]]), torch.tensor([[1]])
@@ -456,7 +456,7 @@ def test_the_entropy_of_large_logits_keeps_float32_precision() -> None:
 
 def test_group_rows_default_to_temperature_one_without_entropy_and_keep_the_longest(model):
     # two one-token completions (padded to 3): logp [2, 1], the longest completion's length
-    from grpo.logprobs import group_rows_logprobs
+    from grpo.scoring.logprobs import group_rows_logprobs
 
     prompt = torch.tensor([10, 11, 12])
     completion_ids = torch.tensor([[20, 0, 0], [21, 0, 0]])
@@ -472,7 +472,7 @@ def test_group_rows_default_to_temperature_one_without_entropy_and_keep_the_long
 def test_a_mixed_batch_packs_one_group_and_gives_the_other_one_row_each(model, monkeypatch):
     # group A (prompt of 5, rows 0 and 2) is packed: one sequence of 5 + 2 + 0 tokens with the
     # [L, L] mask; group B (prompt of 3, rows 1 and 3) is two rows of 3 + 4 tokens, no mask
-    from grpo import logprobs
+    from grpo.scoring import logprobs
 
     monkeypatch.setattr(
         logprobs.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
@@ -498,7 +498,7 @@ def test_a_mixed_batch_packs_one_group_and_gives_the_other_one_row_each(model, m
 
 def test_gpt2_packs_with_its_absolute_positions(model) -> None:
     # GPT-2 embeds integer position ids: a packed completion's positions continue its prompt's
-    from grpo.logprobs import scoring_path
+    from grpo.scoring.logprobs import scoring_path
 
     net = _gpt2(model.config.vocab_size)
     assert scoring_path(net)[0] == "packed"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from grpo.memory import KERNEL_CACHES
+from grpo.runtime.host_memory import KERNEL_CACHES
 
 # 600 bf16 products of as many shapes, as scoring sees new packed lengths step after step; the
 # heap's growth over them, in MiB (glibc's mallinfo2: in-use bytes)
@@ -58,7 +58,7 @@ def test_importing_grpo_caps_the_kernel_caches_and_leaves_a_set_capacity_alone()
 
 
 def test_a_child_gets_the_environment_as_found_and_unbounding_restores_it(monkeypatch) -> None:
-    from grpo import memory
+    from grpo.runtime import host_memory as memory
 
     monkeypatch.setattr(memory, "_SET_HERE", set())
     monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)

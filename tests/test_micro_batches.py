@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-import grpo.trainer
-from grpo.batch import Rollout, Scored
-from grpo.logprobs import token_logprobs
-from grpo.trainer import Trainer, cut_micro_batches, micro_batch_order, micro_batches
+import grpo.training.trainer
+from grpo.containers import Rollout, Scored
+from grpo.scoring.logprobs import token_logprobs
+from grpo.training.trainer import Trainer, cut_micro_batches, micro_batch_order, micro_batches
 
 # G = 2, every prompt 10 tokens; completions 5, 3 | 4, 4 | 2, 1 (rows in order)
 PROMPTS, COMPLETIONS, ORDER = [10] * 6, [5, 3, 4, 4, 2, 1], list(range(6))
@@ -85,13 +85,13 @@ def test_a_micro_batch_of_one_token_completions_keeps_one_column() -> None:
 def test_micro_batch_tokens_reaches_the_trainer(tiny_config, monkeypatch) -> None:
     # the same rollout trained with and without a budget: the budget makes more, smaller passes
     seen: list[int] = []
-    original = grpo.trainer.completion_logprobs
+    original = grpo.training.trainer.completion_logprobs
 
     def count(model, prompt_ids, *args, **kwargs):
         seen.append(prompt_ids.shape[0])
         return original(model, prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(grpo.trainer, "completion_logprobs", count)
+    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", count)
     sizes = {}
     for budget in (None, 40):
         config = tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 8})
@@ -108,20 +108,20 @@ def test_micro_batch_tokens_reaches_the_trainer(tiny_config, monkeypatch) -> Non
 def another_rank_needs_one_more_micro_batch(monkeypatch) -> list[int]:
     """Fake another rank whose max all-reduce asks for one micro-batch more than this one; the
     list returned fills with the rows of every scoring forward."""
-    original = grpo.trainer.distributed.all_reduce
+    original = grpo.training.trainer.distributed.all_reduce
 
     def one_more(value, op="sum"):
         return value + 1 if op == "max" and isinstance(value, int) else original(value, op)
 
-    monkeypatch.setattr(grpo.trainer.distributed, "all_reduce", one_more)
+    monkeypatch.setattr(grpo.training.trainer.distributed, "all_reduce", one_more)
     seen: list[int] = []
-    original_logprobs = grpo.trainer.completion_logprobs
+    original_logprobs = grpo.training.trainer.completion_logprobs
 
     def count(model, prompt_ids, *args, **kwargs):
         seen.append(prompt_ids.shape[0])
         return original_logprobs(model, prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(grpo.trainer, "completion_logprobs", count)
+    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", count)
     return seen
 
 
@@ -192,7 +192,7 @@ def test_gradients_cross_ranks_with_the_last_micro_batch_of_each_step(
         synced.append((model is trainer.train_model, enabled))
         yield
 
-    monkeypatch.setattr(grpo.trainer.distributed, "gradient_sync", record)
+    monkeypatch.setattr(grpo.training.trainer.distributed, "gradient_sync", record)
     trainer.optimize(_hand_scored())
     assert synced == [(True, False), (True, True)] * 2
 
@@ -203,21 +203,21 @@ def test_the_logged_loss_is_the_step_loss_over_ranks(tiny_config, monkeypatch) -
     # (share + share) / 2, this rank's sum of micro-batch losses
     trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 4}))
     trainer.dist = dataclasses.replace(trainer.dist, world_size=2)
-    original = grpo.trainer.distributed.all_reduce
+    original = grpo.training.trainer.distributed.all_reduce
 
     def two_equal_ranks(value, op="sum"):
         return 2 * value if op == "sum" else original(value, op)
 
-    monkeypatch.setattr(grpo.trainer.distributed, "all_reduce", two_equal_ranks)
+    monkeypatch.setattr(grpo.training.trainer.distributed, "all_reduce", two_equal_ranks)
     losses: list[float] = []
-    policy_loss = grpo.trainer.algorithm.policy_loss
+    policy_loss = grpo.training.trainer.algorithm.policy_loss
 
     def record(*args, **kwargs):
         loss, stats = policy_loss(*args, **kwargs)
         losses.append(float(loss.detach()))
         return loss, stats
 
-    monkeypatch.setattr(grpo.trainer.algorithm, "policy_loss", record)
+    monkeypatch.setattr(grpo.training.trainer.algorithm, "policy_loss", record)
     out = trainer.optimize(_hand_scored())
     assert len(losses) == 2 and abs(sum(losses)) > 1e-3
     assert out["loss"] == pytest.approx(sum(losses), abs=1e-6)

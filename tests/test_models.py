@@ -273,7 +273,7 @@ def test_gemma3_270m_alias_is_the_base_model_and_scores_like_a_plain_forward() -
     the first time), a plain HF folder with its terms beside it."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.logprobs import completion_logprobs, scoring_path
+    from grpo.scoring.logprobs import completion_logprobs, scoring_path
 
     if PACKAGED["gemma3-270m"].missing():
         pytest.skip("gemma3-270m packages are not installed (make gemma)")
@@ -317,7 +317,7 @@ def test_gemma3_270m_alias_is_the_base_model_and_scores_like_a_plain_forward() -
 def test_gemma_r1_zero_recipe_is_a_base_model_prompted_inside_think(tiny_model_dir: Path) -> None:
     from grpo.config import load_config
     from grpo.data import system_prompt_for
-    from grpo.prompts import prompt_format_for
+    from grpo.data.prompts import prompt_format_for
 
     recipe = Path(models.__file__).parent / "recipes" / "gemma-r1-zero.yaml"
     config = load_config(recipe)

@@ -20,15 +20,15 @@ from transformers import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from grpo.config import ModelConfig, RolloutConfig
-from grpo.logprobs import attention_dropout_on, completion_logprobs, pack, packed_logprobs
 from grpo.models import disable_dropout, load_policy, load_tokenizer
-from grpo.prefix_attention import (
+from grpo.rollout.hf import HFEngine
+from grpo.scoring.logprobs import attention_dropout_on, completion_logprobs, pack, packed_logprobs
+from grpo.scoring.prefix_attention import (
     PREFIX,
     prefix_attention_forward,
     prefix_layout,
     use_prefix_attention,
 )
-from grpo.rollout.hf import HFEngine
 
 
 def _batch():
@@ -266,7 +266,7 @@ def test_one_token_completions_only(tiny_model_dir, batch) -> None:
 
 def test_prompts_and_rows_attend_through_sdpa(tiny_model_dir, monkeypatch) -> None:
     # SDPA keeps no scores for backward; the same numbers as the dense mask, gradients too
-    from grpo import prefix_attention
+    from grpo.scoring import prefix_attention
 
     sdpa_calls = []
     original = prefix_attention.F.scaled_dot_product_attention
@@ -296,7 +296,7 @@ def test_a_model_that_ignores_logits_to_keep_is_refused(
 ) -> None:
     # scored at every position instead of the ones asked for, its log-probs would be read off
     # the wrong positions without a word
-    import grpo.logprobs as logprobs
+    import grpo.scoring.logprobs as logprobs
 
     _, prefix = _pair(tiny_model_dir)
     forward = prefix.forward

@@ -1,4 +1,4 @@
-"""The sampling distribution (grpo.processors) on hand-computed examples, and the trainer's
+"""The sampling distribution (grpo.scoring.distribution) on hand-computed examples, and the trainer's
 processed log-probs against a slow reference."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from grpo.logprobs import History, token_logprobs
-from grpo.processors import Sampling, process_logits, seen_tokens
+from grpo.scoring.distribution import Sampling, process_logits, seen_tokens
+from grpo.scoring.logprobs import History, token_logprobs
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
@@ -150,7 +150,7 @@ def test_truncation_without_a_penalty_needs_no_history_and_no_entropy() -> None:
 def test_training_scores_under_the_controls_it_sampled_with(tiny_config) -> None:
     # top-k/top-p/penalty on: the HF engine's sampler log-probs and the trainer's must agree
     # (before the fix the trainer scored with the temperature only: gaps of ~1 nat)
-    from grpo.trainer import Trainer
+    from grpo.training.trainer import Trainer
 
     config = tiny_config(
         rollout={"top_k": 6, "top_p": 0.9, "min_p": 0.01, "repetition_penalty": 1.3},

@@ -10,10 +10,10 @@ from tokenizers import processors
 
 from grpo.config import DataConfig
 from grpo.data import DataError
+from grpo.data.prompts import R1_ZERO, PromptFormat, opened_tag, prompt_format_for, scored_texts
 from grpo.models import load_tokenizer
-from grpo.prompts import R1_ZERO, PromptFormat, opened_tag, prompt_format_for, scored_texts
 from grpo.rewards.builtin import format_reward
-from grpo.trainer import Trainer
+from grpo.training.trainer import Trainer
 
 ROW = {"prompt": "What is 2 + 3?", "answer": "5", "topic": "sums"}
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.config import ModelConfig
 from grpo.models import Reference, load_policy
-from grpo.trainer import Trainer
+from grpo.training.trainer import Trainer
 
 IDS = torch.tensor([[10, 11, 12, 13, 14, 15]])
 

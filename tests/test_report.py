@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import main
-from grpo.report import ReportError, read_metrics, running_mean, summary, write_report
-from grpo.trainer import train
+from grpo.runs.report import ReportError, read_metrics, running_mean, summary, write_report
+from grpo.training.trainer import train
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from grpo.cli import main
 from grpo.config import Config, ConfigError, build_config
 from grpo.models import build_tiny_model
-from grpo.run_dir import RunDirError, verify
-from grpo.trainer import Trainer, TrainingStopped, train
+from grpo.runs.directory import RunDirError, verify
+from grpo.training.trainer import Trainer, TrainingStopped, train
 
 STEPS = 4
 TRAINABLE_REWARD = f"{Path(__file__).with_name('toy_rewards.py')}:lowercase_share"
@@ -350,17 +350,17 @@ def test_a_full_disk_while_saving_is_one_line_simulated(
 ) -> None:
     import errno
 
-    import grpo.trainer
+    import grpo.training.trainer
 
     config = make(tree, "full-simulated")
-    original = grpo.trainer.save_torch
+    original = grpo.training.trainer.save_torch
 
     def save(obj: object, path: Path) -> None:
         if "step-3" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         original(obj, path)
 
-    monkeypatch.setattr(grpo.trainer, "save_torch", save)
+    monkeypatch.setattr(grpo.training.trainer, "save_torch", save)
     with pytest.raises(RunDirError, match=r"disk full .*/checkpoints/step-2 is intact"):
         train(config)
     monkeypatch.undo()
@@ -509,7 +509,7 @@ def test_the_resume_command_after_a_stop_continues_the_run(monkeypatch, capsys) 
     def stopped(config):
         raise TrainingStopped(signal.SIGTERM, 3, Path("runs/x/checkpoints/step-3"), False)
 
-    monkeypatch.setattr("grpo.trainer.train", stopped)
+    monkeypatch.setattr("grpo.training.trainer.train", stopped)
     for given in ("train.resume=never", "train.resume=runs/x/checkpoints/step-1"):
         argv = ["grpo", "train", "train.run_name=x", given]
         monkeypatch.setattr(sys, "argv", argv)
@@ -520,7 +520,7 @@ def test_the_resume_command_after_a_stop_continues_the_run(monkeypatch, capsys) 
     def stopped_before_a_checkpoint(config):
         raise TrainingStopped(signal.SIGINT, 1, None, True)
 
-    monkeypatch.setattr("grpo.trainer.train", stopped_before_a_checkpoint)
+    monkeypatch.setattr("grpo.training.trainer.train", stopped_before_a_checkpoint)
     assert main(argv[1:]) == 130
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.endswith("start over with: grpo train train.run_name=x train.resume=never"), last

@@ -59,7 +59,7 @@ def _optimize(config, scored, advantages=None) -> dict[str, float]:
     """One update of a fresh trainer (the same start weights every time) on ``scored``."""
     import dataclasses
 
-    from grpo.trainer import Trainer
+    from grpo.training.trainer import Trainer
 
     if advantages is not None:
         scored = dataclasses.replace(scored, advantages=advantages)
@@ -68,7 +68,7 @@ def _optimize(config, scored, advantages=None) -> dict[str, float]:
 
 def test_mask_truncated_completions_removes_them_from_the_loss(tiny_config, monkeypatch):
     from grpo import algorithm
-    from grpo.trainer import Trainer
+    from grpo.training.trainer import Trainer
 
     def config(mask: bool):
         return tiny_config(
@@ -109,7 +109,7 @@ def test_mask_truncated_completions_removes_them_from_the_loss(tiny_config, monk
 
 
 def test_all_truncated_completions_give_no_update(tiny_config):
-    from grpo.trainer import Trainer
+    from grpo.training.trainer import Trainer
 
     # 2 new tokens: the random tiny model essentially never stops that early
     def config(mask: bool):

@@ -66,7 +66,7 @@ def test_generation_kwargs_reach_hf_sampling_and_its_logprobs(tiny_model_dir) ->
     # the trainer does not reproduce: the gap shows up in tis/mismatch_* and TIS corrects it
     from transformers import AutoModelForCausalLM
 
-    from grpo.logprobs import completion_logprobs
+    from grpo.scoring.logprobs import completion_logprobs
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -99,7 +99,7 @@ def test_generation_kwargs_cannot_override_a_rollout_field(tiny_model_dir) -> No
 
 
 def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
-    from grpo.batch import Rollout
+    from grpo.containers import Rollout
     from grpo.rollout import reward_inputs
 
     n = 4  # 2 prompts, G = 2
@@ -122,8 +122,8 @@ def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
 
 
 def test_sampling_of_carries_every_rollout_control() -> None:
-    from grpo.processors import Sampling
     from grpo.rollout import sampling_of
+    from grpo.scoring.distribution import Sampling
 
     config = RolloutConfig(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
     expected = Sampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
@@ -140,7 +140,7 @@ def test_an_unknown_engine_is_named() -> None:
 
 
 def _tagged_rollout(turns=None):
-    from grpo.batch import Rollout
+    from grpo.containers import Rollout
 
     # 1 prompt that opens <think>, G = 2; single-turn, or multi-turn with the given turns
     return Rollout(
@@ -172,7 +172,7 @@ def test_rewards_judge_single_turns_after_the_opened_tag_and_the_last_turn_as_is
 def test_reward_inputs_of_no_prompts_are_empty() -> None:
     # a rank's empty share of a dynamic-sampling round
     from grpo.rollout import reward_inputs
-    from grpo.trainer import empty_rollout
+    from grpo.training.trainer import empty_rollout
 
     assert reward_inputs(empty_rollout(2)) == ([], [], {}, [])
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.run_dir import (
+from grpo.runs.directory import (
     Checkpoint,
     RunDir,
     RunDirError,
@@ -180,7 +180,7 @@ def test_seal_writes_the_manifest_last(tmp_path: Path, monkeypatch) -> None:
 HOLDER = """
 import sys, time
 from pathlib import Path
-from grpo.run_dir import RunDir
+from grpo.runs.directory import RunDir
 RunDir(Path(sys.argv[1])).claim()
 if len(sys.argv) > 2:  # a forked child inherits the process's files, not its record lock
     import os

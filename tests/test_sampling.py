@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo.algorithm import zero_std_groups
-from grpo.batch import Rollout, Scored
-from grpo.sampling import (
+from grpo.containers import Rollout, Scored
+from grpo.training.prompt_selection import (
     Draw,
     PromptFilter,
     collect,
@@ -21,7 +21,7 @@ from grpo.sampling import (
     rank_groups,
     select_groups,
 )
-from grpo.trainer import Trainer
+from grpo.training.trainer import Trainer
 
 # ----------------------------------------------------------------------------- GRESO filter
 
@@ -339,7 +339,7 @@ def test_each_round_adds_to_the_steps_clock_and_skips(tiny_config, monkeypatch) 
     # skips max_skips (one per row) before it takes one; a fake clock ticks in whole seconds
     import types
 
-    import grpo.trainer
+    import grpo.training.trainer
 
     trainer = Trainer(tiny_config())
     rows = len(trainer.rows)
@@ -349,7 +349,9 @@ def test_each_round_adds_to_the_steps_clock_and_skips(tiny_config, monkeypatch) 
     monkeypatch.setattr(trainer, "rollout", lambda draws: scored.rollout)
     monkeypatch.setattr(trainer, "score", lambda rollout: scored)
     ticks = iter([0.0, 10.0, 11.0, 100.0, 130.0, 132.0])  # start, rolled out, scored; twice
-    monkeypatch.setattr(grpo.trainer, "time", types.SimpleNamespace(perf_counter=ticks.__next__))
+    monkeypatch.setattr(
+        grpo.training.trainer, "time", types.SimpleNamespace(perf_counter=ticks.__next__)
+    )
     clock = {"rollout": 0.0, "reward": 0.0, "skipped": 0.0}
     trainer.sample(1, clock)
     trainer.sample(1, clock)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo.rewards import sandbox
+from grpo import sandbox
 from grpo.rewards.code import _as_tests, code_reward, extract_code, normalise_output, with_prefix
-from grpo.rewards.sandbox import (
+from grpo.sandbox import (
     Limits,
     SandboxResult,
     interpreter_folders,
@@ -452,7 +452,7 @@ def test_without_root_or_user_namespaces_the_sandbox_refuses_in_one_line():
 NOBODY_SETUP = """
 import ctypes, os, sys
 from pathlib import Path
-from grpo.rewards.sandbox import _closed_ancestor, interpreter_folders
+from grpo.sandbox import _closed_ancestor, interpreter_folders
 libc = ctypes.CDLL(None, use_errno=True)
 assert libc.unshare(0x00020000) == 0  # a private mount namespace for the exposed interpreter
 assert libc.mount(None, b"/", None, 16384 | (1 << 18), None) == 0

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from grpo.trainer import PromptStream, lr_lambda, sampling_seed
+from grpo.training.trainer import PromptStream, lr_lambda, sampling_seed
 
 
 def test_warmup_then_constant() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.metrics import MetricsLogger, reflection_rate, wandb_run_id
+from grpo.runs.metrics import MetricsLogger, reflection_rate, wandb_run_id
 
 
 class Recorder:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.metrics import MetricsLogger
-from grpo.trainer import train
+from grpo.runs.metrics import MetricsLogger
+from grpo.training.trainer import train
 
 wandb_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 if importlib.util.find_spec("trackio") is None:  # found without importing it (see TrackioSink)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo import trainer as trainer_module
+import grpo.training.trainer as trainer_module
 from grpo.config import ConfigError, build_config, load_config
-from grpo.temperature import TemperatureController, adapted, scheduled
-from grpo.trainer import train
+from grpo.training.temperature import TemperatureController, adapted, scheduled
+from grpo.training.trainer import train
 
 
 def test_schedules_by_hand() -> None:

@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 
-import grpo.trainer
+import grpo.training.trainer
 from grpo import algorithm
-from grpo.logprobs import completion_logprobs
 from grpo.rollout.hf import HFEngine
-from grpo.trainer import Trainer
+from grpo.scoring.logprobs import completion_logprobs
+from grpo.training.trainer import Trainer
 
 
 class OtherPolicySampler(HFEngine):
@@ -56,7 +56,7 @@ def test_tis_weights_and_mismatch_against_a_different_sampler(tiny_config, monke
     sampler = trainer.engine
     scored = trainer.score(trainer.rollout())
     seen = []
-    original_loss, original_logprobs = algorithm.policy_loss, grpo.trainer.completion_logprobs
+    original_loss, original_logprobs = algorithm.policy_loss, grpo.training.trainer.completion_logprobs
     batch: list = []
 
     def logprobs_spy(model, *args, **kwargs):
@@ -68,7 +68,7 @@ def test_tis_weights_and_mismatch_against_a_different_sampler(tiny_config, monke
         return original_loss(logp, old_logp, advantages, loss_mask, *args, **kwargs)
 
     monkeypatch.setattr(algorithm, "policy_loss", spy)
-    monkeypatch.setattr(grpo.trainer, "completion_logprobs", logprobs_spy)
+    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", logprobs_spy)
     metrics = trainer.optimize(scored)
 
     ((logp, weights, mask, mb),) = seen  # one micro-batch of 8 rows

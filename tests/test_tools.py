@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.batch import Rollout, Scored
 from grpo.config import ConfigError, DataConfig, ModelConfig, RolloutConfig
+from grpo.containers import Rollout, Scored
 from grpo.data import DataError
-from grpo.logprobs import full_sequence_logprobs
+from grpo.data.prompts import prompt_format_for
 from grpo.models import CHAT_TEMPLATE, load_policy, load_tokenizer
-from grpo.prompts import prompt_format_for
 from grpo.rollout import close_engine, render_prompt
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.tools import PythonTool, last_error_line, notebook_source
@@ -39,7 +38,8 @@ from grpo.rollout.turns import (
     tool_metrics,
     turn_seed,
 )
-from grpo.trainer import Trainer, train
+from grpo.scoring.logprobs import full_sequence_logprobs
+from grpo.training.trainer import Trainer, train
 
 QUESTION = "What is 12 * 34?"
 # a template that lists the tools in a system message and says how to call them, as Hermes' and
@@ -420,7 +420,7 @@ def test_curate_shows_the_tool_schema_too(
     hermes_model_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
     from grpo.cli import main
-    from grpo.prompts import PromptFormat
+    from grpo.data.prompts import PromptFormat
 
     rendered: list[str] = []
     render = PromptFormat.render

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.config import ConfigError
-from grpo.logprobs import completion_logprobs
 from grpo.models import is_lora
-from grpo.trainer import Trainer, micro_batches, train
+from grpo.scoring.logprobs import completion_logprobs
+from grpo.training.trainer import Trainer, micro_batches, train
 
 TOY_REWARD = '''
 def share_of_a(completions, **kwargs):
@@ -176,12 +176,12 @@ def test_no_reference_model_when_beta_is_zero(tiny_config) -> None:
 def _spy_policy_loss(monkeypatch, with_ref: bool = False) -> list:
     """Records (logp, old_logp) of every policy_loss call; with_ref: dicts that also hold the
     reference log-probs and the micro-batch's (prompt ids/mask, completion ids/mask)."""
-    import grpo.trainer
+    import grpo.training.trainer
     from grpo import algorithm
 
     calls: list = []
     original = algorithm.policy_loss
-    original_logprobs = grpo.trainer.completion_logprobs
+    original_logprobs = grpo.training.trainer.completion_logprobs
     last_batch: list = []
 
     def logprobs_spy(model, *batch, **kwargs):
@@ -196,7 +196,7 @@ def _spy_policy_loss(monkeypatch, with_ref: bool = False) -> list:
         return original(logp, old_logp, advantages, loss_mask, ref_logp, **kwargs)
 
     monkeypatch.setattr(algorithm, "policy_loss", spy)
-    monkeypatch.setattr(grpo.trainer, "completion_logprobs", logprobs_spy)
+    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", logprobs_spy)
     return calls
 
 
@@ -218,18 +218,18 @@ def test_several_policy_iterations_use_old_logprobs(tiny_config, noisy_reward, m
 
 
 def test_one_iteration_needs_no_extra_forward(tiny_config, monkeypatch) -> None:
-    import grpo.trainer
+    import grpo.training.trainer
 
     trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 4}))
     scored = trainer.score(trainer.rollout())
     calls = []
-    original = grpo.trainer.completion_logprobs
+    original = grpo.training.trainer.completion_logprobs
 
     def counting(*args, **kwargs):
         calls.append(torch.is_grad_enabled())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(grpo.trainer, "completion_logprobs", counting)
+    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", counting)
     trainer.optimize(scored)
     # 8 completions / micro-batch 4: two log-prob passes, both the gradient passes; no reference
     # (beta 0) and no old log-probs (mu 1) forward
@@ -323,8 +323,8 @@ def test_a_second_rank_takes_its_own_advantages_from_the_gathered_batch(
     # rank 1 of 2 under scale_rewards=batch: rank 0's group (rewards 4, 0) is gathered before
     # this rank's (1, 0). Centred per group: [2, -2, 0.5, -0.5]; the batch std of [4, 0, 1, 0]
     # is sqrt(10.75 / 4); rank 1 keeps the rows after rank 0's: [0.5, -0.5] / std
-    from grpo import distributed
     from grpo.rewards import RewardOutput
+    from grpo.runtime import distributed
 
     trainer = Trainer(
         tiny_config(
@@ -367,7 +367,7 @@ def test_only_the_hf_engine_generates_from_gathered_parameters(tiny_config, monk
     # from its own copy of the weights, so nothing is gathered for it
     import contextlib
 
-    import grpo.trainer
+    import grpo.training.trainer
 
     trainer = Trainer(tiny_config(rollout={"prompts_per_step": 1, "group_size": 2}))
     gathered: list = []
@@ -377,7 +377,7 @@ def test_only_the_hf_engine_generates_from_gathered_parameters(tiny_config, monk
         gathered.append(model)
         yield
 
-    monkeypatch.setattr(grpo.trainer.distributed, "full_parameters", record)
+    monkeypatch.setattr(grpo.training.trainer.distributed, "full_parameters", record)
     trainer.rollout()
     assert gathered == [trainer.policy]
     trainer.config.rollout.engine = "vllm"  # the engine object stays; only the choice is read

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo.trainer
+import grpo.training.trainer
 from grpo import algorithm
-from grpo.trainer import Trainer
+from grpo.training.trainer import Trainer
 
 NOISY_REWARD = '''
 def noisy(completions, **kwargs):
@@ -84,7 +84,7 @@ def test_means_divide_by_the_tokens_counted(tiny_config, monkeypatch) -> None:
     scored = dataclasses.replace(scored, rollout=rollout, advantages=torch.randn(n))
 
     seen: list[torch.Tensor] = []
-    original = grpo.trainer.completion_logprobs
+    original = grpo.training.trainer.completion_logprobs
 
     def pinned_entropy(*args, with_entropy=False, **kwargs):
         logp, entropy = original(*args, with_entropy=with_entropy, **kwargs)
@@ -93,7 +93,7 @@ def test_means_divide_by_the_tokens_counted(tiny_config, monkeypatch) -> None:
             entropy = torch.full_like(entropy, 2.0)
         return logp, entropy
 
-    monkeypatch.setattr(grpo.trainer, "completion_logprobs", pinned_entropy)
+    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", pinned_entropy)
     calls = _spy_loss(monkeypatch)
     metrics = trainer.optimize(scored)
     counted = [mask for _, mask in calls]
@@ -111,7 +111,7 @@ def test_means_divide_by_the_tokens_counted(tiny_config, monkeypatch) -> None:
 def test_k1_in_the_loss_warns_once(tiny_config, capsys) -> None:
     Trainer(tiny_config(algorithm={"beta": 0.04, "kl_estimator": "k1"}))
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "k1" in ln]
-    assert lines == [grpo.trainer.K1_WARNING]
+    assert lines == [grpo.training.trainer.K1_WARNING]
     Trainer(tiny_config(algorithm={"beta": 0.04, "kl_estimator": "k3"}))
     Trainer(tiny_config(algorithm={"beta": 0.0, "kl_estimator": "k1"}))  # no KL in the loss
     assert "k1" not in capsys.readouterr().err

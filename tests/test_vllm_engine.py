@@ -20,9 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grpo.config import ConfigError, LoraConfig, ModelConfig, RolloutConfig
-from grpo.logprobs import completion_logprobs
 from grpo.models import build_tiny_model, load_policy, load_tokenizer
-from grpo.processors import Sampling
 from grpo.rollout import build_engine
 from grpo.rollout.vllm import (
     VLLMEngine,
@@ -30,7 +28,9 @@ from grpo.rollout.vllm import (
     merged_weights,
     not_a_rotary_reload_notice,
 )
-from grpo.trainer import Trainer, train
+from grpo.scoring.distribution import Sampling
+from grpo.scoring.logprobs import completion_logprobs
+from grpo.training.trainer import Trainer, train
 
 
 @dataclass

@@ -21,9 +21,9 @@ from grpo.config import Config, ConfigError, DataConfig, load_config
 def _user_errors() -> tuple[type[BaseException], ...]:
     from grpo.data import DataError
     from grpo.models import ModelError
-    from grpo.report import ReportError
     from grpo.rewards import RewardError
-    from grpo.run_dir import RunDirError
+    from grpo.runs.directory import RunDirError
+    from grpo.runs.report import ReportError
 
     return (
         ConfigError,
@@ -44,7 +44,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from grpo.trainer import TrainingStopped, train
+    from grpo.training.trainer import TrainingStopped, train
 
     config = _config_from_args(args)
     try:
@@ -114,7 +114,7 @@ def run_config_of(model: str) -> tuple[str, Path | None]:
     directory (final/ or checkpoints/step-N/) must verify, and brings its run's recipe along, so
     eval uses the same task settings.
     """
-    from grpo.run_dir import MANIFEST, RunDirError, complete_final, verify
+    from grpo.runs.directory import MANIFEST, RunDirError, complete_final, verify
 
     path = Path(model)
     if (path / "config.yaml").is_file():
@@ -227,7 +227,7 @@ def cmd_curate(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from grpo.report import write_report
+    from grpo.runs.report import write_report
 
     print(f"report written: {write_report(args.run_dir)}")
     return 0

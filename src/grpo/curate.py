@@ -45,7 +45,7 @@ import torch
 from grpo.config import Config, ConfigError
 from grpo.data import DataError, Rows, load_dataset_rows, system_prompt_for
 from grpo.rewards import RewardOutput
-from grpo.run_dir import write_atomic
+from grpo.runs.directory import write_atomic
 
 # columns curation adds to a scored row; the data may not already have them
 SCORE_COLUMNS = (
@@ -207,7 +207,7 @@ def default_output(config: Config) -> Path:
 def read_scores(paths: CuratePaths, settings: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """The rows an earlier run scored (source_row -> record), after checking it sampled with
     the same settings. A partial last line (a kill mid-write) is dropped with a warning."""
-    from grpo.run_dir import config_changes, describe_changes
+    from grpo.runs.directory import config_changes, describe_changes
 
     if not paths.scores.exists():
         return {}
@@ -429,12 +429,12 @@ def sample_and_score(
     )
 
     from grpo.config import ModelConfig
+    from grpo.data.prompts import prompt_format_for
     from grpo.models import load_policy, load_tokenizer, resolve_model_path
-    from grpo.prompts import prompt_format_for
     from grpo.rewards import RewardRunner
     from grpo.rollout import build_engine, reward_inputs
     from grpo.rollout.turns import MultiTurnEngine, chat_tools
-    from grpo.trainer import sampling_seed
+    from grpo.training.trainer import sampling_seed
 
     if config.train.threads:
         torch.set_num_threads(config.train.threads)

@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config, RolloutConfig
 from grpo.data import DataError, load_dataset_rows, system_prompt_for
-from grpo.prompts import PromptFormat, prompt_format_for, scored_texts
+from grpo.data.prompts import PromptFormat, prompt_format_for, scored_texts
 from grpo.rewards import RewardOutput, RewardRunner
 from grpo.rewards.accuracy import (
     DEFAULT_EXTRACT,

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from grpo.algorithm import soft_update_
 from grpo.config import ModelConfig
-from grpo.prefix_attention import use_prefix_attention
+from grpo.scoring.prefix_attention import use_prefix_attention
 
 
 class ModelError(ValueError):

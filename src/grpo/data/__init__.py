@@ -11,10 +11,12 @@ import io
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from grpo.config import DataConfig
 from grpo.data.tasks import TASKS, Task
+
+if TYPE_CHECKING:
+    from grpo.config import DataConfig
 
 logger = logging.getLogger(__name__)
 

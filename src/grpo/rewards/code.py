@@ -21,7 +21,7 @@ import re
 from typing import Any
 
 from grpo.rewards import RewardError, RewardFn, register
-from grpo.rewards.sandbox import Limits, judge_calls, run_limited
+from grpo.sandbox import Limits, judge_calls, run_limited
 
 FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

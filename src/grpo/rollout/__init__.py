@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from grpo.batch import Rollout
 from grpo.config import RolloutConfig
-from grpo.processors import Sampling
-from grpo.prompts import scored_texts
+from grpo.containers import Rollout
+from grpo.data.prompts import scored_texts
+from grpo.scoring.distribution import Sampling
 
 
 class RolloutEngine(Protocol):
@@ -61,8 +61,8 @@ def render_prompt(
 ) -> str:
     """A dataset prompt (string or chat messages) as the text the model continues: the chat
     template when the tokenizer has one, else plain text, the system prompt first (the default
-    ``grpo.prompts.PromptFormat``; recipes may set a template)."""
-    from grpo.prompts import PromptFormat
+    ``grpo.data.prompts.PromptFormat``; recipes may set a template)."""
+    from grpo.data.prompts import PromptFormat
 
     return PromptFormat(system=system).render(tokenizer, {"prompt": prompt})
 

@@ -19,13 +19,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from grpo.batch import Rollout
 from grpo.config import ConfigError, RolloutConfig
-from grpo.logprobs import position_ids_from_mask
-from grpo.processors import Sampling, process_logits
+from grpo.containers import Rollout
 from grpo.rollout import grouped_rollout, sampling_of
 from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.turns import TurnRequest, TurnSample
+from grpo.scoring.distribution import Sampling, process_logits
+from grpo.scoring.logprobs import position_ids_from_mask
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> list[int]:
@@ -103,7 +103,7 @@ class Chooser(LogitsProcessor):
     """One decode step of the engine: raw scores -> the drawn token (``pick``).
 
     ``extra`` (transformers' processors from ``rollout.generation_kwargs``) runs on the raw
-    logits, then ``grpo.processors`` (penalty, temperature, min-p, top-k, top-p), then the seeded
+    logits, then ``grpo.scoring.distribution`` (penalty, temperature, min-p, top-k, top-p), then the seeded
     draw. The log-prob of every drawn token under the distribution it was drawn from is kept
     (``logps``, one [N] tensor per step, 0 for rows that had finished), as vLLM reports it.
     ``seen`` [N, V] tracks the prompt's and the completion's tokens for the repetition penalty

@@ -21,7 +21,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from grpo.rewards.sandbox import run_python
+from grpo.sandbox import run_python
 
 # exit by a signal: the sandbox's CPU limit sends SIGXCPU (or SIGKILL past the hard limit)
 SIGNAL_NAMES = {-9: "killed (CPU time or memory limit)", -24: "CPU time limit"}

@@ -35,8 +35,8 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from grpo.batch import Rollout
 from grpo.config import ConfigError, RolloutConfig
+from grpo.containers import Rollout
 from grpo.rollout import close_engine, grouped_rollout, sampling_of
 from grpo.rollout.tools import TOOLS, ToolResult
 

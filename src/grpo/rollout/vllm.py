@@ -24,14 +24,14 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from grpo import distributed
-from grpo.batch import Rollout
 from grpo.config import ConfigError, RolloutConfig
+from grpo.containers import Rollout
 from grpo.models import is_lora
-from grpo.processors import Sampling
 from grpo.rollout import grouped_rollout, sampling_of
 from grpo.rollout.hf import eos_ids
 from grpo.rollout.turns import TurnRequest, TurnSample
+from grpo.runtime import distributed
+from grpo.scoring.distribution import Sampling
 
 # set through rollout.* fields (or by the engine itself), never through generation_kwargs
 OWN_FIELDS = {
@@ -95,7 +95,7 @@ def create_llm(model: nn.Module, config: RolloutConfig) -> tuple[Any, Callable[.
         # graph capture and compilation take minutes on CPU and gain little at these sizes
         enforce_eager=on_cpu,
         # log-probs of the distribution sampled from (after penalty, temperature, min-p,
-        # top-k, top-p), which the trainer reproduces (grpo.processors)
+        # top-k, top-p), which the trainer reproduces (grpo.scoring.distribution)
         logprobs_mode="processed_logprobs",
     )
     if distributed.active():

@@ -3,7 +3,7 @@
 Completions that share a prompt (a group's G samples) are packed into one sequence: the prompt
 once, then each completion, each completion seeing the prompt and its own earlier tokens, nothing
 else. A group then costs one prompt forward (and backward) instead of G, and no position is spent
-on padding. Models the trainer loads attend with ``grpo.prefix_attention``: each completion as a
+on padding. Models the trainer loads attend with ``grpo.scoring.prefix_attention``: each completion as a
 short row over its prompt, no mask; others take a dense [L, L] mask (a group of L tokens), whose
 attention covers the whole square. Either way, for long completions a cost rule
 (``ScoringCost.packing_pays``, priced for the square, so conservative for prefix attention) gives
@@ -15,7 +15,7 @@ a chunk of positions at a time together with the log-normaliser, recomputed in b
 neither the [positions, vocab] logits nor their gradient ever exists whole; models whose head is no plain linear layer, or that change its output, get the
 full logits, normalised a chunk at a time. Logits go through the sampling controls the
 engine used (temperature, and when set repetition penalty, min-p, top-k, top-p:
-``grpo.processors``), so the log-probs are those of the distribution the tokens were sampled
+``grpo.scoring.distribution``), so the log-probs are those of the distribution the tokens were sampled
 from.
 """
 
@@ -32,8 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from grpo.prefix_attention import PREFIX, SHARED, prefix_layout
-from grpo.processors import Sampling, seen_tokens, shape_logits, truncate
+from grpo.scoring.distribution import Sampling, seen_tokens, shape_logits, truncate
+from grpo.scoring.prefix_attention import PREFIX, SHARED, prefix_layout
 
 # attention implementations that take a custom 4D mask (others get one full sequence per row);
 # PREFIX takes a packed layout instead, and the mask only when it cannot (attention dropout)
@@ -77,7 +77,7 @@ def token_logprobs(
     -> log p(target) [B, T] float32, entropy [B, T] or None.
 
     ``sampling`` (or a bare temperature) says which distribution: the one the engine sampled
-    from (``grpo.processors``). The log-normaliser of each position is taken ``chunk`` positions
+    from (``grpo.scoring.distribution``). The log-normaliser of each position is taken ``chunk`` positions
     at a time, so the float32 temporaries stay small; a position shared by several targets (a
     prompt's last token predicts every completion's first) is normalised once.
     """
@@ -156,7 +156,7 @@ class Scorer:
     terms make them: the target tokens grouped by the position that predicts them, so a chunk
     of positions holds a contiguous run of targets.
 
-    Under penalty and truncation (``grpo.processors``), a target the truncation removed
+    Under penalty and truncation (``grpo.scoring.distribution``), a target the truncation removed
     (possible only when the trainer's numbers differ from the sampler's) is scored as if its
     position's kept set included it, so its log-prob stays finite.
     """
@@ -811,7 +811,7 @@ def packed_logprobs(
     history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
     scorer = Scorer.of(packed.at, completion_ids, sampling, with_entropy, history, packed.kept)
     if prefix:
-        # no [L, L] mask: the layout says what each token reads (grpo.prefix_attention). The
+        # no [L, L] mask: the layout says what each token reads (grpo.scoring.prefix_attention). The
         # mask of ones keeps transformers from building one: given none, it reads packed
         # sequences from the restarting position ids and builds their block mask
         layout = prefix_layout(packed.segment, packed.group)

@@ -1,7 +1,7 @@
 """Sandbox bootstrap: the first code of every sandboxed process (stdlib only, never imported by
 the trainer).
 
-The trainer starts it once as a *fork server* (``python -I -B _sandbox_boot.py SOCKET_FD``) that
+The trainer starts it once as a *fork server* (``python -I -B _boot.py SOCKET_FD``) that
 has already imported everything a run needs; each run costs a fork, not an interpreter start.
 For each request (a datagram naming the file descriptors it carries: the run's control socket,
 stdout, stderr and the call pipes), the server forks a *keeper* and forgets it. The keeper reads
@@ -232,7 +232,7 @@ def first_process(
     program = os.fork()
     if program == 0:  # PID 2
         os.close(status)
-        _sandbox_wire.ROLES[spec["role"]](spec, MAIN)
+        _wire.ROLES[spec["role"]](spec, MAIN)
         return
     init(program, status)
 
@@ -335,7 +335,7 @@ def server(sock: socket.socket) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _sandbox_wire  # loaded once, in the server, for every run it forks
+    import _wire  # loaded once, in the server, for every run it forks
 
     sys.path.pop(0)
     server(socket.socket(fileno=int(sys.argv[1])))

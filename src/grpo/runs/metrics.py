@@ -37,7 +37,7 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """Appends to metrics.jsonl (a resumed run's rows past its step are dropped by grpo.run_dir)."""
+    """Appends to metrics.jsonl (a resumed run's rows past its step are dropped by grpo.runs.directory)."""
 
     def __init__(self, run_dir: Path, keep_through_step: int) -> None:
         self.file = (run_dir / "metrics.jsonl").open("a")

@@ -22,14 +22,12 @@ import torch
 import transformers
 from torch import Tensor, nn
 
-from grpo import algorithm, distributed
-from grpo.batch import Rollout, Scored
+from grpo import algorithm
 from grpo.config import Config, ConfigError, dump_config
+from grpo.containers import Rollout, Scored
 from grpo.data import DataError, load_dataset_rows, system_prompt_for
+from grpo.data.prompts import prompt_format_for
 from grpo.eval import evaluate, evaluate_with_tools, heldout_rows, settings_for
-from grpo.logprobs import chunked_head_slot, completion_logprobs, full_logits, scoring_path
-from grpo.memory import set_malloc_policy
-from grpo.metrics import MetricsLogger, ProgressBar, reflection_rate
 from grpo.models import (
     Reference,
     is_lora,
@@ -38,12 +36,10 @@ from grpo.models import (
     resolve_model_path,
     save_hf,
 )
-from grpo.processors import Sampling
-from grpo.prompts import prompt_format_for
 from grpo.rewards import ErrorWatch, RewardError, RewardOutput, RewardRunner
 from grpo.rollout import RolloutEngine, build_engine, close_engine, reward_inputs
 from grpo.rollout.turns import MultiTurnEngine, chat_tools, tool_metrics
-from grpo.run_dir import (
+from grpo.runs.directory import (
     FIXED_KEYS,
     Checkpoint,
     RunDir,
@@ -57,8 +53,20 @@ from grpo.run_dir import (
     moot_change,
     rows_digest,
 )
-from grpo.sampling import Collected, Draw, PromptFilter, collect, draw_prompts, rank_groups
-from grpo.temperature import TemperatureController
+from grpo.runs.metrics import MetricsLogger, ProgressBar, reflection_rate
+from grpo.runtime import distributed
+from grpo.runtime.host_memory import set_malloc_policy
+from grpo.scoring.distribution import Sampling
+from grpo.scoring.logprobs import chunked_head_slot, completion_logprobs, full_logits, scoring_path
+from grpo.training.prompt_selection import (
+    Collected,
+    Draw,
+    PromptFilter,
+    collect,
+    draw_prompts,
+    rank_groups,
+)
+from grpo.training.temperature import TemperatureController
 
 # the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
 # is zero: in the loss, k1 does not pull the policy towards the reference
@@ -659,12 +667,12 @@ class Trainer:
             for draw, zero_variance in zip(draws, flags, strict=True):
                 self.prompt_filter.record(draw.index, zero_variance)
         if self.config.sampling.dynamic:
-            # every rank keeps the global groups: all make the same choices (see grpo.sampling)
+            # every rank keeps the global groups: all make the same choices (see grpo.training.prompt_selection)
             return gather_scored(scored)
         return scored
 
     def collect(self, clock: dict[str, float]) -> Collected:
-        """This step's groups: one round, or dynamic sampling's rounds (see grpo.sampling)."""
+        """This step's groups: one round, or dynamic sampling's rounds (see grpo.training.prompt_selection)."""
         cfg = self.config
 
         def advantages(rewards: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from grpo.algorithm import zero_std_groups
-from grpo.batch import Scored, concat_rollouts
+from grpo.containers import Scored, concat_rollouts
 
 # --------------------------------------------------------------------------------------- GRESO
 

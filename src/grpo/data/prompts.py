@@ -31,12 +31,14 @@ import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
-from grpo.config import DataConfig
 from grpo.data import DataError
+
+if TYPE_CHECKING:
+    from grpo.config import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo.run_dir import read_jsonl
+from grpo.runs.directory import read_jsonl
 
 SUMMARY_WINDOW = 10  # steps averaged at the start and at the end of the run
 SMOOTH_FROM = 10  # series this long get a running mean drawn over the raw values

@@ -1,5 +1,5 @@
 """The roles a sandboxed process plays, and the value format between candidate and judge
-(stdlib only; loaded by ``_sandbox_boot.py`` inside the sandbox, never by the trainer).
+(stdlib only; loaded by ``_boot.py`` inside the sandbox, never by the trainer).
 
 - ``script``: run ``main.py`` as ``__main__`` (the tool loop, stdin/stdout tests).
 - ``candidate``: run the program as module ``solution``, report its callables, then answer calls

@@ -6,10 +6,10 @@ Two entry points:
   sandboxed Python tool of multi-turn rollouts and the stdin/stdout tests of the code reward.
 - :func:`judge_calls` runs a program as a *candidate* and the row's test code in a separate
   *judge* process; the judge calls the candidate's functions through proxies that exchange plain
-  serialized values (``_sandbox_wire.py``), and reports each test's verdict on a pipe that only it
+  serialized values (``_wire.py``), and reports each test's verdict on a pipe that only it
   holds. Nothing the candidate prints, writes or leaves behind can change the verdict.
 
-Every sandboxed process starts in ``_sandbox_boot.py`` (its docstring lists each layer): fresh PID,
+Every sandboxed process starts in ``_boot.py`` (its docstring lists each layer): fresh PID,
 mount, network, IPC and UTS namespaces (through a user namespace when the trainer is not root),
 a private size-capped ``/tmp`` as its working directory, the trainer's home, working directory and
 temp folders masked, rlimits, a per-run uid as root (no capabilities otherwise), and Landlock.
@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BOOT = Path(__file__).with_name("_sandbox_boot.py")
+BOOT = Path(__file__).with_name("_boot.py")
 # per-run uids (root only): far above the ids of real accounts, 64 slots per trainer process
 UID_BASE = 1_000_000
 SLOTS_PER_PROCESS = 64

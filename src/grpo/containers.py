@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo.processors import Sampling
+from grpo.scoring.distribution import Sampling
 
 
 @dataclass
