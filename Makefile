@@ -37,9 +37,9 @@ format: $(STAMP)
 	.venv/bin/ruff check --fix src tests benchmarks
 	.venv/bin/ruff format src tests benchmarks
 
-# regenerate the README's config reference from the field docstrings in src/grpo/config.py
+# regenerate docs/config-reference.md from the field docstrings in src/grpo/config.py
 docs: $(STAMP)
-	$(PY) -c "import pathlib; from grpo.config import reference_markdown as r; p = pathlib.Path('README.md'); s = p.read_text(); a, b = '<!-- config-reference:start -->\n', '<!-- config-reference:end -->'; p.write_text(s.split(a)[0] + a + r() + b + s.split(b)[1])"
+	$(PY) -c "import pathlib; from grpo.config import reference_markdown as r; p = pathlib.Path('docs/config-reference.md'); s = p.read_text(); a, b = '<!-- config-reference:start -->\n', '<!-- config-reference:end -->'; p.write_text(s.split(a)[0] + a + r() + b + s.split(b)[1])"
 
 # mutation testing (README, "Mutation testing"); not part of `make test`: hours on 2 cores
 mutate: $(STAMP)

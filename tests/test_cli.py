@@ -141,11 +141,11 @@ def test_config_command_accepts_overrides_without_a_recipe(capsys) -> None:
     assert "group_size: 3" in capsys.readouterr().out
 
 
-def test_readme_config_reference_is_current() -> None:
+def test_docs_config_reference_is_current() -> None:
     from grpo.config import reference_markdown
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("<!-- config-reference:start -->\n", 1)[1]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "config-reference.md").read_text()
+    block = page.split("<!-- config-reference:start -->\n", 1)[1]
     block = block.split("<!-- config-reference:end -->", 1)[0]
     assert block == reference_markdown(), "regenerate with: make docs"
 
