@@ -297,7 +297,7 @@ def unexplained(rows: list[dict], readme: str) -> tuple[list[str], list[str]]:
 
 def report_unexplained(rows: list[dict]) -> None:
     """One line each for survivors README does not explain and listed ones that died."""
-    readme = ROOT / "README.md"
+    readme = ROOT / "docs" / "testing.md"
     missing, stale = unexplained(rows, readme.read_text()) if readme.exists() else ([], [])
     # tests/test_bench_mutation.py holds the two equal: explain the new ones, drop the dead
     if missing:
