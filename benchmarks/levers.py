@@ -47,7 +47,7 @@ from grpo.scoring import logprobs
 from grpo.scoring.distribution import Sampling, process_logits
 from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs, pack
 from grpo.scoring.prefix_attention import PREFIX
-from grpo.training.trainer import micro_batches
+from grpo.training.micro_batches import micro_batches
 
 RESULTS = Path(__file__).parent / "results"
 

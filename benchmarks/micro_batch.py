@@ -32,7 +32,7 @@ from grpo.models import load_tokenizer, resolve_model_path
 from grpo.rollout import render_prompt
 from grpo.rollout.hf import HFEngine
 from grpo.scoring.logprobs import completion_logprobs
-from grpo.training.trainer import micro_batches
+from grpo.training.micro_batches import micro_batches
 
 RESULTS = Path(__file__).parent / "results"
 

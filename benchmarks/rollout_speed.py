@@ -23,10 +23,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks import common
+from grpo.build import build_engine
 from grpo.config import RolloutConfig, load_config
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import load_tokenizer, resolve_model_path
-from grpo.rollout import build_engine, render_prompt
+from grpo.rollout import render_prompt
 
 
 def memory_bandwidth(gib: float = 0.5, seconds: float = 1.0) -> float:

@@ -41,7 +41,7 @@ RESULTS = Path(__file__).parent / "results"
 def trl_dataset_rows(setup: dict[str, Any], steps: int, seed: int) -> list[dict[str, Any]]:
     """The rows grpo's prompt stream yields over ``steps`` steps, as TRL conversational prompts."""
     from grpo.data import load_dataset_rows, system_prompt_for
-    from grpo.training.trainer import PromptStream
+    from grpo.data.stream import PromptStream
 
     config = build_config(config_tree(setup, steps, seed, tempfile.gettempdir()))
     rows = load_dataset_rows(config.data, seed)

@@ -120,7 +120,7 @@ def test_sample_groups_stops_when_every_row_has_finished(tiny_model_dir) -> None
 
 
 def test_micro_batch_order_keeps_groups_whole_longest_first() -> None:
-    from grpo.training.trainer import micro_batch_order
+    from grpo.training.micro_batches import micro_batch_order
 
     # 3 groups of 2: packed lengths 10 + (1 + 9) = 20, 4 + (2 + 2) = 8, 10 + (8 + 8) = 26
     prompt = torch.tensor([10, 10, 4, 4, 10, 10])

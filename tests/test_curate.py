@@ -214,7 +214,7 @@ def test_a_stopped_run_keeps_its_batches_and_resumes(
     recipe = _recipe(tmp_path, tiny_model_dir)
     out = tmp_path / "kept.jsonl"
     args = ["curate", str(recipe), "--samples", "4", "--output", str(out), "--batch-size", "16"]
-    real = grpo.rollout.build_engine
+    real = grpo.build.build_engine
 
     def build_engine(*a, **k):
         engine = real(*a, **k)
@@ -230,7 +230,7 @@ def test_a_stopped_run_keeps_its_batches_and_resumes(
         return engine
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grpo.rollout, "build_engine", build_engine)
+        mp.setattr(grpo.build, "build_engine", build_engine)
         assert main(args) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert "curate stopped by SIGTERM" in err and "run the same command to resume" in err

@@ -14,10 +14,11 @@ import yaml
 from safetensors.torch import load_file
 
 from grpo.config import ConfigError, dump_config
+from grpo.data.stream import sampling_seed
 from grpo.models import load_tokenizer
 from grpo.rollout.hf import HFEngine, SeededGroupSampler
 from grpo.runtime import distributed
-from grpo.training.trainer import Trainer, sampling_seed, train
+from grpo.training.trainer import Trainer, train
 
 DIGITS_REWARD = """
 def digits(completions, **kwargs):
@@ -190,7 +191,7 @@ def test_two_gloo_ranks_match_one_process(
 def _scored(groups: int, width: int, g: int = 2, sampler: bool = True):
     from grpo.containers import Rollout, Scored
     from grpo.scoring.distribution import Sampling
-    from grpo.training.trainer import empty_rollout
+    from grpo.training.gather import empty_rollout
 
     n = groups * g
     if n == 0:
@@ -217,7 +218,7 @@ def _scored(groups: int, width: int, g: int = 2, sampler: bool = True):
 def _gather_worker(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
-    from grpo.training.trainer import gather_scored
+    from grpo.training.gather import gather_scored
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
@@ -252,7 +253,7 @@ def test_gathered_groups_can_be_trained_on(tmp_path: Path) -> None:
 
 
 def test_a_rank_without_prompts_scores_an_empty_rollout(tiny_config) -> None:
-    from grpo.training.trainer import empty_rollout
+    from grpo.training.gather import empty_rollout
 
     trainer = Trainer(tiny_config())
     scored = trainer.score(empty_rollout(4))

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from test_cli import _recipe as cli_recipe
 
+import grpo.build
 import grpo.models
-import grpo.training.trainer
 from grpo.cli import build_parser, main, parse_args
 from grpo.config import ConfigError, load_config
 
@@ -30,7 +30,7 @@ def no_model_load(monkeypatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the error")
 
-    monkeypatch.setattr(grpo.training.trainer, "load_policy", refuse)
+    monkeypatch.setattr(grpo.build, "load_policy", refuse)
 
 
 def test_an_output_dir_that_cannot_be_written_fails_before_the_model_loads(
@@ -48,7 +48,7 @@ def test_a_changed_config_fails_before_the_model_loads(
 ) -> None:
     recipe = _recipe(tmp_path, tiny_model_dir)
     assert main(["train", str(recipe)]) == 0
-    monkeypatch.setattr(grpo.training.trainer, "load_policy", None)  # calling it would fail loudly
+    monkeypatch.setattr(grpo.build, "load_policy", None)  # calling it would fail loudly
     assert main(["train", str(recipe), "train.steps=2", "train.seed=7"]) == 2
     assert "changes the math: train.seed 0 -> 7;" in _one_line(capsys)
 

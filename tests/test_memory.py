@@ -14,8 +14,11 @@ from grpo.runtime.host_memory import KERNEL_CACHES
 # heap's growth over them, in MiB (glibc's mallinfo2: in-use bytes)
 NEW_SHAPES = """
 import ctypes
-import grpo  # noqa: F401  (caps the caches, unless the environment set them)
 import torch
+from grpo.build import prepare_process
+from grpo.config import Config
+
+prepare_process(Config())  # caps the caches, unless the environment set them
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
@@ -44,7 +47,20 @@ def heap_growth_mib(**env: str) -> float:
     return float(out.stdout)
 
 
-def test_importing_grpo_caps_the_kernel_caches_and_leaves_a_set_capacity_alone() -> None:
+def test_importing_grpo_leaves_the_environment_alone() -> None:
+    code = "import os; e = dict(os.environ); import grpo, grpo.cli; print(sorted(k for k in os.environ if k in KERNEL_CACHES and k not in e))"
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHES}
+    out = subprocess.run(
+        [sys.executable, "-c", f"KERNEL_CACHES = {KERNEL_CACHES!r}; {code}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_run_caps_the_kernel_caches_and_leaves_a_set_capacity_alone() -> None:
     # a fresh process each: the caches read their capacity once, at their first use
     libraries_default = heap_growth_mib(
         LRU_CACHE_CAPACITY="1024", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024"

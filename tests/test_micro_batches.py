@@ -11,7 +11,8 @@ import torch
 import grpo.training.trainer
 from grpo.containers import Rollout, Scored
 from grpo.scoring.logprobs import token_logprobs
-from grpo.training.trainer import Trainer, cut_micro_batches, micro_batch_order, micro_batches
+from grpo.training.micro_batches import cut_micro_batches, micro_batch_order, micro_batches
+from grpo.training.trainer import Trainer
 
 # G = 2, every prompt 10 tokens; completions 5, 3 | 4, 4 | 2, 1 (rows in order)
 PROMPTS, COMPLETIONS, ORDER = [10] * 6, [5, 3, 4, 4, 2, 1], list(range(6))

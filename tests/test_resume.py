@@ -23,7 +23,8 @@ from grpo.cli import main
 from grpo.config import Config, ConfigError, build_config
 from grpo.models import build_tiny_model
 from grpo.runs.directory import RunDirError, verify
-from grpo.training.trainer import Trainer, TrainingStopped, train
+from grpo.training.signals import TrainingStopped
+from grpo.training.trainer import Trainer, train
 
 STEPS = 4
 TRAINABLE_REWARD = f"{Path(__file__).with_name('toy_rewards.py')}:lowercase_share"
@@ -350,17 +351,17 @@ def test_a_full_disk_while_saving_is_one_line_simulated(
 ) -> None:
     import errno
 
-    import grpo.training.trainer
+    import grpo.training.checkpoint
 
     config = make(tree, "full-simulated")
-    original = grpo.training.trainer.save_torch
+    original = grpo.training.checkpoint.save_torch
 
     def save(obj: object, path: Path) -> None:
         if "step-3" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         original(obj, path)
 
-    monkeypatch.setattr(grpo.training.trainer, "save_torch", save)
+    monkeypatch.setattr(grpo.training.checkpoint, "save_torch", save)
     with pytest.raises(RunDirError, match=r"disk full .*/checkpoints/step-2 is intact"):
         train(config)
     monkeypatch.undo()

@@ -100,7 +100,7 @@ def test_generation_kwargs_cannot_override_a_rollout_field(tiny_model_dir) -> No
 
 def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
     from grpo.containers import Rollout
-    from grpo.rollout import reward_inputs
+    from grpo.rewards.inputs import reward_inputs
 
     n = 4  # 2 prompts, G = 2
     rollout = Rollout(
@@ -133,7 +133,7 @@ def test_sampling_of_carries_every_rollout_control() -> None:
 
 
 def test_an_unknown_engine_is_named() -> None:
-    from grpo.rollout import build_engine
+    from grpo.build import build_engine
 
     with pytest.raises(ValueError, match=r"^unknown rollout engine 'sglang'$"):
         build_engine("sglang")
@@ -158,7 +158,7 @@ def _tagged_rollout(turns=None):
 
 
 def test_rewards_judge_single_turns_after_the_opened_tag_and_the_last_turn_as_is() -> None:
-    from grpo.rollout import reward_inputs
+    from grpo.rewards.inputs import reward_inputs
 
     texts, _, columns, _ = reward_inputs(_tagged_rollout())
     assert texts == ["<think>a</think>", "<think>b</think>"]
@@ -171,8 +171,8 @@ def test_rewards_judge_single_turns_after_the_opened_tag_and_the_last_turn_as_is
 
 def test_reward_inputs_of_no_prompts_are_empty() -> None:
     # a rank's empty share of a dynamic-sampling round
-    from grpo.rollout import reward_inputs
-    from grpo.training.trainer import empty_rollout
+    from grpo.rewards.inputs import reward_inputs
+    from grpo.training.gather import empty_rollout
 
     assert reward_inputs(empty_rollout(2)) == ([], [], {}, [])
 

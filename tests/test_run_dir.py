@@ -13,19 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from grpo.config.diff import config_changes
 from grpo.runs.directory import (
     Checkpoint,
     RunDir,
     RunDirError,
-    changes_math,
     complete_final,
-    config_changes,
     is_disk_full,
-    math_changes,
     read_jsonl,
     seal,
     verify,
 )
+from grpo.training.resume import changes_math, math_changes
 
 
 def _checkpoint(run: RunDir, step: int, payload: bytes = b"weights") -> Path:

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from grpo.training.trainer import PromptStream, lr_lambda, sampling_seed
+from grpo.data.stream import PromptStream, sampling_seed
+from grpo.training.optimizer import lr_lambda
 
 
 def test_warmup_then_constant() -> None:

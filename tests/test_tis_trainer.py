@@ -56,7 +56,10 @@ def test_tis_weights_and_mismatch_against_a_different_sampler(tiny_config, monke
     sampler = trainer.engine
     scored = trainer.score(trainer.rollout())
     seen = []
-    original_loss, original_logprobs = algorithm.policy_loss, grpo.training.trainer.completion_logprobs
+    original_loss, original_logprobs = (
+        algorithm.policy_loss,
+        grpo.training.trainer.completion_logprobs,
+    )
     batch: list = []
 
     def logprobs_spy(model, *args, **kwargs):

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from grpo.config import ConfigError
 from grpo.models import is_lora
 from grpo.scoring.logprobs import completion_logprobs
-from grpo.training.trainer import Trainer, micro_batches, train
+from grpo.training.micro_batches import micro_batches
+from grpo.training.trainer import Trainer, train
 
 TOY_REWARD = '''
 def share_of_a(completions, **kwargs):

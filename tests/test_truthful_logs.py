@@ -111,7 +111,7 @@ def test_means_divide_by_the_tokens_counted(tiny_config, monkeypatch) -> None:
 def test_k1_in_the_loss_warns_once(tiny_config, capsys) -> None:
     Trainer(tiny_config(algorithm={"beta": 0.04, "kl_estimator": "k1"}))
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "k1" in ln]
-    assert lines == [grpo.training.trainer.K1_WARNING]
+    assert lines == [grpo.training.console.K1_WARNING]
     Trainer(tiny_config(algorithm={"beta": 0.04, "kl_estimator": "k3"}))
     Trainer(tiny_config(algorithm={"beta": 0.0, "kl_estimator": "k1"}))  # no KL in the loss
     assert "k1" not in capsys.readouterr().err

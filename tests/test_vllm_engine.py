@@ -19,9 +19,9 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from grpo.build import build_engine
 from grpo.config import ConfigError, LoraConfig, ModelConfig, RolloutConfig
 from grpo.models import build_tiny_model, load_policy, load_tokenizer
-from grpo.rollout import build_engine
 from grpo.rollout.vllm import (
     VLLMEngine,
     create_llm,

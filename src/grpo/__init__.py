@@ -1,10 +1,10 @@
-"""grpo: Group Relative Policy Optimization and its family for Hugging Face language models."""
+"""grpo: Group Relative Policy Optimization and its family for Hugging Face language models.
 
-from grpo.runtime.host_memory import bound_kernel_caches
+Importing it changes nothing in the process: settings a run needs (kernel cache bounds, threads,
+malloc policy) are applied when a run starts (``grpo.build.prepare_process``).
+"""
 
-bound_kernel_caches()  # before anything can run a bf16 product (see grpo/memory.py)
-
-from grpo.config import Config, load_config  # noqa: E402
-from grpo.training.trainer import Trainer, train  # noqa: E402
+from grpo.config import Config, load_config
+from grpo.training import Trainer, train
 
 __all__ = ["Config", "Trainer", "load_config", "train"]

@@ -207,7 +207,7 @@ def default_output(config: Config) -> Path:
 def read_scores(paths: CuratePaths, settings: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """The rows an earlier run scored (source_row -> record), after checking it sampled with
     the same settings. A partial last line (a kill mid-write) is dropped with a warning."""
-    from grpo.runs.directory import config_changes, describe_changes
+    from grpo.config.diff import config_changes, describe_changes
 
     if not paths.scores.exists():
         return {}
@@ -428,30 +428,18 @@ def sample_and_score(
         TimeRemainingColumn,
     )
 
-    from grpo.config import ModelConfig
-    from grpo.data.prompts import prompt_format_for
-    from grpo.models import load_policy, load_tokenizer, resolve_model_path
-    from grpo.rewards import RewardRunner
-    from grpo.rollout import build_engine, reward_inputs
-    from grpo.rollout.turns import MultiTurnEngine, chat_tools
-    from grpo.training.trainer import sampling_seed
+    from grpo.build import build_for_sampling
+    from grpo.data.stream import sampling_seed
+    from grpo.rewards.inputs import reward_inputs
 
-    if config.train.threads:
-        torch.set_num_threads(config.train.threads)
     k = settings.samples
-    prompt_format = prompt_format_for(
-        config.data, system_prompt_for(config.data), chat_tools(config.rollout)
+    parts = build_for_sampling(config, [rows[i] for i in todo])
+    tokenizer, prompt_format, engine, rewards = (
+        parts.tokenizer,
+        parts.prompt_format,
+        parts.engine,
+        parts.rewards,
     )
-    rewards = RewardRunner(config.rewards)
-    path = resolve_model_path(config.model.name)
-    tokenizer = load_tokenizer(path)
-    prompt_format.check(tokenizer, [rows[i] for i in todo])
-    model = load_policy(ModelConfig(name=path, dtype=config.model.dtype), path).eval()
-    engine = build_engine(
-        config.rollout.engine, model=model, tokenizer=tokenizer, config=config.rollout
-    )
-    if config.rollout.tools:
-        engine = MultiTurnEngine(engine, tokenizer, config.rollout)
     progress = Progress(
         TextColumn("curate"),
         MofNCompleteColumn(),

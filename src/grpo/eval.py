@@ -35,8 +35,8 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config, RolloutConfig
-from grpo.data import DataError, load_dataset_rows, system_prompt_for
-from grpo.data.prompts import PromptFormat, prompt_format_for, scored_texts
+from grpo.data import DataError, load_dataset_rows
+from grpo.data.prompts import PromptFormat, scored_texts
 from grpo.rewards import RewardOutput, RewardRunner
 from grpo.rewards.accuracy import (
     DEFAULT_EXTRACT,
@@ -45,8 +45,9 @@ from grpo.rewards.accuracy import (
     equivalent_in_process,
     extract_answer,
 )
+from grpo.rewards.inputs import per_function_metrics
 from grpo.rollout.hf import HFEngine, eos_ids
-from grpo.rollout.turns import MultiTurnEngine, chat_tools, greedy_answers, tool_metrics
+from grpo.rollout.turns import MultiTurnEngine, greedy_answers, tool_metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -171,10 +172,8 @@ def reward_metrics(output: RewardOutput, threshold: float) -> dict[str, float]:
         "reward/mean": float(total.mean()),
         "reward/pass_rate": float((total >= threshold).float().mean()),
     }
-    for k, name in enumerate(output.names):
-        column = output.per_function[:, k]
-        valid = column[~column.isnan()]
-        out[f"reward/{name}/mean"] = float(valid.mean()) if valid.numel() else math.nan
+    functions = per_function_metrics(output.per_function, output.names)
+    out.update({f"reward/{name}/mean": functions[f"reward/{name}/mean"] for name in output.names})
     return out
 
 
@@ -332,25 +331,15 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     """Load ``config.model.name`` (full weights, no adapters) and evaluate it on the held-out
     rows of ``config.data`` with the rollout's token limit and temperature, judged also by the
     recipe's reward functions."""
-    from grpo.config import ModelConfig
-    from grpo.models import load_policy, load_tokenizer, resolve_model_path
+    from grpo.build import build_for_sampling
 
-    if config.train.threads:
-        torch.set_num_threads(config.train.threads)
     rows = heldout_rows(config, examples)
-    path = resolve_model_path(config.model.name)
-    model = load_policy(ModelConfig(name=path, dtype=config.model.dtype), path)
+    parts = build_for_sampling(config)
     settings = settings_for(config, samples)
-    prompt_format = prompt_format_for(
-        config.data, system_prompt_for(config.data), chat_tools(config.rollout)
-    )
-    tokenizer = load_tokenizer(path)
-    rewards = RewardRunner(config.rewards)
+    args = (parts.policy, parts.tokenizer, rows, parts.prompt_format)
     try:
         if config.rollout.tools:
-            return evaluate_with_tools(
-                model, tokenizer, rows, prompt_format, config.rollout, settings, rewards
-            )
-        return evaluate(model, tokenizer, rows, prompt_format, settings, rewards)
+            return evaluate_with_tools(*args, config.rollout, settings, parts.rewards)
+        return evaluate(*args, settings, parts.rewards)
     finally:
-        rewards.close()
+        parts.rewards.close()

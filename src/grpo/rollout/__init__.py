@@ -7,7 +7,8 @@ prompt's G completions must depend only on the prompt, the weights and its seed,
 other prompts of the batch. ``temperature`` overrides ``rollout.temperature`` for this call (a
 schedule); the returned ``Rollout.sampling`` records the controls used, and the trainer scores
 the tokens under exactly that distribution.
-``hf`` samples with Hugging Face ``generate``; ``vllm`` runs a colocated vLLM.
+``hf`` samples with Hugging Face ``generate``; ``vllm`` runs a colocated vLLM (``grpo.build``
+picks one by ``rollout.engine``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig
 from grpo.containers import Rollout
-from grpo.data.prompts import scored_texts
 from grpo.scoring.distribution import Sampling
 
 
@@ -125,39 +125,3 @@ def grouped_rollout(
         else sampler_logp.masked_fill(~completion_mask, 0.0),
         sampling=sampling or Sampling(),
     )
-
-
-def reward_inputs(
-    rollout: Rollout,
-) -> tuple[list[str], list[Any], dict[str, list[Any]], list[list[int]]]:
-    """What the reward functions get for a rollout's N = P*G completions: the texts judged (the
-    last turn of a multi-turn completion; a single-turn completion with the tag its prompt
-    opened), each one's dataset prompt, the dataset columns (and ``turns``) repeated per
-    completion, and the counted completion token ids."""
-    g = rollout.group_size
-    columns: dict[str, list[Any]] = {}
-    keys = dict.fromkeys(key for row in rollout.rows for key in row)  # every row's, in order
-    for key in keys:
-        if key != "prompt":
-            columns[key] = [row.get(key) for row in rollout.rows for _ in range(g)]
-    if rollout.turns is not None:
-        columns["turns"] = rollout.turns
-    ids = [
-        ids[mask].tolist()
-        for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
-    ]
-    prompts = [row["prompt"] for row in rollout.rows for _ in range(g)]
-    texts = rollout.answers if rollout.turns else scored_texts(rollout.prompts, rollout.answers)
-    return texts, prompts, columns, ids
-
-
-def build_engine(name: str, **kwargs: Any) -> RolloutEngine:
-    if name == "hf":
-        from grpo.rollout.hf import HFEngine
-
-        return HFEngine(**kwargs)
-    if name == "vllm":
-        from grpo.rollout.vllm import VLLMEngine
-
-        return VLLMEngine(**kwargs)
-    raise ValueError(f"unknown rollout engine '{name}'")

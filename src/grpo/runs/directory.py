@@ -57,18 +57,6 @@ RUN_OUTPUTS = (
     "config_history.jsonl",
 )
 
-# Keys that may change between a checkpoint and its resume: they change neither the math nor the
-# order of the data (every train.* key except the seed, and pure memory/speed knobs).
-FREE_KEYS = {
-    "model.gradient_checkpointing",
-    "optim.micro_batch_size",
-    "rollout.vllm_gpu_memory_utilization",
-    "rewards.workers",
-}
-
-# Keys that decide which parameters exist, and so what a checkpoint's weights fit: no resume can
-# change them, not even a forced one (a new run can start from the checkpoint's weights instead).
-FIXED_KEYS = {"model.name", "model.lora.enabled", "model.lora.r", "model.lora.target_modules"}
 
 
 class RunDirError(ValueError):
@@ -123,20 +111,6 @@ def model_digest(path: str) -> str | None:
             with file.open("rb") as f:
                 digest.update(f"{file.name} {file.stat().st_size}\n".encode() + f.read(1 << 20))
     return digest.hexdigest()[:16]
-
-
-# what a run's checkpoints fingerprint besides its config, and how a change is named
-INPUTS = {"data": "the data's rows", "model": "the model folder's files"}
-
-
-def input_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Fingerprints that differ between a checkpoint (``old``) and this run (``new``), named
-    for the user; one a side lacks (an older checkpoint, a hub id) is no change."""
-    return {
-        label: (old[key], new[key])
-        for key, label in INPUTS.items()
-        if old.get(key) and new.get(key) and old[key] != new[key]
-    }
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -247,74 +221,6 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
 
 
 # --------------------------------------------------------------------------------------- config
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay whole values."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def changes_math(key: str) -> bool:
-    """Whether changing ``key`` on resume changes what is computed or the order of the data."""
-    if key.startswith("train."):
-        return key == "train.seed"
-    return key not in FREE_KEYS
-
-
-def config_changes(
-    old: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None
-) -> dict[str, tuple[Any, Any]]:
-    """Every dotted key whose value differs: key -> (old, new). A key ``old`` lacks (a newer grpo
-    added it) had its value in ``defaults`` (the new config's defaults) then, so it changed only
-    where the new value is not the default; without ``defaults`` a missing side is None."""
-    a, b = flatten(old), flatten(new)
-    base = flatten(defaults or {})
-    a = {**{k: base[k] for k in b.keys() - a.keys() if k in base}, **a}
-    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
-
-
-def math_changes(
-    old: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None
-) -> dict[str, tuple[Any, Any]]:
-    """The changes a resume must not make silently: keys that change the math. A key a newer
-    grpo added is compared with its default (see ``config_changes``), else left out: the user
-    did not change it."""
-    changes = config_changes(old, new, defaults)
-    a, b = flatten(old), flatten(new)
-    if defaults is None:
-        changes = {k: v for k, v in changes.items() if k in a and k in b}
-
-    def kept(key: str) -> bool:
-        # a key only the old config has counts when a section above it is a value the new one
-        # has ({} task_args lost max_number); else a newer grpo dropped it
-        parts = key.split(".")
-        return key in b or any(".".join(parts[:i]) in b for i in range(1, len(parts)))
-
-    return {k: v for k, v in changes.items() if kept(k) and changes_math(k)}
-
-
-def moot_change(key: str, change: tuple[Any, Any], new: dict[str, Any], same_model: bool) -> bool:
-    """A config change that changes nothing: ``model.name`` naming a folder whose files are the
-    same (moved or copied), LoRA's shape while LoRA is off, its target modules in another order."""
-    old_value, new_value = change
-    if key == "model.name":
-        return same_model
-    if key.startswith("model.lora.") and key != "model.lora.enabled":
-        if not flatten(new).get("model.lora.enabled"):  # enabled is compared on its own
-            return True
-        lists = isinstance(old_value, list) and isinstance(new_value, list)
-        return lists and sorted(old_value) == sorted(new_value)
-    return False
-
-
-def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
-    return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
 
 
 # --------------------------------------------------------------------------------------- run dir

@@ -25,23 +25,15 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from grpo.algorithm import zero_std_groups
 from grpo.containers import Scored, concat_rollouts
+from grpo.data.stream import Draw
 
 # --------------------------------------------------------------------------------------- GRESO
-
-
-class Draw(NamedTuple):
-    """One prompt taken from the data stream: row index, epoch, position in the stream."""
-
-    index: int
-    epoch: int
-    position: int
 
 
 @dataclass

@@ -1,0 +1,136 @@
+"""One builder: a config -> the run's parts. ``grpo train``, ``grpo eval``, ``grpo curate`` and
+the benchmarks assemble the stack here, the same way.
+
+The parts come in the order a run needs them: what depends only on the config and the data
+(``prompt_format``, ``reward_runner``) is built and checked before a run directory is touched;
+the model parts (``load_model``, ``reference_of``, ``engine_of``) after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from grpo.config import Config, ModelConfig
+from grpo.data import system_prompt_for
+from grpo.data.prompts import PromptFormat, prompt_format_for
+from grpo.models import Reference, load_policy, load_tokenizer, resolve_model_path
+from grpo.rewards import RewardError, RewardRunner
+from grpo.rollout import RolloutEngine
+from grpo.rollout.turns import MultiTurnEngine, chat_tools
+from grpo.runtime.host_memory import bound_kernel_caches
+
+
+def _hf_engine(**kwargs: Any) -> RolloutEngine:
+    from grpo.rollout.hf import HFEngine
+
+    return HFEngine(**kwargs)
+
+
+def _vllm_engine(**kwargs: Any) -> RolloutEngine:
+    from grpo.rollout.vllm import VLLMEngine  # imports vllm: only when asked for
+
+    return VLLMEngine(**kwargs)
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": _hf_engine, "vllm": _vllm_engine}
+
+
+def build_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    """The engine ``name`` (``rollout.engine``) over ``model``, ``tokenizer``, ``config``."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown rollout engine '{name}'")
+    return ENGINES[name](**kwargs)
+
+
+def prepare_process(config: Config) -> None:
+    """Process-wide settings a run needs before its first tensor operation: the kernel caches'
+    bounds (``grpo.runtime.host_memory``) and the thread count."""
+    bound_kernel_caches()
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+
+
+def prompt_format(config: Config) -> PromptFormat:
+    """How a row becomes the text the model continues (template, system prompt, tools)."""
+    return prompt_format_for(
+        config.data, system_prompt_for(config.data), chat_tools(config.rollout)
+    )
+
+
+def reward_runner(config: Config, rows: list[dict[str, Any]] | None = None) -> RewardRunner:
+    """The recipe's reward functions, checked against the columns of ``rows`` when given."""
+    rewards = RewardRunner(config.rewards)
+    if rows is not None:
+        try:
+            rewards.check_columns(rows)
+        except RewardError:
+            rewards.close()
+            raise
+    return rewards
+
+
+def load_model(
+    model: ModelConfig, path: str, device: torch.device | None = None
+) -> tuple[PreTrainedTokenizerBase, nn.Module]:
+    """Tokenizer and policy from a resolved model path (``resolve_model_path``)."""
+    tokenizer = load_tokenizer(path)
+    policy = load_policy(model, path)
+    return tokenizer, policy if device is None else policy.to(device)
+
+
+def reference_of(config: Config, policy: nn.Module) -> Reference | None:
+    """The frozen (or periodically refreshed) reference; None when beta = 0 (nothing loaded)."""
+    algo = config.algorithm
+    if algo.beta == 0:
+        return None
+    products = torch.bfloat16 if config.model.autocast else None
+    alpha = algo.ref_mix_alpha if algo.ref_update_every > 0 else 1.0
+    return Reference(policy, products, alpha)
+
+
+def engine_of(
+    config: Config,
+    policy: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    engine: RolloutEngine | None = None,
+    greedy: bool = False,
+) -> RolloutEngine:
+    """The rollout engine of ``rollout.engine`` (or the one given), inside the multi-turn tool
+    loop when the recipe has tools: the wrapper is applied here, once."""
+    rollout = config.rollout
+    if engine is None:
+        engine = build_engine(rollout.engine, model=policy, tokenizer=tokenizer, config=rollout)
+    if rollout.tools and not isinstance(engine, MultiTurnEngine):
+        engine = MultiTurnEngine(engine, tokenizer, rollout, greedy=greedy)
+    return engine
+
+
+@dataclass
+class Parts:
+    """What eval and curate run with: a model in eval mode, its tokenizer, the prompt format,
+    the engine and the reward runner (close it when done)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    policy: nn.Module
+    prompt_format: PromptFormat
+    engine: RolloutEngine
+    rewards: RewardRunner
+
+
+def build_for_sampling(config: Config, rows: list[dict[str, Any]] | None = None) -> Parts:
+    """``model.name`` with full weights (no adapters) in eval mode, and the rest of the stack
+    as training builds it: for ``grpo eval`` and ``grpo curate``."""
+    prepare_process(config)
+    fmt = prompt_format(config)
+    path = resolve_model_path(config.model.name)
+    tokenizer, policy = load_model(ModelConfig(name=path, dtype=config.model.dtype), path)
+    if rows is not None:
+        fmt.check(tokenizer, rows)
+    rewards = reward_runner(config)
+    return Parts(tokenizer, policy.eval(), fmt, engine_of(config, policy, tokenizer), rewards)

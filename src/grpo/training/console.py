@@ -1,0 +1,37 @@
+"""What a run says on the console besides its own lines: warnings about the config, and
+transformers' progress bars (off with ``train.progress=false``, restored when the run ends)."""
+
+from __future__ import annotations
+
+import sys
+
+import transformers
+
+from grpo.config import Config
+
+# the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
+# is zero: in the loss, k1 does not pull the policy towards the reference
+K1_WARNING = (
+    "warning: algorithm.kl_estimator=k1 in the loss adds only zero-mean noise to the gradient "
+    "(it does not pull towards the reference); use k3 (default) or k2"
+)
+
+
+def warn_about(config: Config) -> None:
+    """One line for each setting that runs but does not do what its name suggests."""
+    if config.algorithm.beta > 0 and config.algorithm.kl_estimator == "k1":
+        print(K1_WARNING, file=sys.stderr)
+
+
+class TransformersBars:
+    """transformers' loading and saving bars, off while ``progress`` is false; ``restore``
+    puts them back as they were."""
+
+    def __init__(self, progress: bool) -> None:
+        self.were_on = transformers.utils.logging.is_progress_bar_enabled()
+        if not progress:
+            transformers.utils.logging.disable_progress_bar()
+
+    def restore(self) -> None:
+        if self.were_on:
+            transformers.utils.logging.enable_progress_bar()
