@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from grpo.cli import main
-from grpo.config import ConfigError, load_config, parse_overrides
+from grpo.config import ConfigError, load_config
 
 
 def _recipe(tmp_path: Path, tiny_model_dir: Path, **extra) -> Path:
@@ -31,14 +31,6 @@ def _recipe(tmp_path: Path, tiny_model_dir: Path, **extra) -> Path:
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(tree))
     return path
-
-
-def test_overrides_are_typed_and_nested() -> None:
-    assert parse_overrides(["rollout.group_size=16", "model.lora.enabled=true", "a.b=x"]) == {
-        "rollout": {"group_size": 16},
-        "model": {"lora": {"enabled": True}},
-        "a": {"b": "x"},
-    }
 
 
 def test_recipe_plus_overrides(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from grpo.config.schema import Config, ConfigError, Section
+from grpo.config.schema import Config, ConfigError, DataConfig, Section
 
 
 def _section_fields(loc: tuple[Any, ...]) -> list[str]:
@@ -99,9 +99,11 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
 
 
 def merge_trees(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` over ``base``: a mapping merges key by key, anything else replaces; an empty
+    mapping replaces too (``data.task_args={}`` clears the recipe's, where merging would keep it)."""
     out = dict(base)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, dict) and value and isinstance(out.get(key), dict):
             out[key] = merge_trees(out[key], value)
         else:
             out[key] = value
@@ -157,13 +159,37 @@ def build_config(tree: dict[str, Any]) -> Config:
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Recipe (or the default recipe) + dotted overrides -> validated Config."""
+    """Recipe (or the default recipe) + dotted overrides -> validated Config.
+
+    Overrides merge into the recipe key by key (``data.task_args.size=10`` keeps the recipe's
+    other task_args), with two exceptions:
+
+    - an override whose value is an empty mapping replaces the recipe's value
+      (``data.task_args={}`` clears it);
+    - an override that sets ``data.task`` to another task than the recipe's drops the recipe's
+      task_args, which were for the recipe's task (``grpo train data.task=gsm8k`` on the default
+      recipe); task_args given with it apply alone. The recipe's other keys stay.
+    """
     path = Path(recipe) if recipe is not None else default_recipe_path()
     tree = resolve_recipe_paths(read_recipe(path), path.parent)
     if "run_name" not in tree.get("train", {}):
         # a recipe's runs land in runs/<recipe name> unless it says otherwise
         tree = merge_trees(tree, {"train": {"run_name": path.stem}})
-    return build_config(merge_trees(tree, parse_overrides(overrides or [])))
+    extra = parse_overrides(overrides or [])
+    return build_config(merge_trees(_drop_other_task_args(tree, extra), extra))
+
+
+def _drop_other_task_args(tree: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` without its ``data.task_args`` when the overrides ``extra`` switch to another
+    task: the recipe's were for its own task."""
+    data, new = tree.get("data"), extra.get("data")
+    if not isinstance(data, dict) or not isinstance(new, dict) or "task" not in new:
+        return tree
+    if "task_args" not in data:
+        return tree
+    if new["task"] == data.get("task", DataConfig.model_fields["task"].default):
+        return tree
+    return {**tree, "data": {k: v for k, v in data.items() if k != "task_args"}}
 
 
 def resolve_recipe_paths(tree: dict[str, Any], folder: Path) -> dict[str, Any]:

@@ -93,7 +93,7 @@ class DataConfig(Section):
     shuffle: bool = True
     """Visit rows in a seeded random order, reshuffled every epoch."""
     task_args: dict[str, Any] = {}
-    """Keyword arguments for the built-in task's generator (size, digit ranges, ...)."""
+    """Keyword arguments for the built-in task's generator (size, digit ranges, ...). An override that switches `data.task` to another task drops the recipe's task_args (task_args given with it apply alone); `data.task_args={}` clears them (another mapping merges key by key)."""
     eval_path: str | None = None
     """Held-out data for evaluation (training's `eval/*` and `grpo eval`), same format and fields as `path`; default: the task's or the `datasets` folder's test split."""
 

@@ -1,0 +1,97 @@
+"""Config loading: how command-line overrides meet a recipe, and the per-task recipes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo.config import (
+    default_recipe_path,
+    load_config,
+    merge_trees,
+    parse_overrides,
+    read_recipe,
+)
+
+RECIPES = default_recipe_path().parent
+DEFAULT_TASK_ARGS = read_recipe(default_recipe_path())["data"]["task_args"]
+
+
+def test_overrides_are_typed_and_nested() -> None:
+    assert parse_overrides(["rollout.group_size=16", "model.lora.enabled=true", "a.b=x"]) == {
+        "rollout": {"group_size": 16},
+        "model": {"lora": {"enabled": True}},
+        "a": {"b": "x"},
+    }
+
+
+def test_switching_task_drops_the_recipes_task_args() -> None:
+    assert DEFAULT_TASK_ARGS  # the default recipe's arithmetic arguments
+    config = load_config(None, ["data.task=gsm8k"])
+    assert config.data.task == "gsm8k" and config.data.task_args == {}
+
+
+def test_switching_task_takes_only_the_task_args_given_with_it() -> None:
+    config = load_config(None, ["data.task=countdown", "data.task_args.size=10"])
+    assert config.data.task_args == {"size": 10}
+
+
+def test_same_task_again_keeps_the_recipes_task_args() -> None:
+    assert load_config(None, ["data.task=arithmetic"]).data.task_args == DEFAULT_TASK_ARGS
+
+
+def test_setting_path_leaves_task_args(tmp_path: Path) -> None:
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    config = load_config(None, [f"data.path={data}"])
+    assert config.data.path == str(data) and config.data.task_args == DEFAULT_TASK_ARGS
+
+
+def test_recipe_without_task_switches_from_the_default_task(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {"task_args": {"size": 8}}}))  # arithmetic
+    assert load_config(recipe, ["data.task=arithmetic"]).data.task_args == {"size": 8}
+    assert load_config(recipe, ["data.task=gsm8k"]).data.task_args == {}
+
+
+def test_empty_mapping_override_clears() -> None:
+    assert load_config(None, ["data.task_args={}"]).data.task_args == {}
+
+
+def test_mapping_override_merges_key_by_key() -> None:
+    config = load_config(None, ["data.task_args.size=10"])
+    assert config.data.task_args == {**DEFAULT_TASK_ARGS, "size": 10}
+    config = load_config(None, ["data.task_args={size: 10}"])
+    assert config.data.task_args == {**DEFAULT_TASK_ARGS, "size": 10}
+
+
+def test_merge_trees() -> None:
+    base = {"a": {"x": 1, "y": 2}, "b": 3}
+    assert merge_trees(base, {"a": {"x": 5}}) == {"a": {"x": 5, "y": 2}, "b": 3}
+    assert merge_trees(base, {"a": {}}) == {"a": {}, "b": 3}
+    assert merge_trees(base, {"b": {}}) == {"a": {"x": 1, "y": 2}, "b": {}}
+    assert base == {"a": {"x": 1, "y": 2}, "b": 3}  # not changed in place
+
+
+@pytest.mark.parametrize(
+    ("recipe", "task", "rewards"),
+    [
+        ("gsm8k", "gsm8k", ["accuracy", "tag_count"]),
+        ("math500", "math500", ["format", "accuracy"]),
+        ("humaneval", "humaneval", ["code"]),
+        ("countdown", "countdown", ["format", "countdown"]),
+    ],
+)
+def test_task_recipes_resolve(recipe: str, task: str, rewards: list[str]) -> None:
+    config = load_config(RECIPES / f"{recipe}.yaml")
+    assert config.data.task == task and config.data.path is None
+    assert [spec.name for spec in config.rewards.functions] == rewards
+    assert config.model.name == "smollm2-135m-instruct"
+    assert config.train.run_name == recipe
+    if task in ("math500", "humaneval"):  # test split only
+        assert config.data.split == "test" and config.train.eval_every == 0
+    if task == "gsm8k":
+        assert config.rollout.max_new_tokens >= 256
+        assert "<answer></answer>" in config.data.system_prompt
