@@ -30,12 +30,12 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
-	.venv/bin/ruff check src tests benchmarks
-	.venv/bin/ruff format --check src tests benchmarks
+	.venv/bin/ruff check src tests benchmarks tools
+	.venv/bin/ruff format --check src tests benchmarks tools
 
 format: $(STAMP)
-	.venv/bin/ruff check --fix src tests benchmarks
-	.venv/bin/ruff format src tests benchmarks
+	.venv/bin/ruff check --fix src tests benchmarks tools
+	.venv/bin/ruff format src tests benchmarks tools
 
 # regenerate docs/config-reference.md from the field docstrings in src/grpo/config.py
 docs: $(STAMP)
@@ -44,12 +44,12 @@ docs: $(STAMP)
 # mutation testing (README, "Mutation testing"); not part of `make test`: hours on 2 cores
 mutate: $(STAMP)
 	rm -rf mutants
-	$(PY) -m benchmarks.mutation --max-children 2
+	$(PY) -m tools.mutation --max-children 2
 
 bench: $(STAMP)
 	$(PIP) install -q -e '.[dev,bench]'
-	$(PY) -m benchmarks.vs_trl --setup tiny --rounds 2
-	$(PY) -m benchmarks.vs_trl --setup smollm2 --rounds 2
+	$(PY) -m benchmarks.speed.vs_trl --setup tiny --rounds 2
+	$(PY) -m benchmarks.speed.vs_trl --setup smollm2 --rounds 2
 
 # vLLM's CPU build into this venv (rollout.engine=vllm). It pins transformers<5.20 (pip moves it
 # down from the default install; grpo supports both), and the torchvision/torchaudio/torchcodec

@@ -90,7 +90,7 @@ def fastest(setup: dict[str, Any]) -> dict[str, Any]:
     TRL's anchor configuration in FACTS (beta 0.04, 64 tokens, one micro-batch of 32), and bf16
     autocast over float32 weights where this CPU multiplies faster in bf16 (``precision``).
     grpo also scores from full logits: its chunked LM head saves memory at a cost in time
-    (update 1.20x in bf16, ``benchmarks.levers --head``), as checkpointing does."""
+    (update 1.20x in bf16, ``benchmarks.speed.levers --head``), as checkpointing does."""
     whole_step = setup["prompts_per_step"] * setup["group_size"]
     return {
         **setup,

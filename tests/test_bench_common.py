@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from benchmarks import common
-from benchmarks import step as step_module
-from benchmarks.step import config_tree
+from benchmarks.speed import step as step_module
+from benchmarks.speed.step import config_tree
 
 
 def test_mfu_is_achieved_flops_over_peak() -> None:
@@ -59,7 +59,7 @@ def test_ratio_and_median() -> None:
 
 
 def test_compare_reports_grpo_over_trl() -> None:
-    from benchmarks.vs_trl import compare
+    from benchmarks.speed.vs_trl import compare
 
     def run(engine: str, steps: list[float], rss: float, rewards: list[float]) -> dict:
         return {
@@ -121,7 +121,7 @@ def test_malloc_policy_decides_what_freed_memory_leaves(policy: str, released: t
 
 
 def test_options_summary_is_relative_to_the_first_variant() -> None:
-    from benchmarks.options import summarize
+    from benchmarks.speed.options import summarize
 
     def run(variant: str, steps: list[float], rss: float) -> dict:
         return {
@@ -142,7 +142,7 @@ def test_options_summary_is_relative_to_the_first_variant() -> None:
 
 
 def test_an_options_variant_names_its_revision_and_overrides() -> None:
-    from benchmarks.options import parse_variant
+    from benchmarks.speed.options import parse_variant
 
     assert parse_variant("default=") == ("default", None, [])
     assert parse_variant("before@HEAD~1=train.malloc=return,train.threads=1") == (
@@ -153,7 +153,7 @@ def test_an_options_variant_names_its_revision_and_overrides() -> None:
 
 
 def test_an_options_revision_git_does_not_know_is_one_line() -> None:
-    from benchmarks import options
+    from benchmarks.speed import options
 
     with pytest.raises(SystemExit, match=r"@no-such-revision: no such commit"):
         options.commit_of("no-such-revision")
@@ -165,7 +165,7 @@ def test_an_options_revision_runs_from_its_own_worktree_removed_after(tmp_path) 
     import subprocess
     from unittest import mock
 
-    from benchmarks import options
+    from benchmarks.speed import options
 
     def listed() -> str:
         git = ["git", "-C", str(options.REPO), "worktree", "list"]
@@ -192,11 +192,11 @@ def test_a_terminated_options_run_removes_its_worktrees(tmp_path) -> None:
     import subprocess
     import sys
 
-    from benchmarks import options
+    from benchmarks.speed import options
 
     child = (
         "import os, pathlib, signal, sys, time\n"
-        "from benchmarks import options\n"
+        "from benchmarks.speed import options\n"
         "with options.worktrees({'HEAD'}, pathlib.Path(sys.argv[1])) as trees:\n"
         "    print(trees['HEAD'].parent, flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -218,7 +218,7 @@ def test_a_terminated_options_run_removes_its_worktrees(tmp_path) -> None:
 def test_update_mfu_counts_the_positions_computed(tiny_config) -> None:
     # one step of G = 4 completions of 2 prompts, packed: each prompt is computed once per
     # group, so fewer positions than prompt + completion per row (what the estimate charged)
-    from benchmarks import step
+    from benchmarks.speed import step
 
     result = step.run(tiny_config(algorithm={"beta": 0.0}, train={"steps": 1}), warmup_peak_s=0.1)
     (only,) = result["steps"]
@@ -243,7 +243,9 @@ def test_stage_memory_puts_a_short_spike_in_its_own_stage(tiny_config, monkeypat
         torch.ones(64 << 20).sum()  # float32: 256 MiB, released to the OS when freed
         # and no thread of the benchmark runs beside the stage (a sampler takes the GIL from it)
         targets = [getattr(t, "_target", None) for t in threading.enumerate()]
-        samplers.extend(f for f in targets if getattr(f, "__module__", "") == "benchmarks.step")
+        samplers.extend(
+            f for f in targets if getattr(f, "__module__", "") == "benchmarks.speed.step"
+        )
         return frozen(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "frozen_logprobs", spiking)

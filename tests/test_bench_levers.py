@@ -247,7 +247,7 @@ def test_a_model_with_sliding_window_layers_samples_what_generate_samples() -> N
 
 
 def test_the_decode_lever_times_both_paths_on_the_same_tokens(tiny_model_dir) -> None:
-    from benchmarks.levers import decode_lever
+    from benchmarks.speed.levers import decode_lever
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)), RolloutConfig(max_new_tokens=6))
@@ -257,7 +257,7 @@ def test_the_decode_lever_times_both_paths_on_the_same_tokens(tiny_model_dir) ->
 
 
 def test_the_decode_lever_runs_on_the_lora_policy(tmp_path) -> None:
-    from benchmarks import levers
+    from benchmarks.speed import levers
 
     out = tmp_path / "lora.json"
     levers.main(["--setup", "tiny", "--decode", "--lora", "--repeats", "1", "--out", str(out)])

@@ -1,4 +1,4 @@
-"""benchmarks/mutation.py picks the mutants to run from mutmut's records (no mutmut run here)."""
+"""tools/mutation.py picks the mutants to run from mutmut's records (no mutmut run here)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import mutation
+from tools import mutation
 
 FILE = "src/grpo/rewards/length.py"
 KILLED, SURVIVOR, UNCHECKED = (

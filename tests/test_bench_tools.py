@@ -1,4 +1,4 @@
-"""The README's with/without-tool table: what `benchmarks.tools_table` reads from a run."""
+"""The README's with/without-tool table: what `benchmarks.quality.tools_table` reads from a run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.tools_table import summarize
+from benchmarks.quality.tools_table import summarize
 
 
 def _turn(text: str, output: str | None) -> dict:

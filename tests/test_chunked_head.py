@@ -186,7 +186,7 @@ def test_add_product_adds_every_row_of_the_product(dtype, monkeypatch) -> None:
     torch.testing.assert_close(out.double(), want, **tol)
     if dtype == torch.bfloat16:
         # on the CPU, bf16 products of 5-row blocks, each widened exactly into float32: not a
-        # float32 addmm_ (more precise, but 3x slower here; benchmarks.levers)
+        # float32 addmm_ (more precise, but 3x slower here; benchmarks.speed.levers)
         for lo in range(0, 37, 5):
             before[lo : lo + 5] += a[lo : lo + 5] @ b
         assert torch.equal(out, before)

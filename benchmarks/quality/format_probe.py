@@ -2,7 +2,7 @@
 under candidate prompts for the default recipe (issue 14, point 7). 24 "a + b" problems (1-30),
 48 new tokens (the recipe's limit); greedy, and 4 samples at temperature 1. Prints and writes to
 benchmarks/results/format_probe.json the (tagged, exactly one tagged answer, correct) shares per
-variant. Run: .venv/bin/python -m benchmarks.format_probe [variant ...]
+variant. Run: .venv/bin/python -m benchmarks.quality.format_probe [variant ...]
 """
 
 import json
@@ -53,7 +53,7 @@ def main() -> None:
     report = json.loads(out.read_text()) if out.exists() else {}
     report["columns"] = ["tagged share", "exactly <answer>...</answer> share", "correct share"]
     run = {
-        "command": " ".join(["python -m benchmarks.format_probe", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.quality.format_probe", *sys.argv[1:]]),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     for name in only:

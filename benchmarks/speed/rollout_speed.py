@@ -8,7 +8,7 @@ process at the same time: a decode step streams every weight once for the whole 
 bandwidth) and does ``2 x params`` FLOPs per active row (matmul peak); tokens/s can be no more
 than ``rows / max(bytes / bandwidth, flops / peak)``.
 
-    .venv/bin/python -m benchmarks.rollout_speed --rounds 3
+    .venv/bin/python -m benchmarks.speed.rollout_speed --rounds 3
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Zero-variance groups before and after prompt curation, read from a `grpo curate` summary
 and short runs of the same recipe (on the original prompts, then on kept ones).
 
-    python -m benchmarks.curation CURATE_JSON RUN_BEFORE RUN_AFTER [RUN_AFTER ...] [--output F]
+    python -m benchmarks.quality.curation CURATE_JSON RUN_BEFORE RUN_AFTER [RUN_AFTER ...] [--output F]
 
 Per run: ``frac_zero_std`` and ``reward/mean`` at each step and their means over the steps
 (the share of groups whose rewards were all equal, which carry no gradient), and the median
@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-RESULTS = Path(__file__).parent / "results" / "curation_default.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "curation_default.json"
 
 
 def run_summary(run_dir: Path) -> dict[str, Any]:

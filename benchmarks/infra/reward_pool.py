@@ -5,7 +5,7 @@ function in this process, alternated step by step in one run.
 The function is trivial (the share of lowercase letters), so the figure is the runner's own
 overhead per completion: pickling the completion and its columns, the pipe round trip, checks.
 
-Run: ``.venv/bin/python -m benchmarks.reward_pool [--completions 64] [--steps 20]``; writes
+Run: ``.venv/bin/python -m benchmarks.infra.reward_pool [--completions 64] [--steps 20]``; writes
 ``benchmarks/results/reward_pool.json``.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards import RewardRunner
 
-RESULTS = Path(__file__).with_name("results") / "reward_pool.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "reward_pool.json"
 FUNCTION = """
 def lowercase_share(completions, **kw):
     return [sum(c.islower() for c in t) / max(len(t), 1) for t in completions]

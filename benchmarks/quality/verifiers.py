@@ -1,7 +1,7 @@
 """The math verifier on real data: every GSM8K and MATH-500 gold answer, written as a model would
 write it, must score 1 through the ``accuracy`` reward, and a wrong variant of it 0.
 
-    python -m benchmarks.verifiers [--sets gsm8k_test gsm8k_train math500] [--limit N]
+    python -m benchmarks.quality.verifiers [--sets gsm8k_test gsm8k_train math500] [--limit N]
 
 prints the counts and every miss, and writes ``benchmarks/results/verifiers.json``.
 ``tests/test_verifiers_real_data.py`` runs the same checks (a seeded sample in ``make test``, all
@@ -20,7 +20,7 @@ from typing import Any
 from grpo.data.tasks import gsm8k_rows, math500_rows
 from grpo.rewards.accuracy import AccuracyReward
 
-RESULTS = Path(__file__).with_name("results") / "verifiers.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "verifiers.json"
 INTEGER_RE = re.compile(r"\d+")
 
 

@@ -1,6 +1,6 @@
 """Each speed lever on its own: the fast path against the plain one, timed alternately.
 
-    .venv/bin/python -m benchmarks.levers --setup smollm2 --repeats 3
+    .venv/bin/python -m benchmarks.speed.levers --setup smollm2 --repeats 3
 
 One real rollout of the set-up (P prompts x G completions from the model) is the workload.
 Variants of one lever run A B A B ... in this process, so a machine shared with other jobs
@@ -49,7 +49,7 @@ from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs, p
 from grpo.scoring.prefix_attention import PREFIX
 from grpo.training.micro_batches import micro_batches
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def alternate(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Any]:

@@ -1,13 +1,13 @@
 """Whole training steps with the HF engine against vLLM (its CPU build) on SmolLM2.
 
-Runs ``benchmarks.step`` in the default recipe's shape (4 prompts x G=8, 48 new tokens, one
+Runs ``benchmarks.speed.step`` in the default recipe's shape (4 prompts x G=8, 48 new tokens, one
 micro-batch of 16 rows, no gradient checkpointing, beta 0) once per engine per round, alternated
 HF, vLLM, HF, vLLM, ... so that other jobs on the machine slow both alike. A step's time covers
 the rollout, rewards, log-probs, the update and, for vLLM, the weight push after it. Writes
 benchmarks/results/engines_<setup>.json: per engine the median step time, its split, load time
 and peak RSS, and the ratios vLLM / HF.
 
-    .venv/bin/python -m benchmarks.engines --rounds 2 --steps 6   # needs `make vllm`
+    .venv/bin/python -m benchmarks.speed.engines --rounds 2 --steps 6   # needs `make vllm`
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks import common
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 DEFAULT_SHAPE = [
     "rollout.max_new_tokens=48",
     "optim.micro_batch_size=16",
@@ -34,7 +34,7 @@ ENGINES = ("hf", "vllm")
 
 
 def run_one(setup: str, engine: str, steps: int, seed: int, out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.step", "--setup", setup, "--steps", str(steps)]
+    cmd = [sys.executable, "-m", "benchmarks.speed.step", "--setup", setup, "--steps", str(steps)]
     cmd += ["--seed", str(seed), "--out", str(out), *DEFAULT_SHAPE, f"rollout.engine={engine}"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
@@ -82,7 +82,7 @@ def main() -> None:
                 runs[engine].append(result)
                 print(engine, r, f"median step {result['median_step_s']:.2f} s", flush=True)
     report = {
-        "command": "python -m benchmarks.engines " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.speed.engines " + " ".join(sys.argv[1:]),
         "shape": DEFAULT_SHAPE,
         "steps": args.steps,
         "rounds": args.rounds,

@@ -2,7 +2,7 @@
 of 10 steps, held-out eval rows, median timings and the temperatures used. The numbers behind
 README's run tables (default recipe, engines, temperatures).
 
-    .venv/bin/python -m benchmarks.run_curves runs/a runs/b --out benchmarks/results/x.json
+    .venv/bin/python -m benchmarks.quality.run_curves runs/a runs/b --out benchmarks/results/x.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Time N training steps of a set-up and write one JSON file.
 
-    .venv/bin/python -m benchmarks.step --setup smollm2 --steps 8 --out benchmarks/results/step_smollm2.json
-    .venv/bin/python -m benchmarks.step --setup tiny model.gradient_checkpointing=false train.malloc=return
+    .venv/bin/python -m benchmarks.speed.step --setup smollm2 --steps 8 --out benchmarks/results/step_smollm2.json
+    .venv/bin/python -m benchmarks.speed.step --setup tiny model.gradient_checkpointing=false train.malloc=return
 
 Each step is split into rollout, reward, frozen log-probs (reference and old policy; only the
 forwards the math needs run at all) and the policy update; the JSON also has generated and

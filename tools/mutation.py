@@ -6,21 +6,21 @@ file to the functions that are in scope, and says why the rest is not. mutmut ru
 against only the tests that reached its function while it measured the suite once, so a mutant
 costs its function's tests, not the whole selection. Writes benchmarks/results/mutation.json.
 
-Run: .venv/bin/python -m benchmarks.mutation [--max-children N]   (the whole run)
-     .venv/bin/python -m benchmarks.mutation --resume   (only what is unchecked, e.g. after an
+Run: .venv/bin/python -m tools.mutation [--max-children N]   (the whole run)
+     .venv/bin/python -m tools.mutation --resume   (only what is unchecked, e.g. after an
                                                          edit or a stopped run)
-     .venv/bin/python -m benchmarks.mutation --resume --files logprobs.py rewards/*.py
+     .venv/bin/python -m tools.mutation --resume --files logprobs.py rewards/*.py
                                                         (some files only)
-     .venv/bin/python -m benchmarks.mutation --resume --sample 400
+     .venv/bin/python -m tools.mutation --resume --sample 400
                                                         (a seeded random sample of the unchecked
                                                          ones: an unbiased kill rate when the
                                                          whole run does not fit the time)
-     .venv/bin/python -m benchmarks.mutation --survivors  (re-check the survivors, e.g. after
+     .venv/bin/python -m tools.mutation --survivors  (re-check the survivors, e.g. after
                                                          adding tests for them)
-     .venv/bin/python -m benchmarks.mutation --survivors --files logprobs.py \
+     .venv/bin/python -m tools.mutation --survivors --files logprobs.py \
          --functions attention_dropout_on                 (the survivors of some functions
                                                          only, e.g. after a test for them)
-     .venv/bin/python -m benchmarks.mutation --table      (the results file's table and its
+     .venv/bin/python -m tools.mutation --table      (the results file's table and its
                                                          survivors; writes nothing)
 """
 

@@ -2,8 +2,8 @@
 and the cost rule that ``completion_logprobs`` applies (packed while it pays, else one unmasked
 row per completion).
 
-    .venv/bin/python -m benchmarks.long_traces                       # all sizes, ~15 min idle
-    .venv/bin/python -m benchmarks.long_traces --lengths 256 --groups 8
+    .venv/bin/python -m benchmarks.speed.long_traces                       # all sizes, ~15 min idle
+    .venv/bin/python -m benchmarks.speed.long_traces --lengths 256 --groups 8
 
 Workload per size: the tiny random model (2 layers, hidden 64), one group of G completions of a
 64-token prompt, completion lengths spread evenly from T/2 to T (so padding is realistic), scored
@@ -28,7 +28,7 @@ import torch
 
 from benchmarks import common
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 PROMPT_LEN = 64
 PATHS = ("packed", "padded_rows", "rule")
 
@@ -89,7 +89,7 @@ def measure(path: str, group_size: int, length: int, model_dir: str) -> dict[str
 
 def run_worker(path: str, group_size: int, length: int, model_dir: str) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "benchmarks.long_traces", "--worker", path]
+        cmd = [sys.executable, "-m", "benchmarks.speed.long_traces", "--worker", path]
         cmd += ["--groups", str(group_size), "--lengths", str(length)]
         cmd += ["--model-dir", model_dir, "--out", out.name]
         subprocess.run(cmd, check=True)

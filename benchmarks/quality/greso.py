@@ -13,7 +13,7 @@ the filtered run spends fewer of them on groups that teach nothing.
   completions often earn in part: zero variance is rare and not a property of the prompt, so
   the filter has little to skip (and what it skips may have been informative at the next visit).
 
-Run: ``.venv/bin/python benchmarks/greso.py [--epochs 4] [--out benchmarks/results/greso.json]``.
+Run: ``.venv/bin/python benchmarks/quality/greso.py [--epochs 4] [--out benchmarks/results/greso.json]``.
 """
 
 from __future__ import annotations

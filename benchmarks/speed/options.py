@@ -1,6 +1,6 @@
 """grpo against itself: one set-up under different config overrides, runs alternated.
 
-    .venv/bin/python -m benchmarks.options --setup smollm2 --steps 4 \\
+    .venv/bin/python -m benchmarks.speed.options --setup smollm2 --steps 4 \\
         --variant default= \\
         --variant malloc_return=train.malloc=return \\
         --variant no_checkpointing=model.gradient_checkpointing=false
@@ -10,7 +10,7 @@ is). ``name@revision=...`` runs grpo's code as it was at a git revision (from a 
 the benchmark's own code stays this tree's), so a change is timed against its parent side by
 side in one run:
 
-    .venv/bin/python -m benchmarks.options --setup smollm2 --steps 4 --rounds 2 \
+    .venv/bin/python -m benchmarks.speed.options --setup smollm2 --steps 4 --rounds 2 \
         --variant before@HEAD~1= --variant after=
 
 Rounds run every variant once, in order (A B C A B C ...), each in its own process so peak
@@ -32,17 +32,18 @@ from typing import Any
 
 from benchmarks import common
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_variant(
     setup: str, steps: int, seed: int, overrides: list[str], out: Path, src: Path | None = None
 ) -> dict:
-    """One ``benchmarks.step`` run in its own process; grpo imported from ``src`` if given."""
-    cmd = ["-m", "benchmarks.step", "--setup", setup, "--steps", str(steps), "--seed", str(seed)]
+    """One ``benchmarks.speed.step`` run in its own process; grpo imported from ``src`` if given."""
+    cmd = ["-m", "benchmarks.speed.step", "--setup", setup, "--steps", str(steps)]
+    cmd += ["--seed", str(seed)]
     result = common.run_child([*cmd, "--out", str(out), *overrides], out, src)
     if src is not None and not Path(result["grpo_source"]).is_relative_to(src.resolve()):
         raise SystemExit(f"grpo came from {result['grpo_source']}, not from {src}")

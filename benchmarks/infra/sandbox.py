@@ -4,7 +4,7 @@ Each completion is scored by its own call from a pool of threads, as the reward 
 (`rewards.workers`); every call starts a candidate and a judge process in the sandbox. Also
 measured: the latency of one `run_python` call (the multi-turn tool), median of `--latency-runs`.
 
-    python -m benchmarks.sandbox --workers 2
+    python -m benchmarks.infra.sandbox --workers 2
 
 writes benchmarks/results/sandbox.json.
 """
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/sandbox.json")
     args = parser.parse_args()
     result = {
-        "command": f"python -m benchmarks.sandbox --workers {args.workers}",
+        "command": f"python -m benchmarks.infra.sandbox --workers {args.workers}",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
         "as_root": os.geteuid() == 0,
         "humaneval": humaneval_rate(args.workers),

@@ -7,7 +7,7 @@ trainer's policy and with the untouched base model: vLLM must agree with the pol
 mismatch is numerical noise) and differ from the base (the push changed what vLLM samples).
 ``--lora`` does the same with a LoRA policy, pushed merged.
 
-    .venv/bin/python -m benchmarks.vllm_sync [--lora]
+    .venv/bin/python -m benchmarks.infra.vllm_sync [--lora]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The update's log-prob pass (forward + backward) on one real rollout, cut into micro-batches of
 several sizes and token budgets, timed alternately.
 
-    .venv/bin/python -m benchmarks.micro_batch --setup smollm2 --repeats 2
+    .venv/bin/python -m benchmarks.speed.micro_batch --setup smollm2 --repeats 2
 
 One rollout of the set-up is the workload, so every variant trains on identical completions.
 Each variant runs the forward and backward of every micro-batch (no optimizer step, so the weights
@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo.scoring.logprobs
 from benchmarks import common
-from benchmarks.levers import alternate
+from benchmarks.speed.levers import alternate
 from grpo.config import DataConfig, RolloutConfig
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import load_tokenizer, resolve_model_path
@@ -34,7 +34,7 @@ from grpo.rollout.hf import HFEngine
 from grpo.scoring.logprobs import completion_logprobs
 from grpo.training.micro_batches import micro_batches
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def sliced_token_logprobs(

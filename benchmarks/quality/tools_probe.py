@@ -7,7 +7,7 @@ Per variant and mode: the share of completions that ran a call, that wrote an <a
 answer equals the last tool output, and that are correct. Prints and writes ``--out``
 (benchmarks/results/tools_probe.json).
 
-    python -m benchmarks.tools_probe [variant ...] [--problems 16] [--temperature 1.0]
+    python -m benchmarks.quality.tools_probe [variant ...] [--problems 16] [--temperature 1.0]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from grpo.models import load_policy, load_tokenizer, resolve_model_path
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.turns import MultiTurnEngine, TurnRequest
 
-RESULTS = Path(__file__).parent / "results" / "tools_probe.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "tools_probe.json"
 TOOL_SYSTEM = (
     "Use Python to compute: write one ```python block that prints the result, and you will see "
     "its output. Then write the final answer as a number inside <answer></answer> tags."
@@ -145,7 +145,7 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     rows = multiplication_rows("test", seed=0, size=400)[: args.problems]
     report: dict[str, Any] = {
-        "command": "python -m benchmarks.tools_probe " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.quality.tools_probe " + " ".join(sys.argv[1:]),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "problems": args.problems,
         "temperature": args.temperature,

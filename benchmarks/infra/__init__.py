@@ -1,0 +1,1 @@
+"""Infrastructure benchmarks: checkpoint cost, sandbox and reward-pool throughput, vLLM weight sync."""

@@ -1,0 +1,1 @@
+"""Quality benchmarks: learning curves, curation, GRESO, prompt probes, the verifier on real data."""

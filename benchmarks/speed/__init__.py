@@ -1,0 +1,1 @@
+"""Speed benchmarks: step times, rollouts, levers, options, engines, grpo against TRL."""

@@ -1,0 +1,1 @@
+"""Tools of the repository that are neither the package nor its benchmarks (mutation testing)."""
