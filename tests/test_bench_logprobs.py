@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.scoring.distribution import Sampling
-from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs, pack
+from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs
+from grpo.scoring.packing import pack
 from grpo.scoring.prefix_attention import PREFIX
 
 

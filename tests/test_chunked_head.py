@@ -1,4 +1,4 @@
-"""The chunked LM head (``grpo.scoring.logprobs``): the head and the log-normaliser a chunk of positions
+"""The chunked LM head (``grpo.scoring.chunked_head``): the head and the log-normaliser a chunk of positions
 at a time, recomputed in backward, against the plain head's full logits."""
 
 from __future__ import annotations
@@ -12,15 +12,10 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
-from grpo.scoring import logprobs
+from grpo.scoring import chunked_head, logprobs, packing
+from grpo.scoring.chunked_head import History, Scorer, chunked_head_slot
 from grpo.scoring.distribution import Sampling
-from grpo.scoring.logprobs import (
-    History,
-    Scorer,
-    chunked_head_slot,
-    completion_logprobs,
-    token_logprobs,
-)
+from grpo.scoring.logprobs import completion_logprobs, token_logprobs
 
 SAMPLINGS = {
     "temperature 1": Sampling(),
@@ -56,16 +51,16 @@ def _chunks_of(rows: int, vocab: int, monkeypatch) -> None:
     """Chunks of ``rows`` positions on both of the chunked head's paths: the autograd one
     (``CHUNK``) and plain sampling's in-place one (``PLAIN_CHUNK_BYTES``), whose entropy then
     takes two rows at a time."""
-    monkeypatch.setattr(logprobs, "CHUNK", rows)
-    monkeypatch.setattr(logprobs, "PLAIN_CHUNK_BYTES", rows * 4 * vocab)
-    monkeypatch.setattr(logprobs, "ENTROPY_BLOCK_BYTES", 2 * 4 * vocab)
+    monkeypatch.setattr(chunked_head, "CHUNK", rows)
+    monkeypatch.setattr(chunked_head, "PLAIN_CHUNK_BYTES", rows * 4 * vocab)
+    monkeypatch.setattr(chunked_head, "ENTROPY_BLOCK_BYTES", 2 * 4 * vocab)
 
 
 def _scored(model, batch, sampling, plain: bool, monkeypatch):
     """logp, entropy and every parameter's gradient of sum(logp * w) over real tokens."""
     with monkeypatch.context() as patch:
         if plain:
-            patch.setattr(logprobs, "head_slot", lambda model: None)
+            patch.setattr(chunked_head, "head_slot", lambda model: None)
         model.zero_grad()
         logp, entropy = completion_logprobs(model, *batch, sampling, with_entropy=True)
         mask = batch[3]
@@ -87,12 +82,12 @@ def test_chunked_head_equals_the_plain_head(model, monkeypatch, head, path: str,
     # backward (other samplings then score from the model's own head)
     _chunks_of(3, model.config.vocab_size, monkeypatch)
     if head == "kept":
-        logprobs.full_logits(model)
+        chunked_head.full_logits(model)
     if path == "rows":
-        monkeypatch.setattr(logprobs.ScoringCost, "packing_pays", lambda *_: False)
+        monkeypatch.setattr(packing.ScoringCost, "packing_pays", lambda *_: False)
     if path == "full":
         monkeypatch.setattr(logprobs, "scoring_path", lambda model: ("rows", "test"))
-    assert logprobs.head_slot(model) is not None
+    assert chunked_head.head_slot(model) is not None
     batch = _batch()
     got = _scored(model, batch, SAMPLINGS[name], plain=False, monkeypatch=monkeypatch)
     want = _scored(model, batch, SAMPLINGS[name], plain=True, monkeypatch=monkeypatch)
@@ -109,10 +104,10 @@ def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypat
     # gradients go back through the same casts as autograd's; kept logits likewise
     _chunks_of(5, model.config.vocab_size, monkeypatch)
     if head == "kept":
-        logprobs.full_logits(model)
+        chunked_head.full_logits(model)
     hidden = model.get_output_embeddings().weight.shape[1]
     # the head's weight gradient in blocks of 7 rows of the vocabulary, the last one ragged
-    monkeypatch.setattr(logprobs, "PRODUCT_BLOCK_BYTES", 7 * 6 * hidden)
+    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 7 * 6 * hidden)
     assert model.get_output_embeddings().weight.shape[0] % 7
     batch = _batch(g=3, n=6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -142,7 +137,7 @@ def test_backward_recomputes_the_logits_in_the_forwards_dtype(sampling, monkeypa
 
     monkeypatch.setattr(F, "linear", spy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        picked, lse = logprobs._ChunkedHead.apply(
+        picked, lse = chunked_head._ChunkedHead.apply(
             hidden, head.weight, head.bias, scorer, 4, [], False, False, True
         )
     (picked.sum() + lse.sum()).backward()
@@ -159,7 +154,7 @@ def test_a_head_weight_computed_from_others_hands_its_gradient_on() -> None:
     at = torch.tensor([[0, 3, 4], [0, 7, 10]])
     scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), Sampling(), False, None, 11)
     for _ in range(2):
-        picked, lse = logprobs._ChunkedHead.apply(
+        picked, lse = chunked_head._ChunkedHead.apply(
             hidden, base * 2.0, None, scorer, 4, [], True, False, True
         )
         scorer.logprobs(picked, lse, None, None)[0].sum().backward()
@@ -175,14 +170,14 @@ def test_add_product_adds_every_row_of_the_product(dtype, monkeypatch) -> None:
     # out += a @ b: in bf16 a block of 5 rows at a time (37 = 7 x 5 + 2), each block added
     # into the float32 out; in float32 one addmm_. Rounded to bf16 once per block at most
     gen = torch.Generator().manual_seed(3)
-    monkeypatch.setattr(logprobs, "PRODUCT_BLOCK_BYTES", 5 * 6 * 8)
+    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 5 * 6 * 8)
     a = torch.randn(37, 9, generator=gen).to(dtype)
     b = torch.randn(9, 8, generator=gen).to(dtype)
     out = torch.randn(37, 8, generator=gen)
     want = out.double() + a.double() @ b.double()
     tol = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
     before = out.clone()
-    logprobs.add_product_(out, a, b)
+    chunked_head.add_product_(out, a, b)
     torch.testing.assert_close(out.double(), want, **tol)
     if dtype == torch.bfloat16:
         # on the CPU, bf16 products of 5-row blocks, each widened exactly into float32: not a
@@ -205,7 +200,7 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     # must cast its bias too to run in the forward's dtype (the kept logits are its products')
     gen = torch.Generator().manual_seed(0)
     m, h, v = 11, 6, 17
-    monkeypatch.setattr(logprobs, "PRODUCT_BLOCK_BYTES", 5 * 6 * h)  # blocks of 5, 5, 5, 2 rows
+    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 5 * 6 * h)  # blocks of 5, 5, 5, 2 rows
     head = nn.Linear(h, v)
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])  # positions shared by targets
@@ -215,7 +210,7 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     tol = {"atol": 2e-2, "rtol": 2e-2} if autocast else {}
     extras: list = []
     with bf16:
-        picked, lse = logprobs._ChunkedHead.apply(
+        picked, lse = chunked_head._ChunkedHead.apply(
             hidden, head.weight, head.bias, scorer, 4, extras, False, keep, True
         )
     got = scorer.logprobs(picked, lse, *extras)[0]
@@ -233,7 +228,7 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     head.weight.grad = head.bias.grad = hidden.grad = None
     extras = []
     with bf16:
-        frozen = logprobs._ChunkedHead.apply(
+        frozen = chunked_head._ChunkedHead.apply(
             hidden, head.weight, head.bias, scorer, 4, extras, False, keep, True
         )
     scorer.logprobs(*frozen, *extras)[0].sum().backward()
@@ -294,7 +289,7 @@ def test_micro_batches_accumulate_the_heads_gradient_into_the_weights(model, mon
     def accumulated(plain: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as patch:
             if plain:
-                patch.setattr(logprobs, "head_slot", lambda model: None)
+                patch.setattr(chunked_head, "head_slot", lambda model: None)
             model.zero_grad(set_to_none=True)
             for batch in (first, second):
                 logp, _ = completion_logprobs(model, *batch, Sampling(0.9))
@@ -334,7 +329,9 @@ def test_the_embedding_lookup_adds_its_rows_into_the_dense_grad(tiny_model_dir, 
     def accumulated(dense: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as patch:
             if dense:
-                patch.setattr(logprobs, "lookup_into_grad", lambda model: contextlib.nullcontext())
+                patch.setattr(
+                    chunked_head, "lookup_into_grad", lambda model: contextlib.nullcontext()
+                )
             model.zero_grad(set_to_none=True)
             for batch in (first, second):
                 logp, _ = completion_logprobs(model, *batch, Sampling(0.9))
@@ -377,12 +374,12 @@ def test_no_tensor_of_every_positions_logits_is_kept_for_backward(model, monkeyp
 
         with monkeypatch.context() as patch:
             if plain:
-                patch.setattr(logprobs, "head_slot", lambda model: None)
+                patch.setattr(chunked_head, "head_slot", lambda model: None)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 completion_logprobs(model, *batch)
         return max(sizes)
 
-    positions = logprobs.pack(*batch).at[batch[3]].unique().numel()  # that predict a target
+    positions = packing.pack(*batch).at[batch[3]].unique().numel()  # that predict a target
     assert largest_logits_kept(plain=True) >= positions
     assert largest_logits_kept(plain=False) == 0
 
@@ -457,12 +454,12 @@ def test_full_logits_turns_the_chunked_head_off_and_on_again_through_a_wrapper(m
     # DDP keeps the model on .module: full_logits reaches the head through it, as the slot does
     wrapped = _Wrapper(model)
     assert chunked_head_slot(wrapped) is not None
-    logprobs.full_logits(wrapped)
+    chunked_head.full_logits(wrapped)
     assert chunked_head_slot(wrapped) is None
     assert chunked_head_slot(model) is None
-    logprobs.full_logits(wrapped, on=False)
+    chunked_head.full_logits(wrapped, on=False)
     assert chunked_head_slot(wrapped) is not None
-    logprobs.full_logits(wrapped, on=False)  # turning it off twice is no error
+    chunked_head.full_logits(wrapped, on=False)  # turning it off twice is no error
     assert chunked_head_slot(model) is not None
 
 
@@ -470,7 +467,7 @@ def test_a_wrapped_model_hands_every_head_gradient_to_autograd(model, monkeypatc
     # DDP reduces what autograd hands the weights, so under a wrapper the head's gradient is
     # never added into .grad in place: over two micro-batches (the second finds a .grad), what
     # autograd handed the tied weight sums to its .grad
-    monkeypatch.setattr(logprobs, "CHUNK", 4)
+    monkeypatch.setattr(chunked_head, "CHUNK", 4)
     wrapped = _Wrapper(model)
     assert chunked_head_slot(wrapped) is not None
     handed: list[torch.Tensor] = []
@@ -507,7 +504,7 @@ def test_plain_sampling_spreads_positions_evenly_over_chunks_of_the_buffer(posit
     plain = Scorer.of(at, at, Sampling(0.7), False, None, positions)
     assert plain.head_chunk(positions, 49152) == chunk
     top_k = Scorer.of(at, at, Sampling(0.7, top_k=5), False, None, positions)
-    assert top_k.head_chunk(positions, 49152) == logprobs.CHUNK
+    assert top_k.head_chunk(positions, 49152) == chunked_head.CHUNK
 
 
 def _logits_made(
@@ -521,8 +518,8 @@ def _logits_made(
 
     gen = torch.Generator().manual_seed(0)
     h = 6
-    monkeypatch.setattr(logprobs, "PLAIN_CHUNK_BYTES", 8 * 4 * v)
-    monkeypatch.setattr(logprobs, "ENTROPY_BLOCK_BYTES", 3 * 4 * v)
+    monkeypatch.setattr(chunked_head, "PLAIN_CHUNK_BYTES", 8 * 4 * v)
+    monkeypatch.setattr(chunked_head, "ENTROPY_BLOCK_BYTES", 3 * 4 * v)
     weight = torch.randn(v, h, generator=gen, requires_grad=True)
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.randint(0, m, (4, 5), generator=gen)
@@ -549,7 +546,7 @@ def _logits_made(
 
     extras: list = []
     with Record():
-        picked, lse = logprobs._ChunkedHead.apply(
+        picked, lse = chunked_head._ChunkedHead.apply(
             hidden, weight, None, scorer, chunk, extras, False, keep, True
         )
     forward = list(made)
@@ -592,7 +589,7 @@ def test_logits_go_into_the_buffer_with_and_without_a_bias() -> None:
     h, w, b = torch.randn(5, 6, generator=gen), torch.randn(9, 6, generator=gen), torch.randn(9)
     buffer = torch.empty(8, 9)
     for bias in (None, b):
-        got = logprobs._logits_into(buffer, h, w, bias)
+        got = chunked_head._logits_into(buffer, h, w, bias)
         assert got.data_ptr() == buffer.data_ptr() and got.shape == (5, 9)
         torch.testing.assert_close(got, F.linear(h, w, bias))
 
@@ -609,7 +606,7 @@ def test_full_logits_are_kept_under_plain_sampling_else_the_models_own(
     # for the forward's positions and the head's vocabulary
     _chunks_of(3, model.config.vocab_size, monkeypatch)  # chunks of 3 of this vocabulary
     runs: list[bool] = []
-    apply = logprobs._ChunkedHead.apply
+    apply = chunked_head._ChunkedHead.apply
     batch = _batch(g=2, n=4)
 
     def spy(hidden, weight, bias, scorer, chunk, *rest):
@@ -619,9 +616,9 @@ def test_full_logits_are_kept_under_plain_sampling_else_the_models_own(
         return apply(hidden, weight, bias, scorer, chunk, *rest)
 
     with monkeypatch.context() as patch:
-        patch.setattr(logprobs._ChunkedHead, "apply", spy)
+        patch.setattr(chunked_head._ChunkedHead, "apply", spy)
         completion_logprobs(model, *batch, sampling)
-        logprobs.full_logits(model)
+        chunked_head.full_logits(model)
         completion_logprobs(model, *batch, sampling)
     assert runs == ([False, True] if sampling.plain else [False])
 
@@ -656,7 +653,9 @@ def test_kept_logits_without_a_graph_are_left_as_logits(monkeypatch) -> None:
         return terms(self, logits, start, span, keep=keep)
 
     monkeypatch.setattr(Scorer, "plain_terms_", spy)
-    head = logprobs._ScoringHead(nn.Linear(6, 40, bias=False), scorer, in_place=False, keep=True)
+    head = chunked_head._ScoringHead(
+        nn.Linear(6, 40, bias=False), scorer, in_place=False, keep=True
+    )
     head.head.weight = nn.Parameter(weight)
     with torch.no_grad():
         frozen = head(hidden)
@@ -681,7 +680,7 @@ def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling, keep
     scorer = Scorer.of(none, none, sampling, True, None, 0)
     extras: list = []
     chunk = scorer.head_chunk(0, 17)
-    picked, lse = logprobs._ChunkedHead.apply(
+    picked, lse = chunked_head._ChunkedHead.apply(
         hidden, weight, None, scorer, chunk, extras, False, keep, True
     )
     (picked.sum() + lse.sum()).backward()
@@ -696,4 +695,4 @@ def test_kept_logits_refuse_a_sampling_that_shapes_them() -> None:
     scorer = Scorer.of(at, at, Sampling(0.7, top_k=5), False, None, 1)
     hidden, weight = torch.randn(1, 6), torch.randn(17, 6)
     with pytest.raises(ValueError, match="plain sampling"):
-        logprobs._ChunkedHead.apply(hidden, weight, None, scorer, 1, [], False, True, True)
+        chunked_head._ChunkedHead.apply(hidden, weight, None, scorer, 1, [], False, True, True)

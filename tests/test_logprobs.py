@@ -11,15 +11,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
-from grpo.scoring import logprobs
+from grpo.scoring import packing
+from grpo.scoring.chunked_head import chunked_head_slot
 from grpo.scoring.logprobs import (
-    chunked_head_slot,
     completion_logprobs,
     full_sequence_logprobs,
-    pack,
     position_ids_from_mask,
     token_logprobs,
 )
+from grpo.scoring.packing import pack
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_lm_head_runs_only_on_completion_positions(model) -> None:
 
 
 def test_packing_pays_by_hand() -> None:
-    from grpo.scoring.logprobs import ScoringCost
+    from grpo.scoring.packing import ScoringCost
 
     cost = ScoringCost(position=1.0, pair=1.0)
     # prompt 10, two completions of 2: packed 10 + 1 + 1 = 12 -> 12 + 144 = 156;
@@ -149,7 +149,7 @@ def test_packing_pays_by_hand() -> None:
 def test_scoring_cost_reads_the_models_config() -> None:
     from transformers import GPT2Config, LlamaConfig
 
-    from grpo.scoring.logprobs import ScoringCost
+    from grpo.scoring.packing import ScoringCost
 
     llama = LlamaConfig(hidden_size=32, intermediate_size=80, num_hidden_layers=3)
     assert ScoringCost.of(llama) == ScoringCost(
@@ -187,7 +187,7 @@ def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch, penal
     sampling = Sampling(0.7, top_k=20, repetition_penalty=1.3) if penalised else 0.7
 
     monkeypatch.setattr(
-        logprobs.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
+        packing.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
     )
     a, b = [10, 11, 12, 13, 14], [20, 21, 22]
     prompts = [a, b, a, b]
@@ -211,7 +211,7 @@ def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch, penal
 def test_long_completions_build_no_square_mask(model, monkeypatch) -> None:
     # two completions of 200 after a 5-token prompt: the rule gives each its own row, and the
     # model is called without any attention mask (plain causal attention, linear memory)
-    from grpo.scoring.logprobs import ScoringCost
+    from grpo.scoring.packing import ScoringCost
 
     with torch.no_grad():
         want, _ = _naive(model, [10, 11, 12, 13, 14], [31] * 150, 1.0)
@@ -391,7 +391,7 @@ def test_more_prompts_than_packed_positions_under_a_repetition_penalty(model) ->
     # than tokens in the longest (3), so the penalty's per-position owners must be counted by
     # sequences x kept positions, not by length
     from grpo.scoring.distribution import Sampling
-    from grpo.scoring.logprobs import packed_logprobs
+    from grpo.scoring.packing import packed_logprobs
 
     prompts = [[10, 11], [12, 13, 14], [15, 16], [17, 18, 10]]
     completions = [[11], [20], [16], [18]]  # 11, 16, 18 repeat a prompt token
@@ -472,10 +472,8 @@ def test_group_rows_default_to_temperature_one_without_entropy_and_keep_the_long
 def test_a_mixed_batch_packs_one_group_and_gives_the_other_one_row_each(model, monkeypatch):
     # group A (prompt of 5, rows 0 and 2) is packed: one sequence of 5 + 2 + 0 tokens with the
     # [L, L] mask; group B (prompt of 3, rows 1 and 3) is two rows of 3 + 4 tokens, no mask
-    from grpo.scoring import logprobs
-
     monkeypatch.setattr(
-        logprobs.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
+        packing.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
     )
     calls = []
     original = model.forward
@@ -560,7 +558,7 @@ def test_pack_end_to_end_by_hand() -> None:
 
 
 def test_the_shared_start_leaves_every_prompt_a_token_of_its_own() -> None:
-    shared = logprobs._shared_start
+    shared = packing._shared_start
     t = torch.tensor
     assert shared([t([5, 6, 7, 8]), t([5, 6, 9]), t([5, 6, 7, 10])]) == 2
     assert shared([t([5, 6, 7]), t([5, 6, 7, 8])]) == 2  # not all of the shorter one

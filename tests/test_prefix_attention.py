@@ -22,7 +22,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from grpo.config import ModelConfig, RolloutConfig
 from grpo.models import disable_dropout, load_policy, load_tokenizer
 from grpo.rollout.hf import HFEngine
-from grpo.scoring.logprobs import attention_dropout_on, completion_logprobs, pack, packed_logprobs
+from grpo.scoring.logprobs import completion_logprobs
+from grpo.scoring.packing import attention_dropout_on, pack, packed_logprobs
 from grpo.scoring.prefix_attention import (
     PREFIX,
     prefix_attention_forward,
@@ -296,7 +297,7 @@ def test_a_model_that_ignores_logits_to_keep_is_refused(
 ) -> None:
     # scored at every position instead of the ones asked for, its log-probs would be read off
     # the wrong positions without a word
-    import grpo.scoring.logprobs as logprobs
+    import grpo.scoring.chunked_head as chunked_head
 
     _, prefix = _pair(tiny_model_dir)
     forward = prefix.forward
@@ -307,6 +308,6 @@ def test_a_model_that_ignores_logits_to_keep_is_refused(
 
     monkeypatch.setattr(prefix, "forward", ignores)
     if own_head:
-        monkeypatch.setattr(logprobs, "head_slot", lambda model: None)
+        monkeypatch.setattr(chunked_head, "head_slot", lambda model: None)
     with pytest.raises(RuntimeError, match="does not honour logits_to_keep"):
         completion_logprobs(prefix, *_shared_batch())

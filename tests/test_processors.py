@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from grpo.scoring.chunked_head import History
 from grpo.scoring.distribution import Sampling, process_logits, seen_tokens
-from grpo.scoring.logprobs import History, token_logprobs
+from grpo.scoring.logprobs import token_logprobs
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 

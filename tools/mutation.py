@@ -17,7 +17,7 @@ Run: .venv/bin/python -m tools.mutation [--max-children N]   (the whole run)
                                                          whole run does not fit the time)
      .venv/bin/python -m tools.mutation --survivors  (re-check the survivors, e.g. after
                                                          adding tests for them)
-     .venv/bin/python -m tools.mutation --survivors --files logprobs.py \
+     .venv/bin/python -m tools.mutation --survivors --files scoring/packing.py \
          --functions attention_dropout_on                 (the survivors of some functions
                                                          only, e.g. after a test for them)
      .venv/bin/python -m tools.mutation --table      (the results file's table and its

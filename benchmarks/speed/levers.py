@@ -43,9 +43,10 @@ from grpo.rollout.hf import (
     sample_groups,
 )
 from grpo.runtime.host_memory import set_malloc_policy
-from grpo.scoring import logprobs
+from grpo.scoring import chunked_head
 from grpo.scoring.distribution import Sampling, process_logits
-from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs, pack
+from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs
+from grpo.scoring.packing import pack
 from grpo.scoring.prefix_attention import PREFIX
 from grpo.training.micro_batches import micro_batches
 
@@ -270,7 +271,7 @@ def scoring(model, batches: list, logprobs: Callable[..., Any], grad: bool) -> C
 
 def logprob_levers(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """Forward (reference) and forward + backward (update) over the step's micro-batches: one
-    full sequence per row against rows packed by prompt (``logprobs.pack``)."""
+    full sequence per row against rows packed by prompt (``packing.pack``)."""
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
 
     def run(logprobs: Callable[..., Any], grad: bool) -> Callable[[], None]:
@@ -325,7 +326,7 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     against the model's own head; the LM head a chunk at a time (``model.chunked_head``)
     against full logits, forward and forward + backward, at chunks of 64 to 512 rows, with
     the embedding lookup's gradient sparse or dense, and under plain sampling in place or
-    through autograd; and the head's weight gradient over 1024 positions, 64 at a time: ``logprobs.add_product_`` (what the
+    through autograd; and the head's weight gradient over 1024 positions, 64 at a time: ``chunked_head.add_product_`` (what the
     chunked head does: products in the run's dtype a block of rows at a time, no [V, H]
     temporary) against float32 ``addmm_`` of the chunk's values (what it did at 432d0f6) and a
     whole product in the run's dtype, cast and added (what it did before that)."""
@@ -341,20 +342,22 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
         kept: bool = True,
     ) -> Callable[[], None]:
         def scored(*args: Any) -> Any:
-            logprobs.full_logits(model, on=not chunked)
+            chunked_head.full_logits(model, on=not chunked)
             with contextlib.ExitStack() as patches:
                 if not kept:  # full logits from the model's own head, as before they were kept
-                    patches.enter_context(mock.patch.object(logprobs, "head_slot", lambda m: None))
+                    patches.enter_context(
+                        mock.patch.object(chunked_head, "head_slot", lambda m: None)
+                    )
                 if rows is not None:  # chunks of this many positions, on either path
-                    patches.enter_context(mock.patch.object(logprobs, "CHUNK", rows))
-                    size = mock.patch.object(logprobs, "PLAIN_CHUNK_BYTES", rows * 4 * vocab)
+                    patches.enter_context(mock.patch.object(chunked_head, "CHUNK", rows))
+                    size = mock.patch.object(chunked_head, "PLAIN_CHUNK_BYTES", rows * 4 * vocab)
                     patches.enter_context(size)
                 if not in_place:  # plain sampling through autograd, as before 74cd9ad
                     autograd = mock.patch.object(Sampling, "plain", property(lambda s: False))
                     patches.enter_context(autograd)
                 if not lookup:  # the dense lookup gradient, as before lookup_into_grad
                     no_lookup = mock.patch.object(
-                        logprobs, "lookup_into_grad", lambda m: contextlib.nullcontext()
+                        chunked_head, "lookup_into_grad", lambda m: contextlib.nullcontext()
                     )
                     patches.enter_context(no_lookup)
                 return completion_logprobs(*args)
@@ -371,7 +374,7 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
         # what it replaced first, what it is last: the ratio is blocks / float32_addmm
         "float32_addmm": lambda g, h: acc.addmm_(g.T.float(), h.float()),
         "product_per_chunk": lambda g, h: acc.add_((g.T @ h).float()),
-        "blocks": lambda g, h: logprobs.add_product_(acc, g.T, h),
+        "blocks": lambda g, h: chunked_head.add_product_(acc, g.T, h),
     }
 
     def accumulate(product: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[], None]:
@@ -411,7 +414,7 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
             {name: accumulate(product) for name, product in products.items()}, repeats
         ),
     }
-    logprobs.full_logits(model, on=False)
+    chunked_head.full_logits(model, on=False)
     return result
 
 

@@ -56,10 +56,10 @@ def measure(path: str, group_size: int, length: int, model_dir: str) -> dict[str
     """Reference forward + update forward/backward on one path; runs in a worker process."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.scoring import logprobs
+    from grpo.scoring import logprobs, packing
 
     scorers = {
-        "packed": logprobs.packed_logprobs,
+        "packed": packing.packed_logprobs,
         "padded_rows": logprobs.full_sequence_logprobs,
         "rule": logprobs.completion_logprobs,
     }

@@ -24,7 +24,7 @@ import torch
 import grpo
 from benchmarks import common, rewards
 from grpo.config import Config, build_config, merge_trees, parse_overrides
-from grpo.scoring.logprobs import kept_positions
+from grpo.scoring.chunked_head import kept_positions
 from grpo.training.trainer import Trainer
 
 REWARDS_FILE = Path(rewards.__file__).resolve()

@@ -1,6 +1,6 @@
 """Attention for packed groups that skips the masked-out square.
 
-A packed group (``logprobs.Packed``) is its prompt once, then every completion. Under the dense
+A packed group (``packing.Packed``) is its prompt once, then every completion. Under the dense
 [L, L] mask, SDPA still computes every query-key pair, though a completion only reads the prompt
 and its own earlier tokens: at G = 8 and completions of the prompt's length, about four fifths of
 the square is masked out. Here each completion attends as its own short row, its prompt's keys
@@ -9,7 +9,7 @@ for a fraction of the pairs, and no [L, L] mask. The projections and MLPs still 
 token once, which is what packing is for.
 
 The model runs the registered implementation ``PREFIX`` (``use_prefix_attention``): a forward
-given ``prefix_layout=PrefixLayout`` (``logprobs.packed_logprobs``) takes this path; every other
+given ``prefix_layout=PrefixLayout`` (``packing.packed_logprobs``) takes this path; every other
 forward (generation, plain rows) is SDPA's, unchanged. The layout travels as a keyword argument,
 so a recomputation under gradient checkpointing takes the same path.
 """

@@ -34,7 +34,7 @@ class MicroBatch:
 
 def micro_batch_order(prompt_len: Tensor, completion_len: Tensor, group_size: int) -> Tensor:
     """Row order for micro-batches: whole groups, longest group first. A group's completions pack
-    behind one copy of its prompt (``logprobs.pack``), and groups of similar length share a
+    behind one copy of its prompt (``grpo.scoring.packing.pack``), and groups of similar length share a
     micro-batch, so little is padded. [N] lengths, groups contiguous -> [N] order."""
     packed = prompt_len.view(-1, group_size)[:, 0] + completion_len.view(-1, group_size).sum(dim=1)
     groups = torch.argsort(packed, descending=True, stable=True)  # [P]

@@ -34,7 +34,8 @@ from grpo.runs.directory import RunDir, RunDirError, is_disk_full, model_digest,
 from grpo.runs.metrics import MetricsLogger, ProgressBar
 from grpo.runtime import distributed
 from grpo.runtime.host_memory import set_malloc_policy
-from grpo.scoring.logprobs import chunked_head_slot, completion_logprobs, full_logits, scoring_path
+from grpo.scoring.chunked_head import chunked_head_slot, full_logits
+from grpo.scoring.logprobs import completion_logprobs, scoring_path
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
 from grpo.training.gather import empty_rollout, gather_scored
