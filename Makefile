@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 # vLLM's engine once `make vllm` has installed it: measured side by side on an idle machine,
 # its whole steps (weight pushes included) took 0.82x the HF engine's, at 1.58x the memory
-# (README, "vLLM rollouts"); `grpo train` alone keeps the HF engine. Expanded when the recipe
+# (docs/results/vllm.md); `grpo train` alone keeps the HF engine. Expanded when the recipe
 # runs, after .venv is made
 ENGINE = $(shell test -x $(PY) && $(PY) -c "import importlib.util as u; print('rollout.engine=vllm' if u.find_spec('vllm') else '')" 2>/dev/null)
 
@@ -41,7 +41,7 @@ format: $(STAMP)
 docs: $(STAMP)
 	$(PY) -c "import pathlib; from grpo.config import reference_markdown as r; p = pathlib.Path('docs/config-reference.md'); s = p.read_text(); a, b = '<!-- config-reference:start -->\n', '<!-- config-reference:end -->'; p.write_text(s.split(a)[0] + a + r() + b + s.split(b)[1])"
 
-# mutation testing (README, "Mutation testing"); not part of `make test`: hours on 2 cores
+# mutation testing (docs/testing.md); not part of `make test`: hours on 2 cores
 mutate: $(STAMP)
 	rm -rf mutants
 	$(PY) -m tools.mutation --max-children 2

@@ -9,9 +9,11 @@ import math
 import pytest
 import torch
 
+from grpo.config import dump_config
 from grpo.scoring.chunked_head import History
 from grpo.scoring.distribution import Sampling, process_logits, seen_tokens
 from grpo.scoring.logprobs import token_logprobs
+from grpo.training.resume import open_run
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
@@ -159,7 +161,7 @@ def test_training_scores_under_the_controls_it_sampled_with(tiny_config) -> None
         train={"steps": 1},
     )
     trainer = Trainer(config)
-    trainer.open_run_dir()
+    open_run(trainer.run, trainer.plan, dump_config(config))
     try:
         trainer.step = 1
         metrics = trainer.train_step()

@@ -23,6 +23,7 @@ from grpo.cli import main
 from grpo.config import Config, ConfigError, build_config
 from grpo.models import build_tiny_model
 from grpo.runs.directory import RunDirError, verify
+from grpo.training.checkpoint import load_checkpoint
 from grpo.training.signals import TrainingStopped
 from grpo.training.trainer import Trainer, train
 
@@ -408,8 +409,8 @@ def test_the_engine_gets_the_restored_weights(tree: dict, monkeypatch) -> None:
         "sync_weights",
         lambda model: pushed.append({k: v.clone() for k, v in model.state_dict().items()}),
     )
-    trainer.load_checkpoint(trainer.resume_from.path)
-    saved = weights(trainer.resume_from.path)
+    load_checkpoint(trainer, trainer.plan.checkpoint.path)
+    saved = weights(trainer.plan.checkpoint.path)
     assert len(pushed) == 1
     assert all(torch.equal(pushed[0][k], saved[k]) for k in saved)
 
@@ -474,7 +475,7 @@ def test_what_no_resume_can_change_is_refused_in_one_line(tree: dict, tmp_path: 
     moved = tmp_path / "moved"
     shutil.copytree(tree["model"]["name"], moved)
     same = {**tree, "model": {"name": str(moved), "lora": {"r": 4}}}
-    assert Trainer(make(same, "fixed", steps=3)).resume_from.step == 2
+    assert Trainer(make(same, "fixed", steps=3)).plan.step == 2
 
 
 def test_a_model_folder_changed_under_its_name_is_one_line(tree: dict, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import torch
 import grpo.runs.directory
 from grpo.config import build_config
 from grpo.runs.directory import verify
+from grpo.training.checkpoint import save_checkpoint
 from grpo.training.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "checkpoint_smollm2.json"
@@ -58,7 +59,7 @@ def main() -> None:
     for step in range(1, args.rounds + 1):
         trainer.step = step
         t0 = time.perf_counter()
-        trainer.save_checkpoint()
+        save_checkpoint(trainer)
         total = time.perf_counter() - t0
         folder = trainer.run.checkpoints / f"step-{step}"
         t1 = time.perf_counter()

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.config import load_config
+from grpo.config import dump_config, load_config
 from grpo.models import resolve_model_path
 from grpo.scoring.logprobs import completion_logprobs
+from grpo.training.resume import open_run
 from grpo.training.trainer import Trainer
 
 
@@ -67,7 +68,7 @@ def main() -> None:
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model.name)).eval()
     probe = trainer.rows[-4:]
     prompts = [trainer.prompt_format.render(trainer.tokenizer, r) for r in probe]
-    trainer.open_run_dir()
+    open_run(trainer.run, trainer.plan, dump_config(trainer.config))
     results = []
     try:
         while trainer.step < max(checkpoints):

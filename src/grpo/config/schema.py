@@ -46,13 +46,13 @@ class ModelConfig(Section):
     name: str = "tiny-random"
     """Built-in alias (see `grpo models`), local HF folder, or hub id (needs network)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weight dtype. Train in float32 weights; for bf16 speed prefer `autocast` (README, Performance)."""
+    """Weight dtype. Train in float32 weights; for bf16 speed prefer `autocast` (docs/performance.md)."""
     autocast: bool = False
-    """bf16 autocast for forwards over float32 weights (mixed precision, TRL's bf16=True); log-probs stay float32. Pays on GPUs and CPUs with bf16 units (AVX512-BF16, AMX): steps 0.53x here; without them bf16 is slower (README, Performance: how to measure it)."""
+    """bf16 autocast for forwards over float32 weights (mixed precision, TRL's bf16=True); log-probs stay float32. Pays on GPUs and CPUs with bf16 units (AVX512-BF16, AMX): steps 0.53x here; without them bf16 is slower (docs/performance.md: how to measure it)."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass: less memory, more compute (README, Performance)."""
+    """Recompute activations in the backward pass: less memory, more compute (docs/performance.md)."""
     chunked_head: bool = True
-    """Scoring forwards run the LM head and its log-normaliser a chunk of positions at a time (up to 32 MiB of float32 logits, computed in place, under temperature-only sampling; else 64), recomputed in backward: no [positions, vocab] logits or gradient is ever whole (the update's peak about 100 MiB lower on SmolLM2, measured). Its cost in time depends on the machine: from 1.08-1.20x the update on an AVX512-BF16 EPYC to 0.96x (faster) on an Intel Xeon in float32 (README, Levers). Off: every position's logits at once, with no recomputation: under temperature-only sampling in one float32 buffer kept for backward, which becomes their gradient in place (about the model's own head's time and 250 MiB below its peak RSS on SmolLM2 with one micro-batch of 32, measured); else from the model's own head."""
+    """Scoring forwards run the LM head and its log-normaliser a chunk of positions at a time (up to 32 MiB of float32 logits, computed in place, under temperature-only sampling; else 64), recomputed in backward: no [positions, vocab] logits or gradient is ever whole (the update's peak about 100 MiB lower on SmolLM2, measured). Its cost in time depends on the machine: from 1.08-1.20x the update on an AVX512-BF16 EPYC to 0.96x (faster) on an Intel Xeon in float32 (docs/results/levers.md). Off: every position's logits at once, with no recomputation: under temperature-only sampling in one float32 buffer kept for backward, which becomes their gradient in place (about the model's own head's time and 250 MiB below its peak RSS on SmolLM2 with one micro-batch of 32, measured); else from the model's own head."""
     disable_dropout: bool = True
     """Zero every dropout of the policy (as TRL does), so current, old and reference log-probs come from one deterministic network."""
     lora: LoraConfig = LoraConfig()
@@ -79,13 +79,13 @@ class DataConfig(Section):
     system_prompt: str | None = None
     """System message put before string prompts (overrides the task's own)."""
     template: str | None = None
-    """Prompt template: a built-in name (`r1_zero`) or text with `{column}` fields filled from each row (`{prompt}`, `{system}`, any data column). See README, Prompt templates."""
+    """Prompt template: a built-in name (`r1_zero`) or text with `{column}` fields filled from each row (`{prompt}`, `{system}`, any data column). See docs/rewards.md, Prompt templates."""
     chat_template: bool | None = None
     """Wrap prompts in the tokenizer's chat template: null = when it has one and `template` is unset; true = always (the filled template is the user message); false = never (plain text)."""
     chat_template_kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the chat template (e.g. `enable_thinking: false`)."""
     few_shot: list[ChatMessage] = []
-    """Example turns ({role, content}: user, assistant, tool) put after the system prompt and before every prompt, as real chat turns (or plain text without a chat template). See README, Prompt templates."""
+    """Example turns ({role, content}: user, assistant, tool) put after the system prompt and before every prompt, as real chat turns (or plain text without a chat template). See docs/rewards.md, Prompt templates."""
     response_prefix: str = ""
     """Text appended after the rendered prompt, where the answer starts (e.g. `<answer>`); a tag it opens counts as part of the completion for rewards and eval."""
     num_examples: int | None = Field(None, ge=1)
@@ -120,7 +120,7 @@ class RolloutConfig(Section):
     stop: list[str] = []
     """Stop strings: a completion ends with the token that completes one (kept in the text and the loss)."""
     generation_kwargs: dict[str, Any] = {}
-    """Further arguments passed as they are to the engine: vLLM `SamplingParams` fields, or transformers `GenerationConfig` fields (their logits processors) for hf. See README, Generation controls."""
+    """Further arguments passed as they are to the engine: vLLM `SamplingParams` fields, or transformers `GenerationConfig` fields (their logits processors) for hf. See docs/scaling.md, Generation controls."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Share of GPU memory the colocated vLLM engine may take (unused when vllm_kv_cache_gb is set)."""
     vllm_kv_cache_gb: float | None = Field(None, gt=0)
@@ -130,7 +130,7 @@ class RolloutConfig(Section):
     vllm_max_model_len: int | None = Field(None, ge=1)
     """vLLM context length (prompt + completion); null: the model's own limit."""
     tools: list[Literal["python"]] = []
-    """Tools the policy may call mid-completion (multi-turn rollouts, README: Tools); [] = one turn."""
+    """Tools the policy may call mid-completion (multi-turn rollouts, docs/tools.md); [] = one turn."""
     max_turns: int = Field(4, ge=1)
     """With tools: model turns per completion at most (tool calls and the answer); max_new_tokens bounds all turns, tool outputs and template tokens together."""
     tool_call_format: Literal["fence", "template"] = "fence"
@@ -171,7 +171,7 @@ class AlgorithmConfig(Section):
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO)."""
     loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
-    """Loss aggregation over tokens, see README."""
+    """Loss aggregation over tokens, see docs/algorithm.md."""
     ratio_level: Literal["token", "sequence"] = "token"
     """Importance ratio per token (GRPO) or per sequence (GSPO)."""
     clip_low: float = Field(0.2, ge=0)
@@ -189,7 +189,7 @@ class AlgorithmConfig(Section):
     adv_eps: float = Field(1e-8, gt=0)
     """eps inside the square root of the advantage's std."""
     preset: Literal["grpo", "dapo", "dr_grpo", "gspo"] = "grpo"
-    """Family member whose published defaults fill every field not set explicitly (README, Algorithms)."""
+    """Family member whose published defaults fill every field not set explicitly (docs/algorithm.md)."""
     tis_cap: float | None = Field(None, ge=1)
     """Truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) when the engine reports its log-probs (null = off)."""
     top_entropy_quantile: float = Field(1.0, gt=0, le=1)
@@ -217,7 +217,7 @@ class SamplingConfig(Section):
 
 class TemperatureConfig(Section):
     schedule: Literal["constant", "linear", "cosine", "adaptive"] = "constant"
-    """Rollout temperature over the steps: constant (`rollout.temperature`), linear or cosine from `rollout.temperature` to `end`, or adaptive (README, Temperatures)."""
+    """Rollout temperature over the steps: constant (`rollout.temperature`), linear or cosine from `rollout.temperature` to `end`, or adaptive (docs/algorithm.md, Temperatures)."""
     end: float = Field(1.0, gt=0)
     """linear/cosine: the temperature at the last step."""
     min: float = Field(0.5, gt=0)
@@ -291,7 +291,7 @@ class TrainConfig(Section):
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads (default: torch's choice)."""
     malloc: Literal["keep", "return", "default"] = "keep"
-    """glibc malloc policy for freed tensor memory: keep it for reuse (fastest), return it to the OS at once (lowest peak RSS, slower), or glibc's default. See README, Performance."""
+    """glibc malloc policy for freed tensor memory: keep it for reuse (fastest), return it to the OS at once (lowest peak RSS, slower), or glibc's default. See docs/performance.md."""
     distributed: Literal["ddp", "fsdp"] = "ddp"
     """Under torchrun: DDP (a full copy per rank) or FSDP2 `fully_shard` (weights, gradients and optimizer state sharded)."""
 
