@@ -15,11 +15,9 @@ processes of the math verifier, the reward model's weights).
 
 from __future__ import annotations
 
-import importlib
 import math
 import sys
 import traceback
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,57 +26,17 @@ import torch
 from torch import Tensor
 
 from grpo.config import RewardsConfig, RewardSpec
-from grpo.rewards._reward_worker import check_values, load_function
+from grpo.rewards._reward_worker import check_values
 from grpo.rewards.pool import WorkerPool, WorkerStartError
-
-RewardFn = Callable[..., list[float | None]]
-
-# name -> constructor taking the spec's `args` and returning a reward function
-REGISTRY: dict[str, Callable[..., RewardFn]] = {}
-
-
-class RewardError(ValueError):
-    """A reward function that cannot be set up; one line for the user."""
-
-
-def register(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
-    def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
-        REGISTRY[name] = factory
-        return factory
-
-    return wrap
-
-
-def resolve_reward(spec: RewardSpec) -> RewardFn:
-    """A built-in (constructed with spec.args), or a user function by module:fn / file.py:fn."""
-    _load_builtins()
-    if spec.name in REGISTRY:
-        try:
-            return REGISTRY[spec.name](**spec.args)
-        except TypeError as err:
-            raise RewardError(f"reward '{spec.name}': bad args {spec.args}: {err}") from None
-    if ":" in spec.name:
-        _check_user_spec(spec)
-        try:
-            return load_function(spec.name)
-        except ValueError as err:
-            raise RewardError(f"reward '{spec.name}': {err}") from None
-    known = ", ".join(sorted(REGISTRY))
-    raise RewardError(f"unknown reward '{spec.name}' (built-ins: {known}; or module:function)")
-
-
-def _check_user_spec(spec: RewardSpec) -> None:
-    if spec.args:
-        raise RewardError(f"reward '{spec.name}': args are only for built-in rewards")
-
-
-BUILTIN_MODULES = ("builtin", "accuracy", "code", "countdown", "length", "reward_model")
-
-
-def _load_builtins() -> None:
-    # importing the modules registers their rewards (reward_model imports transformers lazily)
-    for module in BUILTIN_MODULES:
-        importlib.import_module(f"grpo.rewards.{module}")
+from grpo.rewards.registry import (  # noqa: F401  (RewardError, RewardFn, register: the public names)
+    REGISTRY,
+    RewardError,
+    RewardFn,
+    check_user_spec,
+    load_builtins,
+    register,
+    resolve_reward,
+)
 
 
 @dataclass
@@ -128,7 +86,7 @@ class RewardRunner:
         if len(set(self.names)) != len(self.names):
             raise RewardError(f"rewards.functions: duplicate names in {self.names}")
         self.weights = torch.tensor([spec.weight for spec in config.functions], dtype=torch.float32)
-        _load_builtins()
+        load_builtins()
         user = [k for k, spec in enumerate(config.functions) if spec.name not in REGISTRY]
         self.builtins = {
             k: resolve_reward(spec) for k, spec in enumerate(config.functions) if k not in user
@@ -136,7 +94,7 @@ class RewardRunner:
         for k in user:
             if ":" not in config.functions[k].name:
                 resolve_reward(config.functions[k])  # the "unknown reward" error
-            _check_user_spec(config.functions[k])
+            check_user_spec(config.functions[k])
         self.user = user  # pool function index j runs config.functions[user[j]]
         self.threads = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="reward")
         self.pool = None

@@ -24,7 +24,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from grpo.rewards import RewardError, RewardFn, register
+from grpo.rewards.registry import RewardError, RewardFn, register
 
 WORKER = Path(__file__).with_name("_math_worker.py")
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from grpo.rewards import RewardError, RewardFn, register
+from grpo.rewards.registry import RewardError, RewardFn, register
 
 SEED_TAGS = ("think", "answer")
 

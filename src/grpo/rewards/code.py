@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from grpo.rewards import RewardError, RewardFn, register
+from grpo.rewards.registry import RewardError, RewardFn, register
 from grpo.sandbox import Limits, judge_calls, run_limited
 
 FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)

@@ -12,8 +12,8 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any
 
-from grpo.rewards import RewardFn, register
 from grpo.rewards.accuracy import extract_answer
+from grpo.rewards.registry import RewardFn, register
 
 MAX_EXPRESSION_CHARS = 200
 OPERATORS = {

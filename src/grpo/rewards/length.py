@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo.rewards import RewardError, RewardFn, register
+from grpo.rewards.registry import RewardError, RewardFn, register
 
 
 def soft_overlong(length: int, max_length: int, buffer: int) -> float:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from grpo.rewards import RewardError, RewardFn, register
+from grpo.rewards.registry import RewardError, RewardFn, register
 
 
 def _default_device() -> str:

@@ -1,0 +1,61 @@
+"""The registry of reward functions by name: built-ins register themselves when their module is
+imported, and the registry imports those modules the first time a name is looked up (its only
+job: so that nothing imports a built-in before it is needed, and no import cycle remains).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from grpo.config import RewardSpec
+from grpo.rewards._reward_worker import load_function
+
+RewardFn = Callable[..., list[float | None]]
+
+# name -> constructor taking the spec's `args` and returning a reward function
+REGISTRY: dict[str, Callable[..., RewardFn]] = {}
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be set up; one line for the user."""
+
+
+def register(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def resolve_reward(spec: RewardSpec) -> RewardFn:
+    """A built-in (constructed with spec.args), or a user function by module:fn / file.py:fn."""
+    load_builtins()
+    if spec.name in REGISTRY:
+        try:
+            return REGISTRY[spec.name](**spec.args)
+        except TypeError as err:
+            raise RewardError(f"reward '{spec.name}': bad args {spec.args}: {err}") from None
+    if ":" in spec.name:
+        check_user_spec(spec)
+        try:
+            return load_function(spec.name)
+        except ValueError as err:
+            raise RewardError(f"reward '{spec.name}': {err}") from None
+    known = ", ".join(sorted(REGISTRY))
+    raise RewardError(f"unknown reward '{spec.name}' (built-ins: {known}; or module:function)")
+
+
+def check_user_spec(spec: RewardSpec) -> None:
+    if spec.args:
+        raise RewardError(f"reward '{spec.name}': args are only for built-in rewards")
+
+
+BUILTIN_MODULES = ("builtin", "accuracy", "code", "countdown", "length", "reward_model")
+
+
+def load_builtins() -> None:
+    # importing the modules registers their rewards (reward_model imports transformers lazily)
+    for module in BUILTIN_MODULES:
+        importlib.import_module(f"grpo.rewards.{module}")
