@@ -299,7 +299,7 @@ def report_unexplained(rows: list[dict]) -> None:
     """One line each for survivors README does not explain and listed ones that died."""
     readme = ROOT / "docs" / "testing.md"
     missing, stale = unexplained(rows, readme.read_text()) if readme.exists() else ([], [])
-    # tests/test_bench_mutation.py holds the two equal: explain the new ones, drop the dead
+    # tests/bench/test_bench_mutation.py holds the two equal: explain the new ones, drop the dead
     if missing:
         print(f"README: {len(missing)} survivors not explained: {' '.join(missing)}")
     if stale:

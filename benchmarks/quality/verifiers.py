@@ -4,7 +4,7 @@ write it, must score 1 through the ``accuracy`` reward, and a wrong variant of i
     python -m benchmarks.quality.verifiers [--sets gsm8k_test gsm8k_train math500] [--limit N]
 
 prints the counts and every miss, and writes ``benchmarks/results/verifiers.json``.
-``tests/test_verifiers_real_data.py`` runs the same checks (a seeded sample in ``make test``, all
+``tests/rewards/test_verifiers_real_data.py`` runs the same checks (a seeded sample in ``make test``, all
 rows in ``make test-slow``).
 """
 

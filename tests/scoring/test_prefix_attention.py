@@ -1,6 +1,6 @@
 """Prefix attention: packed groups without the dense mask, the same numbers as the mask, and
 SDPA unchanged for every other forward (its equality with full sequences, values and gradients,
-is in tests/test_bench_logprobs.py)."""
+is in tests/bench/test_bench_logprobs.py)."""
 
 from __future__ import annotations
 

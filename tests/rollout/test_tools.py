@@ -112,7 +112,7 @@ def test_a_flooding_call_is_cut_at_its_output_cap() -> None:
 
 
 def test_the_tool_cannot_reach_the_network_or_the_trainers_files(tmp_path: Path) -> None:
-    # the same sandbox as the code reward (its adversarial suite is tests/test_sandbox.py)
+    # the same sandbox as the code reward (its adversarial suite is tests/sandbox/test_sandbox.py)
     secret = tmp_path / "secret.txt"
     secret.write_text("s3cret")
     tool = PythonTool(timeout_s=5)

@@ -1,6 +1,6 @@
-"""Helper of tests/test_resume.py: train one run through a chain of SIGKILLs.
+"""Helper of tests/integration/test_resume.py: train one run through a chain of SIGKILLs.
 
-``python tests/kill_chain.py CONFIG_JSON SEED`` imports the trainer once and forks a child per
+``python tests/integration/kill_chain.py CONFIG_JSON SEED`` imports the trainer once and forks a child per
 life. The first child trains the run uninterrupted (run "straight") and counts its events: every
 disk event (fsync, rename, replace, torch.save) and step phase (rollout and rewards, update,
 metrics logged), each before and after. Then children in turn resume the run "chain"

@@ -27,7 +27,7 @@ from grpo.curate import (
 )
 from grpo.rewards import RewardOutput
 
-TOY = Path(__file__).with_name("toy_rewards.py")
+TOY = Path(__file__).parents[1] / "toy_rewards.py"
 HASHED = {"name": f"{TOY}:hashed_pass"}
 K = 8
 

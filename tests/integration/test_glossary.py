@@ -8,7 +8,7 @@ from pathlib import Path
 
 from grpo.training.trainer import train
 
-GLOSSARY = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+GLOSSARY = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def documented_metrics() -> set[str]:

@@ -28,7 +28,7 @@ from grpo.training.signals import TrainingStopped
 from grpo.training.trainer import Trainer, train
 
 STEPS = 4
-TRAINABLE_REWARD = f"{Path(__file__).with_name('toy_rewards.py')}:lowercase_share"
+TRAINABLE_REWARD = f"{Path(__file__).parents[1] / 'toy_rewards.py'}:lowercase_share"
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def assert_same_run(run_dir: Path, straight: Path) -> None:
 
 
 def test_killed_at_random_points_resumes_bit_identical(tree: dict, tmp_path: Path) -> None:
-    # one process imports the trainer once and forks every life (tests/kill_chain.py): the
+    # one process imports the trainer once and forks every life (tests/integration/kill_chain.py): the
     # uninterrupted run, then lives each SIGKILLed at a random fsync / rename / torch.save /
     # step phase, each resuming the last, until one reaches the end
     script = Path(__file__).with_name("kill_chain.py")

@@ -136,7 +136,7 @@ def test_config_command_accepts_overrides_without_a_recipe(capsys) -> None:
 def test_docs_config_reference_is_current() -> None:
     from grpo.config import reference_markdown
 
-    page = (Path(__file__).resolve().parents[1] / "docs" / "config-reference.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "config-reference.md").read_text()
     block = page.split("<!-- config-reference:start -->\n", 1)[1]
     block = block.split("<!-- config-reference:end -->", 1)[0]
     assert block == reference_markdown(), "regenerate with: make docs"
