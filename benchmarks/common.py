@@ -185,8 +185,8 @@ def peak_rss_mb() -> float:
 
 def run_child(args: list[str], out: Path, src: Path | None = None) -> dict[str, Any]:
     """``python <args>`` in a fresh process (so its peak RSS is its own) that writes JSON to
-    ``out``; returns it. The child gets this process's environment as found (its own grpo
-    import decides the kernel caches, an older revision's may not) and imports grpo from
+    ``out``; returns it. The child gets this process's environment as found (a grpo run
+    in it decides the kernel caches; an older revision's import did) and imports grpo from
     ``src`` when given, ahead of the installed one."""
     env = {**memory.environment_as_found(), "TQDM_DISABLE": "1"}
     if src is not None:

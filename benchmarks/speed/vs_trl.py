@@ -71,8 +71,8 @@ def _on_text(fn: Any) -> Any:
 
 
 def run_trl(setup: dict[str, Any], steps: int, seed: int) -> dict[str, Any]:
-    # TRL as a program without grpo runs it: oneDNN's kernel caches at their own size (this
-    # process imported grpo, which caps them, before any bf16 product)
+    # TRL as a program without grpo runs it: oneDNN's kernel caches at their own size (a grpo
+    # run started in this process would have capped them)
     memory.unbound_kernel_caches()
     import torch
     from datasets import Dataset

@@ -76,10 +76,16 @@ def reward_runner(config: Config, rows: list[dict[str, Any]] | None = None) -> R
 
 
 def load_model(
-    model: ModelConfig, path: str, device: torch.device | None = None
+    model: ModelConfig,
+    path: str,
+    fmt: PromptFormat,
+    rows: list[dict[str, Any]],
+    device: torch.device | None = None,
 ) -> tuple[PreTrainedTokenizerBase, nn.Module]:
-    """Tokenizer and policy from a resolved model path (``resolve_model_path``)."""
+    """Tokenizer and policy from a resolved model path (``resolve_model_path``). ``rows`` are
+    checked against the prompt format with the tokenizer before the (slower) weights load."""
     tokenizer = load_tokenizer(path)
+    fmt.check(tokenizer, rows)
     policy = load_policy(model, path)
     return tokenizer, policy if device is None else policy.to(device)
 
@@ -99,7 +105,6 @@ def engine_of(
     policy: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     engine: RolloutEngine | None = None,
-    greedy: bool = False,
 ) -> RolloutEngine:
     """The rollout engine of ``rollout.engine`` (or the one given), inside the multi-turn tool
     loop when the recipe has tools: the wrapper is applied here, once."""
@@ -107,30 +112,33 @@ def engine_of(
     if engine is None:
         engine = build_engine(rollout.engine, model=policy, tokenizer=tokenizer, config=rollout)
     if rollout.tools and not isinstance(engine, MultiTurnEngine):
-        engine = MultiTurnEngine(engine, tokenizer, rollout, greedy=greedy)
+        engine = MultiTurnEngine(engine, tokenizer, rollout)
     return engine
 
 
 @dataclass
 class Parts:
-    """What eval and curate run with: a model in eval mode, its tokenizer, the prompt format,
-    the engine and the reward runner (close it when done)."""
+    """What eval and curate run with: a model in eval mode, its tokenizer, the prompt format and
+    the reward runner (close it when done). Curate adds its engine (``engine_of``)."""
 
     tokenizer: PreTrainedTokenizerBase
     policy: nn.Module
     prompt_format: PromptFormat
-    engine: RolloutEngine
     rewards: RewardRunner
 
 
-def build_for_sampling(config: Config, rows: list[dict[str, Any]] | None = None) -> Parts:
+def build_for_sampling(config: Config, rows: list[dict[str, Any]]) -> Parts:
     """``model.name`` with full weights (no adapters) in eval mode, and the rest of the stack
-    as training builds it: for ``grpo eval`` and ``grpo curate``."""
+    as training builds it: for ``grpo eval`` and ``grpo curate``. The rewards are set up (and a
+    bad one refused) before the model loads; they are closed when the model fails to."""
     prepare_process(config)
     fmt = prompt_format(config)
-    path = resolve_model_path(config.model.name)
-    tokenizer, policy = load_model(ModelConfig(name=path, dtype=config.model.dtype), path)
-    if rows is not None:
-        fmt.check(tokenizer, rows)
     rewards = reward_runner(config)
-    return Parts(tokenizer, policy.eval(), fmt, engine_of(config, policy, tokenizer), rewards)
+    try:
+        path = resolve_model_path(config.model.name)
+        model = ModelConfig(name=path, dtype=config.model.dtype)
+        tokenizer, policy = load_model(model, path, fmt, rows)
+    except BaseException:
+        rewards.close()
+        raise
+    return Parts(tokenizer, policy.eval(), fmt, rewards)

@@ -428,18 +428,19 @@ def sample_and_score(
         TimeRemainingColumn,
     )
 
-    from grpo.build import build_for_sampling
+    from grpo.build import build_for_sampling, engine_of
     from grpo.data.stream import sampling_seed
     from grpo.rewards.inputs import reward_inputs
+    from grpo.rollout import close_engine
 
     k = settings.samples
     parts = build_for_sampling(config, [rows[i] for i in todo])
-    tokenizer, prompt_format, engine, rewards = (
-        parts.tokenizer,
-        parts.prompt_format,
-        parts.engine,
-        parts.rewards,
-    )
+    tokenizer, prompt_format, rewards = parts.tokenizer, parts.prompt_format, parts.rewards
+    try:
+        engine = engine_of(config, parts.policy, tokenizer)
+    except BaseException:
+        rewards.close()
+        raise
     progress = Progress(
         TextColumn("curate"),
         MofNCompleteColumn(),
@@ -484,4 +485,5 @@ def sample_and_score(
                 progress.update(task, advance=len(chunk), info=info)
     finally:
         rewards.close()
+        close_engine(engine)
     return out, errors

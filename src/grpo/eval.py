@@ -334,7 +334,7 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     from grpo.build import build_for_sampling
 
     rows = heldout_rows(config, examples)
-    parts = build_for_sampling(config)
+    parts = build_for_sampling(config, rows)
     settings = settings_for(config, samples)
     args = (parts.policy, parts.tokenizer, rows, parts.prompt_format)
     try:

@@ -19,7 +19,7 @@ A second hold on host memory is not glibc's: oneDNN, which runs bf16 matrix prod
 CPU, and ideep around it each cache up to 1024 compiled kernels, one per shape seen, with their
 buffers. Scoring sees new shapes nearly every step (a packed micro-batch's length is that of
 its completions), so both caches fill and hold hundreds of MiB. ``bound_kernel_caches`` caps
-them at import of grpo.
+them when a run starts (``grpo.build.prepare_process``); importing grpo changes nothing.
 """
 
 from __future__ import annotations
@@ -82,5 +82,5 @@ def unbound_kernel_caches() -> None:
 
 def environment_as_found() -> dict[str, str]:
     """This process's environment without what ``bound_kernel_caches`` set in it: for a child
-    process, which then decides for itself (its own grpo import caps them again)."""
+    process, which then decides for itself (a run it starts caps them again)."""
     return {k: v for k, v in os.environ.items() if k not in _SET_HERE}

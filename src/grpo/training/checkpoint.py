@@ -20,6 +20,7 @@ from torch import Tensor
 from grpo.models import is_lora, save_hf
 from grpo.runs.directory import RunDirError
 from grpo.runtime import distributed
+from grpo.training.optimizer import apply_optim_config
 
 if TYPE_CHECKING:
     from grpo.training.trainer import Trainer
@@ -133,8 +134,6 @@ def load_checkpoint(t: Trainer, path: Path) -> None:
 
 def _load_checkpoint(t: Trainer, path: Path) -> None:
     from safetensors.torch import load_file
-
-    from grpo.training.optimizer import apply_optim_config
 
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     if state["trainable"] is not None:

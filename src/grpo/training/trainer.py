@@ -112,8 +112,9 @@ class Trainer:
 
     def _build(self, model_path: str, engine: RolloutEngine | None) -> None:
         config = self.config
-        self.tokenizer, self.policy = build.load_model(config.model, model_path, self.dist.device)
-        self.prompt_format.check(self.tokenizer, self.rows)
+        self.tokenizer, self.policy = build.load_model(
+            config.model, model_path, self.prompt_format, self.rows, self.dist.device
+        )
         self.policy.train()
         self.reference = build.reference_of(config, self.policy)
         # training forwards go through the DDP wrapper / the FSDP2-sharded policy; generation and
