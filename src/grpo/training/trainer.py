@@ -100,7 +100,8 @@ class Trainer:
         try:
             self.plan: ResumePlan = distributed.from_main(self._claim_run_dir)
             self._build(model_path, engine)
-        except BaseException:
+        except BaseException:  # what was started is stopped: reward workers, the lock, the bars
+            self.rewards.close()
             self.run.release()
             self.bars.restore()
             raise
@@ -477,11 +478,10 @@ class Trainer:
         )
         metrics.update(step_metrics(everyone))
         metrics.update(update)
-        sampling = self.config.sampling
         metrics.update(
             sampling_metrics(
                 batch,
-                sampling.dynamic,
+                self.config.sampling.dynamic,
                 self.prompt_filter is not None,
                 clock["skipped"],
                 self.config.rollout.group_size,
