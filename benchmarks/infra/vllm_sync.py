@@ -75,7 +75,7 @@ def main() -> None:
             trainer.step += 1
             metrics = trainer.train_step()
             if trainer.step in checkpoints:
-                rollout = trainer.engine.generate(prompts, probe, 4, seeds=[1, 2, 3, 4])
+                rollout = trainer.producer.engine.generate(prompts, probe, 4, seeds=[1, 2, 3, 4])
                 entry = {
                     "step": trainer.step,
                     "tokens": int(rollout.completion_mask.sum()),
@@ -86,7 +86,7 @@ def main() -> None:
                 results.append(entry)
                 print(json.dumps(entry), flush=True)
     finally:
-        trainer.rewards.close()
+        trainer.producer.rewards.close()
         trainer.run.release()
     path = Path(f"benchmarks/results/vllm_sync_{name}_smollm2.json")
     path.write_text(json.dumps({"overrides": overrides, "results": results}, indent=2) + "\n")

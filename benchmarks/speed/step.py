@@ -75,7 +75,7 @@ class StepClock:
         self.frozen_s = 0.0
         self.scored = None
         self.positions = self.logits = 0
-        frozen, score = trainer.frozen_logprobs, trainer.score
+        frozen, score = trainer.frozen_logprobs, trainer.producer.score
 
         def timed_frozen(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -107,7 +107,7 @@ class StepClock:
                 hook.remove()
 
         trainer.frozen_logprobs = timed_frozen
-        trainer.score = keep_scored
+        trainer.producer.score = keep_scored
         trainer.optimize = counted_optimize
 
     def reset(self) -> None:
@@ -224,7 +224,7 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
     # stopped with the steps: the peak measurement below is not a stage of a step
     stages = {"peak_rss_by_stage_mb": memory.stop()} if memory is not None else {}
     peak_after = common.matmul_peak_flops(seconds=warmup_peak_s, dtype=dtype)
-    trainer.rewards.close()
+    trainer.producer.rewards.close()
     summary = summarize(steps, trainer, peak_before, peak_after, load_s)
     if memory is not None:  # its resets also reset the process's own high-water mark
         summary["peak_rss_mb"] = memory.peak_mb

@@ -508,3 +508,17 @@ def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path) ->
     else:
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+def bf16_autocast(
+    device: torch.device, enabled: bool, cache: bool = True
+) -> contextlib.AbstractContextManager:
+    """bf16 autocast over float32 weights when ``enabled`` (``model.autocast``); log-probs stay
+    float32.
+
+    ``cache``: keep each weight's bf16 cast for the whole context. Generation reuses it at every
+    decoding step; a scoring forward uses each weight once, so there the cache only holds a bf16
+    copy of every trained weight until the forward ends (SmolLM2: 210 MiB, by arithmetic), where
+    without it a cast lives as long as autograd needs it: not at all in a no-grad or
+    checkpointed forward."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled, cache_enabled=cache)

@@ -256,7 +256,7 @@ def test_a_rank_without_prompts_scores_an_empty_rollout(tiny_config) -> None:
     from grpo.training.gather import empty_rollout
 
     trainer = Trainer(tiny_config())
-    scored = trainer.score(empty_rollout(4))
+    scored = trainer.producer.score(empty_rollout(4))
     assert scored.rewards.shape == (0,)
     assert scored.per_function.shape == (0, len(scored.function_names))
     assert scored.advantages.shape == (0,)

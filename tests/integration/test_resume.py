@@ -405,7 +405,7 @@ def test_the_engine_gets_the_restored_weights(tree: dict, monkeypatch) -> None:
     pushed: list[dict[str, torch.Tensor]] = []
     trainer = Trainer(make(tree, "sync", steps=2))
     monkeypatch.setattr(
-        trainer.engine,
+        trainer.producer.engine,
         "sync_weights",
         lambda model: pushed.append({k: v.clone() for k, v in model.state_dict().items()}),
     )

@@ -54,7 +54,7 @@ def test_clip_and_ratio_metrics_cover_every_pass(tiny_config, noisy, monkeypatch
         optim={"lr": 3e-2, "micro_batch_size": 4},
     )
     trainer = Trainer(config)
-    scored = trainer.score(trainer.rollout())
+    scored = trainer.producer.score(trainer.producer.rollout())
     calls = _spy_loss(monkeypatch)
     metrics = trainer.optimize(scored)
     assert len(calls) == 3 * 2  # 3 passes x 2 micro-batches
@@ -76,7 +76,7 @@ def test_means_divide_by_the_tokens_counted(tiny_config, monkeypatch) -> None:
         optim={"micro_batch_size": 4},
     )
     trainer = Trainer(config)
-    scored = trainer.score(trainer.rollout())
+    scored = trainer.producer.score(trainer.producer.rollout())
     n = scored.rollout.num_completions
     truncated = torch.arange(n) % 2 == 0
     sampler = torch.zeros(scored.rollout.completion_ids.shape)

@@ -78,12 +78,12 @@ def test_mask_truncated_completions_removes_them_from_the_loss(tiny_config, monk
         )
 
     trainer = Trainer(config(True))
-    rollout = trainer.rollout()
+    rollout = trainer.producer.rollout()
     # which completions ran out of tokens is all the option reads: mark rows 0, 1 and 6
     truncated = torch.zeros(8, dtype=torch.bool)
     truncated[[0, 1, 6]] = True
     rollout.truncated = truncated
-    scored = trainer.score(rollout)
+    scored = trainer.producer.score(rollout)
     assert scored.advantages[truncated].abs().min() > 0  # they would carry a gradient
 
     seen = []
@@ -119,7 +119,7 @@ def test_all_truncated_completions_give_no_update(tiny_config):
         )
 
     trainer = Trainer(config(True))
-    scored = trainer.score(trainer.rollout())
+    scored = trainer.producer.score(trainer.producer.rollout())
     assert bool(scored.rollout.truncated.all())  # seeded: none of the 8 completions ended
     assert scored.advantages.abs().min() > 0  # the trainable reward still ranks them
     metrics = trainer.optimize(scored)

@@ -166,6 +166,6 @@ def test_training_scores_under_the_controls_it_sampled_with(tiny_config) -> None
         trainer.step = 1
         metrics = trainer.train_step()
     finally:
-        trainer.rewards.close()
+        trainer.producer.rewards.close()
         trainer.run.release()
     assert metrics["tis/mismatch_max"] < 1e-3

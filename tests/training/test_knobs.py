@@ -56,7 +56,7 @@ def rollout(knob_config) -> Rollout:
     stops by itself), so the aggregations differ; rows cut at the limit are the truncated ones.
     Shared by the tests below, which score and train on it from the same start weights."""
     trainer = Trainer(knob_config())
-    full = trainer.rollout()
+    full = trainer.producer.rollout()
     lengths = torch.tensor([1 + (5 * i) % MAX_NEW for i in range(full.num_completions)])
     mask = torch.arange(full.completion_ids.shape[1])[None, :] < lengths[:, None]
     ids = full.completion_ids.masked_fill(~mask, trainer.tokenizer.pad_token_id)
@@ -70,7 +70,7 @@ def rollout(knob_config) -> Rollout:
 
 
 def scored_by(trainer: Trainer, rollout: Rollout) -> Scored:
-    scored = trainer.score(rollout)
+    scored = trainer.producer.score(rollout)
     assert scored.advantages.abs().min() > 0 and bool(rollout.truncated.any())
     return scored
 
@@ -145,7 +145,7 @@ def test_quantile_one_filters_no_token_and_the_engine_gets_the_update(
     scored = scored_by(trainer, rollout)
     losses = spy_on(monkeypatch, algorithm, "policy_loss")
     entropy = spy_on(monkeypatch, algorithm, "top_entropy_mask")
-    synced = spy_on(monkeypatch, trainer.engine, "sync_weights")
+    synced = spy_on(monkeypatch, trainer.producer.engine, "sync_weights")
     metrics = trainer.optimize(scored)
     assert entropy == [] and losses and all(c["pg_mask"] is None for c in losses)
     assert "entropy/kept_frac" not in metrics and "entropy" in metrics
@@ -160,7 +160,7 @@ def test_dynamic_sampling_recomputes_advantages_with_the_configured_eps(
     config = knob_config(algorithm={"adv_eps": 0.5}, sampling={"dynamic": True, "max_rounds": 2})
     trainer = Trainer(config)
     calls = spy_on(monkeypatch, algorithm, "group_advantages")
-    batch = trainer.collect({"rollout": 0.0, "reward": 0.0, "skipped": 0.0})
+    batch = trainer.producer.collect(0, {"rollout": 0.0, "reward": 0.0, "skipped": 0.0})
     assert batch.train is not None and len(calls) >= 2  # each round's, then the kept batch's
     assert [c["eps"] for c in calls] == [0.5] * len(calls)
     r = batch.train.rewards.double().view(-1, 4)
@@ -174,7 +174,7 @@ def test_scale_rewards_gives_the_advantages_of_its_formula(
     knob_config, rollout, scale: str
 ) -> None:
     trainer = Trainer(knob_config(algorithm={"scale_rewards": scale, "adv_eps": 1e-4}))
-    scored = trainer.score(rollout)
+    scored = trainer.producer.score(rollout)
     r = scored.rewards.double().view(-1, 4)  # [P, G]
     centred = r - r.mean(dim=1, keepdim=True)
     denom = {
@@ -351,7 +351,7 @@ def first_token_frequencies(trainer: Trainer, monkeypatch) -> tuple[dict, dict, 
     """Sample G one-token completions of one prompt through the trainer's engine (the rollout
     the trainer trains on). Returns the empirical frequency of each token drawn, the
     probability the trainer's scorer gave it, and its probability at temperature 1."""
-    scored = trainer.score(trainer.rollout())
+    scored = trainer.producer.score(trainer.producer.rollout())
     r = scored.rollout
     with torch.no_grad():  # before the update moves the weights
         plain, _ = original_logprobs(
@@ -450,7 +450,9 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
 
         return wrapper
 
-    monkeypatch.setattr(trainer.engine, "generate", recorded("sample", trainer.engine.generate))
+    monkeypatch.setattr(
+        trainer.producer.engine, "generate", recorded("sample", trainer.producer.engine.generate)
+    )
     monkeypatch.setattr(
         grpo.training.trainer,
         "completion_logprobs",

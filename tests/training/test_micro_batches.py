@@ -98,7 +98,7 @@ def test_micro_batch_tokens_reaches_the_trainer(tiny_config, monkeypatch) -> Non
         config = tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 8})
         config.optim.micro_batch_tokens = budget
         trainer = Trainer(config)
-        scored = trainer.score(trainer.rollout())
+        scored = trainer.producer.score(trainer.producer.rollout())
         seen.clear()
         trainer.optimize(scored)
         sizes[budget] = list(seen)
@@ -132,7 +132,7 @@ def test_a_rank_with_fewer_micro_batches_splits_to_match_the_others(
     # DDP reduces gradients once per backward, so every rank runs as many as the rank with most
     # micro-batches: here another rank (faked by the max all-reduce) needs one more than this one
     trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 8}))
-    scored = trainer.score(trainer.rollout())
+    scored = trainer.producer.score(trainer.producer.rollout())
     seen = another_rank_needs_one_more_micro_batch(monkeypatch)
     trainer.optimize(scored)
     assert seen == [4, 4]  # one micro-batch of 8 rows halved: two backward passes, every row

@@ -326,10 +326,10 @@ def test_the_trainer_keeps_a_multiple_of_its_ranks(tiny_config, monkeypatch) -> 
     trainer = Trainer(
         tiny_config(rollout={"prompts_per_step": 4}, sampling={"dynamic": True, "max_rounds": 1})
     )
-    trainer.dist = replace(trainer.dist, world_size=2)
+    trainer.producer.dist = replace(trainer.dist, world_size=2)
     script = Script([(4, [INFO, ZERO, INFO, INFO])])
-    monkeypatch.setattr(trainer, "sample", lambda n, clock: script(n))
-    out = trainer.collect({"rollout": 0.0, "reward": 0.0, "skipped": 0.0})
+    monkeypatch.setattr(trainer.producer, "sample", lambda n, clock: script(n))
+    out = trainer.producer.collect(0, {"rollout": 0.0, "reward": 0.0, "skipped": 0.0})
     assert (out.prompts_drawn, out.prompts_kept) == (4, 2)
     assert out.train.rollout.completions[::G] == ["r1g0", "r1g2"]
 
@@ -339,21 +339,21 @@ def test_each_round_adds_to_the_steps_clock_and_skips(tiny_config, monkeypatch) 
     # skips max_skips (one per row) before it takes one; a fake clock ticks in whole seconds
     import types
 
-    import grpo.training.trainer
+    import grpo.training.producer
 
     trainer = Trainer(tiny_config())
     rows = len(trainer.rows)
     hopeless = {i: [True] for i in range(rows)}
-    trainer.prompt_filter = PromptFilter(k=1, skip_prob=1.0, seed=0, history=hopeless)
+    trainer.producer.prompt_filter = PromptFilter(k=1, skip_prob=1.0, seed=0, history=hopeless)
     scored = fake_scored([ZERO], tag="g")  # zero variance again: the history stays hopeless
-    monkeypatch.setattr(trainer, "rollout", lambda draws: scored.rollout)
-    monkeypatch.setattr(trainer, "score", lambda rollout: scored)
+    monkeypatch.setattr(trainer.producer, "rollout", lambda draws: scored.rollout)
+    monkeypatch.setattr(trainer.producer, "score", lambda rollout: scored)
     ticks = iter([0.0, 10.0, 11.0, 100.0, 130.0, 132.0])  # start, rolled out, scored; twice
     monkeypatch.setattr(
-        grpo.training.trainer, "time", types.SimpleNamespace(perf_counter=ticks.__next__)
+        grpo.training.producer, "time", types.SimpleNamespace(perf_counter=ticks.__next__)
     )
     clock = {"rollout": 0.0, "reward": 0.0, "skipped": 0.0}
-    trainer.sample(1, clock)
-    trainer.sample(1, clock)
+    trainer.producer.sample(1, clock)
+    trainer.producer.sample(1, clock)
     # rollout (10 - 0) + (130 - 100) s, rewards (11 - 10) + (132 - 130) s
     assert clock == {"rollout": 40.0, "reward": 3.0, "skipped": 2.0 * rows}

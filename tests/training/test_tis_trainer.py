@@ -46,15 +46,15 @@ class OtherPolicySampler(HFEngine):
 def _trainer(tiny_config, cap: float | None) -> Trainer:
     config = tiny_config(algorithm={"tis_cap": cap, "beta": 0.0}, optim={"micro_batch_size": 8})
     trainer = Trainer(config)
-    trainer.engine = OtherPolicySampler(trainer.policy, trainer.tokenizer, config.rollout)
+    trainer.producer.engine = OtherPolicySampler(trainer.policy, trainer.tokenizer, config.rollout)
     return trainer
 
 
 def test_tis_weights_and_mismatch_against_a_different_sampler(tiny_config, monkeypatch) -> None:
     cap = 1.05
     trainer = _trainer(tiny_config, cap)
-    sampler = trainer.engine
-    scored = trainer.score(trainer.rollout())
+    sampler = trainer.producer.engine
+    scored = trainer.producer.score(trainer.producer.rollout())
     seen = []
     original_loss, original_logprobs = (
         algorithm.policy_loss,
@@ -91,8 +91,8 @@ def test_tis_weights_and_mismatch_against_a_different_sampler(tiny_config, monke
 def test_tis_changes_the_update(tiny_config) -> None:
     # the same rollout (same sampler, same seeds) with and without the correction
     with_tis, without = _trainer(tiny_config, 1.05), _trainer(tiny_config, None)
-    a = with_tis.optimize(with_tis.score(with_tis.rollout()))
-    b = without.optimize(without.score(without.rollout()))
+    a = with_tis.optimize(with_tis.producer.score(with_tis.producer.rollout()))
+    b = without.optimize(without.producer.score(without.producer.rollout()))
     assert "tis/mismatch_mean" in a and a["tis/mismatch_mean"] == b["tis/mismatch_mean"]
     assert a["grad_norm"] > 0 and b["grad_norm"] > 0
     assert abs(a["grad_norm"] - b["grad_norm"]) > 1e-3 * b["grad_norm"]

@@ -208,7 +208,7 @@ def test_several_policy_iterations_use_old_logprobs(tiny_config, noisy_reward, m
         optim={"lr": 1e-2, "micro_batch_size": 8},
     )
     trainer = Trainer(config)
-    scored = trainer.score(trainer.rollout())
+    scored = trainer.producer.score(trainer.producer.rollout())
     calls = _spy_policy_loss(monkeypatch)
     trainer.optimize(scored)
     (logp1, old1), (logp2, old2) = calls  # one micro-batch, two optimizer steps
@@ -222,7 +222,7 @@ def test_one_iteration_needs_no_extra_forward(tiny_config, monkeypatch) -> None:
     import grpo.training.trainer
 
     trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 4}))
-    scored = trainer.score(trainer.rollout())
+    scored = trainer.producer.score(trainer.producer.rollout())
     calls = []
     original = grpo.training.trainer.completion_logprobs
 
@@ -239,7 +239,7 @@ def test_one_iteration_needs_no_extra_forward(tiny_config, monkeypatch) -> None:
 
 def test_an_update_frees_its_gradients_once_its_step_is_taken(tiny_config) -> None:
     trainer = Trainer(tiny_config())
-    scored = trainer.score(trainer.rollout())
+    scored = trainer.producer.score(trainer.producer.rollout())
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     trainer.optimize(scored)
     # the step moved the weights, and the gradients are gone once it is taken: the rollout and
@@ -253,7 +253,7 @@ def test_a_step_whose_gradient_is_not_finite_leaves_the_weights_and_says_so(
     tiny_config, capsys
 ) -> None:
     trainer = Trainer(tiny_config())
-    scored = trainer.score(trainer.rollout())
+    scored = trainer.producer.score(trainer.producer.rollout())
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     weight = next(p for p in trainer.policy.parameters() if p.requires_grad)
     hook = weight.register_hook(lambda grad: grad * float("nan"))  # as a diverged loss gives
@@ -274,12 +274,12 @@ def test_micro_batches_keep_groups_whole_longest_first_with_their_advantages(
     tiny_config,
 ) -> None:
     trainer = Trainer(tiny_config(rollout={"prompts_per_step": 3, "group_size": 4}))
-    rollout = trainer.rollout()
+    rollout = trainer.producer.rollout()
     # completions of varied lengths (the random model rarely stops on its own): row i keeps
     # its first 1 + (5 * i) % 12 tokens
     lengths = [1 + (5 * i) % 12 for i in range(rollout.num_completions)]
     rollout.completion_mask = torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]
-    advantages = trainer.score(rollout).advantages
+    advantages = trainer.producer.score(rollout).advantages
     assert advantages.abs().min() > 0  # every row carries a real advantage
     batches = micro_batches(rollout, advantages, 3)
 
@@ -307,13 +307,13 @@ def test_a_rank_without_prompts_rolls_out_and_scores_nothing(tiny_config) -> Non
     # dynamic sampling's later rounds may hold fewer prompts than ranks: rank 2 of 4 gets none
     # of 2, and still returns a rollout and scores that join the others' (group size, names)
     trainer = Trainer(tiny_config(rollout={"prompts_per_step": 4, "group_size": 2}))
-    trainer.dist = dataclasses.replace(trainer.dist, rank=2, world_size=4)
-    draws = [trainer.stream.next_draw() for _ in range(2)]
-    empty = trainer.rollout(draws)
+    trainer.producer.dist = dataclasses.replace(trainer.dist, rank=2, world_size=4)
+    draws = [trainer.producer.stream.next_draw() for _ in range(2)]
+    empty = trainer.producer.rollout(draws)
     assert empty.num_completions == 0 and empty.rows == [] and empty.group_size == 2
-    scored = trainer.score(empty)
-    assert scored.function_names == trainer.rewards.names
-    assert scored.per_function.shape == (0, len(trainer.rewards.names))
+    scored = trainer.producer.score(empty)
+    assert scored.function_names == trainer.producer.rewards.names
+    assert scored.per_function.shape == (0, len(trainer.producer.rewards.names))
     assert scored.rewards.shape == scored.advantages.shape == (0,)
     assert scored.errors == {}  # no error counts: they add up with the other ranks' counts
 
@@ -332,8 +332,8 @@ def test_a_second_rank_takes_its_own_advantages_from_the_gathered_batch(
             rollout={"prompts_per_step": 1, "group_size": 2}, algorithm={"scale_rewards": "batch"}
         )
     )
-    rollout = trainer.rollout()
-    trainer.rewards = lambda *inputs: RewardOutput(
+    rollout = trainer.producer.rollout()
+    trainer.producer.rewards = lambda *inputs: RewardOutput(
         torch.tensor([[1.0], [0.0]]), ["r"], torch.ones(1), {"r": 0}
     )
 
@@ -344,7 +344,7 @@ def test_a_second_rank_takes_its_own_advantages_from_the_gathered_batch(
     monkeypatch.setattr(distributed, "active", lambda: True)
     monkeypatch.setattr(distributed.dist, "get_rank", lambda: 1)
     monkeypatch.setattr(distributed, "all_gather_rows", gather)
-    scored = trainer.score(rollout)
+    scored = trainer.producer.score(rollout)
     std = (10.75 / 4) ** 0.5
     assert torch.allclose(scored.advantages, torch.tensor([0.5, -0.5]) / std, atol=1e-6)
 
@@ -358,8 +358,8 @@ def test_the_reward_runners_error_counts_reach_the_scored_batch(tiny_config) -> 
     def two_fell_back(texts, prompts, columns, ids):
         return RewardOutput(torch.ones(len(texts), 1), ["r"], torch.ones(1), {"r": 2})
 
-    trainer.rewards = two_fell_back
-    scored = trainer.score(trainer.rollout())
+    trainer.producer.rewards = two_fell_back
+    scored = trainer.producer.score(trainer.producer.rollout())
     assert scored.errors == {"r": 2} and scored.rewards.tolist() == [1.0, 1.0]
 
 
@@ -379,10 +379,10 @@ def test_only_the_hf_engine_generates_from_gathered_parameters(tiny_config, monk
         yield
 
     monkeypatch.setattr(grpo.training.trainer.distributed, "full_parameters", record)
-    trainer.rollout()
+    trainer.producer.rollout()
     assert gathered == [trainer.policy]
     trainer.config.rollout.engine = "vllm"  # the engine object stays; only the choice is read
-    trainer.rollout()
+    trainer.producer.rollout()
     assert gathered == [trainer.policy]
 
 

@@ -54,13 +54,11 @@ def trainer_state(t: Trainer, optimizer: dict[str, Any]) -> dict[str, Any]:
     """Everything but the weights that a resume needs to continue bit for bit."""
     return {
         "step": t.step,
-        "consumed": t.stream.consumed,
+        **t.producer.state_dict(),  # consumed, greso, temperature
         "world_size": t.dist.world_size,
         "optimizer": optimizer,
         "scheduler": t.scheduler.state_dict(),
         "rng": capture_rng(),
-        "greso": None if t.prompt_filter is None else t.prompt_filter.state_dict(),
-        "temperature": t.temperature.state_dict(),
         "reference": None if t.reference is None else t.reference.state_dict(),
         # LoRA: only the adapters train
         "trainable": {k: v for k, v in t.policy.state_dict().items() if "lora_" in k}
@@ -157,13 +155,9 @@ def _load_checkpoint(t: Trainer, path: Path) -> None:
         restore_rng(state["rng"])
     else:
         restore_rng(torch.load(path / f"rng-rank{t.dist.rank}.pt", weights_only=False)["rng"])
-    if t.prompt_filter is not None and state.get("greso"):
-        t.prompt_filter.load_state_dict(state["greso"])
-    if state.get("temperature"):
-        t.temperature.load_state_dict(state["temperature"])
+    t.producer.load_state_dict(state)
     if t.reference is not None and state.get("reference"):
         t.reference.load_state_dict(state["reference"])
-    t.stream.consumed = state["consumed"]
     t.step = t.saved_step = state["step"]
     t.run.intact = path
-    t.engine.sync_weights(t.policy)  # the engine samples from the restored weights
+    t.producer.sync_weights(t.policy)  # the engine samples from the restored weights

@@ -11,7 +11,6 @@ live in their own module of this package.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import signal
 import time
@@ -22,14 +21,12 @@ from torch import Tensor, nn
 
 from grpo import algorithm, build
 from grpo.config import Config, ConfigError, dump_config
-from grpo.containers import Rollout, Scored
+from grpo.containers import Scored
 from grpo.data import DataError, load_dataset_rows
-from grpo.data.stream import Draw, PromptStream, sampling_seed
 from grpo.eval import evaluate, evaluate_with_tools, heldout_rows, settings_for
-from grpo.models import resolve_model_path
-from grpo.rewards import ErrorWatch, RewardOutput
-from grpo.rewards.inputs import reward_inputs
-from grpo.rollout import RolloutEngine, close_engine
+from grpo.models import bf16_autocast, resolve_model_path
+from grpo.rewards import ErrorWatch
+from grpo.rollout import RolloutEngine
 from grpo.runs.directory import RunDir, RunDirError, is_disk_full, model_digest, rows_digest
 from grpo.runs.metrics import MetricsLogger, ProgressBar
 from grpo.runtime import distributed
@@ -38,20 +35,14 @@ from grpo.scoring.chunked_head import chunked_head_slot, full_logits
 from grpo.scoring.logprobs import completion_logprobs, scoring_path
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
-from grpo.training.gather import empty_rollout, gather_scored
+from grpo.training.gather import gather_scored
 from grpo.training.micro_batches import MicroBatch, micro_batches, scatter_rows
 from grpo.training.optimizer import build_optimizer, clip_and_step
-from grpo.training.prompt_selection import (
-    Collected,
-    PromptFilter,
-    collect,
-    draw_prompts,
-    rank_groups,
-)
+from grpo.training.producer import Producer
+from grpo.training.prompt_selection import rank_groups
 from grpo.training.resume import ResumePlan, open_run, plan_resume
 from grpo.training.signals import StopSignals, TrainingStopped
 from grpo.training.step_metrics import completion_records, sampling_metrics, step_metrics
-from grpo.training.temperature import TemperatureController
 from grpo.training.update_stats import UpdateStats
 
 
@@ -133,129 +124,30 @@ class Trainer:
         fsdp = self.dist.enabled and config.train.distributed == "fsdp"
         if fsdp and frozen_copy is not None:
             distributed.fully_shard_model(frozen_copy, self.dist)
-        self.engine = build.engine_of(config, self.policy, self.tokenizer, engine)
+        engine = build.engine_of(config, self.policy, self.tokenizer, engine)
         self.optimizer, self.scheduler = build_optimizer(
             self.policy,
             config.optim,
             config.train.steps * config.algorithm.num_iterations,
             fused=not fsdp,
         )
-        self.stream = PromptStream(self.rows, config.train.seed, config.data.shuffle)
-        self.temperature = TemperatureController(config)
-        sampling = config.sampling
-        self.prompt_filter = (
-            PromptFilter(sampling.greso_history, sampling.greso_skip_prob, config.train.seed)
-            if sampling.greso
-            else None
+        self.producer = Producer(
+            config,
+            self.dist,
+            self.rows,
+            self.prompt_format,
+            self.tokenizer,
+            self.policy,
+            engine,
+            self.rewards,
         )
         self.step = 0
         self.saved_step = -1  # the step of the newest checkpoint on disk
 
-    # ----------------------------------------------------------------------------- stages
-
-    def rollout(self, draws: list[Draw] | None = None) -> Rollout:
-        """Roll out the drawn prompts (default: the next prompts_per_step of the stream)."""
-        # every rank draws the same global batch and keeps its own slice of whole groups
-        if draws is None:
-            draws = [self.stream.next_draw() for _ in range(self.config.rollout.prompts_per_step)]
-        start, stop = distributed.shard_bounds(len(draws), self.dist.rank, self.dist.world_size)
-        if start == stop:  # a dynamic-sampling round with fewer prompts than ranks
-            return empty_rollout(self.config.rollout.group_size)
-        rows = [self.rows[d.index] for d in draws[start:stop]]
-        seeds = [sampling_seed(self.config.train.seed, d.position) for d in draws[start:stop]]
-        prompts = [self.prompt_format.render(self.tokenizer, r) for r in rows]
-        # HF generate on an FSDP2 policy needs whole weights: ranks stop decoding at different steps
-        gather = self.config.rollout.engine == "hf"
-        params = distributed.full_parameters(self.policy) if gather else contextlib.nullcontext()
-        with params, self._autocast():
-            return self.engine.generate(
-                prompts,
-                rows,
-                self.config.rollout.group_size,
-                seeds=seeds,
-                temperature=self.temperature.for_step(self.step),
-            )
-
-    def score(self, rollout: Rollout) -> Scored:
-        g = rollout.group_size
-        if rollout.rows:
-            out = self.rewards(*reward_inputs(rollout))
-        else:  # this rank has no prompt this round; it still joins the collectives below
-            names = self.rewards.names
-            out = RewardOutput(torch.zeros(0, len(names)), names, torch.zeros(len(names)), {})
-        total = out.total
-        # on every rank's rewards, so that scale_rewards=batch uses the global batch std; the
-        # groups are whole on each rank, so group statistics are unchanged
-        mine = distributed.rank_slice(len(total))
-        advantages = algorithm.group_advantages(
-            distributed.all_gather_rows(total),
-            g,
-            self.config.algorithm.scale_rewards,
-            self.config.algorithm.adv_eps,
-        )[mine]
-        return Scored(rollout, out.per_function, out.names, total, advantages, out.errors)
-
-    def sample(self, n: int, clock: dict[str, float]) -> Scored:
-        """Draw n prompts past the GRESO filter, roll them out and score them.
-
-        ``clock`` accumulates the step's rollout and reward seconds and the prompts skipped.
-        """
-        t0 = time.perf_counter()
-        draws, skipped = draw_prompts(
-            self.stream.next_draw, n, self.prompt_filter, max_skips=len(self.rows)
-        )
-        rollout = self.rollout(draws)
-        t1 = time.perf_counter()
-        scored = self.score(rollout)
-        clock["rollout"] += t1 - t0
-        clock["reward"] += time.perf_counter() - t1
-        clock["skipped"] += skipped
-        if self.prompt_filter is not None:
-            # global rewards, so every rank keeps the same history and skips the same prompts
-            rewards = distributed.all_gather_rows(scored.rewards)
-            flags = algorithm.zero_std_groups(rewards, rollout.group_size).tolist()
-            for draw, zero_variance in zip(draws, flags, strict=True):
-                self.prompt_filter.record(draw.index, zero_variance)
-        if self.config.sampling.dynamic:
-            # every rank keeps the global groups: all make the same choices (see grpo.training.prompt_selection)
-            return gather_scored(scored)
-        return scored
-
-    def collect(self, clock: dict[str, float]) -> Collected:
-        """This step's groups: one round, or dynamic sampling's rounds (see grpo.training.prompt_selection)."""
-        cfg = self.config
-
-        def advantages(rewards: Tensor) -> Tensor:
-            return algorithm.group_advantages(
-                rewards, cfg.rollout.group_size, cfg.algorithm.scale_rewards, cfg.algorithm.adv_eps
-            )
-
-        return collect(
-            lambda n: self.sample(n, clock),
-            cfg.rollout.prompts_per_step,
-            dynamic=cfg.sampling.dynamic,
-            max_rounds=cfg.sampling.max_rounds,
-            advantages=advantages,
-            multiple_of=self.dist.world_size,
-        )
-
-    def _autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
-        """bf16 autocast over float32 weights when model.autocast is on (log-probs stay float32).
-
-        ``cache``: keep each weight's bf16 cast for the whole context. Generation reuses it at
-        every decoding step; a scoring forward uses each weight once, so there the cache only
-        holds a bf16 copy of every trained weight until the forward ends (SmolLM2: 210 MiB, by
-        arithmetic), where without it a cast lives as long as autograd needs it: not at all in
-        a no-grad or checkpointed forward."""
-        return torch.autocast(
-            self.dist.device.type,
-            dtype=torch.bfloat16,
-            enabled=self.config.model.autocast,
-            cache_enabled=cache,
-        )
+    # ----------------------------------------------------------------------------- update
 
     def _logprobs(self, model: nn.Module, mb: MicroBatch, entropy: bool = False):
-        with self._autocast(cache=False):
+        with bf16_autocast(self.dist.device, self.config.model.autocast, cache=False):
             return completion_logprobs(
                 model,
                 mb.prompt_ids,
@@ -366,7 +258,7 @@ class Trainer:
             )
             if iteration == 0:
                 first_loss, first_norm = loss_total, grad_norm
-        self.engine.sync_weights(self.policy)
+        self.producer.sync_weights(self.policy)
         out = stats.reduce()
         # the loss is the sum of the ranks' shares of the step's mean loss
         out["loss"] = distributed.all_reduce(first_loss) / self.dist.world_size
@@ -391,8 +283,7 @@ class Trainer:
                 raise RunDirError(self.run.disk_full_message(err)) from None
             raise
         finally:
-            self.rewards.close()
-            close_engine(self.engine)
+            self.producer.close()
             self.run.release()
             self.bars.restore()
         return self.config.run_dir
@@ -440,9 +331,11 @@ class Trainer:
         with distributed.full_parameters(self.policy):
             args = (self.policy, self.tokenizer, self.eval_rows, self.prompt_format)
             if self.config.rollout.tools:  # greedy answers through the same tool loop
-                result = evaluate_with_tools(*args, self.config.rollout, settings, self.rewards)
+                result = evaluate_with_tools(
+                    *args, self.config.rollout, settings, self.producer.rewards
+                )
             else:
-                result = evaluate(*args, settings, self.rewards)
+                result = evaluate(*args, settings, self.producer.rewards)
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
         return out
@@ -459,7 +352,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         clock = {"rollout": 0.0, "reward": 0.0, "skipped": 0.0}
-        batch = self.collect(clock)
+        batch = self.producer.collect(self.step, clock)
         t2 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
         # dynamic sampling may end a step without one informative group: then nothing to learn;
@@ -482,13 +375,14 @@ class Trainer:
             sampling_metrics(
                 batch,
                 self.config.sampling.dynamic,
-                self.prompt_filter is not None,
+                self.config.sampling.greso,
                 clock["skipped"],
                 self.config.rollout.group_size,
             )
         )
-        metrics["rollout/temperature"] = self.temperature.for_step(self.step)
-        self.temperature.observe(metrics)  # adaptive: the next step's temperature
+        temperature = self.producer.temperature
+        metrics["rollout/temperature"] = temperature.for_step(self.step)
+        temperature.observe(metrics)  # adaptive: the next step's temperature
         tokens = float(everyone.rollout.completion_mask.sum())
         metrics.update(
             {

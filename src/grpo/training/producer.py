@@ -1,0 +1,161 @@
+"""Where a step's scored groups come from: prompts drawn from the stream (past the GRESO filter),
+rolled out by the engine at the step's temperature, scored by the rewards, with group advantages;
+dynamic sampling's rounds until the step has enough informative groups.
+
+The trainer asks for one step's groups (``collect``), updates, and hands the new weights back
+(``sync_weights``). What the producer draws and skips is part of a checkpoint (``state_dict``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedTokenizerBase
+
+from grpo import algorithm
+from grpo.config import Config
+from grpo.containers import Rollout, Scored
+from grpo.data.prompts import PromptFormat
+from grpo.data.stream import Draw, PromptStream, sampling_seed
+from grpo.models import bf16_autocast
+from grpo.rewards import RewardOutput, RewardRunner
+from grpo.rewards.inputs import reward_inputs
+from grpo.rollout import RolloutEngine, close_engine
+from grpo.runtime import distributed
+from grpo.runtime.distributed import DistInfo
+from grpo.training.gather import empty_rollout, gather_scored
+from grpo.training.prompt_selection import Collected, PromptFilter, collect, draw_prompts
+from grpo.training.temperature import TemperatureController
+
+
+class Producer:
+    """Rolls out and scores the prompts of each step, in step order."""
+
+    def __init__(
+        self,
+        config: Config,
+        dist: DistInfo,
+        rows: list[dict[str, Any]],
+        prompt_format: PromptFormat,
+        tokenizer: PreTrainedTokenizerBase,
+        policy: nn.Module,
+        engine: RolloutEngine,
+        rewards: RewardRunner,
+    ) -> None:
+        self.config, self.dist, self.rows = config, dist, rows
+        self.prompt_format, self.tokenizer, self.policy = prompt_format, tokenizer, policy
+        self.engine, self.rewards = engine, rewards
+        self.stream = PromptStream(rows, config.train.seed, config.data.shuffle)
+        self.temperature = TemperatureController(config)
+        sampling = config.sampling
+        self.prompt_filter = (
+            PromptFilter(sampling.greso_history, sampling.greso_skip_prob, config.train.seed)
+            if sampling.greso
+            else None
+        )
+        self.step = 0  # the step whose groups are being produced: its temperature
+
+    def rollout(self, draws: list[Draw] | None = None) -> Rollout:
+        """Roll out the drawn prompts (default: the next prompts_per_step of the stream)."""
+        # every rank draws the same global batch and keeps its own slice of whole groups
+        if draws is None:
+            draws = [self.stream.next_draw() for _ in range(self.config.rollout.prompts_per_step)]
+        start, stop = distributed.shard_bounds(len(draws), self.dist.rank, self.dist.world_size)
+        if start == stop:  # a dynamic-sampling round with fewer prompts than ranks
+            return empty_rollout(self.config.rollout.group_size)
+        rows = [self.rows[d.index] for d in draws[start:stop]]
+        seeds = [sampling_seed(self.config.train.seed, d.position) for d in draws[start:stop]]
+        prompts = [self.prompt_format.render(self.tokenizer, r) for r in rows]
+        # HF generate on an FSDP2 policy needs whole weights: ranks stop decoding at different steps
+        gather = self.config.rollout.engine == "hf"
+        params = distributed.full_parameters(self.policy) if gather else contextlib.nullcontext()
+        with params, bf16_autocast(self.dist.device, self.config.model.autocast):
+            return self.engine.generate(
+                prompts,
+                rows,
+                self.config.rollout.group_size,
+                seeds=seeds,
+                temperature=self.temperature.for_step(self.step),
+            )
+
+    def score(self, rollout: Rollout) -> Scored:
+        if rollout.rows:
+            out = self.rewards(*reward_inputs(rollout))
+        else:  # this rank has no prompt this round; it still joins the collectives below
+            names = self.rewards.names
+            out = RewardOutput(torch.zeros(0, len(names)), names, torch.zeros(len(names)), {})
+        # on every rank's rewards, so that scale_rewards=batch uses the global batch std; the
+        # groups are whole on each rank, so group statistics are unchanged
+        mine = distributed.rank_slice(len(out.total))
+        advantages = self.advantages(distributed.all_gather_rows(out.total))[mine]
+        return Scored(rollout, out.per_function, out.names, out.total, advantages, out.errors)
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        algo = self.config.algorithm
+        return algorithm.group_advantages(
+            rewards, self.config.rollout.group_size, algo.scale_rewards, algo.adv_eps
+        )
+
+    def sample(self, n: int, clock: dict[str, float]) -> Scored:
+        """Draw n prompts past the GRESO filter, roll them out and score them.
+
+        ``clock`` accumulates the step's rollout and reward seconds and the prompts skipped.
+        """
+        t0 = time.perf_counter()
+        draws, skipped = draw_prompts(
+            self.stream.next_draw, n, self.prompt_filter, max_skips=len(self.rows)
+        )
+        rollout = self.rollout(draws)
+        t1 = time.perf_counter()
+        scored = self.score(rollout)
+        clock["rollout"] += t1 - t0
+        clock["reward"] += time.perf_counter() - t1
+        clock["skipped"] += skipped
+        if self.prompt_filter is not None:
+            # global rewards, so every rank keeps the same history and skips the same prompts
+            rewards = distributed.all_gather_rows(scored.rewards)
+            flags = algorithm.zero_std_groups(rewards, rollout.group_size).tolist()
+            for draw, zero_variance in zip(draws, flags, strict=True):
+                self.prompt_filter.record(draw.index, zero_variance)
+        if self.config.sampling.dynamic:
+            # every rank keeps the global groups: all make the same choices (prompt_selection)
+            return gather_scored(scored)
+        return scored
+
+    def collect(self, step: int, clock: dict[str, float]) -> Collected:
+        """Step ``step``'s groups: one round, or dynamic sampling's rounds (prompt_selection)."""
+        self.step = step
+        return collect(
+            lambda n: self.sample(n, clock),
+            self.config.rollout.prompts_per_step,
+            dynamic=self.config.sampling.dynamic,
+            max_rounds=self.config.sampling.max_rounds,
+            advantages=self.advantages,
+            multiple_of=self.dist.world_size,
+        )
+
+    def sync_weights(self, policy: nn.Module) -> None:
+        """The engine samples from ``policy``'s current weights from now on."""
+        self.engine.sync_weights(policy)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consumed": self.stream.consumed,
+            "greso": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
+            "temperature": self.temperature.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.prompt_filter is not None and state.get("greso"):
+            self.prompt_filter.load_state_dict(state["greso"])
+        if state.get("temperature"):
+            self.temperature.load_state_dict(state["temperature"])
+        self.stream.consumed = state["consumed"]
+
+    def close(self) -> None:
+        self.rewards.close()
+        close_engine(self.engine)
