@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from grpo.config import Config, ModelConfig
-from grpo.data import system_prompt_for
+from grpo.config import Config, ModelConfig, RewardsConfig
+from grpo.data import system_prompt_for, verifier_of
 from grpo.data.prompts import PromptFormat, prompt_format_for
 from grpo.models import Reference, load_policy, load_tokenizer, resolve_model_path
 from grpo.rewards import RewardError, RewardRunner
@@ -73,6 +73,15 @@ def reward_runner(config: Config, rows: list[dict[str, Any]] | None = None) -> R
             rewards.close()
             raise
     return rewards
+
+
+def verifier_runner(config: Config) -> RewardRunner:
+    """What evaluation judges correctness by (``grpo.data.verifier_of``), as a reward runner
+    under the recipe's reward limits (workers, timeout)."""
+    limits = config.rewards.model_dump(exclude={"functions"})
+    return RewardRunner(
+        RewardsConfig.model_validate({**limits, "functions": [verifier_of(config.data)]})
+    )
 
 
 def load_model(

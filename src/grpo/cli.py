@@ -151,13 +151,14 @@ def eval_config(args: argparse.Namespace) -> Config:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from grpo.eval import eval_data_of, evaluate_config
+    from grpo.data import heldout_source
+    from grpo.eval import evaluate_config
 
     config = eval_config(args)
     metrics = evaluate_config(config, args.samples, args.examples)
     result = {
         "model": config.model.name,
-        "data": eval_data_of(config),
+        "data": heldout_source(config.data),
         "rewards": [spec.model_dump() for spec in config.rewards.functions],
         "samples": args.samples,
         "metrics": metrics,

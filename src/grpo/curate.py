@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from grpo.config import Config, ConfigError
-from grpo.data import DataError, Rows, load_dataset_rows, system_prompt_for
+from grpo.data import DataError, Rows, heldout_rows, load_dataset_rows, system_prompt_for
 from grpo.rewards import RewardOutput
 from grpo.runs.directory import write_atomic
 
@@ -284,14 +284,12 @@ def curated_recipe(config: Config, paths: CuratePaths, heldout: bool) -> dict[st
 def heldout_sources(config: Config) -> list[dict[str, Any]] | None:
     """The held-out rows of a task or a datasets folder as the data holds them (a file needs
     none written: data.eval_path stays as it is, or there is none)."""
-    from grpo.eval import heldout_rows
-
     if config.data.eval_path is not None:
         return None
     if config.data.path is not None and not Path(config.data.path).is_dir():
         return None
     try:
-        return heldout_rows(config, None).sources
+        return heldout_rows(config.data, config.train.seed).sources
     except DataError:  # no test split: the recipe trains without held-out evaluation
         return None
 

@@ -7,31 +7,30 @@ import itertools
 import json
 import math
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from grpo import build
 from grpo.cli import main
-from grpo.config import RewardsConfig, RewardSpec, build_config
-from grpo.data import DataError
+from grpo.config import RewardsConfig, RewardSpec, RolloutConfig, build_config
+from grpo.data import DataError, verifier_of
 from grpo.data.prompts import PromptFormat
 from grpo.eval import (
-    DEFAULT_EXTRACT,
     EvalSettings,
     evaluate,
-    extract_of,
-    is_correct,
+    generate,
     k_values,
     majority_answer,
     pass_at_k,
     score_samples,
-    settings_for,
 )
 from grpo.models import load_tokenizer
 from grpo.rewards import RewardRunner
+from grpo.rollout import grouped_rollout
+from grpo.rollout.hf import HFEngine
 from grpo.training.trainer import train
 
 # ------------------------------------------------------------------------------------ pass@k
@@ -81,19 +80,22 @@ def test_k_values() -> None:
 
 
 def test_score_samples_by_hand() -> None:
-    samples = [
+    correct = [
         # gold 5: one correct of three; the majority (4, twice) is wrong
-        ["<answer>4</answer>", "<answer>5</answer>", "<answer>4</answer>"],
-        # gold 9: two correct of three, one without an answer tag; majority 9 is right
-        ["<answer>9</answer>", "nine", "<answer> 9 </answer>"],
+        [False, True, False],
+        # gold 9: two correct of three, one without an answer; majority 9 is right
+        [True, False, True],
     ]
-    out = score_samples(samples, ["5", "9"])
+    answers = [["4", "5", "4"], ["9", None, " 9 "]]
+    out = score_samples(correct, answers)
     # pass@1 = mean(c/n) = (1/3 + 2/3) / 2 = 0.5
     assert out["pass@1"] == pytest.approx(0.5, abs=1e-12)
     # pass@2: problem 1: 1 - C(2,2)/C(3,2) = 2/3; problem 2: n-c = 1 < 2 -> 1; mean 5/6
     assert out["pass@2"] == pytest.approx(5 / 6, abs=1e-12)
     assert out["pass@3"] == pytest.approx(1.0, abs=1e-12)
     assert out["maj@3"] == pytest.approx(0.5, abs=1e-12)
+    # the majority's first sample decides: "4" first came from a wrong one
+    assert score_samples([[True, False, False]], [["5", "4", "4"]])["maj@3"] == 0.0
 
 
 # ------------------------------------------------------------------------- scripted model
@@ -101,8 +103,8 @@ def test_score_samples_by_hand() -> None:
 PROBLEM_RE = re.compile(r"What is (\d+) ([-+*]) (\d+)\?")
 
 
-class ScriptedModel(nn.Module):
-    """Answers "What is a op b?" prompts with a fixed policy, through the real tokenizer.
+class ScriptedEngine:
+    """A rollout engine that answers "What is a op b?" prompts with a fixed policy.
 
     Greedy: right answers for problems whose first operand a is even, wrong ones otherwise.
     Sampled: the i-th of the k samples answers right when i < a mod 4 (so c = min(a mod 4, k));
@@ -110,43 +112,64 @@ class ScriptedModel(nn.Module):
     """
 
     def __init__(self, tokenizer) -> None:
-        super().__init__()
         self.tokenizer = tokenizer
-        self.generation_config = type("GC", (), {"eos_token_id": tokenizer.eos_token_id})()
-        self.dummy = nn.Parameter(torch.zeros(1))
+        self.calls: list[tuple[int, int, bool]] = []  # (prompts, group size, greedy) per call
 
-    def _answer(self, prompt_ids: torch.Tensor, right: bool) -> str:
-        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
-        a, op, b = PROBLEM_RE.findall(text)[-1]
+    def sync_weights(self, model: nn.Module) -> None:
+        pass
+
+    def _answer(self, prompt: str, right: bool) -> str:
+        a, op, b = PROBLEM_RE.findall(prompt)[-1]
         value = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
         return f"<think>x</think><answer>{value if right else value + 1}</answer>"
 
-    def generate(self, input_ids, attention_mask, num_return_sequences, do_sample, **_):
-        outs = []
-        for row in input_ids:
-            a = int(PROBLEM_RE.findall(self.tokenizer.decode(row))[-1][0])
-            for i in range(num_return_sequences):
-                right = (i < a % 4) if do_sample else (a % 2 == 0)
-                ids = self.tokenizer(self._answer(row, right), add_special_tokens=False).input_ids
-                outs.append(torch.cat([row, torch.tensor([*ids, self.tokenizer.eos_token_id])]))
-        width = max(len(o) for o in outs)
-        pad = self.tokenizer.pad_token_id
-        return torch.stack(
-            [torch.nn.functional.pad(o, (0, width - len(o)), value=pad) for o in outs]
+    def generate(self, prompts, rows, group_size, seeds=None, temperature=None, greedy=False):
+        self.calls.append((len(prompts), group_size, greedy))
+        tok = self.tokenizer
+        ids = []
+        for prompt in prompts:
+            a = int(PROBLEM_RE.findall(prompt)[-1][0])
+            for i in range(group_size):
+                right = (a % 2 == 0) if greedy else (i < a % 4)
+                text = self._answer(prompt, right)
+                ids.append([*tok(text, add_special_tokens=False).input_ids, tok.eos_token_id])
+        width = max(len(x) for x in ids)
+        completion = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x in ids])
+        mask = torch.tensor([[k < len(x) for k in range(width)] for x in ids])
+        enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+        truncated = torch.zeros(len(ids), dtype=torch.bool)
+        return grouped_rollout(
+            tok,
+            enc.input_ids,
+            enc.attention_mask,
+            completion,
+            mask,
+            truncated,
+            prompts,
+            rows,
+            group_size,
         )
 
 
-def test_evaluate_with_scripted_model(tiny_model_dir: Path) -> None:
+def exact_verifier() -> RewardRunner:
+    return RewardRunner(RewardsConfig(functions=[RewardSpec(**verifier_of(build_config({}).data))]))
+
+
+def test_evaluate_with_a_scripted_engine(tiny_model_dir: Path) -> None:
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    model = ScriptedModel(tokenizer).train()
+    engine = ScriptedEngine(tokenizer)
     rows = [  # a: greedy right when even; c = right samples of 3 = min(a mod 4, 3)
         {"prompt": "What is 2 + 3?", "answer": "5"},  # greedy right, c = 2
         {"prompt": "What is 7 - 1?", "answer": "6"},  # greedy wrong, c = 3
         {"prompt": "What is 4 * 4?", "answer": "16"},  # greedy right, c = 0
         {"prompt": "What is 5 + 5?", "answer": "10"},  # greedy wrong, c = 1
     ]
-    settings = EvalSettings(samples=3, max_new_tokens=32, batch_size=3)
-    out = evaluate(model, tokenizer, rows, PromptFormat(system="sys"), settings)
+    settings = EvalSettings(samples=3, batch_size=3)
+    verifier = exact_verifier()
+    try:
+        out = evaluate(engine, tokenizer, rows, PromptFormat(system="sys"), verifier, settings)
+    finally:
+        verifier.close()
     assert out["accuracy"] == pytest.approx(2 / 4, abs=1e-12)
     assert out["answer_rate"] == 1.0
     # pass@k = 1 - C(n - c, k) / C(n, k) with n = 3, averaged over the four problems:
@@ -158,12 +181,13 @@ def test_evaluate_with_scripted_model(tiny_model_dir: Path) -> None:
     # maj@3: the right answer wins with c = 2 or 3; with c = 1 the two equal wrong ones win
     assert out["maj@3"] == pytest.approx(2 / 4, abs=1e-12)
     assert out["examples"] == 4
-    assert model.training  # evaluation restores the training mode
+    # batch_size completions per call: greedy 3 + 1 prompts, sampled 1 prompt x 3 at a time
+    assert engine.calls == [(3, 1, True), (1, 1, True), *[(1, 3, False)] * 4]
 
 
 def test_evaluate_judges_with_the_recipes_rewards(tiny_model_dir: Path) -> None:
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    model = ScriptedModel(tokenizer)
+    engine = ScriptedEngine(tokenizer)
     rows = [
         {"prompt": "What is 2 + 3?", "answer": "5"},  # greedy right
         {"prompt": "What is 7 - 1?", "answer": "6"},  # greedy wrong
@@ -177,48 +201,52 @@ def test_evaluate_judges_with_the_recipes_rewards(tiny_model_dir: Path) -> None:
             ]
         )
     )
-    settings = EvalSettings(max_new_tokens=32, reward_threshold=1.5)
+    settings = EvalSettings(reward_threshold=1.5)
+    verifier = exact_verifier()
+    bare = [{"prompt": r["prompt"]} for r in rows]
     try:
-        out = evaluate(model, tokenizer, rows, PromptFormat(), settings, rewards)
+        out = evaluate(engine, tokenizer, rows, PromptFormat(), verifier, settings, rewards)
         # totals: right answers 1 + 0.5 (format) = 1.5, the wrong one 0 + 0.5
         assert out["reward/mean"] == pytest.approx((1.5 + 0.5 + 1.5) / 3, abs=1e-6)
         assert out["reward/pass_rate"] == pytest.approx(2 / 3, abs=1e-6)  # totals >= 1.5
         assert out["reward/accuracy/mean"] == pytest.approx(2 / 3, abs=1e-6)
         assert out["reward/format/mean"] == 1.0
         # rows without gold answers: judged by the rewards alone (accuracy's None is left out)
-        bare = [{"prompt": r["prompt"]} for r in rows]
-        out = evaluate(model, tokenizer, bare, PromptFormat(), settings, rewards)
+        out = evaluate(engine, tokenizer, bare, PromptFormat(), verifier, settings, rewards)
         assert "accuracy" not in out and math.isnan(out["reward/accuracy/mean"])
         assert out["reward/mean"] == 0.5 and out["reward/pass_rate"] == 0.0
+        with pytest.raises(DataError, match="answer"):
+            evaluate(engine, tokenizer, bare, PromptFormat(), verifier, settings)
     finally:
         rewards.close()
-    with pytest.raises(DataError, match="answer"):
-        evaluate(model, tokenizer, bare, PromptFormat(), settings)
+        verifier.close()
 
 
-def test_eval_stops_at_the_recipes_stop_strings(tiny_model_dir: Path) -> None:
-    """Greedy eval ends a completion where training would (``rollout.stop``), so a format reward
-    that wants nothing after </answer> judges the same text in both."""
+def test_eval_generates_with_the_engines_controls(tiny_model_dir: Path) -> None:
+    """Eval's completions come from the rollout engine under the recipe's controls: they end
+    where training's would (``rollout.stop``), and the policy's mode is restored."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.eval import _generate
-
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
     prompt = PromptFormat().render(tokenizer, {"prompt": "What is 2 + 3?"})
-    settings = EvalSettings(max_new_tokens=24)
-    # sampled (the random model's greedy choice is EOS); one token per character, and the same
-    # seed draws the same tokens up to the stop
-    torch.manual_seed(0)
-    [[free]] = _generate(model, tokenizer, [prompt], settings, 1, False)
+    settings = EvalSettings()
+
+    def sampled(**rollout) -> str:
+        engine = HFEngine(model, tokenizer, RolloutConfig(max_new_tokens=24, **rollout))
+        # sampled (the random model's greedy choice is EOS); the same seed draws the same tokens
+        return generate(engine, [prompt], [{}], 1, False, settings).completions[0]
+
+    free = sampled()
     stop = free[len(free) // 2]
-    torch.manual_seed(0)
-    [[stopped]] = _generate(model, tokenizer, [prompt], replace(settings, stop=(stop,)), 1, False)
-    assert stopped == free[: free.index(stop) + 1] and len(stopped) < len(free) == 24
-    # grpo eval and the trainer's held-out eval take the recipe's stop strings
-    assert settings_for(build_config({"rollout": {"stop": ["</answer>"]}}), 1).stop == (
-        "</answer>",
-    )
+    stopped = sampled(stop=[stop])
+    assert stopped == free[: free.index(stop) + 1] and len(stopped) < len(free)
+    assert sampled() == free  # seeded by train.seed and the row: the same samples every time
+    assert sampled(top_k=1) != free  # a generation control of the recipe applies
+    assert model.training  # the engine's session restores the training mode
+    # grpo eval and the trainer's held-out eval use the recipe's engine and its stop strings
+    config = build_config({"rollout": {"stop": ["</answer>"]}})
+    assert build.engine_of(config, model, tokenizer).config.stop == ["</answer>"]
 
 
 # ------------------------------------------------------------------------- trainer and CLI
@@ -283,32 +311,40 @@ def test_cli_eval_bad_input_is_one_line(tiny_model_dir: Path, capsys) -> None:
         main(["eval", str(tiny_model_dir), "--samples", "0"])
 
 
-def test_eval_judges_answers_like_the_recipes_accuracy_reward(tiny_config) -> None:
+def judged(config, texts: list[str], gold: str) -> list[bool]:
+    """The verifier of ``config`` on completions of one row with gold answer ``gold``."""
+    verifier = build.verifier_runner(config)
+    try:
+        out = verifier(
+            texts, ["q"] * len(texts), {"answer": [gold] * len(texts)}, [[1]] * len(texts)
+        )
+    finally:
+        verifier.close()
+    return (out.per_function[:, 0] >= 1).tolist()
+
+
+def test_eval_judges_with_the_tasks_verifier_or_the_recipes(tiny_config) -> None:
+    # the arithmetic task's verifier: exact numbers inside the default extraction
+    assert judged(
+        tiny_config(), ["<answer>7</answer>", "so 3 + 4 = 7.", "<answer>8</answer>"], "7"
+    ) == [True, False, False]
+    # a recipe's own verifier: with last_number the final number counts
     spec = {"name": "accuracy", "args": {"extract": ["answer"], "last_number": True}}
-    config = tiny_config(rewards={"functions": [spec]})
-    assert extract_of(config) == ("answer", "last_number")
-    assert extract_of(tiny_config()) == DEFAULT_EXTRACT  # built-in accuracy, default arguments
-    # with last_number the final number counts; the default needs a tag
-    assert is_correct("so 3 + 4 = 7.", "7", extract_of(config))
-    assert not is_correct("so 3 + 4 = 7.", "7")
-    # a tag wins over the last number when both are there
-    assert not is_correct("<answer>8</answer> or 7", "7", extract_of(config))
-    scored = score_samples([["3 + 4 = 7", "<answer>7</answer>"]], ["7"], extract_of(config))
-    assert scored["pass@1"] == 1.0 and scored["maj@2"] == 1.0
+    config = tiny_config(data={"verifier": spec})
+    assert judged(config, ["so 3 + 4 = 7.", "<answer>8</answer> or 7"], "7") == [True, False]
+    # the recipe's rewards do not decide what eval counts as correct
+    lenient = tiny_config(rewards={"functions": [spec]})
+    assert judged(lenient, ["so 3 + 4 = 7."], "7") == [False]
 
 
-def test_eval_without_math_verify_when_the_recipe_turns_it_off(tiny_config) -> None:
-    """An arithmetic answer that restates the question is 53 to math-verify; a recipe that turns
-    math-verify off (recipes/gemma-r1-zero.yaml) must see it judged wrong in eval too."""
-    spec = {"name": "accuracy", "args": {"extract": ["answer"], "math_verify": False}}
-    strict = settings_for(tiny_config(rewards={"functions": [spec]}), 2)
-    assert not strict.symbolic and settings_for(tiny_config(), 2).symbolic
+def test_eval_without_math_verify_for_numeric_tasks(tiny_config) -> None:
+    """An arithmetic answer that restates the question is 53 to math-verify; the numeric tasks'
+    verifier judges it wrong, math500's (LaTeX answers) takes math-verify's equivalence."""
     restated = "<answer>23 + 30</answer>"
-    assert is_correct(restated, "53", ("answer",))  # the default: symbolic equivalence
-    assert not is_correct(restated, "53", strict.extract, strict.symbolic)
-    assert is_correct("<answer>53</answer>", "53", strict.extract, strict.symbolic)
-    # sampled: two restated, one right: strict, pass@1 = 1/3 and the majority answer is wrong
-    samples = [[restated, restated, "<answer>53</answer>"]]
-    assert score_samples(samples, ["53"], ("answer",))["maj@3"] == 1.0
-    scored = score_samples(samples, ["53"], strict.extract, strict.symbolic)
+    assert judged(tiny_config(), [restated, "<answer>53</answer>"], "53") == [False, True]
+    symbolic = tiny_config(data={"task": "math500"})
+    assert judged(symbolic, [restated], "53") == [True]
+    # sampled: two restated, one right: pass@1 = 1/3 and the majority answer is wrong
+    correct = judged(tiny_config(), [restated, restated, "<answer>53</answer>"], "53")
+    scored = score_samples([correct], [["23 + 30", "23 + 30", "53"]])
     assert scored["pass@1"] == pytest.approx(1 / 3, abs=1e-12) and scored["maj@3"] == 0.0

@@ -290,3 +290,27 @@ def test_a_failure_while_packing_leaves_no_layer_patched(tiny_model_dir, monkeyp
         pass
     assert len(calls) == 3
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_greedy_takes_the_most_likely_token_as_transformers_does(tiny_model_dir) -> None:
+    # held-out eval's greedy answers: the engine's own decode loop gives the tokens of
+    # transformers' greedy generate, for every member of a group, and reports no log-probs
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model.generation_config.eos_token_id = None  # run to the limit: compare 12 tokens each
+    engine = HFEngine(model, tok, RolloutConfig(max_new_tokens=12, temperature=1.7))
+    prompts = ["What is 2 + 3?", "1"]
+    out = engine.generate(prompts, [{}, {}], 2, seeds=[1, 2], greedy=True)
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        expected = model.generate(
+            **enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id
+        )[:, enc.input_ids.shape[1] :]
+    n = out.completion_mask.sum(1)
+    assert n.min() >= 3  # the random model's greedy path ends at EOS late, if at all
+    for row in range(4):
+        want = expected[row // 2]
+        assert out.completion_ids[row, : n[row]].tolist() == want[: n[row]].tolist()
+    assert out.sampler_logp is None

@@ -31,7 +31,6 @@ from grpo.rollout.turns import (
     TurnSample,
     chat_tools,
     fence_call,
-    greedy_answers,
     renders_tools,
     template_call,
     template_observation,
@@ -245,16 +244,22 @@ def test_closing_the_turn_loop_closes_its_engine(tiny_model_dir) -> None:
     assert closed == [scripted]
 
 
-def test_greedy_answers_give_each_prompt_one_completion_in_batches(tiny_model_dir) -> None:
+def test_greedy_eval_gives_each_prompt_one_completion_in_batches(tiny_model_dir) -> None:
+    from grpo.data.stream import sampling_seed
+    from grpo.eval import EvalSettings, generate
+
     scripted = ScriptedEngine(load_tokenizer(tiny_model_dir))
-    engine = MultiTurnEngine(scripted, scripted.tokenizer, _rollout_config(), greedy=True)
-    answers, turns = greedy_answers(engine, ["a", "b", "c"], batch_size=2)
-    assert answers == [ANSWER] * 3
-    assert [[t["output"] for t in completion] for completion in turns] == [["408", None]] * 3
-    # batches of 2 then 1 prompt: the batch's call turns (seed 0), then its answer turns (the
-    # seed of turn 1 of member 0), one sample each
-    first, later = (1, 0), (1, turn_seed(0, 0, 1))
-    assert [(r.n, r.seed) for r in scripted.requests] == [first, first, later, later, first, later]
+    engine = MultiTurnEngine(scripted, scripted.tokenizer, _rollout_config())
+    rollout = generate(engine, ["a", "b", "c"], [{}] * 3, 1, True, EvalSettings(batch_size=2))
+    assert rollout.answers == [ANSWER] * 3
+    assert [[t["output"] for t in c] for c in rollout.turns] == [["408", None]] * 3
+    # batches of 2 then 1 prompt: the batch's call turns (each prompt's eval seed), then its
+    # answer turns (the seed of turn 1 of member 0), one sample each
+    seeds = [sampling_seed(0, i) for i in range(3)]
+    first = [(1, s) for s in seeds]
+    later = [(1, turn_seed(s, 0, 1)) for s in seeds]
+    expected = [first[0], first[1], later[0], later[1], first[2], later[2]]
+    assert [(r.n, r.seed) for r in scripted.requests] == expected
 
 
 def test_later_turns_are_seeded_by_prompt_seed_member_and_request(tiny_model_dir) -> None:
@@ -644,9 +649,9 @@ def test_hf_engine_replays_the_scripted_exchange(scripted_model_dir: Path) -> No
     tokenizer = load_tokenizer(scripted_model_dir)
     model = load_policy(ModelConfig(name=str(scripted_model_dir)), str(scripted_model_dir))
     config = _rollout_config()
-    engine = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config, greedy=True)
+    engine = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config)
     prompt = render_prompt(tokenizer, QUESTION, None)
-    rollout = engine.generate([prompt], [{}], 2, seeds=[0])
+    rollout = engine.generate([prompt], [{}], 2, seeds=[0], greedy=True)
     # the stop string ended turn 1 at the closing fence; the real sandbox ran the call
     assert rollout.turns[0][0]["text"] == CALL
     assert rollout.turns[0][0]["output"] == "408"
@@ -670,13 +675,14 @@ def test_a_tool_rollout_packs_the_weights_once_for_all_its_turns(scripted_model_
     if not hf._packs(torch.nn.Linear(1, 1).bfloat16()):
         pytest.skip("no oneDNN bf16 kernels on this CPU")
     config = _rollout_config()
-    engine = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config, greedy=True)
+    engine = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config)
     reorder, packed = torch.ops.mkldnn._reorder_linear_weight, []
     monkeypatch.setattr(
         torch.ops.mkldnn, "_reorder_linear_weight", lambda w: packed.append(1) or reorder(w)
     )
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        rollout = engine.generate([render_prompt(tokenizer, QUESTION, None)], [{}], 1, seeds=[0])
+        prompts = [render_prompt(tokenizer, QUESTION, None)]
+        rollout = engine.generate(prompts, [{}], 1, seeds=[0], greedy=True)
     assert len(rollout.turns[0]) >= 2  # the call, its output, then the answer
     assert len(packed) == sum(type(m) is torch.nn.Linear for m in model.modules())
 
@@ -861,10 +867,10 @@ def test_real_vllm_replays_the_scripted_exchange(tmp_path: Path) -> None:
     model = load_policy(ModelConfig(name=str(scripted_model_dir)), str(scripted_model_dir))
     config = _rollout_config(vllm_gpu_memory_utilization=0.1, vllm_dtype="float32")
     prompt = [render_prompt(tokenizer, QUESTION, None)]
-    hf = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config, greedy=True)
-    expected = hf.generate(prompt, [{}], 2, seeds=[0])
-    engine = MultiTurnEngine(VLLMEngine(model, tokenizer, config), tokenizer, config, greedy=True)
-    rollout = engine.generate(prompt, [{}], 2, seeds=[0])
+    hf = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config)
+    expected = hf.generate(prompt, [{}], 2, seeds=[0], greedy=True)
+    engine = MultiTurnEngine(VLLMEngine(model, tokenizer, config), tokenizer, config)
+    rollout = engine.generate(prompt, [{}], 2, seeds=[0], greedy=True)
     texts = [[t["text"] for t in turns] for turns in rollout.turns]
     assert texts == [[t["text"] for t in turns] for turns in expected.turns]
     assert torch.equal(rollout.completion_ids, expected.completion_ids)
@@ -934,8 +940,8 @@ def test_an_empty_turn_ends_the_completion(tiny_model_dir) -> None:
 def test_greedy_temperature_and_drawn_seeds_reach_every_request(tiny_model_dir) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
     scripted = ReplyEngine(tokenizer, [NO_CALL, ANSWER + END])
-    engine = MultiTurnEngine(scripted, tokenizer, _rollout_config(), greedy=True)
-    rollout = engine.generate(["q"] * 8, [{}] * 8, 1, temperature=0.7)  # no seeds: drawn
+    engine = MultiTurnEngine(scripted, tokenizer, _rollout_config())
+    rollout = engine.generate(["q"] * 8, [{}] * 8, 1, temperature=0.7, greedy=True)  # seeds drawn
     assert rollout.sampling.temperature == 0.7  # recorded as sampled
     assert len(scripted.requests) == 16
     assert all(greedy is True and t == 0.7 for _, greedy, t in scripted.requests)

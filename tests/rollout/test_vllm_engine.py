@@ -152,6 +152,23 @@ def test_one_request_per_prompt_asks_for_the_group(parts) -> None:
         assert out.completion_ids[k, : len(llm._tokens(p0, k))].tolist() == llm._tokens(p0, k)
 
 
+def test_a_greedy_group_is_one_request_per_member(parts) -> None:
+    # vLLM samples greedily only with n=1: a greedy group of 2 is 2 requests at temperature 0
+    model, tok = parts
+    llm = FakeLLM(len(tok), tok.eos_token_id)
+    engine = _engine(model, tok, llm, temperature=0.7)
+    out = engine.generate(["a", "b"], [{}, {}], 2, seeds=[5, 9], greedy=True)
+    assert [(p.n, p.temperature, p.seed) for _, p in llm.requests] == [
+        (1, 0.0, 5),
+        (1, 0.0, 5),
+        (1, 0.0, 9),
+        (1, 0.0, 9),
+    ]
+    assert out.prompts == ["a", "a", "b", "b"] and out.sampler_logp is None
+    first = llm.requests[0][1]
+    assert out.completion_ids[0, : len(llm._tokens(first, 0))].tolist() == llm._tokens(first, 0)
+
+
 def test_masks_truncation_and_sampler_logprobs(parts) -> None:
     model, tok = parts
     eos = tok.eos_token_id

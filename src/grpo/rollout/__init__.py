@@ -6,7 +6,8 @@ no-op for engines that sample from the policy itself). ``seeds`` holds one seed 
 prompt's G completions must depend only on the prompt, the weights and its seed, never on the
 other prompts of the batch. ``temperature`` overrides ``rollout.temperature`` for this call (a
 schedule); the returned ``Rollout.sampling`` records the controls used, and the trainer scores
-the tokens under exactly that distribution.
+the tokens under exactly that distribution. ``greedy`` takes the most likely token at every step
+instead (held-out evaluation; no sampler log-probs are reported).
 ``hf`` samples with Hugging Face ``generate``; ``vllm`` runs a colocated vLLM (``grpo.build``
 picks one by ``rollout.engine``).
 """
@@ -32,6 +33,7 @@ class RolloutEngine(Protocol):
         group_size: int,
         seeds: list[int] | None = None,
         temperature: float | None = None,
+        greedy: bool = False,
     ) -> Rollout: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...

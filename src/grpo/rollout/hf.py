@@ -470,6 +470,7 @@ class HFEngine:
         group_size: int,
         seeds: list[int] | None = None,
         temperature: float | None = None,
+        greedy: bool = False,
     ) -> Rollout:
         if seeds is None:
             seeds = torch.randint(2**62, (len(prompts),)).tolist()
@@ -497,7 +498,7 @@ class HFEngine:
                 ids,
                 attention,
                 group_size,
-                chooser.pick,
+                greedy_choice if greedy else chooser.pick,
                 self.config.max_new_tokens,
                 self.eos,
                 self.tokenizer.pad_token_id,
@@ -515,7 +516,7 @@ class HFEngine:
             prompts,
             rows,
             group_size,
-            torch.stack(chooser.logps, dim=1)[:, :t].cpu(),
+            None if greedy else torch.stack(chooser.logps, dim=1)[:, :t].cpu(),
             sampling,
         )
 

@@ -225,24 +225,19 @@ def turn_seed(seed: int, member: int, request: int) -> int:
 
 
 class MultiTurnEngine:
-    """A rollout engine whose completions may call tools; wraps an engine that takes turns.
-
-    ``greedy`` picks the most likely token instead of sampling (held-out evaluation).
-    """
+    """A rollout engine whose completions may call tools; wraps an engine that takes turns."""
 
     def __init__(
         self,
         engine: TurnEngine,
         tokenizer: PreTrainedTokenizerBase,
         config: RolloutConfig,
-        greedy: bool = False,
     ) -> None:
         if not hasattr(engine, "generate_turns"):
             raise ConfigError("rollout.tools: this rollout engine cannot take turns")
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
-        self.greedy = greedy
         self.format = CALL_FORMATS[config.tool_call_format]
         self.tool = TOOLS[config.tools[0]](
             timeout_s=config.tool_timeout_s, max_output_chars=config.tool_max_output_chars
@@ -297,9 +292,10 @@ class MultiTurnEngine:
         group_size: int,
         seeds: list[int] | None = None,
         temperature: float | None = None,
+        greedy: bool = False,
     ) -> Rollout:
         with self.session():  # every turn samples from the same weights
-            return self._generate(prompts, rows, group_size, seeds, temperature)
+            return self._generate(prompts, rows, group_size, seeds, temperature, greedy)
 
     def _generate(
         self,
@@ -308,6 +304,7 @@ class MultiTurnEngine:
         group_size: int,
         seeds: list[int] | None,
         temperature: float | None,
+        greedy: bool,
     ) -> Rollout:
         if seeds is None:
             seeds = torch.randint(2**62, (len(prompts),)).tolist()
@@ -322,7 +319,7 @@ class MultiTurnEngine:
                 for ids, s in zip(prompt_ids, seeds, strict=True)
             ],
             self.format.stop,
-            self.greedy,
+            greedy,
             temperature,
         )
         pending = [(i, sample) for i, sample in enumerate(s for group in first for s in group)]
@@ -377,7 +374,7 @@ class MultiTurnEngine:
                 for i in going_on
             ]
             samples = (
-                self.engine.generate_turns(requests, self.format.stop, self.greedy, temperature)
+                self.engine.generate_turns(requests, self.format.stop, greedy, temperature)
                 if requests
                 else []
             )
@@ -440,18 +437,3 @@ def tool_metrics(turns: list[list[dict[str, Any]]]) -> dict[str, float]:
         "tools/time_s": sum(t["time_s"] for r in ran for t in r),
         "tools/turns_per_completion": sum(len(path) for path in turns) / n,
     }
-
-
-def greedy_answers(
-    engine: MultiTurnEngine, prompts: list[str], batch_size: int
-) -> tuple[list[str], list[list[dict[str, Any]]]]:
-    """One greedy multi-turn completion per prompt: (answers, turns), ``batch_size`` at a time."""
-    answers: list[str] = []
-    turns: list[list[dict[str, Any]]] = []
-    with engine.session():  # one session for every batch: the weights do not change
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            rollout = engine.generate(chunk, [{} for _ in chunk], 1, seeds=[0] * len(chunk))
-            answers += rollout.answers
-            turns += rollout.turns
-    return answers, turns

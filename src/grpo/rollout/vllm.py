@@ -220,20 +220,21 @@ class VLLMEngine:
         group_size: int,
         seeds: list[int] | None = None,
         temperature: float | None = None,
+        greedy: bool = False,
     ) -> Rollout:
+        """vLLM samples greedily only with n=1, so a greedy group of G is G requests."""
         if seeds is None:
             seeds = torch.randint(2**62, (len(prompts),)).tolist()
-        sampling = sampling_of(self.config, temperature)
+        sampling = sampling_of(self.config, 0.0 if greedy else temperature)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
-        params = [self._params(group_size, seed, sampling) for seed in seeds]
+        copies, n = (group_size, 1) if greedy else (1, group_size)
+        requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(copies)]
+        params = [self._params(n, seed, sampling) for seed in seeds for _ in range(copies)]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        samples = [
-            sorted(out.outputs, key=lambda c: c.index) for out in outputs
-        ]  # P lists of G completions
         pad = self.tokenizer.pad_token_id
         prompt_ids_t, prompt_mask = _left_pad(prompt_ids, pad)  # [P, S]
-        flat = [c for group in samples for c in group]  # N = P*G, groups contiguous
+        # N = P*G, groups contiguous
+        flat = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         # a completion's tokens end with the one that stopped it (EOS or a stop string)
         completion_ids, mask = _right_pad([list(c.token_ids) for c in flat], pad)  # [N, T]
         truncated = torch.tensor([c.finish_reason == "length" for c in flat])  # [N]
@@ -251,7 +252,7 @@ class VLLMEngine:
             prompts,
             rows,
             group_size,
-            sampler_logp,
+            None if greedy else sampler_logp,
             sampling,
         )
 

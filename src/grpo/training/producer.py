@@ -157,5 +157,5 @@ class Producer:
         self.stream.consumed = state["consumed"]
 
     def close(self) -> None:
-        self.rewards.close()
+        """Release the engine (the rewards belong to whoever built them)."""
         close_engine(self.engine)

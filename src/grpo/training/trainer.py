@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from grpo import algorithm, build
 from grpo.config import Config, ConfigError, dump_config
 from grpo.containers import Scored
-from grpo.data import DataError, load_dataset_rows
-from grpo.eval import evaluate, evaluate_with_tools, heldout_rows, settings_for
+from grpo.data import DataError, heldout_rows, load_dataset_rows
+from grpo.eval import evaluate, settings_for
 from grpo.models import bf16_autocast, resolve_model_path
 from grpo.rewards import ErrorWatch
 from grpo.rollout import RolloutEngine
@@ -72,9 +72,12 @@ class Trainer:
             )
         self.prompt_format = build.prompt_format(config)
         self.eval_rows = (
-            heldout_rows(config, config.train.eval_examples) if config.train.eval_every else []
+            heldout_rows(config.data, config.train.seed, config.train.eval_examples)
+            if config.train.eval_every
+            else []
         )
         self.rewards = build.reward_runner(config, self.rows)
+        self.verifier = build.verifier_runner(config) if config.train.eval_every else None
         self.reward_errors = ErrorWatch(
             config.rewards.max_error_frac, config.rewards.error_patience
         )
@@ -92,7 +95,7 @@ class Trainer:
             self.plan: ResumePlan = distributed.from_main(self._claim_run_dir)
             self._build(model_path, engine)
         except BaseException:  # what was started is stopped: reward workers, the lock, the bars
-            self.rewards.close()
+            self._close_rewards()
             self.run.release()
             self.bars.restore()
             raise
@@ -284,6 +287,7 @@ class Trainer:
             raise
         finally:
             self.producer.close()
+            self._close_rewards()
             self.run.release()
             self.bars.restore()
         return self.config.run_dir
@@ -328,17 +332,27 @@ class Trainer:
         t0 = time.perf_counter()
         settings = settings_for(self.config, self.config.train.eval_samples)
         # every rank evaluates the same rows (FSDP2: on gathered weights, as for rollouts)
-        with distributed.full_parameters(self.policy):
-            args = (self.policy, self.tokenizer, self.eval_rows, self.prompt_format)
-            if self.config.rollout.tools:  # greedy answers through the same tool loop
-                result = evaluate_with_tools(
-                    *args, self.config.rollout, settings, self.producer.rewards
-                )
-            else:
-                result = evaluate(*args, settings, self.producer.rewards)
+        with (
+            distributed.full_parameters(self.policy),
+            bf16_autocast(self.dist.device, self.config.model.autocast),
+        ):
+            result = evaluate(
+                self.producer.engine,
+                self.tokenizer,
+                self.eval_rows,
+                self.prompt_format,
+                self.verifier,
+                settings,
+                self.producer.rewards,
+            )
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
         return out
+
+    def _close_rewards(self) -> None:
+        self.rewards.close()
+        if self.verifier is not None:
+            self.verifier.close()
 
     def refresh_reference(self) -> dict[str, float]:
         """Every ``ref_update_every`` steps the reference takes the policy's weights."""
