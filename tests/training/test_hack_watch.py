@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from grpo.config import ConfigError, HackWatchConfig, RewardSpec
 from grpo.containers import Rollout, Scored
 from grpo.data.prompts import PromptFormat
+from grpo.rewards import register
 from grpo.rollout import grouped_rollout
 from grpo.scoring.distribution import Sampling
 from grpo.training.hack_watch import (
@@ -275,6 +276,8 @@ def test_reward_kinds_come_from_the_registry_or_the_config() -> None:
     assert chosen.accuracy_names == ["lowercase_share"]
     with pytest.raises(ConfigError, match=r"train.hack_watch.format_rewards: 'fmt' is not one"):
         HackWatch(HackWatchConfig(format_rewards=["fmt"]), SPECS)
+    with pytest.raises(ValueError, match="reward kind must be one of"):
+        register("judged_by_style", kind="style")
     no_accuracy = HackWatch(HackWatchConfig(), SPECS[:2])
     assert "hack/format_only" not in no_accuracy.observe(1, HONEST, step_metrics(10), True)
 
