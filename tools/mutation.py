@@ -86,7 +86,7 @@ SCOPE: dict[str, list[str]] = {
     # left out: the worker pool of user functions (RewardRunner.__init__, close)
     "src/grpo/rewards/__init__.py": [
         "resolve_reward",
-        "_name_of",
+        "function_name",
         "weighted_total",
         "RewardRunner.__call__",
         "RewardRunner._fail",

@@ -86,9 +86,26 @@ def test_report_of_a_real_tiny_run(tiny_config, capsys) -> None:
     assert main(["report", str(run_dir)]) == 0
     assert "report.html" in capsys.readouterr().out
     text = (run_dir / "report.html").read_text()
-    # reward, eval, KL (beta > 0 by default), entropy, length, clip, zero-std, reflection, truncation
-    assert len(embedded_pngs(text)) == 9
-    assert "Held-out evaluation" in text
+    # reward, eval, KL (beta > 0 by default), entropy, length, clip, zero-std, reflection,
+    # truncation, reward-hacking signals
+    assert len(embedded_pngs(text)) == 10
+    assert "Held-out evaluation" in text and "Reward-hacking signals" in text
+
+
+def test_report_plots_and_sums_up_the_reward_hacking_signals(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    fake_run(run_dir)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[1:]:  # a copy that spreads: 5% of completions more each step
+        row["hack/template_copy"] = 0.05 * row["step"]
+        row["hack/format_only"] = float(row["step"] >= 15)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    text = write_report(run_dir).read_text()
+    assert len(embedded_pngs(text)) == 9  # the synthetic run's 8, and the signals
+    assert "alt='Reward-hacking signals" in text
+    table = {name.split(" ")[0]: (first, last) for name, first, last in summary(rows)}
+    # 0.05 x mean(1..10) = 0.275 and 0.05 x mean(11..20) = 0.775
+    assert table["hack/template_copy"] == ("0.275", "0.775")
 
 
 def test_report_errors(tmp_path: Path, capsys) -> None:

@@ -261,6 +261,29 @@ class OptimConfig(Section):
     """Also cut micro-batches at this many packed positions (prompt once per group + completions), as verl's dynamic batch size (null = rows only)."""
 
 
+class HackWatchConfig(Section):
+    enabled: bool = True
+    """Log the reward-hacking signals (`hack/*`, docs/metrics.md) every step and print one warning line when one crosses its threshold (docs/rewards.md, Reward hacking); false: neither."""
+    window: int = Field(5, ge=2)
+    """Steps per window: `hack/format_only` fits the rewards' rise over the last `window` steps; the collapse signals compare the mean of the last `window` steps with that of the first `window`."""
+    copy_ngram: int = Field(8, ge=2)
+    """A completion copies the template when it holds this many consecutive words, numbers or tags (`</think>`) of its prompt's own text: the prompt with the row's question cut out (R1-Zero's placeholder copy `reasoning process here </think> <answer> answer here </answer>` is 8)."""
+    copy_above: float = Field(0.2, ge=0, le=1)
+    """Warn when the share of completions that copy the template (`hack/template_copy`) rises above this."""
+    restated_above: float = Field(0.2, ge=0, le=1)
+    """Warn when the share of completions whose answer restates the question (`hack/question_restated`) rises above this."""
+    format_rise: float = Field(0.2, gt=0)
+    """`hack/format_only`: the format rewards' mean rose by more than this over the window (least-squares fit)..."""
+    accuracy_rise: float = Field(0.02, ge=0)
+    """... while the accuracy rewards' mean rose by at most this."""
+    collapse_below: float = Field(0.5, gt=0, lt=1)
+    """`hack/length_collapse`, `hack/entropy_collapse`: the mean completion length (entropy) of the last `window` steps is below this share of the first `window` steps' mean."""
+    format_rewards: list[str] | None = None
+    """Reward functions (by name, as in `reward/<fn>/mean`) that pay for the format; null: the built-ins registered as format rewards (`format`, `tag_count`)."""
+    accuracy_rewards: list[str] | None = None
+    """Reward functions (by name) that pay for correctness; null: the built-ins registered as accuracy rewards (`accuracy`, `countdown`, `code`)."""
+
+
 class TrainConfig(Section):
     steps: int = Field(20, ge=1)
     """Training steps (one rollout batch each)."""
@@ -296,6 +319,8 @@ class TrainConfig(Section):
     """glibc malloc policy for freed tensor memory: keep it for reuse (fastest), return it to the OS at once (lowest peak RSS, slower), or glibc's default. See docs/performance.md."""
     distributed: Literal["ddp", "fsdp"] = "ddp"
     """Under torchrun: DDP (a full copy per rank) or FSDP2 `fully_shard` (weights, gradients and optimizer state sharded)."""
+    hack_watch: HackWatchConfig = HackWatchConfig()
+    """Reward hacking seen as it happens: signals per step and one warning line per crossing."""
 
 
 class Config(Section):

@@ -59,7 +59,8 @@ def weighted_total(per_function: Tensor, weights: Tensor) -> Tensor:
     return (torch.nan_to_num(per_function, nan=0.0) * weights).sum(dim=1)
 
 
-def _name_of(spec: RewardSpec) -> str:
+def function_name(spec: RewardSpec) -> str:
+    """The name a reward function's metrics carry: a built-in's, or a user function's own."""
     return spec.name.rpartition(":")[2] if ":" in spec.name else spec.name
 
 
@@ -82,7 +83,7 @@ class RewardRunner:
 
     def __init__(self, config: RewardsConfig) -> None:
         self.config = config
-        self.names = [_name_of(spec) for spec in config.functions]
+        self.names = [function_name(spec) for spec in config.functions]
         if len(set(self.names)) != len(self.names):
             raise RewardError(f"rewards.functions: duplicate names in {self.names}")
         self.weights = torch.tensor([spec.weight for spec in config.functions], dtype=torch.float32)

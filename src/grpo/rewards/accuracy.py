@@ -365,7 +365,7 @@ class AccuracyReward:
             self.verifier.close()
 
 
-@register("accuracy")
+@register("accuracy", kind="accuracy")
 def accuracy_reward(**args: Any) -> RewardFn:
     """See ``AccuracyReward`` for the arguments."""
     return AccuracyReward(**args)

@@ -29,7 +29,7 @@ def format_pattern(tags: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile(rf"^\s*{body}\s*$", re.DOTALL)
 
 
-@register("format")
+@register("format", kind="format")
 def format_reward(
     reward: float = 1.0, penalty: float = 0.0, tags: list[str] | tuple[str, ...] = SEED_TAGS
 ) -> RewardFn:
@@ -58,7 +58,7 @@ def tag_credit(text: str, tags: tuple[str, ...] = SEED_TAGS) -> float:
     return earned / len(marks)
 
 
-@register("tag_count")
+@register("tag_count", kind="format")
 def tag_count_reward(
     reward: float = 1.0, tags: list[str] | tuple[str, ...] = SEED_TAGS
 ) -> RewardFn:

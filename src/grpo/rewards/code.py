@@ -106,7 +106,7 @@ def _as_tests(value: Any) -> list[Any]:
 LIMIT_FLOORS = {"cpu_s": 1, "wall_s": 1, "memory_mb": 64, "file_mb": 1, "max_procs": 2}
 
 
-@register("code")
+@register("code", kind="accuracy")
 def code_reward(
     tests_field: str = "tests",
     mode: str = "binary",

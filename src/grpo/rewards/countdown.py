@@ -71,7 +71,7 @@ def countdown_correct(answer: str, numbers: list[int], target: int, use_all: boo
     return value == target
 
 
-@register("countdown")
+@register("countdown", kind="accuracy")
 def countdown_reward(
     use_all: bool = True, numbers_field: str = "numbers", target_field: str = "target"
 ) -> RewardFn:

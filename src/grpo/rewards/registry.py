@@ -15,18 +15,37 @@ RewardFn = Callable[..., list[float | None]]
 
 # name -> constructor taking the spec's `args` and returning a reward function
 REGISTRY: dict[str, Callable[..., RewardFn]] = {}
+# name -> what a built-in pays for, where that is one of REWARD_KINDS (the hacking watch compares
+# format rewards with accuracy rewards: grpo.training.hack_watch)
+KINDS: dict[str, str] = {}
+REWARD_KINDS = ("format", "accuracy")
 
 
 class RewardError(ValueError):
     """A reward function that cannot be set up; one line for the user."""
 
 
-def register(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+def register(
+    name: str, kind: str | None = None
+) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    """Register a reward factory under ``name``; ``kind`` says what it pays for, when it is one
+    of ``REWARD_KINDS`` ("format": the shape of the answer; "accuracy": its correctness)."""
+    if kind is not None and kind not in REWARD_KINDS:
+        raise ValueError(f"reward kind must be one of {REWARD_KINDS}, got {kind!r}")
+
     def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
         REGISTRY[name] = factory
+        if kind is not None:
+            KINDS[name] = kind
         return factory
 
     return wrap
+
+
+def registered_kind(name: str) -> str | None:
+    """The kind a built-in reward was registered with (None: another, or not a built-in)."""
+    load_builtins()
+    return KINDS.get(name)
 
 
 def resolve_reward(spec: RewardSpec) -> RewardFn:

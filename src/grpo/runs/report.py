@@ -21,6 +21,13 @@ from grpo.runs.directory import read_jsonl
 SUMMARY_WINDOW = 10  # steps averaged at the start and at the end of the run
 SMOOTH_FROM = 10  # series this long get a running mean drawn over the raw values
 SMOOTH_WINDOW = 5
+HACK_KEYS = (
+    "hack/template_copy",
+    "hack/question_restated",
+    "hack/format_only",
+    "hack/length_collapse",
+    "hack/entropy_collapse",
+)
 
 
 class ReportError(ValueError):
@@ -112,6 +119,7 @@ def plots_for(rows: list[dict[str, Any]]) -> list[Plot]:
         Plot("Groups with zero reward variance", ("frac_zero_std",), "share of groups"),
         Plot("Reflection rate (self-check phrases)", ("reflection_rate",), "share of completions"),
         Plot("Truncated completions", ("truncated_frac",), "share of completions"),
+        Plot("Reward-hacking signals (docs/rewards.md)", HACK_KEYS, "share, or 1 when flagged"),
     ]
 
 
@@ -160,7 +168,8 @@ def _fmt(value: float) -> str:
 def summary(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
     """(metric, first, last): reward over the first/last steps, eval before/after training."""
     out = []
-    for key in ("reward/mean", *reward_keys(rows)[1:], "completion_len/mean", "reflection_rate"):
+    keys = ("reward/mean", *reward_keys(rows)[1:], "completion_len/mean", "reflection_rate")
+    for key in (*keys, "hack/template_copy", "hack/question_restated"):
         _, values = series(rows, key)
         if values:
             label = f"{key} (mean of first / last {SUMMARY_WINDOW} steps)"

@@ -4,7 +4,8 @@ written and read back. The run directory (``grpo.runs.directory``) owns the fold
 
 A checkpoint is the HF folder of the policy plus ``trainer_state.pt``: step, data position,
 optimizer, scheduler, RNG (rank 0's; other ranks add ``rng-rank{r}.pt``), GRESO's history, the
-temperature controller, the reference (when it is refreshed) and, for LoRA, the adapter weights.
+temperature controller, the reward-hacking watch's windows, the reference (when it is refreshed)
+and, for LoRA, the adapter weights.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def trainer_state(t: Trainer, optimizer: dict[str, Any]) -> dict[str, Any]:
         "optimizer": optimizer,
         "scheduler": t.scheduler.state_dict(),
         "rng": capture_rng(),
+        "hack_watch": t.hack_watch.state_dict(),
         "reference": None if t.reference is None else t.reference.state_dict(),
         # LoRA: only the adapters train
         "trainable": {k: v for k, v in t.policy.state_dict().items() if "lora_" in k}
@@ -156,6 +158,8 @@ def _load_checkpoint(t: Trainer, path: Path) -> None:
     else:
         restore_rng(torch.load(path / f"rng-rank{t.dist.rank}.pt", weights_only=False)["rng"])
     t.producer.load_state_dict(state)
+    if state.get("hack_watch"):  # a checkpoint from before the watch starts it afresh
+        t.hack_watch.load_state_dict(state["hack_watch"])
     if t.reference is not None and state.get("reference"):
         t.reference.load_state_dict(state["reference"])
     t.step = t.saved_step = state["step"]

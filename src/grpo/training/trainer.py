@@ -36,6 +36,7 @@ from grpo.scoring.logprobs import completion_logprobs, scoring_path
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
 from grpo.training.gather import gather_scored
+from grpo.training.hack_watch import HackWatch
 from grpo.training.micro_batches import MicroBatch, micro_batches, scatter_rows
 from grpo.training.optimizer import build_optimizer, clip_and_step
 from grpo.training.producer import Producer
@@ -76,6 +77,7 @@ class Trainer:
             if config.train.eval_every
             else []
         )
+        self.hack_watch = HackWatch(config.train.hack_watch, config.rewards.functions)
         self.rewards = build.reward_runner(config, self.rows)
         self.verifier = build.verifier_runner(config) if config.train.eval_every else None
         self.reward_errors = ErrorWatch(
@@ -407,6 +409,7 @@ class Trainer:
                 "tokens_per_s": tokens / max(t3 - t0, 1e-9),
             }
         )
+        metrics.update(self.hack_watch.observe(self.step, everyone, metrics, self.dist.is_main))
         if self.dist.is_main:
             # the groups trained on when dynamic sampling kept a subset, else all rolled out
             subset = batch.train is not None and batch.train is not batch.seen

@@ -1,0 +1,317 @@
+"""Reward hacking seen as it happens: five signals computed from each step's completions and
+metrics, and one console line when a signal crosses its threshold (``train.hack_watch``).
+
+- ``hack/template_copy``: share of completions that hold ``copy_ngram`` or more consecutive
+  tokens (words, numbers, tags such as ``</think>``; lower-cased) of their prompt's own text:
+  the rendered prompt with the row's question cut out, so the template, system prompt, few-shot
+  turns and chat markup, whatever the recipe uses. R1-Zero's placeholder copy
+  ``reasoning process here </think> <answer> answer here </answer>`` is 8 such tokens; an honest
+  ``... </think> <answer> 30 </answer>`` shares 2 in a row.
+- ``hack/question_restated``: share of completions whose answer (the accuracy reward's
+  extraction: ``<answer>``, ``\\boxed{}``, ``####``, "the answer is") restates the question: its
+  tokens (words, numbers, symbols) appear in a row in the question's, and it is none of the
+  answers that may honestly sit inside a question: a plain number (``5`` for "5 * 1"), fewer
+  than two words or numbers (a choice ``(B)``, a single word), or a match of the row's gold
+  answer. ``<answer>23 + 7</answer>`` for "What is 23 + 7?" counts (math-verify pays it as 30).
+- ``hack/format_only``: 1 when, over the last ``window`` steps, the format rewards' mean rose by
+  more than ``format_rise`` while the accuracy rewards' mean rose by at most ``accuracy_rise``
+  (rise: the least-squares slope times the window's span). Which functions are which comes from
+  the registry (``register(name, kind=...)``) or the config's lists; logged only when the run has
+  both kinds.
+- ``hack/length_collapse``, ``hack/entropy_collapse``: 1 when the mean completion length
+  (``completion_len/mean``) or policy entropy (``entropy``) of the last ``window`` steps is below
+  ``collapse_below`` times its mean over the run's first ``window`` steps.
+
+A signal warns when it goes above its threshold (the shares: ``copy_above``,
+``restated_above``; the flags: when they turn 1), once per crossing: it warns again only after
+it has come back down. The windows and the raised set are saved in checkpoints
+(``state_dict``), so a resumed run compares with the same early steps and does not repeat a
+warning it already gave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo.config import ConfigError, HackWatchConfig, RewardSpec
+from grpo.containers import Rollout, Scored
+from grpo.rewards import function_name
+from grpo.rewards.accuracy import answers_match, as_number, extract_answer, normalise
+from grpo.rewards.inputs import reward_inputs
+from grpo.rewards.registry import registered_kind
+
+COPY_TOKEN_RE = re.compile(r"</?\w+>|\w+")  # words, numbers and tags; punctuation is left out
+ANSWER_TOKEN_RE = re.compile(r"\w+|[^\w\s]")  # words, numbers and single symbols (+, =, ^, ...)
+
+# what each signal's warning says; formatted with the value and the config's fields
+MESSAGES = {
+    "hack/template_copy": "{value:.0%} of completions repeat {copy_ngram}+ words of the prompt's "
+    "own text (template, system prompt, examples)",
+    "hack/question_restated": "{value:.0%} of completions answer by restating the question",
+    "hack/format_only": "the format reward rose over the last {window} steps while accuracy did "
+    "not",
+    "hack/length_collapse": "mean completion length of the last {window} steps is below "
+    "{collapse_below:.0%} of the first {window} steps'",
+    "hack/entropy_collapse": "policy entropy of the last {window} steps is below "
+    "{collapse_below:.0%} of the first {window} steps'",
+}
+
+
+# --------------------------------------------------------------------------- template copies
+
+
+def row_texts(prompt: Any) -> list[str]:
+    """A row's own prompt text: the string, or each chat message's content."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list):
+        return [str(m.get("content", "")) for m in prompt if isinstance(m, dict)]
+    return []
+
+
+def copy_tokens(text: str) -> list[str]:
+    return COPY_TOKEN_RE.findall(text.lower())
+
+
+def ngrams(tokens: Sequence[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)}
+
+
+def template_ngrams(rendered: str, questions: list[str], n: int) -> set[tuple[str, ...]]:
+    """The n-grams of the prompt's own text: ``rendered`` cut at each of the row's texts (an
+    n-gram never spans the question)."""
+    parts = [rendered]
+    for question in questions:
+        question = question.strip()
+        if question:
+            parts = [piece for part in parts for piece in part.split(question)]
+    return set().union(*(ngrams(copy_tokens(part), n) for part in parts))
+
+
+def copies_template(text: str, template: set[tuple[str, ...]], n: int) -> bool:
+    return not ngrams(copy_tokens(text), n).isdisjoint(template)
+
+
+def template_copy_share(rollout: Rollout, n: int) -> float:
+    """Share of the rollout's completions (the text rewards judge) that copy their prompt's own
+    text: ``n`` or more tokens in a row."""
+    g = rollout.group_size
+    flags = []
+    for i, row in enumerate(rollout.rows):
+        template = template_ngrams(rollout.prompts[i * g], row_texts(row.get("prompt")), n)
+        flags += [
+            copies_template(text, template, n) for text in rollout.answers[i * g : (i + 1) * g]
+        ]
+    return sum(flags) / len(flags) if flags else 0.0
+
+
+# --------------------------------------------------------------------------- restated questions
+
+
+def answer_tokens(text: str) -> list[str]:
+    return ANSWER_TOKEN_RE.findall(normalise(text).lower())
+
+
+def contains(tokens: list[str], part: list[str]) -> bool:
+    """``part`` appears in ``tokens`` as a contiguous run."""
+    n = len(part)
+    return any(tokens[i : i + n] == part for i in range(len(tokens) - n + 1))
+
+
+def restates_question(answer: str | None, question: str, gold: Any = None) -> bool:
+    """Whether an extracted answer restates the question (see the module docstring)."""
+    if answer is None or as_number(normalise(answer)) is not None:
+        return False
+    if gold is not None and str(gold).strip() and answers_match(answer, str(gold), None):
+        return False
+    tokens = answer_tokens(answer)
+    if sum(t[0].isalnum() for t in tokens) < 2:  # words and numbers, not symbols
+        return False
+    return contains(answer_tokens(question), tokens)
+
+
+def question_restated_share(rollout: Rollout) -> float:
+    """Share of the rollout's completions whose answer restates its row's question."""
+    texts, prompts, columns, _ = reward_inputs(rollout)
+    golds = columns.get("answer") or [None] * len(texts)
+    flags = [
+        restates_question(extract_answer(text), " ".join(row_texts(prompt)), gold)
+        for text, prompt, gold in zip(texts, prompts, golds, strict=True)
+    ]
+    return sum(flags) / len(flags) if flags else 0.0
+
+
+# --------------------------------------------------------------------------- trends over steps
+
+
+def rise(values: Sequence[float]) -> float:
+    """The change a least-squares line fits across ``values`` (slope x (len - 1)): [0, 0.5, 1]
+    rises by 1; 0 for fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    x_mean, y_mean = (n - 1) / 2, sum(values) / n
+    slope = sum((i - x_mean) * (y - y_mean) for i, y in enumerate(values)) / sum(
+        (i - x_mean) ** 2 for i in range(n)
+    )
+    return slope * (n - 1)
+
+
+def format_only(
+    format_means: Sequence[float],
+    accuracy_means: Sequence[float],
+    window: int,
+    format_rise: float,
+    accuracy_rise: float,
+) -> bool:
+    """Format rewards rose by more than ``format_rise`` over a full window, accuracy by at most
+    ``accuracy_rise``."""
+    if len(format_means) < window or len(accuracy_means) < window:
+        return False
+    return rise(format_means) > format_rise and rise(accuracy_means) <= accuracy_rise
+
+
+def kind_mean(metrics: dict[str, float], names: list[str]) -> float:
+    """Mean of ``reward/<fn>/mean`` over ``names`` (those that applied this step); NaN if none."""
+    values = [metrics.get(f"reward/{name}/mean", math.nan) for name in names]
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+@dataclass
+class Levels:
+    """A series' first ``window`` values (its early-run level) and its last ``window``."""
+
+    early: list[float] = field(default_factory=list)
+    recent: list[float] = field(default_factory=list)
+
+    def add(self, value: float, window: int) -> None:
+        if math.isnan(value):  # a step without the value (no update ran): not a level
+            return
+        if len(self.early) < window:
+            self.early.append(value)
+        self.recent = [*self.recent, value][-window:]
+
+    def collapsed(self, window: int, below: float) -> bool:
+        """The recent mean is under ``below`` times the early one (once the early window is full)."""
+        if len(self.early) < window:
+            return False
+        return sum(self.recent) / len(self.recent) < below * sum(self.early) / len(self.early)
+
+
+def reward_names_of_kind(
+    specs: list[RewardSpec], chosen: list[str] | None, kind: str, key: str
+) -> list[str]:
+    """The run's reward functions of ``kind``: ``chosen`` when the config lists them (each must
+    be one of the run's), else the built-ins registered with that kind."""
+    names = [function_name(spec) for spec in specs]
+    if chosen is None:
+        return [function_name(s) for s in specs if registered_kind(s.name) == kind]
+    unknown = [name for name in chosen if name not in names]
+    if unknown:
+        raise ConfigError(
+            f"{key}: '{unknown[0]}' is not one of the run's reward functions ({', '.join(names)})"
+        )
+    return list(chosen)
+
+
+class HackWatch:
+    """The signals of each step (``observe``) and their warnings; ``state_dict`` /
+    ``load_state_dict`` for checkpoints. Every rank observes the same gathered step, so every
+    rank holds the same state; only the announcing one prints."""
+
+    def __init__(self, config: HackWatchConfig, rewards: list[RewardSpec]) -> None:
+        self.cfg = config
+        key = "train.hack_watch"
+        self.format_names = reward_names_of_kind(
+            rewards, config.format_rewards, "format", f"{key}.format_rewards"
+        )
+        self.accuracy_names = reward_names_of_kind(
+            rewards, config.accuracy_rewards, "accuracy", f"{key}.accuracy_rewards"
+        )
+        self.format: list[float] = []  # the last `window` steps' format and accuracy means
+        self.accuracy: list[float] = []
+        self.length = Levels()
+        self.entropy = Levels()
+        self.raised: set[str] = set()  # signals above their threshold at the last step
+
+    @property
+    def thresholds(self) -> dict[str, float]:
+        """A signal warns when it goes above its threshold (the 0/1 flags: when they turn 1)."""
+        flag = 0.5
+        return {
+            "hack/template_copy": self.cfg.copy_above,
+            "hack/question_restated": self.cfg.restated_above,
+            "hack/format_only": flag,
+            "hack/length_collapse": flag,
+            "hack/entropy_collapse": flag,
+        }
+
+    def observe(
+        self, step: int, scored: Scored, metrics: dict[str, float], announce: bool
+    ) -> dict[str, float]:
+        """The step's ``hack/*`` metrics from its completions and its other ``metrics``."""
+        cfg = self.cfg
+        if not cfg.enabled:
+            return {}
+        window = cfg.window
+        out = {
+            "hack/template_copy": template_copy_share(scored.rollout, cfg.copy_ngram),
+            "hack/question_restated": question_restated_share(scored.rollout),
+        }
+        if self.format_names and self.accuracy_names:
+            pair = kind_mean(metrics, self.format_names), kind_mean(metrics, self.accuracy_names)
+            if not any(math.isnan(v) for v in pair):
+                self.format = [*self.format, pair[0]][-window:]
+                self.accuracy = [*self.accuracy, pair[1]][-window:]
+            flagged = format_only(
+                self.format, self.accuracy, window, cfg.format_rise, cfg.accuracy_rise
+            )
+            out["hack/format_only"] = float(flagged)
+        self.length.add(metrics["completion_len/mean"], window)
+        self.entropy.add(metrics.get("entropy", math.nan), window)
+        out["hack/length_collapse"] = float(self.length.collapsed(window, cfg.collapse_below))
+        out["hack/entropy_collapse"] = float(self.entropy.collapsed(window, cfg.collapse_below))
+        self.warn(step, out, announce)
+        return out
+
+    def warn(self, step: int, values: dict[str, float], announce: bool) -> None:
+        """One line for each signal that went above its threshold at this step."""
+        thresholds = self.thresholds
+        for key, value in values.items():
+            if not value > thresholds[key]:
+                self.raised.discard(key)
+                continue
+            if key in self.raised:
+                continue
+            self.raised.add(key)
+            if announce:
+                said = MESSAGES[key].format(value=value, **self.cfg.model_dump())
+                print(
+                    f"grpo: warning: step {step}: possible reward hacking: {said} ({key}; "
+                    "train.hack_watch, docs/rewards.md#reward-hacking)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": list(self.format),
+            "accuracy": list(self.accuracy),
+            "length": dataclasses.asdict(self.length),
+            "entropy": dataclasses.asdict(self.entropy),
+            "raised": sorted(self.raised),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.format = [float(x) for x in state["format"]]
+        self.accuracy = [float(x) for x in state["accuracy"]]
+        self.length = Levels(**state["length"])
+        self.entropy = Levels(**state["entropy"])
+        self.raised = set(state["raised"])
