@@ -9,7 +9,7 @@ the model parts (``load_model``, ``reference_of``, ``engine_of``) after.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,10 +17,25 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config, ModelConfig, RewardsConfig
-from grpo.data import system_prompt_for, verifier_of
+from grpo.data import (
+    DataError,
+    Rows,
+    heldout_rows,
+    load_dataset_rows,
+    system_prompt_for,
+    verifier_of,
+)
 from grpo.data.prompts import PromptFormat, prompt_format_for
-from grpo.models import Reference, load_policy, load_tokenizer, resolve_model_path
+from grpo.models import (
+    Reference,
+    load_policy,
+    load_tokenizer,
+    prepare_policy,
+    prepare_tokenizer,
+    resolve_model_path,
+)
 from grpo.rewards import RewardError, RewardRunner
+from grpo.rewards.registry import RewardFn
 from grpo.rollout import RolloutEngine
 from grpo.rollout.turns import MultiTurnEngine, chat_tools
 from grpo.runtime.host_memory import bound_kernel_caches
@@ -56,6 +71,35 @@ def prepare_process(config: Config) -> None:
         torch.set_num_threads(config.train.threads)
 
 
+@dataclass
+class Given:
+    """Parts a caller already holds (``grpo.train(rewards=..., dataset=..., model=...)``, see
+    ``grpo.training.given``); None: built from the config."""
+
+    rewards: dict[str, RewardFn] = field(default_factory=dict)  # spec name -> callable
+    rows: Rows | None = None
+    eval_rows: Rows | None = None
+    model: nn.Module | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
+
+
+def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, Any]]]:
+    """The rows a run trains on and its held-out rows (none without ``train.eval_every``): the
+    given ones, else those the config names."""
+    train = config.train
+    rows = given.rows if given.rows is not None else load_dataset_rows(config.data, train.seed)
+    if config.rollout.tools and any("turns" in row for row in rows):
+        raise DataError(
+            f"{config.data.path or config.data.task or 'dataset'}: column 'turns' has the name "
+            "of the argument rewards get a tool rollout's turns in; rename it"
+        )
+    if not train.eval_every:
+        return rows, []
+    if given.eval_rows is not None:
+        return rows, given.eval_rows[: train.eval_examples]
+    return rows, heldout_rows(config.data, train.seed, train.eval_examples)
+
+
 def prompt_format(config: Config) -> PromptFormat:
     """How a row becomes the text the model continues (template, system prompt, tools)."""
     return prompt_format_for(
@@ -63,9 +107,14 @@ def prompt_format(config: Config) -> PromptFormat:
     )
 
 
-def reward_runner(config: Config, rows: list[dict[str, Any]] | None = None) -> RewardRunner:
-    """The recipe's reward functions, checked against the columns of ``rows`` when given."""
-    rewards = RewardRunner(config.rewards)
+def reward_runner(
+    config: Config,
+    rows: list[dict[str, Any]] | None = None,
+    given: dict[str, RewardFn] | None = None,
+) -> RewardRunner:
+    """The recipe's reward functions (``given``: callables the caller holds, by spec name),
+    checked against the columns of ``rows`` when given."""
+    rewards = RewardRunner(config.rewards, given)
     if rows is not None:
         try:
             rewards.check_columns(rows)
@@ -97,6 +146,22 @@ def load_model(
     fmt.check(tokenizer, rows)
     policy = load_policy(model, path)
     return tokenizer, policy if device is None else policy.to(device)
+
+
+def given_model(
+    model: ModelConfig,
+    policy: nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    fmt: PromptFormat,
+    rows: list[dict[str, Any]],
+    device: torch.device,
+) -> tuple[PreTrainedTokenizerBase, nn.Module]:
+    """``load_model`` for a model the caller loaded (its tokenizer: given, or from its folder)."""
+    tokenizer = (
+        load_tokenizer(policy.name_or_path) if tokenizer is None else prepare_tokenizer(tokenizer)
+    )
+    fmt.check(tokenizer, rows)
+    return tokenizer, prepare_policy(policy, model).to(device)
 
 
 def reference_of(config: Config, policy: nn.Module) -> Reference | None:

@@ -338,6 +338,11 @@ def _loading(path: str) -> Iterator[None]:
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     with _loading(path):
         tokenizer = AutoTokenizer.from_pretrained(path)
+    return prepare_tokenizer(tokenizer)
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Left padding (prompts end where generation starts), and a pad token (EOS when none)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -349,6 +354,11 @@ def load_policy(config: ModelConfig, path: str) -> nn.Module:
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     with _loading(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return prepare_policy(model, config)
+
+
+def prepare_policy(model: nn.Module, config: ModelConfig) -> nn.Module:
+    """A loaded model made the policy ``model.*`` asks for (also one a caller loaded itself)."""
     use_prefix_attention(model)  # packed groups skip their masked-out attention (SDPA otherwise)
     if config.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x

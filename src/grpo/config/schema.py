@@ -343,8 +343,6 @@ class Config(Section):
     def _check_combinations(self) -> Config:
         if not self.rewards.functions:
             raise ValueError("rewards.functions: at least one reward function is needed")
-        if self.data.path is None and self.data.task is None:
-            raise ValueError("data: set either data.task or data.path")
         if self.train.distributed == "fsdp" and self.model.lora.enabled:
             raise ValueError("train.distributed=fsdp does not shard LoRA runs: use ddp")
         if self.model.disable_dropout and self.model.lora.enabled and self.model.lora.dropout:

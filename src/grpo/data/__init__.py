@@ -226,6 +226,8 @@ def normalise_rows(
 def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -> Rows:
     """The rows a run trains (or evaluates) on."""
     split = split or config.split
+    if config.path is None and config.task is None:
+        raise DataError("data: set either data.task or data.path")
     if config.path is not None:
         rows = read_rows(config.path, split)
         source = config.path

@@ -81,16 +81,24 @@ class RewardRunner:
     function is printed with its traceback or reason.
     """
 
-    def __init__(self, config: RewardsConfig) -> None:
+    def __init__(self, config: RewardsConfig, given: dict[str, RewardFn] | None = None) -> None:
+        """``given``: spec name -> a callable the caller holds, run in this process."""
+        given = given or {}
         self.config = config
         self.names = [function_name(spec) for spec in config.functions]
         if len(set(self.names)) != len(self.names):
             raise RewardError(f"rewards.functions: duplicate names in {self.names}")
         self.weights = torch.tensor([spec.weight for spec in config.functions], dtype=torch.float32)
         load_builtins()
-        user = [k for k, spec in enumerate(config.functions) if spec.name not in REGISTRY]
+        user = [
+            k
+            for k, spec in enumerate(config.functions)
+            if spec.name not in REGISTRY and spec.name not in given
+        ]
         self.builtins = {
-            k: resolve_reward(spec) for k, spec in enumerate(config.functions) if k not in user
+            k: given[spec.name] if spec.name in given else resolve_reward(spec)
+            for k, spec in enumerate(config.functions)
+            if k not in user
         }
         for k in user:
             if ":" not in config.functions[k].name:

@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo.build import Given
 from grpo.config import Config, ConfigError
 from grpo.config.diff import config_changes, describe_changes, flatten
-from grpo.runs.directory import Checkpoint, RunDir, RunDirError
+from grpo.runs.directory import Checkpoint, RunDir, RunDirError, model_digest, rows_digest
+from grpo.training.given import fingerprints as given_fingerprints
+from grpo.training.given import weights_digest
 
 # Keys that may change between a checkpoint and its resume: they change neither the math nor the
 # order of the data (every train.* key except the seed, and pure memory/speed knobs).
@@ -28,7 +31,27 @@ FREE_KEYS = {
 FIXED_KEYS = {"model.name", "model.lora.enabled", "model.lora.r", "model.lora.target_modules"}
 
 # what a run's checkpoints fingerprint besides its config, and how a change is named
-INPUTS = {"data": "the data's rows", "model": "the model folder's files"}
+INPUTS = {
+    "data": "the data's rows",
+    "model": "the model's weights",
+    "rewards": "the reward callables' source",
+    "tokenizer": "the tokenizer's vocabulary or chat template",
+}
+
+
+def fingerprints(
+    config: Config, rows: list[dict[str, Any]], model_path: str | None, given: Given
+) -> dict[str, Any]:
+    """What a checkpoint records of a run's inputs (``INPUTS``): a task's rows follow from the
+    config, which is compared anyway, but a file or a given dataset can change; a model folder
+    by its files, a given model by its weights; given callables and tokenizer (``given``)."""
+    model = weights_digest(given.model) if given.model is not None else model_digest(model_path)
+    data = config.data.path is not None or given.rows is not None
+    return {
+        "data": rows_digest(rows) if data else None,
+        "model": model,
+        **given_fingerprints(given),
+    }
 
 
 def input_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

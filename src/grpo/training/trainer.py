@@ -14,20 +14,22 @@ from __future__ import annotations
 import random
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedTokenizerBase
 
 from grpo import algorithm, build
-from grpo.config import Config, ConfigError, dump_config
+from grpo.config import Config, ConfigError, dump_config, load_config
 from grpo.containers import Scored
-from grpo.data import DataError, heldout_rows, load_dataset_rows
 from grpo.eval import evaluate, settings_for
 from grpo.models import bf16_autocast, resolve_model_path
 from grpo.rewards import ErrorWatch
 from grpo.rollout import RolloutEngine
-from grpo.runs.directory import RunDir, RunDirError, is_disk_full, model_digest, rows_digest
+from grpo.runs.directory import RunDir, RunDirError, is_disk_full
 from grpo.runs.metrics import MetricsLogger, ProgressBar
 from grpo.runtime import distributed
 from grpo.runtime.host_memory import set_malloc_policy
@@ -36,12 +38,13 @@ from grpo.scoring.logprobs import completion_logprobs, scoring_path
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
 from grpo.training.gather import gather_scored
+from grpo.training.given import Given, RewardItem, given_parts
 from grpo.training.hack_watch import HackWatch
 from grpo.training.micro_batches import MicroBatch, micro_batches, scatter_rows
 from grpo.training.optimizer import build_optimizer, clip_and_step
 from grpo.training.producer import Producer
 from grpo.training.prompt_selection import rank_groups
-from grpo.training.resume import ResumePlan, open_run, plan_resume
+from grpo.training.resume import ResumePlan, fingerprints, open_run, plan_resume
 from grpo.training.signals import StopSignals, TrainingStopped
 from grpo.training.step_metrics import completion_records, sampling_metrics, step_metrics
 from grpo.training.update_stats import UpdateStats
@@ -50,7 +53,9 @@ from grpo.training.update_stats import UpdateStats
 class Trainer:
     """Builds everything from a Config (validating before writing anything), then trains."""
 
-    def __init__(self, config: Config, engine: RolloutEngine | None = None) -> None:
+    def __init__(
+        self, config: Config, engine: RolloutEngine | None = None, given: Given | None = None
+    ) -> None:
         set_malloc_policy(config.train.malloc)  # see grpo/runtime/host_memory.py
         build.prepare_process(config)
         self.config = config
@@ -65,31 +70,18 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         random.seed(config.train.seed)
         # everything that can fail on bad input happens before the run directory is touched
-        self.rows = load_dataset_rows(config.data, config.train.seed)
-        if config.rollout.tools and any("turns" in row for row in self.rows):
-            raise DataError(
-                f"{config.data.path or config.data.task}: column 'turns' has the name of the "
-                "argument rewards get a tool rollout's turns in; rename it"
-            )
+        self.given = given or Given()
+        self.rows, self.eval_rows = build.training_rows(config, self.given)
         self.prompt_format = build.prompt_format(config)
-        self.eval_rows = (
-            heldout_rows(config.data, config.train.seed, config.train.eval_examples)
-            if config.train.eval_every
-            else []
-        )
         self.hack_watch = HackWatch(config.train.hack_watch, config.rewards.functions)
-        self.rewards = build.reward_runner(config, self.rows)
+        self.rewards = build.reward_runner(config, self.rows, self.given.rewards)
         self.verifier = build.verifier_runner(config) if config.train.eval_every else None
         self.reward_errors = ErrorWatch(
             config.rewards.max_error_frac, config.rewards.error_patience
         )
-        model_path = resolve_model_path(config.model.name)
+        model_path = None if self.given.model else resolve_model_path(config.model.name)
         # what checkpoints fingerprint, so a resume sees inputs changed under the same names
-        self.inputs = {
-            # a task's rows follow from the config, which is compared anyway; a file can change
-            "data": rows_digest(self.rows) if config.data.path is not None else None,
-            "model": model_digest(model_path),
-        }
+        self.inputs = fingerprints(config, self.rows, model_path, self.given)
         # the run directory is locked, and a resume checked, before the model loads
         self.run = RunDir(config.run_dir)
         self.bars = TransformersBars(config.train.progress)  # until train() ends
@@ -107,10 +99,13 @@ class Trainer:
         self.run.claim()
         return plan_resume(self.run, self.config, self.dist.world_size, self.inputs)
 
-    def _build(self, model_path: str, engine: RolloutEngine | None) -> None:
-        config = self.config
-        self.tokenizer, self.policy = build.load_model(
-            config.model, model_path, self.prompt_format, self.rows, self.dist.device
+    def _build(self, model_path: str | None, engine: RolloutEngine | None) -> None:
+        config, given, device = self.config, self.given, self.dist.device
+        fmt, rows = self.prompt_format, self.rows
+        self.tokenizer, self.policy = (
+            build.given_model(config.model, given.model, given.tokenizer, fmt, rows, device)
+            if given.model is not None
+            else build.load_model(config.model, model_path, fmt, rows, device)
         )
         self.policy.train()
         self.reference = build.reference_of(config, self.policy)
@@ -420,12 +415,28 @@ class Trainer:
         return metrics
 
 
-def train(config: Config, engine: RolloutEngine | None = None) -> Path:
-    """Train with ``config``; returns the run directory.
+def train(
+    config: Config | str | None = None,
+    engine: RolloutEngine | None = None,
+    *,
+    rewards: Sequence[RewardItem] | None = None,
+    dataset: Any = None,
+    eval_dataset: Any = None,
+    model: nn.Module | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Path:
+    """Train with ``config`` (a Config, a recipe's path, or None: the default recipe); returns
+    the run directory.
 
-    Under ``torchrun`` every process calls this; the process group is closed at the end.
+    ``rewards`` (callables, reward names or specs), ``dataset`` and ``eval_dataset``
+    (``datasets.Dataset`` or lists of dicts), ``model`` and ``tokenizer`` replace what the
+    config names (``grpo.training.given``). Under ``torchrun`` every process calls this; the
+    process group is closed at the end.
     """
+    if not isinstance(config, Config):
+        config = load_config(config)
+    config, given = given_parts(config, rewards, dataset, eval_dataset, model, tokenizer)
     try:
-        return Trainer(config, engine).train()
+        return Trainer(config, engine, given).train()
     finally:
         distributed.shutdown()

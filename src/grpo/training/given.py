@@ -1,0 +1,161 @@
+"""Parts a caller already holds: reward callables, a dataset, a model and its tokenizer, as a TRL
+user passes them (``GRPOTrainer(model=..., reward_funcs=[fn], train_dataset=ds)``).
+
+``grpo.train(config, rewards=[fn], dataset=ds, model=m, tokenizer=t)`` turns them into a
+``Given`` and a config that records them: each callable becomes the reward spec
+``module:qualname`` (its metrics are ``reward/<name>/...``), a dataset sets ``data.task`` to
+none, a model sets ``model.name`` and ``model.dtype`` to its own. Resume fingerprints cover them
+(``fingerprints``): a callable by its qualified name and source, a dataset by its rows, a model
+by its weights, a tokenizer by its vocabulary and chat template, so a changed part under the same
+name is refused, never resumed silently.
+
+Callables run in the trainer's process, once per step with every completion (as TRL calls
+them), on the reward threads: a timeout cannot kill them and no memory ceiling applies. For
+that isolation, name a function as ``module:function`` in ``rewards.functions`` instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from grpo.build import Given
+from grpo.config import Config, ConfigError, RewardSpec, build_config
+from grpo.data import DataError, Rows, normalise_rows
+from grpo.rewards.registry import RewardFn
+
+RewardItem = Callable[..., Sequence[float | None]] | str | dict[str, Any] | RewardSpec
+
+
+class _Batched:
+    """A caller's reward callable, called once with every completion of a step."""
+
+    batched = True
+
+    def __init__(self, fn: Callable[..., Sequence[float | None]]) -> None:
+        self.fn = fn
+
+    def __call__(self, completions: list[str], **columns: Any) -> list[float | None]:
+        return list(self.fn(completions=completions, **columns))
+
+
+def spec_name(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` of a callable (a callable object: of its class)."""
+    owner = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    return f"{owner.__module__}:{owner.__qualname__}"
+
+
+def source_digest(fn: Callable[..., Any]) -> str:
+    """A fingerprint of a callable's code: its source, else (defined where no source is kept)
+    its compiled code and constants."""
+    owner = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    try:
+        text = inspect.getsource(owner).encode()
+    except (OSError, TypeError):
+        code = getattr(fn, "__code__", None)
+        text = repr((code.co_code, code.co_consts)).encode() if code else repr(fn).encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A fingerprint of a model's weights: every tensor's name, shape and bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    text = repr((vocab, tokenizer.chat_template, tokenizer.all_special_tokens))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _rows_of(dataset: Any, config: Config, name: str) -> Rows:
+    if hasattr(dataset, "to_list"):  # a datasets.Dataset
+        dataset = dataset.to_list()
+    if not isinstance(dataset, list) or not all(isinstance(r, dict) for r in dataset):
+        raise DataError(
+            f"{name}: a datasets.Dataset or a list of dicts, got {type(dataset).__name__}"
+        )
+    data = config.data
+    rows = normalise_rows(dataset, data.prompt_field, data.answer_field, name)
+    if data.num_examples is not None and name == "dataset":
+        for kept in (rows, rows.sources, rows.numbers):
+            del kept[data.num_examples :]
+    return rows
+
+
+def _reward_spec(item: RewardItem) -> tuple[RewardSpec, RewardFn | None]:
+    if isinstance(item, RewardSpec):
+        return item, None
+    if isinstance(item, str):
+        return RewardSpec(name=item), None
+    if isinstance(item, dict):
+        return RewardSpec.model_validate(item), None
+    if callable(item):
+        return RewardSpec(name=spec_name(item)), _Batched(item)
+    raise ConfigError(f"rewards: a callable, a reward name or a spec, got {type(item).__name__}")
+
+
+def given_parts(
+    config: Config,
+    rewards: Sequence[RewardItem] | None = None,
+    dataset: Any = None,
+    eval_dataset: Any = None,
+    model: nn.Module | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> tuple[Config, Given]:
+    """The config that records the given parts, and the parts (see the module docstring)."""
+    tree = config.model_dump(mode="json")
+    given = Given(model=model, tokenizer=tokenizer)
+    if rewards is not None:
+        specs = []
+        for item in rewards:
+            spec, fn = _reward_spec(item)
+            specs.append(spec.model_dump())
+            if fn is not None:
+                given.rewards[spec.name] = fn
+        tree["rewards"]["functions"] = specs
+    if dataset is not None:
+        tree["data"].update(task=None, path=None)
+    if model is not None:
+        dtypes = {p.dtype for p in model.parameters()}
+        names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in names:
+            raise ConfigError(
+                f"model: float32 or bfloat16 weights only, got {sorted(map(str, dtypes))}"
+            )
+        tree["model"].update(
+            name=getattr(model, "name_or_path", "") or type(model).__name__,
+            dtype=names[next(iter(dtypes))],
+        )
+    config = build_config(tree)
+    if dataset is not None:
+        given.rows = _rows_of(dataset, config, "dataset")
+    if eval_dataset is not None:
+        given.eval_rows = _rows_of(eval_dataset, config, "eval_dataset")
+    held_out = given.eval_rows is not None or config.data.eval_path is not None
+    if given.rows is not None and config.train.eval_every and not held_out:
+        raise DataError(
+            "train.eval_every needs held-out rows: pass eval_dataset=..., set "
+            "data.eval_path, or train.eval_every=0"
+        )
+    if model is not None and tokenizer is None and not getattr(model, "name_or_path", ""):
+        raise ConfigError("model: pass its tokenizer too (tokenizer=...)")
+    return config, given
+
+
+def fingerprints(given: Given) -> dict[str, Any]:
+    """What a checkpoint records of the given parts, to refuse a resume where one changed."""
+    return {
+        "rewards": {name: source_digest(fn.fn) for name, fn in given.rewards.items()} or None,
+        "tokenizer": None if given.tokenizer is None else tokenizer_digest(given.tokenizer),
+    }
