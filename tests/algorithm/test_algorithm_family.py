@@ -11,11 +11,11 @@ import yaml
 from grpo.algorithm import (
     Normalizer,
     group_advantages,
+    importance_weights,
     logprob_mismatch,
     policy_loss,
     soft_update_,
     top_entropy_mask,
-    truncated_importance_weights,
     zero_std_groups,
 )
 from grpo.config import AlgorithmConfig, Config, ConfigError, build_config, dump_config
@@ -174,8 +174,10 @@ def test_truncated_importance_weights_and_cap() -> None:
     # trainer p = 0.5 vs sampler 0.25 -> ratio 2 capped at 1.5; 0.9 vs 0.9 -> 1; 0.2 vs 0.4 -> 0.5
     old = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))
     sampler = torch.log(torch.tensor([[0.25, 0.9, 0.4]]))
-    weights = truncated_importance_weights(old, sampler, cap=1.5)
+    weights, stats = importance_weights(old, sampler, torch.ones(1, 3, dtype=torch.bool), cap=1.5)
     assert torch.allclose(weights, torch.tensor([[1.5, 1.0, 0.5]]), atol=1e-6)
+    assert float(stats["truncated_frac"]) == pytest.approx(1 / 3, abs=1e-6)  # the 2 only
+    assert float(stats["masked_frac"]) == 0
 
 
 def test_importance_weights_scale_the_surrogate() -> None:
