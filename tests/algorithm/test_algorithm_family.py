@@ -88,6 +88,31 @@ def test_ref_refresh_without_a_reference_is_an_error() -> None:
         build_config({"algorithm": {"preset": "dapo", "ref_update_every": 5}})
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "message"),
+    [
+        ({"loss_type": "sapo", "dual_clip": 2.0}, "dual_clip bounds the clipped surrogate"),
+        ({"loss_type": "cispo", "dual_clip": 2.0}, "loss_type=cispo has none"),
+        ({"tis_cap": 2.0, "tis_low": 0.5}, "tis_low needs tis_mode=mask"),
+        ({"tis_mode": "mask"}, "tis_mode=mask tis_level=token needs a bound"),
+        ({"tis_level": "sequence"}, "tis_level=sequence needs a bound"),
+    ],
+)
+def test_loss_and_correction_combinations_that_would_do_nothing_are_errors(
+    algorithm: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_config({"algorithm": algorithm})
+
+
+def test_tis_cap_alone_is_token_level_truncation() -> None:
+    # the field as it always was: min(pi_old / pi_sampler, cap) per token
+    algo = build_config({"algorithm": {"tis_cap": 2.0}}).algorithm
+    assert (algo.tis_level, algo.tis_mode, algo.tis_low) == ("token", "truncate", None)
+    masked = build_config({"algorithm": {"tis_low": 0.5, "tis_mode": "mask"}}).algorithm
+    assert masked.tis_cap is None  # a lower bound alone is a correction too
+
+
 def test_soft_mixing_with_lora_is_an_error() -> None:
     with pytest.raises(ConfigError, match="ref_mix_alpha < 1 needs full weights"):
         build_config(
