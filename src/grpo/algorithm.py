@@ -184,13 +184,13 @@ class SurrogateKnobs:
     sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A <= 0.
     """
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    cispo_clip_low: float | None = None
-    cispo_clip_high: float = 4.0
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    cispo_clip_low: float | None
+    cispo_clip_high: float
+    sapo_tau_pos: float
+    sapo_tau_neg: float
 
 
 Surrogate = Callable[[Tensor, Tensor, Tensor, SurrogateKnobs], tuple[Tensor, dict[str, Tensor]]]
