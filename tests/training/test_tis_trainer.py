@@ -116,8 +116,8 @@ def test_sequence_masking_and_offpolicy_masking_reach_the_loss(tiny_config, monk
         optim={"micro_batch_size": 8},
     )
     trainer = Trainer(config)
-    trainer.engine = OtherPolicySampler(trainer.policy, trainer.tokenizer, config.rollout)
-    scored = trainer.score(trainer.rollout())
+    trainer.producer.engine = OtherPolicySampler(trainer.policy, trainer.tokenizer, config.rollout)
+    scored = trainer.producer.score(trainer.producer.rollout())
     seen = []
     original_loss = algorithm.policy_loss
 
