@@ -10,8 +10,12 @@ Implemented (names follow the papers):
   advantages (Ye et al., 2020), token or sequence-level ratios (GSPO), and optional per-token
   importance weights for off-policy rollouts (truncated importance sampling);
 - the loss aggregations ``grpo``, ``bnpo``, ``dapo`` and ``dr_grpo`` as small functions in a dict;
-- the stability controls: zero-variance group detection (DAPO's dynamic sampling), truncated
-  importance weights against the sampler's log-probs (Yao et al., 2025) and the log-prob mismatch,
+- the per-token surrogates ``clip`` (above), ``cispo`` (MiniMax-M1's clipped, stop-gradient
+  importance weight on ``log pi``) and ``sapo`` (SAPO's soft sigmoid gate), each loss_type
+  pairing one with an aggregation;
+- the stability controls: zero-variance group detection (DAPO's dynamic sampling), importance
+  weights against the sampler's log-probs (truncated or masked, per token or per sequence; Yao
+  et al., 2025), off-policy sequence masking (DeepSeek-V3.2) and the log-prob mismatch,
   the high-entropy token mask (Wang et al., 2025, "Beyond the 80/20 rule"), and the soft parameter
   update used to refresh the reference policy.
 
@@ -167,6 +171,85 @@ LOG_RATIOS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
     "sequence": _sequence_log_ratio,
 }
 
+# --------------------------------------------------------------------------------------- surrogates
+
+
+@dataclass(frozen=True)
+class SurrogateKnobs:
+    """The knobs of the per-token surrogates; each surrogate reads only its own.
+
+    clip_low, clip_high, dual_clip: the clipped surrogate (PPO, DAPO's asymmetric range).
+    cispo_clip_low, cispo_clip_high: CISPO's weight range ``[1 - low, 1 + high]``; low None
+    is no lower bound (the paper's choice).
+    sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A <= 0.
+    """
+
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    cispo_clip_low: float | None
+    cispo_clip_high: float
+    sapo_tau_pos: float
+    sapo_tau_neg: float
+
+
+Surrogate = Callable[[Tensor, Tensor, Tensor, SurrogateKnobs], tuple[Tensor, dict[str, Tensor]]]
+
+
+def _clipped_surrogate(
+    ratio: Tensor, logp: Tensor, adv: Tensor, k: SurrogateKnobs
+) -> tuple[Tensor, dict[str, Tensor]]:
+    # -min(rho*A, clip(rho, 1-low, 1+high)*A); ratio, logp: [N, T], adv: [N, 1]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - k.clip_low, 1 + k.clip_high) * adv
+    per_token = -torch.min(unclipped, clipped)  # [N, T]
+    if k.dual_clip is not None:
+        # for A < 0 the surrogate is unbounded as ratio grows; cap the loss at -dual_clip * A
+        per_token = torch.where(adv < 0, torch.min(per_token, -k.dual_clip * adv), per_token)
+    # the tokens whose gradient the clip removed
+    low = (ratio < 1 - k.clip_low) & (adv < 0)
+    high = (ratio > 1 + k.clip_high) & (adv > 0)
+    return per_token, {"clip_frac/low": low, "clip_frac/high": high}
+
+
+def _cispo_surrogate(
+    ratio: Tensor, logp: Tensor, adv: Tensor, k: SurrogateKnobs
+) -> tuple[Tensor, dict[str, Tensor]]:
+    # MiniMax-M1: -sg(clip(rho, 1-low, 1+high)) * A * logp. The weight is a constant, so every
+    # token keeps a gradient (-weight * A * grad logp); the clip only bounds its size
+    low = 0.0 if k.cispo_clip_low is None else 1 - k.cispo_clip_low
+    high = 1 + k.cispo_clip_high
+    weight = ratio.detach().clamp(min=low, max=high)  # [N, T]
+    return -weight * adv * logp, {"clip_frac/low": ratio < low, "clip_frac/high": ratio > high}
+
+
+def _sapo_surrogate(
+    ratio: Tensor, logp: Tensor, adv: Tensor, k: SurrogateKnobs
+) -> tuple[Tensor, dict[str, Tensor]]:
+    # SAPO: -f(rho) * A with the gate f(x) = sigmoid(tau * (x - 1)) * 4 / tau; its slope
+    # 4 * s * (1 - s) is 1 at rho = 1 (the plain policy gradient on-policy) and fades smoothly
+    # as rho leaves 1, faster for a hotter tau (tau_neg for A <= 0)
+    tau = torch.where(adv > 0, k.sapo_tau_pos, k.sapo_tau_neg)  # [N, 1]
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # [N, T]
+    return -gate * adv, {}
+
+
+SURROGATES: dict[str, Surrogate] = {
+    "clip": _clipped_surrogate,
+    "cispo": _cispo_surrogate,
+    "sapo": _sapo_surrogate,
+}
+
+# loss_type -> (per-token surrogate, aggregation): each paper's pair
+LOSS_TYPES: dict[str, tuple[str, str]] = {
+    "grpo": ("clip", "grpo"),
+    "bnpo": ("clip", "bnpo"),
+    "dapo": ("clip", "dapo"),
+    "dr_grpo": ("clip", "dr_grpo"),
+    "cispo": ("cispo", "dapo"),  # MiniMax-M1 divides by the tokens of the whole batch
+    "sapo": ("sapo", "grpo"),  # SAPO: 1/G sum_i 1/|o_i| sum_t
+}
+
 # --------------------------------------------------------------------------------------- loss
 
 
@@ -188,24 +271,40 @@ def policy_loss(
     ratio_level: str = "token",
     kl_estimator: str = "k3",
     dual_clip: float | None = None,
+    cispo_clip_low: float | None = None,
+    cispo_clip_high: float = 4.0,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
     importance_weights: Tensor | None = None,
     normalizer: Normalizer | None = None,
     pg_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss with an optional in-loss KL penalty.
+    """Policy-gradient loss (a per-token surrogate) with an optional in-loss KL penalty.
 
     logp, old_logp, ref_logp: [N, T] log-probs of the sampled tokens under the current, the
     sampling-time and the reference policy. advantages: [N]. loss_mask: [N, T] bool.
-    importance_weights: [N, T] detached per-token weights (truncated importance sampling).
+    importance_weights: [N, T] detached per-token weights (the sampler/trainer correction,
+    ``importance_weights`` and ``offpolicy_sequence_mask``), multiplying the surrogate.
     normalizer: step-wide counts; by default the batch given is the whole step and its length
     T is ``dr_grpo``'s budget (pass ``max_new_tokens`` when completions were cut shorter).
     pg_mask: [N, T] bool, tokens whose surrogate term counts (the high-entropy filter); the KL
     term and the aggregation's token counts still use ``loss_mask``, so filtered tokens count as
     zeros, as in the paper's objective.
 
-    Per token: ``-min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A) + beta*KL``, aggregated by
-    ``AGGREGATIONS[loss_type]``. Returns the loss and detached statistics over counted tokens.
+    ``LOSS_TYPES[loss_type]`` names the surrogate and the aggregation. Per token, before
+    ``+ beta*KL``: ``clip`` ``-min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)``; ``cispo``
+    ``-sg(clip(rho, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logp``; ``sapo``
+    ``-sigmoid(tau*(rho-1)) * 4/tau * A`` (tau = sapo_tau_pos if A > 0 else sapo_tau_neg).
+    Returns the loss and detached statistics over counted tokens.
     """
+    surrogate, aggregation = LOSS_TYPES[loss_type]
+    if dual_clip is not None and surrogate != "clip":
+        raise ValueError(
+            f"dual_clip bounds the clipped surrogate; loss_type={loss_type!r} has none"
+        )
+    knobs = SurrogateKnobs(
+        clip_low, clip_high, dual_clip, cispo_clip_low, cispo_clip_high, sapo_tau_pos, sapo_tau_neg
+    )
     mask = loss_mask.to(logp.dtype)
     # masked positions may hold anything (even inf); zero them so they reach neither value nor grad
     keep = loss_mask.bool()
@@ -219,12 +318,7 @@ def policy_loss(
     log_ratio = LOG_RATIOS[ratio_level](logp, old_logp, mask)  # [N, T]
     ratio = torch.exp(log_ratio)  # [N, T]
     adv = advantages.unsqueeze(1)  # [N, 1]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
-    per_token = -torch.min(unclipped, clipped)  # [N, T]
-    if dual_clip is not None:
-        # for A < 0 the surrogate is unbounded as ratio grows; cap the loss at -dual_clip * A
-        per_token = torch.where(adv < 0, torch.min(per_token, -dual_clip * adv), per_token)
+    per_token, flags = SURROGATES[surrogate](ratio, logp, adv, knobs)  # [N, T]
     if importance_weights is not None:
         per_token = per_token * importance_weights
     if pg_mask is not None:
@@ -237,19 +331,16 @@ def policy_loss(
         if beta:
             per_token = per_token + beta * kl
 
-    loss = AGGREGATIONS[loss_type](per_token, mask, normalizer)
+    loss = AGGREGATIONS[aggregation](per_token, mask, normalizer)
 
     with torch.no_grad():
-        low = (ratio < 1 - clip_low) & (adv < 0) & keep
-        high = (ratio > 1 + clip_high) & (adv > 0) & keep
         counted = ratio[keep] if keep.any() else torch.ones(1, dtype=ratio.dtype)
         stats = {
-            "clip_frac/low": masked_mean(low.to(mask.dtype), mask),
-            "clip_frac/high": masked_mean(high.to(mask.dtype), mask),
-            "ratio/min": counted.min(),
-            "ratio/mean": counted.mean(),
-            "ratio/max": counted.max(),
+            key: masked_mean((flag & keep).to(mask.dtype), mask) for key, flag in flags.items()
         }
+        stats.update(
+            {"ratio/min": counted.min(), "ratio/mean": counted.mean(), "ratio/max": counted.max()}
+        )
         if kl is not None:
             stats["kl"] = masked_mean(kl, mask)
     return loss, {k: v.detach() for k, v in stats.items()}
@@ -258,15 +349,66 @@ def policy_loss(
 # --------------------------------------------------------------------------------------- off-policy
 
 
-def truncated_importance_weights(old_logp: Tensor, sampler_logp: Tensor, cap: float) -> Tensor:
-    """Truncated importance sampling (TIS): ``min(pi_old / pi_sampler, cap)`` per token.
+def importance_weights(
+    old_logp: Tensor,
+    sampler_logp: Tensor,
+    loss_mask: Tensor,
+    *,
+    cap: float | None,
+    low: float | None = None,
+    level: str = "token",
+    mode: str = "truncate",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Importance weights ``w = pi_old / pi_sampler`` for the sampler/trainer mismatch.
 
-    old_logp: [N, T] the trainer's log-probs of the sampled tokens under the weights that sampled
-    them; sampler_logp: [N, T] the sampling engine's own log-probs. Returns detached [N, T]
-    weights; only the upper side is truncated (a small weight never explodes the gradient).
+    old_logp: [N, T] the trainer's log-probs of the sampled tokens under the weights that
+    sampled them; sampler_logp: [N, T] the sampling engine's own; loss_mask: [N, T] bool.
+    level "token": one weight per token; "sequence": ``exp(mean_t(old - sampler))`` over the
+    completion's counted tokens, shared by all of them.
+    mode "truncate" (TIS, Yao et al. 2025): ``min(w, cap)``, only the upper side (a small
+    weight never explodes the gradient); "mask" (MIS): ``w`` where ``low <= w <= cap``, else 0
+    (the token or sequence leaves the policy-gradient term). ``cap`` or ``low`` None: no bound.
+    Returns detached [N, T] weights and the shares of counted tokens truncated and masked.
     """
-    log_ratio = (old_logp - sampler_logp).detach()  # [N, T]
-    return torch.exp(log_ratio).clamp(max=cap)
+    mask = loss_mask.to(old_logp.dtype)
+    keep = loss_mask.bool()
+    # masked positions may hold anything (even inf): zeroed, they reach no sequence mean
+    old_logp = torch.where(keep, old_logp, torch.zeros_like(old_logp)).detach()
+    sampler_logp = torch.where(keep, sampler_logp, torch.zeros_like(sampler_logp))
+    weights = torch.exp(LOG_RATIOS[level](old_logp, sampler_logp, mask))  # [N, T]
+    above = weights > cap if cap is not None else torch.zeros_like(keep)
+    below = weights < low if low is not None else torch.zeros_like(keep)
+    if mode == "truncate":
+        if low is not None:
+            raise ValueError("importance_weights: a lower bound only masks (mode='mask')")
+        truncated, masked = above, torch.zeros_like(keep)
+        weights = weights.clamp(max=cap) if cap is not None else weights
+    elif mode == "mask":
+        truncated, masked = torch.zeros_like(keep), above | below
+        weights = torch.where(masked, torch.zeros_like(weights), weights)
+    else:
+        raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
+    stats = {
+        "truncated_frac": masked_mean((truncated & keep).to(mask.dtype), mask),
+        "masked_frac": masked_mean((masked & keep).to(mask.dtype), mask),
+    }
+    return weights, stats
+
+
+def offpolicy_sequence_mask(
+    logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, loss_mask: Tensor, delta: float
+) -> Tensor:
+    """Off-policy sequence masking (DeepSeek-V3.2): which completions keep their surrogate.
+
+    A completion with A < 0 is dropped when ``mean_t(behaviour_logp - logp) > delta`` over its
+    counted tokens: the sampled-token estimate of KL(behaviour || current), so a negative
+    sample the policy has already moved far from no longer pushes it. logp, behaviour_logp:
+    [N, T]; advantages: [N]; loss_mask: [N, T] bool. Returns [N] bool, True where kept.
+    """
+    mask = loss_mask.to(logp.dtype)
+    gap = torch.where(loss_mask.bool(), behaviour_logp - logp.detach(), torch.zeros_like(logp))
+    divergence = (gap * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
+    return ~((advantages < 0) & (divergence > delta))
 
 
 def logprob_mismatch(

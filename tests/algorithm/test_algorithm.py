@@ -187,7 +187,7 @@ def test_gradient_is_minus_advantage_over_length_and_group() -> None:
     assert torch.allclose(logp.grad, expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"])
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
 def test_masked_positions_change_neither_loss_nor_gradient(
     loss_type: str, ratio_level: str
@@ -222,7 +222,7 @@ def test_masked_positions_change_neither_loss_nor_gradient(
         assert torch.equal(grad[~MASK], torch.zeros(1))
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"])
 def test_micro_batches_sum_to_the_full_batch(loss_type: str) -> None:
     # gradient accumulation: the normalizer makes micro-batch losses add up to the step's loss
     gen = torch.Generator().manual_seed(1)

@@ -11,11 +11,11 @@ import yaml
 from grpo.algorithm import (
     Normalizer,
     group_advantages,
+    importance_weights,
     logprob_mismatch,
     policy_loss,
     soft_update_,
     top_entropy_mask,
-    truncated_importance_weights,
     zero_std_groups,
 )
 from grpo.config import AlgorithmConfig, Config, ConfigError, build_config, dump_config
@@ -86,6 +86,31 @@ def test_ref_refresh_without_a_reference_is_an_error() -> None:
     # dapo has beta 0: no reference model, so there is nothing to refresh
     with pytest.raises(ConfigError, match="ref_update_every needs beta > 0"):
         build_config({"algorithm": {"preset": "dapo", "ref_update_every": 5}})
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "message"),
+    [
+        ({"loss_type": "sapo", "dual_clip": 2.0}, "dual_clip bounds the clipped surrogate"),
+        ({"loss_type": "cispo", "dual_clip": 2.0}, "loss_type=cispo has none"),
+        ({"tis_cap": 2.0, "tis_low": 0.5}, "tis_low needs tis_mode=mask"),
+        ({"tis_mode": "mask"}, "tis_mode=mask tis_level=token needs a bound"),
+        ({"tis_level": "sequence"}, "tis_level=sequence needs a bound"),
+    ],
+)
+def test_loss_and_correction_combinations_that_would_do_nothing_are_errors(
+    algorithm: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_config({"algorithm": algorithm})
+
+
+def test_tis_cap_alone_is_token_level_truncation() -> None:
+    # the field as it always was: min(pi_old / pi_sampler, cap) per token
+    algo = build_config({"algorithm": {"tis_cap": 2.0}}).algorithm
+    assert (algo.tis_level, algo.tis_mode, algo.tis_low) == ("token", "truncate", None)
+    masked = build_config({"algorithm": {"tis_low": 0.5, "tis_mode": "mask"}}).algorithm
+    assert masked.tis_cap is None  # a lower bound alone is a correction too
 
 
 def test_soft_mixing_with_lora_is_an_error() -> None:
@@ -174,8 +199,10 @@ def test_truncated_importance_weights_and_cap() -> None:
     # trainer p = 0.5 vs sampler 0.25 -> ratio 2 capped at 1.5; 0.9 vs 0.9 -> 1; 0.2 vs 0.4 -> 0.5
     old = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))
     sampler = torch.log(torch.tensor([[0.25, 0.9, 0.4]]))
-    weights = truncated_importance_weights(old, sampler, cap=1.5)
+    weights, stats = importance_weights(old, sampler, torch.ones(1, 3, dtype=torch.bool), cap=1.5)
     assert torch.allclose(weights, torch.tensor([[1.5, 1.0, 0.5]]), atol=1e-6)
+    assert float(stats["truncated_frac"]) == pytest.approx(1 / 3, abs=1e-6)  # the 2 only
+    assert float(stats["masked_frac"]) == 0
 
 
 def test_importance_weights_scale_the_surrogate() -> None:

@@ -117,15 +117,21 @@ KNOBS = st.fixed_dictionaries(
         "kl_estimator": st.sampled_from(["k1", "k2", "k3"]),
         "ratio_level": st.sampled_from(["token", "sequence"]),
         "dual_clip": st.one_of(st.none(), st.floats(1.01, 5.0)),
+        "cispo_clip_low": st.one_of(st.none(), st.floats(0.0, 1.0)),
+        "cispo_clip_high": st.floats(0.01, 5.0),
+        "sapo_tau_pos": st.floats(0.1, 10.0),
+        "sapo_tau_neg": st.floats(0.1, 10.0),
     }
 )
 
 
 @SETTINGS
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"])
 @given(batch=step_batch(), knobs=KNOBS)
 def test_micro_batch_splits_give_the_steps_loss_and_gradient(loss_type: str, batch, knobs) -> None:
     logp, old, ref, adv, mask, parts = batch
+    if loss_type in ("cispo", "sapo"):
+        knobs = {**knobs, "dual_clip": None}  # a knob of the clipped surrogate only
     n = len(adv)
     norm = Normalizer(
         num_sequences=n,

@@ -104,6 +104,10 @@ ALL_KNOBS = {  # every algorithm knob off its default, each to a value no other 
     "beta": 0.3,
     "kl_estimator": "k2",
     "ratio_level": "sequence",
+    "cispo_clip_low": 0.5,
+    "cispo_clip_high": 2.5,
+    "sapo_tau_pos": 1.5,
+    "sapo_tau_neg": 2.0,
 }
 
 
@@ -209,8 +213,15 @@ def slow_loss(call: dict, cfg, rows: list[int], scored: Scored, n_micro: int) ->
         row_sum = 0.0
         for t in range(n):
             ratio = seq_ratio if a.ratio_level == "sequence" else math.exp(logp[i, t] - old[i, t])
-            clipped = min(max(ratio, 1 - a.clip_low), 1 + a.clip_high)
-            term = -min(ratio * adv, clipped * adv)
+            if a.loss_type == "cispo":  # -sg(clip(ratio)) * A * logp
+                low = 0.0 if a.cispo_clip_low is None else 1 - a.cispo_clip_low
+                term = -min(max(ratio, low), 1 + a.cispo_clip_high) * adv * float(logp[i, t])
+            elif a.loss_type == "sapo":  # -sigmoid(tau (ratio - 1)) * 4 / tau * A
+                tau = a.sapo_tau_pos if adv > 0 else a.sapo_tau_neg
+                term = -4 / tau / (1 + math.exp(-tau * (ratio - 1))) * adv
+            else:
+                clipped = min(max(ratio, 1 - a.clip_low), 1 + a.clip_high)
+                term = -min(ratio * adv, clipped * adv)
             if a.dual_clip is not None and adv < 0:
                 term = min(term, -a.dual_clip * adv)
             if weights is not None:
@@ -222,7 +233,7 @@ def slow_loss(call: dict, cfg, rows: list[int], scored: Scored, n_micro: int) ->
                 kl = {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[a.kl_estimator]
                 term += a.beta * kl
             row_sum += term
-        total += row_sum / max(n, 1) if a.loss_type == "grpo" else row_sum
+        total += row_sum / max(n, 1) if a.loss_type in ("grpo", "sapo") else row_sum
         batch_tokens += n
     n_seq = rollout.num_completions
     return {
@@ -230,6 +241,8 @@ def slow_loss(call: dict, cfg, rows: list[int], scored: Scored, n_micro: int) ->
         "bnpo": total / max(batch_tokens, 1) / n_micro,
         "dapo": total / step_tokens,
         "dr_grpo": total / (n_seq * cfg.rollout.max_new_tokens),
+        "cispo": total / step_tokens,
+        "sapo": total / n_seq,
     }[a.loss_type]
 
 
@@ -245,8 +258,28 @@ def slow_loss(call: dict, cfg, rows: list[int], scored: Scored, n_micro: int) ->
         },
         {"loss_type": "dapo", "ratio_level": "sequence", "clip_high": 0.002, "kl_estimator": "k2"},
         {"loss_type": "dr_grpo", "mask_truncated_completions": True, "kl_estimator": "k1"},
+        {
+            "loss_type": "cispo",
+            "cispo_clip_low": 0.001,
+            "cispo_clip_high": 0.002,
+            "top_entropy_quantile": 0.5,
+        },
+        {
+            "loss_type": "sapo",
+            "sapo_tau_pos": 30.0,
+            "sapo_tau_neg": 60.0,
+            "ratio_level": "sequence",
+            "mask_truncated_completions": True,
+        },
     ],
-    ids=["grpo-clip-entropy", "bnpo-masked-dual", "dapo-gspo-k2", "drgrpo-masked-k1"],
+    ids=[
+        "grpo-clip-entropy",
+        "bnpo-masked-dual",
+        "dapo-gspo-k2",
+        "drgrpo-masked-k1",
+        "cispo-clip-entropy",
+        "sapo-gspo-masked",
+    ],
 )
 def test_every_loss_the_trainer_computes_is_the_formula(
     knob_config, rollout, monkeypatch, weights, algo: dict
@@ -303,6 +336,8 @@ def test_micro_batch_size_does_not_change_the_step(knob_config, rollout) -> None
 CHANGES = [
     {"loss_type": "dapo"},
     {"loss_type": "dr_grpo"},
+    {"loss_type": "cispo"},
+    {"loss_type": "sapo"},
     {"scale_rewards": "none"},
     {"clip_low": 0.001},
     {"clip_high": 0.001},
@@ -336,6 +371,48 @@ def test_each_knob_changes_the_update(knob_config, rollout, baseline, weights, c
     # ratio level and the KL term all act on the second pass: a knob that never reaches the
     # math leaves the weights equal to the baseline's
     weights.assert_moved(baseline, update(knob_config, rollout, changes), atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def sampled_rollout(knob_config, rollout) -> Rollout:
+    """The shared rollout as an engine that reports its own log-probs would return it: the
+    start policy's log-probs plus seeded noise (std 0.3 per token), so that importance weights
+    and the behaviour-to-current divergence differ from 1 and 0 token by token."""
+    policy = Trainer(knob_config()).policy
+    r = rollout
+    with torch.no_grad():
+        logp, _ = original_logprobs(
+            policy, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 1.0
+        )
+    noise = 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(5))
+    return dataclasses.replace(r, sampler_logp=(logp + noise).masked_fill(~r.completion_mask, 0))
+
+
+# (base, change): the change on top of the base moves the weights away from the base's update
+KNOB_PAIRS = [
+    ({"loss_type": "cispo"}, {"cispo_clip_high": 0.001}),
+    ({"loss_type": "cispo"}, {"cispo_clip_low": 0.001}),
+    ({"loss_type": "sapo"}, {"sapo_tau_pos": 50.0}),
+    ({"loss_type": "sapo"}, {"sapo_tau_neg": 50.0}),
+    ({}, {"tis_cap": 1.05}),
+    ({"tis_cap": 1.05}, {"tis_level": "sequence"}),
+    ({"tis_cap": 1.05}, {"tis_mode": "mask"}),
+    ({"tis_cap": 1.05, "tis_mode": "mask"}, {"tis_low": 0.95}),
+    ({}, {"offpolicy_mask_delta": 0.0}),
+]
+
+
+@pytest.mark.parametrize(
+    ("base", "change"),
+    KNOB_PAIRS,
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "defaults",
+)
+def test_each_loss_and_correction_knob_changes_the_update(
+    knob_config, sampled_rollout, weights, base: dict, change: dict
+) -> None:
+    # as above, on a rollout with sampler log-probs (the corrections act only with them)
+    before = update(knob_config, sampled_rollout, base)
+    weights.assert_moved(before, update(knob_config, sampled_rollout, {**base, **change}), 1e-6)
 
 
 # -------------------------------------------------------------------------------- temperature

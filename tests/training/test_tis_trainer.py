@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -84,6 +85,7 @@ def test_tis_weights_and_mismatch_against_a_different_sampler(tiny_config, monke
     assert torch.allclose(weights[mask], expected, atol=1e-5)
     capped = weights[mask] == cap
     assert 0 < int(capped.sum()) < int(mask.sum())  # some tokens truncated, some not
+    assert metrics["tis/truncated_frac"] == pytest.approx(float(capped.float().mean()), abs=1e-6)
     assert metrics["tis/mismatch_mean"] == pytest.approx(float(gap.abs().mean()), abs=1e-5)
     assert metrics["tis/mismatch_max"] == pytest.approx(float(gap.abs().max()), abs=1e-5)
 
@@ -96,3 +98,63 @@ def test_tis_changes_the_update(tiny_config) -> None:
     assert "tis/mismatch_mean" in a and a["tis/mismatch_mean"] == b["tis/mismatch_mean"]
     assert a["grad_norm"] > 0 and b["grad_norm"] > 0
     assert abs(a["grad_norm"] - b["grad_norm"]) > 1e-3 * b["grad_norm"]
+
+
+def test_sequence_masking_and_offpolicy_masking_reach_the_loss(tiny_config, monkeypatch) -> None:
+    # sequence-level weights masked outside [0.85, 1.06] and off-policy masking at delta 0.1,
+    # against a sampler that really is another policy: the weights policy_loss receives and
+    # the logged shares equal a slow loop over completions written here
+    config = tiny_config(
+        algorithm={
+            "beta": 0.0,
+            "tis_cap": 1.06,
+            "tis_low": 0.85,
+            "tis_level": "sequence",
+            "tis_mode": "mask",
+            "offpolicy_mask_delta": 0.1,
+        },
+        optim={"micro_batch_size": 8},
+    )
+    trainer = Trainer(config)
+    trainer.producer.engine = OtherPolicySampler(trainer.policy, trainer.tokenizer, config.rollout)
+    scored = trainer.producer.score(trainer.producer.rollout())
+    seen = []
+    original_loss = algorithm.policy_loss
+
+    def spy(logp, old_logp, advantages, loss_mask, *args, **kwargs):
+        seen.append((logp.detach(), advantages, loss_mask, kwargs["importance_weights"]))
+        return original_loss(logp, old_logp, advantages, loss_mask, *args, **kwargs)
+
+    cuts = []
+    original_cut = grpo.training.trainer.micro_batches
+
+    def cut_spy(*args, **kwargs):
+        cuts.append(original_cut(*args, **kwargs))
+        return cuts[-1]
+
+    monkeypatch.setattr(algorithm, "policy_loss", spy)
+    monkeypatch.setattr(grpo.training.trainer, "micro_batches", cut_spy)
+    metrics = trainer.optimize(scored)
+
+    ((logp, adv, mask, weights),) = seen  # one micro-batch of 8 rows, on-policy: old = logp
+    ((mb,),) = cuts
+    rows = mb.index.tolist()  # the rollout row of each micro-batch row
+    sampler = scored.rollout.sampler_logp
+    masked_tokens = dropped = 0
+    for k, row in enumerate(rows):
+        n = int(mask[k].sum())
+        gap = [float(logp[k, t] - sampler[row, t]) for t in range(n)]  # log pi_old - log pi_s
+        w = math.exp(sum(gap) / n)  # the geometric mean of the token ratios
+        keep_w = 0.85 <= w <= 1.06
+        masked_tokens += 0 if keep_w else n
+        far = -sum(gap) / n > 0.1  # mean log pi_sampler - log pi_current
+        drop = float(adv[k]) < 0 and far
+        dropped += drop
+        expected = w if keep_w and not drop else 0.0
+        assert torch.allclose(weights[k, :n], torch.full((n,), expected), atol=1e-5), k
+    total = int(mask.sum())
+    assert 0 < masked_tokens < total  # the bounds really cut some sequences and kept others
+    assert 0 < dropped < len(rows)  # some negative samples dropped, not all rows
+    assert metrics["tis/masked_frac"] == pytest.approx(masked_tokens / total, abs=1e-6)
+    assert metrics["tis/offpolicy_masked_frac"] == pytest.approx(dropped / len(rows), abs=1e-6)
+    assert "tis/truncated_frac" not in metrics  # mask mode truncates nothing

@@ -37,6 +37,19 @@ def resolve(config: Config) -> None:
     algo = config.algorithm
     if algo.ref_update_every and algo.beta == 0:
         raise ValueError("algorithm.ref_update_every needs beta > 0 (beta 0 loads no reference)")
+    if algo.dual_clip is not None and algo.loss_type in ("cispo", "sapo"):
+        raise ValueError(
+            f"algorithm.dual_clip bounds the clipped surrogate; loss_type={algo.loss_type} has none"
+        )
+    if algo.tis_low is not None and algo.tis_mode != "mask":
+        raise ValueError("algorithm.tis_low needs tis_mode=mask (truncation has no lower bound)")
+    unbounded = algo.tis_cap is None and algo.tis_low is None
+    if unbounded and (algo.tis_mode, algo.tis_level) != ("truncate", "token"):
+        # without a bound the correction is off: the level or mode asked for would do nothing
+        raise ValueError(
+            f"algorithm.tis_mode={algo.tis_mode} tis_level={algo.tis_level} needs a bound: "
+            "set tis_cap (or tis_low with tis_mode=mask)"
+        )
     if algo.ref_mix_alpha < 1 and config.model.lora.enabled:
         raise ValueError(
             "algorithm.ref_mix_alpha < 1 needs full weights "

@@ -172,8 +172,8 @@ class RewardsConfig(Section):
 class AlgorithmConfig(Section):
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO)."""
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo"
-    """Loss aggregation over tokens, see docs/algorithm.md."""
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"] = "grpo"
+    """The per-token surrogate and its aggregation over tokens (docs/algorithm.md): grpo, bnpo, dapo and dr_grpo aggregate the clipped surrogate differently; cispo is MiniMax-M1's clipped, stop-gradient importance weight on log pi (token mean over the step, as dapo); sapo is SAPO's soft sigmoid gate in place of the clip (per-sequence mean, as grpo)."""
     ratio_level: Literal["token", "sequence"] = "token"
     """Importance ratio per token (GRPO) or per sequence (GSPO)."""
     clip_low: float = Field(0.2, ge=0)
@@ -181,7 +181,15 @@ class AlgorithmConfig(Section):
     clip_high: float = Field(0.2, ge=0)
     """Upper clip range: ratio <= 1 + clip_high."""
     dual_clip: float | None = Field(None, gt=1)
-    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (off when null)."""
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (off when null); the clipped surrogate's, so not with loss_type cispo or sapo."""
+    cispo_clip_low: float | None = Field(None, ge=0, le=1)
+    """loss_type cispo: the importance weight is clipped to at least 1 - cispo_clip_low (null = no lower bound, the paper's choice)."""
+    cispo_clip_high: float = Field(4.0, gt=0)
+    """loss_type cispo: the importance weight is clipped to at most 1 + cispo_clip_high (the paper tunes only this bound and publishes no value)."""
+    sapo_tau_pos: float = Field(1.0, gt=0)
+    """loss_type sapo: gate temperature for tokens with a positive advantage; higher fades the gradient faster as the ratio leaves 1 (the paper's 1.0)."""
+    sapo_tau_neg: float = Field(1.05, gt=0)
+    """loss_type sapo: gate temperature for tokens with a zero or negative advantage (the paper's 1.05: negative updates fade faster)."""
     beta: float = Field(0.04, ge=0)
     """KL penalty weight; 0 loads no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -193,7 +201,15 @@ class AlgorithmConfig(Section):
     preset: Literal["grpo", "dapo", "dr_grpo", "gspo"] = "grpo"
     """Family member whose published defaults fill every field not set explicitly (docs/algorithm.md)."""
     tis_cap: float | None = Field(None, ge=1)
-    """Truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) when the engine reports its log-probs (null = off)."""
+    """Importance correction for the sampler/trainer mismatch, when the engine reports its log-probs: the upper bound of the weight pi_old / pi_sampler (null = off, or no upper bound in mask mode). With the defaults of tis_level and tis_mode, truncated importance sampling: tokens weighted by min(pi_old / pi_sampler, cap)."""
+    tis_low: float | None = Field(None, gt=0, le=1)
+    """tis_mode mask: also drop tokens (sequences) whose weight is below this (null = no lower bound)."""
+    tis_level: Literal["token", "sequence"] = "token"
+    """Importance weight per token, or per sequence: the geometric mean of the completion's token weights, exp(mean_t(log pi_old - log pi_sampler)), shared by its tokens."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: weight min(w, tis_cap) (TIS); mask: weight w inside [tis_low, tis_cap] and 0 outside, so that token (sequence) leaves the policy-gradient term (MIS)."""
+    offpolicy_mask_delta: float | None = Field(None, ge=0)
+    """Off-policy sequence masking (DeepSeek-V3.2): drop from the policy-gradient term a completion with a negative advantage whose mean over its tokens of log pi_behaviour - log pi_current exceeds this (null = off). The behaviour policy is the sampler's log-probs when the engine reports them, else the old log-probs."""
     top_entropy_quantile: float = Field(1.0, gt=0, le=1)
     """Share of counted tokens, highest entropy first, whose surrogate term counts (1 = all)."""
     mask_truncated_completions: bool = False

@@ -35,6 +35,7 @@ from grpo.runtime import distributed
 from grpo.runtime.host_memory import set_malloc_policy
 from grpo.scoring.chunked_head import chunked_head_slot, full_logits
 from grpo.scoring.logprobs import completion_logprobs, scoring_path
+from grpo.training import importance
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
 from grpo.training.gather import gather_scored
@@ -219,9 +220,9 @@ class Trainer:
                     ref = None if ref_all is None else ref_all[mb.index, :t]
                     sampler = None if sampler_all is None else sampler_all[mb.index, :t]
                     loss_mask = mb.loss_mask & keep[mb.index, None]
-                    weights = None
-                    if sampler is not None and cfg.tis_cap is not None:
-                        weights = algorithm.truncated_importance_weights(old, sampler, cfg.tis_cap)
+                    weights, shares = importance.correction(
+                        cfg, logp, old, sampler, mb.advantages, loss_mask
+                    )
                     if iteration == 0 and cfg.top_entropy_quantile < 1:
                         pg_masks[k] = algorithm.top_entropy_mask(
                             entropy, loss_mask, cfg.top_entropy_quantile
@@ -239,6 +240,10 @@ class Trainer:
                         ratio_level=cfg.ratio_level,
                         kl_estimator=cfg.kl_estimator,
                         dual_clip=cfg.dual_clip,
+                        cispo_clip_low=cfg.cispo_clip_low,
+                        cispo_clip_high=cfg.cispo_clip_high,
+                        sapo_tau_pos=cfg.sapo_tau_pos,
+                        sapo_tau_neg=cfg.sapo_tau_neg,
                         normalizer=normalizer,
                         importance_weights=weights,
                         pg_mask=pg_masks.get(k),
@@ -246,6 +251,7 @@ class Trainer:
                     loss.backward()
                     loss_total += float(loss.detach())
                 stats.add_pass(loss_stats, loss_mask)
+                stats.add_shares(shares)
                 if iteration == 0:
                     stats.add_rollout(entropy, loss_mask, pg_masks.get(k), old, sampler)
             grad_norm = clip_and_step(

@@ -20,8 +20,9 @@ class UpdateStats:
     value x tokens and a sum of tokens per metric, both summed over ranks, then divided, so a
     metric never divides a masked sum by tokens it did not count. Minima and maxima stay minima
     and maxima. The loss's statistics (clip fractions, ratio, KL) are recorded on every one of
-    the ``num_iterations`` passes (the first pass's ratio is 1 by construction); entropy and the
-    sampler mismatch describe the rollout and are recorded on the first pass.
+    the ``num_iterations`` passes (the first pass's ratio is 1 by construction), and so are the
+    shares the sampler/trainer corrections touched; entropy and the sampler mismatch describe
+    the rollout and are recorded on the first pass.
     """
 
     LOSS_MEANS = ("clip_frac/low", "clip_frac/high", "kl", "ratio/mean")
@@ -50,6 +51,12 @@ class UpdateStats:
         low, high = (loss_stats["ratio/min"], loss_stats["ratio/max"]) if tokens else _EMPTY
         self._extreme("ratio/min", "min", float(low))
         self._extreme("ratio/max", "max", float(high))
+
+    def add_shares(self, shares: dict[str, tuple[float, float]]) -> None:
+        """One micro-batch of any pass: metric -> (units touched, units counted), as the
+        sampler/trainer corrections report them (``grpo.training.importance``)."""
+        for key, (touched, counted) in shares.items():
+            self._add(key, touched, counted)
 
     def add_rollout(
         self,
