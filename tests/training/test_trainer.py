@@ -136,6 +136,36 @@ def test_resume_matches_an_uninterrupted_run(tiny_config, tiny_model_dir, weight
     assert strip(_metrics(straight_dir)) == strip(_metrics(resumed_dir))
 
 
+def test_a_bf16_run_resumes_bit_exact_from_its_float32_masters(
+    tiny_config, tiny_model_dir, weights
+) -> None:
+    # at lr 1e-4 the float32 masters hold updates their bf16 roundings lost: a resume from the
+    # HF folder's bf16 weights alone ends elsewhere (checked by hand: saving no masters fails)
+    def config(steps: int, name: str):
+        return tiny_config(
+            model={"dtype": "bfloat16"},
+            optim={"lr": 1e-4},
+            train={"steps": steps, "run_name": name},
+        )
+
+    straight_dir = train(config(4, "straight"))
+    half_dir = train(config(2, "resumed"))
+    state = torch.load(half_dir / "checkpoints" / "step-2" / "trainer_state.pt")
+    half = weights.of(half_dir / "final")
+    assert {k: v.dtype for k, v in state["master"].items()} == {
+        k: torch.float32 for k in half if k != "lm_head.weight"
+    }
+    # the masters hold what the bf16 weights cannot: their rounding is the saved weights
+    for name, master in state["master"].items():
+        assert torch.equal(master.bfloat16(), half[name]), name
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in state["master"].values())
+    resumed_dir = train(config(4, "resumed"))
+    a, b = weights.of(straight_dir / "final"), weights.of(resumed_dir / "final")
+    weights.assert_moved(half, b, atol=1e-5)
+    weights.assert_equal(a, b)
+    assert _metrics(straight_dir)[-1]["loss"] == _metrics(resumed_dir)[-1]["loss"]
+
+
 def test_lora_reference_is_the_adapter_disabled_policy(
     tiny_config, tiny_model_dir, weights, monkeypatch
 ) -> None:
