@@ -81,6 +81,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+def test_bf16_weights_under_fsdp_are_one_line(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    # FSDP2 would step the sharded bf16 weights themselves, rounding most updates away
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    assert main(["train", str(recipe), "model.dtype=bfloat16", "train.distributed=fsdp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "train.distributed=fsdp keeps no float32 master weights" in err and "\n" not in err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_row_without_prompt_is_named(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     data = tmp_path / "data.jsonl"
     data.write_text(

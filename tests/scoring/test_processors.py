@@ -8,8 +8,10 @@ import math
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 
 from grpo.config import dump_config
+from grpo.rollout.hf import Chooser, SeededGroupSampler
 from grpo.scoring.chunked_head import History
 from grpo.scoring.distribution import Sampling, process_logits, seen_tokens
 from grpo.scoring.logprobs import token_logprobs
@@ -79,6 +81,29 @@ def test_seen_tokens_are_the_prompt_and_earlier_completion_tokens() -> None:
     assert seen_tokens(prompt, mask, completion, torch.tensor([1]), 5).tolist() == [
         [False, True, False, True, False]  # 3 from the prompt, 1 before position 1; not 2, not 0
     ]
+
+
+def test_the_sampler_and_the_scorer_see_the_same_tokens() -> None:
+    # the pad id is also a real token (`<|im_end|>` on SmolLM2): here 0 is padding in both rows
+    # and a prompt token of row 0, once before a padding 0; a token is seen when it occurs at a
+    # real position, whichever of its occurrences is written last
+    prompt = torch.tensor([[0, 0, 4, 0, 2, 0], [0, 0, 0, 3, 3, 1]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    scores = torch.full((2, 6), -10.0)
+    scores[:, 5] = 10.0  # both rows draw token 5
+    sampler = SeededGroupSampler([0, 1], 1, torch.device("cpu"))
+    chooser = Chooser(
+        Sampling(repetition_penalty=1.3), sampler, prompt, mask, LogitsProcessorList()
+    )
+    picked = chooser.pick(prompt[:, :0], scores, torch.arange(2))
+    assert picked.tolist() == [5, 5]
+    expected = [
+        [True, False, True, False, True, True],  # 0, 4, 2 from the prompt, then the drawn 5
+        [False, True, False, True, False, True],  # 3, 1 and 5; the padding 0 is not seen
+    ]
+    # the sampler's tokens for the second draw, the scorer's for completion position 1
+    assert chooser.seen is not None and chooser.seen.tolist() == expected
+    assert seen_tokens(prompt, mask, picked[:, None], torch.tensor([1, 1]), 6).tolist() == expected
 
 
 @pytest.mark.parametrize(

@@ -136,6 +136,36 @@ def test_resume_matches_an_uninterrupted_run(tiny_config, tiny_model_dir, weight
     assert strip(_metrics(straight_dir)) == strip(_metrics(resumed_dir))
 
 
+def test_a_bf16_run_resumes_bit_exact_from_its_float32_masters(
+    tiny_config, tiny_model_dir, weights
+) -> None:
+    # at lr 1e-4 the float32 masters hold updates their bf16 roundings lost: a resume from the
+    # HF folder's bf16 weights alone ends elsewhere (checked by hand: saving no masters fails)
+    def config(steps: int, name: str):
+        return tiny_config(
+            model={"dtype": "bfloat16"},
+            optim={"lr": 1e-4},
+            train={"steps": steps, "run_name": name},
+        )
+
+    straight_dir = train(config(4, "straight"))
+    half_dir = train(config(2, "resumed"))
+    state = torch.load(half_dir / "checkpoints" / "step-2" / "trainer_state.pt")
+    half = weights.of(half_dir / "final")
+    assert {k: v.dtype for k, v in state["master"].items()} == {
+        k: torch.float32 for k in half if k != "lm_head.weight"
+    }
+    # the masters hold what the bf16 weights cannot: their rounding is the saved weights
+    for name, master in state["master"].items():
+        assert torch.equal(master.bfloat16(), half[name]), name
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in state["master"].values())
+    resumed_dir = train(config(4, "resumed"))
+    a, b = weights.of(straight_dir / "final"), weights.of(resumed_dir / "final")
+    weights.assert_moved(half, b, atol=1e-5)
+    weights.assert_equal(a, b)
+    assert _metrics(straight_dir)[-1]["loss"] == _metrics(resumed_dir)[-1]["loss"]
+
+
 def test_lora_reference_is_the_adapter_disabled_policy(
     tiny_config, tiny_model_dir, weights, monkeypatch
 ) -> None:
@@ -259,7 +289,7 @@ def test_a_step_whose_gradient_is_not_finite_leaves_the_weights_and_says_so(
     hook = weight.register_hook(lambda grad: grad * float("nan"))  # as a diverged loss gives
     trainer.step = 1
     out = trainer.optimize(scored)
-    assert math.isnan(out["grad_norm"])
+    assert math.isnan(out["grad_norm"]) and out["optim/skipped"] == 1.0
     params = list(trainer.policy.parameters())
     assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
     said = [line for line in capsys.readouterr().err.splitlines() if "not finite" in line]
@@ -268,6 +298,52 @@ def test_a_step_whose_gradient_is_not_finite_leaves_the_weights_and_says_so(
     hook.remove()
     trainer.optimize(scored)  # the next finite step moves them
     assert any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+
+
+INFORMATIVE_OR_EQUAL = """
+def share_or_half(completions, *, informative, **kwargs):
+    \"\"\"Lowercase share (varies within a group) on informative rows, else 0.5 for all.\"\"\"
+    return [
+        sum(ch.islower() for ch in text) / max(len(text), 1) if flag else 0.5
+        for text, flag in zip(completions, informative)
+    ]
+"""
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["zero-gradient", "dynamic-sampling"])
+def test_a_step_with_nothing_to_learn_leaves_the_weights_and_the_schedule(
+    tiny_config, tiny_model_dir, tmp_path, weights, dynamic: bool
+) -> None:
+    # in order, 2 prompts a step: step 2's rows reward every completion alike; with beta 0 its
+    # gradient is exactly zero, and Adam's momentum from step 1 must not move the weights; a
+    # dynamic-sampling step (one round) that keeps no group behaves the same
+    rows = [{"prompt": f"q{i}", "answer": "0", "informative": i // 2 != 1} for i in range(6)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    reward = tmp_path / "share_or_half.py"
+    reward.write_text(INFORMATIVE_OR_EQUAL)
+    config = tiny_config(
+        data={"path": str(data), "shuffle": False},
+        rewards={"functions": [{"name": f"{reward}:share_or_half"}]},
+        algorithm={"beta": 0.0},
+        optim={"lr": 1e-3, "warmup_steps": 4},
+        sampling={"dynamic": dynamic, "max_rounds": 1},
+        train={"steps": 3, "save_every": 1, "keep_last": 3},
+    )
+    run_dir = train(config)
+    saved = [weights.of(tiny_model_dir)] + [
+        weights.of(run_dir / "checkpoints" / f"step-{n}") for n in (1, 2, 3)
+    ]
+    weights.assert_moved(saved[0], saved[1])
+    weights.assert_equal(saved[1], saved[2])
+    weights.assert_moved(saved[2], saved[3])
+    metrics = _metrics(run_dir)
+    assert [m["frac_zero_std"] for m in metrics] == [0.0, 1.0, 0.0]
+    assert [m["optim/skipped"] for m in metrics] == [0.0, 1.0, 0.0]
+    assert metrics[1].get("grad_norm", 0.0) == 0.0  # dynamic sampling: no update to measure
+    # warm-up factor (k + 1) / 5 after k optimizer steps: the skipped step does not count, as
+    # a dynamic-sampling step with nothing to learn takes none
+    assert [m["lr"] for m in metrics] == pytest.approx([1e-3 / 5, 2e-3 / 5, 2e-3 / 5])
 
 
 def test_micro_batches_keep_groups_whole_longest_first_with_their_advantages(

@@ -46,7 +46,7 @@ class ModelConfig(Section):
     name: str = "tiny-random"
     """Built-in alias (see `grpo models`), local HF folder, or hub id (needs network)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weight dtype. Train in float32 weights; for bf16 speed prefer `autocast` (docs/performance.md)."""
+    """Weight dtype. bfloat16: bf16 weights, which the optimizer steps through float32 master copies (bf16 alone would round most updates away; docs/scaling.md); not with train.distributed: fsdp. For bf16 speed prefer `autocast` (docs/performance.md)."""
     autocast: bool = False
     """bf16 autocast for forwards over float32 weights (mixed precision, TRL's bf16=True); log-probs stay float32. Pays on GPUs and CPUs with bf16 units (AVX512-BF16, AMX): steps 0.53x here; without them bf16 is slower (docs/performance.md: how to measure it)."""
     gradient_checkpointing: bool = False
@@ -361,6 +361,12 @@ class Config(Section):
             raise ValueError("rewards.functions: at least one reward function is needed")
         if self.train.distributed == "fsdp" and self.model.lora.enabled:
             raise ValueError("train.distributed=fsdp does not shard LoRA runs: use ddp")
+        if self.train.distributed == "fsdp" and self.model.dtype == "bfloat16":
+            # FSDP2 saves optimizer state under the model's parameter names, which masters lack
+            raise ValueError(
+                "train.distributed=fsdp keeps no float32 master weights for "
+                "model.dtype=bfloat16: use model.dtype=float32 with model.autocast=true"
+            )
         if self.model.disable_dropout and self.model.lora.enabled and self.model.lora.dropout:
             raise ValueError(
                 "model.lora.dropout has no effect while model.disable_dropout is true: "

@@ -24,7 +24,7 @@ from grpo.containers import Rollout
 from grpo.rollout import grouped_rollout, sampling_of
 from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.turns import TurnRequest, TurnSample
-from grpo.scoring.distribution import Sampling, process_logits
+from grpo.scoring.distribution import Sampling, process_logits, token_set
 from grpo.scoring.logprobs import position_ids_from_mask
 
 
@@ -132,10 +132,7 @@ class Chooser(LogitsProcessor):
         if self.extra:
             scores = self.extra(torch.cat([self.prompt_ids[rows], input_ids[rows]], dim=1), scores)
         if self.sampling.repetition_penalty != 1.0 and self.seen is None:
-            self.seen = torch.zeros(
-                (len(self.prompt_ids), scores.shape[1]), dtype=torch.bool, device=scores.device
-            )
-            self.seen.scatter_(1, self.prompt_ids, self.prompt_mask.bool())
+            self.seen = token_set(self.prompt_ids, self.prompt_mask, scores.shape[1])
         seen = None if self.seen is None else self.seen[rows]
         processed = process_logits(scores.float(), self.sampling, seen)  # [b, V]
         picked = self.sampler.draw(processed, rows)  # [b, 1]

@@ -103,15 +103,27 @@ def process_logits(logits: Tensor, sampling: Sampling, seen: Tensor | None = Non
     return truncate(shape_logits(logits, sampling, seen), sampling)[0]
 
 
+def token_set(ids: Tensor, counted: Tensor, vocab: int) -> Tensor:
+    """The tokens at counted positions: ids [M, L], counted [M, L] (True where a token counts)
+    -> [M, V] bool. The sampler's and the scorer's repetition penalty both read this.
+
+    Every write is True, so a token repeated at counted and uncounted positions (the pad id is
+    also a real token: `<|im_end|>` on SmolLM2) gets the same answer in any write order, on any
+    device; uncounted positions write into a spare column, cut off.
+    """
+    spare = torch.where(counted.bool(), ids, vocab)  # [M, L]
+    seen = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)
+    return seen.scatter_(1, spare, True)[:, :vocab]
+
+
 def seen_tokens(
     prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, upto: Tensor, vocab: int
 ) -> Tensor:
-    """Tokens seen before each position: the prompt and the first ``upto`` completion tokens.
+    """Tokens seen before each position: the prompt (padding excluded) and the first ``upto``
+    completion tokens.
 
     prompt_ids/mask: [M, S]; completion_ids: [M, T]; upto: [M] -> [M, V] bool.
     """
-    counts = torch.zeros(prompt_ids.shape[0], vocab, device=prompt_ids.device)
-    counts.scatter_add_(1, prompt_ids, prompt_mask.float())
     before = torch.arange(completion_ids.shape[1], device=upto.device) < upto[:, None]  # [M, T]
-    counts.scatter_add_(1, completion_ids, before.float())
-    return counts > 0
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [M, S + T]
+    return token_set(ids, torch.cat([prompt_mask.bool(), before], dim=1), vocab)

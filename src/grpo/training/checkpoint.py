@@ -3,9 +3,9 @@ written and read back. The run directory (``grpo.runs.directory``) owns the fold
 (temp names, manifest, rename, verification); this module owns its contents.
 
 A checkpoint is the HF folder of the policy plus ``trainer_state.pt``: step, data position,
-optimizer, scheduler, RNG (rank 0's; other ranks add ``rng-rank{r}.pt``), GRESO's history, the
-temperature controller, the reward-hacking watch's windows, the reference (when it is refreshed)
-and, for LoRA, the adapter weights.
+optimizer (and the float32 master weights of a bf16 policy), scheduler, RNG (rank 0's; other
+ranks add ``rng-rank{r}.pt``), GRESO's history, the temperature controller, the reward-hacking
+watch's windows, the reference (when it is refreshed) and, for LoRA, the adapter weights.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import Tensor
 from grpo.models import is_lora, save_hf
 from grpo.runs.directory import RunDirError
 from grpo.runtime import distributed
-from grpo.training.optimizer import apply_optim_config
+from grpo.training.optimizer import apply_optim_config, load_master_state, master_state
 
 if TYPE_CHECKING:
     from grpo.training.trainer import Trainer
@@ -58,6 +58,9 @@ def trainer_state(t: Trainer, optimizer: dict[str, Any]) -> dict[str, Any]:
         **t.producer.state_dict(),  # consumed, greso, temperature
         "world_size": t.dist.world_size,
         "optimizer": optimizer,
+        # float32 masters of bf16 weights (grpo.training.optimizer); the HF folder holds them
+        # rounded, and a resume from those alone would lose what rounding dropped
+        "master": master_state(t.policy, t.optimizer),
         "scheduler": t.scheduler.state_dict(),
         "rng": capture_rng(),
         "hack_watch": t.hack_watch.state_dict(),
@@ -150,6 +153,7 @@ def _load_checkpoint(t: Trainer, path: Path) -> None:
                 f"checkpoint {path} does not match the model: "
                 f"{(unexpected or sorted(set(missing) - tied))[:3]}"
             )
+    load_master_state(t.policy, t.optimizer, state.get("master"))
     distributed.load_optimizer_state(t.policy, t.optimizer, state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
     apply_optim_config(t.optimizer, t.scheduler, t.config.optim)

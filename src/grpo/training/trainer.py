@@ -42,7 +42,7 @@ from grpo.training.gather import gather_scored
 from grpo.training.given import Given, RewardItem, given_parts
 from grpo.training.hack_watch import HackWatch
 from grpo.training.micro_batches import MicroBatch, micro_batches, scatter_rows
-from grpo.training.optimizer import build_optimizer, clip_and_step
+from grpo.training.optimizer import build_optimizer, clip_and_step, takes_step
 from grpo.training.producer import Producer
 from grpo.training.prompt_selection import rank_groups
 from grpo.training.resume import ResumePlan, fingerprints, open_run, plan_resume
@@ -208,6 +208,7 @@ class Trainer:
             sampler_all = sampler_all.to(self.dist.device)
         pg_masks: dict[int, Tensor] = {}  # micro-batch -> high-entropy tokens, fixed at iteration 0
         stats = UpdateStats()
+        skipped = 0  # optimizer steps not taken: a zero or non-finite gradient
         for iteration in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
@@ -262,6 +263,7 @@ class Trainer:
                 self.step,
                 self.dist.is_main,
             )
+            skipped += not takes_step(grad_norm)
             if iteration == 0:
                 first_loss, first_norm = loss_total, grad_norm
         self.producer.sync_weights(self.policy)
@@ -269,6 +271,7 @@ class Trainer:
         # the loss is the sum of the ranks' shares of the step's mean loss
         out["loss"] = distributed.all_reduce(first_loss) / self.dist.world_size
         out["grad_norm"] = first_norm
+        out["optim/skipped"] = skipped / cfg.num_iterations
         return out
 
     # ----------------------------------------------------------------------------- loop
@@ -377,7 +380,7 @@ class Trainer:
         train = batch.train
         if train is not None and self.config.sampling.dynamic:
             train = rank_groups(train, self.dist.rank, self.dist.world_size)
-        update = self.optimize(train) if train is not None else {}
+        update = self.optimize(train) if train is not None else {"optim/skipped": 1.0}
         metrics = self.refresh_reference()
         t3 = time.perf_counter()
         # metrics over every group rolled out (all ranks, global order): the kept ones are biased
