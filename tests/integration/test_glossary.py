@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
+from metric_glossary import documented_metrics
+
 from grpo.training.trainer import train
-
-GLOSSARY = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
-
-
-def documented_metrics() -> set[str]:
-    section = GLOSSARY.read_text()  # the whole page is the glossary
-    names = set()
-    for line in section.splitlines():
-        if line.startswith("| `"):
-            names |= set(re.findall(r"`([^`]+)`", line.split("|")[1]))
-    return names
 
 
 def _as_documented(key: str, functions: set[str]) -> str:
