@@ -1,26 +1,9 @@
-"""Learning-rate schedule: linear warm-up, then constant or cosine to zero."""
+"""The prompt stream's schedule: the order of its rows per epoch, its draws and their
+sampling seeds (the learning-rate schedule is tests/training/test_optimizer.py)."""
 
 from __future__ import annotations
 
-import math
-
-import pytest
-
 from grpo.data.stream import PromptStream, sampling_seed
-from grpo.training.optimizer import lr_lambda
-
-
-def test_warmup_then_constant() -> None:
-    f = lr_lambda(warmup=3, total=10, schedule="constant")
-    # warm-up factors (s+1)/(w+1): 0.25, 0.5, 0.75, then 1.0 for good
-    assert [f(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-
-
-def test_warmup_then_cosine() -> None:
-    f = lr_lambda(warmup=2, total=12, schedule="cosine")
-    assert f(2) == pytest.approx(1.0)  # cosine starts at the peak
-    assert f(7) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))  # half way: 0.5
-    assert f(12) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_prompt_stream_is_seeded_and_covers_each_epoch() -> None:

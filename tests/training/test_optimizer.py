@@ -1,16 +1,19 @@
-"""The optimizer step: bf16 weights train through float32 master copies; a step whose gradient
-is exactly zero (or not finite) leaves the weights, the optimizer state and the schedule alone."""
+"""The optimizer and its schedule: warm-up then constant or cosine, the config over a restored
+optimizer, a clipped step that is skipped when the gradient is zero or not finite, and bf16
+weights trained through float32 master copies."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from grpo.config import ModelConfig, OptimConfig
 from grpo.models import load_policy
-from grpo.training.optimizer import build_optimizer, clip_and_step
+from grpo.training.optimizer import apply_optim_config, build_optimizer, clip_and_step, lr_lambda
 
 LR = 5e-6
 
@@ -85,3 +88,98 @@ def test_a_zero_gradient_takes_no_step(tiny_model_dir: Path) -> None:
     clip_and_step(policy, optimizer, scheduler, 1.0, 3, announce=False)
     assert all(float(optimizer.state[m]["step"]) == 2 for m in masters)
     assert sum(not torch.equal(b, m) for b, m in zip(before, masters, strict=True)) == len(masters)
+
+
+def test_warmup_then_constant() -> None:
+    f = lr_lambda(warmup=3, total=10, schedule="constant")
+    # warm-up factors (s+1)/(w+1): 0.25, 0.5, 0.75, then 1.0 for good
+    assert [f(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_warmup_then_cosine() -> None:
+    f = lr_lambda(warmup=2, total=12, schedule="cosine")
+    assert f(2) == pytest.approx(1.0)  # cosine starts at the peak
+    assert f(7) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))  # half way: 0.5
+    assert f(12) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_cosine_quarter_way_past_the_end_and_without_warmup() -> None:
+    f = lr_lambda(warmup=0, total=8, schedule="cosine")
+    assert f(0) == 1.0  # no warm-up: the first step is at the peak
+    assert f(2) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))  # 0.8536
+    assert f(20) == pytest.approx(0.0, abs=1e-12)  # past the last step it stays at zero
+    # a warm-up as long as the run: the cosine has one step (no division by zero)
+    g = lr_lambda(warmup=4, total=4, schedule="cosine")
+    assert [g(s) for s in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 0.0], abs=1e-12)
+
+
+def _policy() -> nn.Module:
+    policy = nn.Sequential(nn.Linear(2, 1, bias=False), nn.Linear(1, 1, bias=False))
+    policy[1].weight.requires_grad_(False)  # frozen, as a LoRA base
+    return policy
+
+
+def test_adamw_over_the_trainable_parameters_with_warmup() -> None:
+    policy = _policy()
+    cfg = OptimConfig(lr=1e-3, betas=(0.8, 0.9), weight_decay=0.1, warmup_steps=3)
+    optimizer, scheduler = build_optimizer(policy, cfg, total_steps=10, fused=False)
+    (group,) = optimizer.param_groups
+    assert [p is policy[0].weight for p in group["params"]] == [True]
+    assert (group["betas"], group["weight_decay"]) == ((0.8, 0.9), 0.1)
+    assert group["lr"] == pytest.approx(0.25e-3)  # the first warm-up factor, 1/4
+    optimizer.step()  # no gradients: the weights stay, the schedule moves on
+    scheduler.step()
+    assert group["lr"] == pytest.approx(0.5e-3)
+
+
+def test_the_config_replaces_a_restored_optimizers_settings_at_its_position() -> None:
+    policy = _policy()
+    old = OptimConfig(lr=1e-3, warmup_steps=3)
+    optimizer, scheduler = build_optimizer(policy, old, total_steps=10, fused=False)
+    for _ in range(2):  # two steps done: the next factor is 3/4
+        optimizer.step()
+        scheduler.step()
+    new = OptimConfig(lr=2e-3, betas=(0.5, 0.6), weight_decay=0.2, warmup_steps=3)
+    apply_optim_config(optimizer, scheduler, new)
+    (group,) = optimizer.param_groups
+    assert group["lr"] == pytest.approx(1.5e-3)  # 2e-3 x 0.75: the schedule keeps its place
+    assert (group["initial_lr"], group["betas"], group["weight_decay"]) == (2e-3, (0.5, 0.6), 0.2)
+    optimizer.step()
+    scheduler.step()
+    assert group["lr"] == pytest.approx(2e-3)  # warm-up over, at the new peak
+
+
+def _sgd_step(grad: list[float], max_grad_norm: float | None, announce: bool = True):
+    """One ``clip_and_step`` of plain SGD (lr 1) from weights 0 with the given gradient:
+    (the norm it returns, the weights after, the gradient after, the schedule's position)."""
+    layer = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(layer.weight)
+    layer.weight.grad = torch.tensor([grad])
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    norm = clip_and_step(layer, optimizer, scheduler, max_grad_norm, step=7, announce=announce)
+    return norm, layer.weight.detach()[0].tolist(), layer.weight.grad, scheduler.last_epoch
+
+
+def test_the_step_is_clipped_to_the_global_norm_and_frees_the_gradient() -> None:
+    # gradient (3, 4): norm 5, clipped to norm 1 -> (0.6, 0.8); SGD at lr 1 steps by minus that
+    norm, weights, grad, position = _sgd_step([3.0, 4.0], max_grad_norm=1.0)
+    assert norm == pytest.approx(5.0)  # the norm before clipping
+    assert weights == pytest.approx([-0.6, -0.8], abs=1e-6)
+    assert grad is None and position == 1
+    # no limit: the whole gradient
+    norm, weights, _, _ = _sgd_step([3.0, 4.0], max_grad_norm=None)
+    assert norm == pytest.approx(5.0) and weights == pytest.approx([-3.0, -4.0])
+
+
+def test_a_gradient_that_is_not_finite_skips_the_step_and_says_so(capsys) -> None:
+    norm, weights, grad, position = _sgd_step([math.inf, 1.0], max_grad_norm=1.0)
+    assert math.isinf(norm)
+    assert weights == [0.0, 0.0] and grad is None and position == 0  # no step, no schedule
+    assert capsys.readouterr().err == (
+        "grpo: warning: step 7: the gradient's norm is inf (not finite); the optimizer step is "
+        "skipped, the weights are unchanged\n"
+    )
+    norm, weights, _, _ = _sgd_step([math.nan, 1.0], max_grad_norm=1.0, announce=False)
+    assert math.isnan(norm) and weights == [0.0, 0.0]
+    assert capsys.readouterr().err == ""  # ranks other than 0 stay quiet
