@@ -10,8 +10,14 @@ import torch
 
 import grpo.training.trainer
 from grpo.containers import Rollout, Scored
+from grpo.scoring.distribution import Sampling
 from grpo.scoring.logprobs import token_logprobs
-from grpo.training.micro_batches import cut_micro_batches, micro_batch_order, micro_batches
+from grpo.training.micro_batches import (
+    cut_micro_batches,
+    micro_batch_order,
+    micro_batches,
+    scatter_rows,
+)
 from grpo.training.trainer import Trainer
 
 # G = 2, every prompt 10 tokens; completions 5, 3 | 4, 4 | 2, 1 (rows in order)
@@ -81,6 +87,88 @@ def test_a_micro_batch_of_one_token_completions_keeps_one_column() -> None:
     (batch,) = micro_batches(rollout, torch.tensor([1.0, -1.0]), 2)
     assert batch.completion_ids.tolist() == [[6], [7]]
     assert batch.loss_mask.tolist() == [[True], [True]]
+
+
+def test_groups_go_longest_first_counting_their_prompt_once() -> None:
+    # G = 2. Packed: group 0 4 + 1 + 1 = 6, group 1 10 + 1 + 1 = 12, group 2 2 + 9 + 9 = 20.
+    # (Rows' own lengths would tie groups 1 and 2 at 22.) Rows stay in order within a group
+    prompt_len, completion_len = (
+        torch.tensor([4, 4, 10, 10, 2, 2]),
+        torch.tensor([1, 1, 1, 1, 9, 9]),
+    )
+    assert micro_batch_order(prompt_len, completion_len, 2).tolist() == [4, 5, 2, 3, 0, 1]
+
+
+def _two_groups() -> Rollout:
+    """G = 2, prompts left padded to 4 (group 0: 2 tokens, group 1: 4), completions right
+    padded to 5 (lengths 1, 2 | 5, 3); row 2's third token is a tool's output."""
+    prompt_mask = torch.tensor([[0, 0, 1, 1]] * 2 + [[1, 1, 1, 1]] * 2, dtype=torch.bool)
+    completion_mask = torch.arange(5)[None] < torch.tensor([1, 2, 5, 3])[:, None]
+    sampled_mask = torch.ones(4, 5, dtype=torch.bool)
+    sampled_mask[2, 2] = False
+    return Rollout(
+        prompt_ids=torch.arange(16).view(4, 4) * prompt_mask,
+        prompt_mask=prompt_mask,
+        completion_ids=(torch.arange(20).view(4, 5) + 100) * completion_mask,
+        completion_mask=completion_mask,
+        truncated=torch.zeros(4, dtype=torch.bool),
+        prompts=["a", "a", "b", "b"],
+        completions=["", "", "", ""],
+        rows=[{}, {}],
+        group_size=2,
+        sampled_mask=sampled_mask,
+        sampling=Sampling(temperature=0.7),
+    )
+
+
+def test_micro_batches_carry_their_rows_trimmed_of_padding() -> None:
+    # packed: group 0 2 + 1 + 2 = 5, group 1 4 + 5 + 3 = 12: group 1 first
+    first, second = micro_batches(_two_groups(), torch.tensor([1.0, -1.0, 0.5, -0.5]), size=2)
+    assert first.index.tolist() == [2, 3] and second.index.tolist() == [0, 1]
+    assert first.advantages.tolist() == [0.5, -0.5] and second.advantages.tolist() == [1.0, -1.0]
+    # group 1 keeps every column; group 0 its prompts' last 2 and its completions' first 2
+    assert first.prompt_ids.tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    assert second.prompt_ids.tolist() == [[2, 3], [6, 7]]
+    assert second.prompt_mask.all()
+    assert second.completion_ids.tolist() == [[100, 0], [105, 106]]
+    assert second.completion_mask.tolist() == [[True, False], [True, True]]
+    # the loss mask leaves out the tool's token; every micro-batch has the rollout's controls
+    assert first.loss_mask.tolist() == [[True, True, False, True, True], [True] * 3 + [False] * 2]
+    assert first.sampling == second.sampling == Sampling(temperature=0.7)
+
+
+def test_micro_batches_take_the_token_budget_and_the_count() -> None:
+    rollout, advantages = _two_groups(), torch.zeros(4)
+    # 12 packed positions at most: group 1 fits whole (12), group 0 too (5)
+    assert [mb.index.tolist() for mb in micro_batches(rollout, advantages, 4, 12)] == [
+        [2, 3],
+        [0, 1],
+    ]
+    # 11: row 2 (4 + 5 = 9) then row 3 would make 12: cut; row 3 pays its prompt again (7),
+    # row 0 with its own prompt (3) fits beside it (10), row 1 (2 more) does not
+    assert [mb.index.tolist() for mb in micro_batches(rollout, advantages, 4, 11)] == [
+        [2],
+        [3, 0],
+        [1],
+    ]
+    # another rank needs 4 micro-batches: the largest are halved
+    cuts = micro_batches(rollout, advantages, 4, count=4)
+    assert sorted(mb.index.tolist() for mb in cuts) == [[0], [1], [2], [3]]
+
+
+def test_scatter_rows_writes_a_micro_batchs_values_back_to_its_rows() -> None:
+    first, _ = micro_batches(_two_groups(), torch.zeros(4), size=2)
+    dest = torch.zeros(4, 6)
+    scatter_rows(dest, first, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert dest.tolist() == [[0.0] * 6] * 2 + [[1, 2, 0, 0, 0, 0], [3, 4, 0, 0, 0, 0]]
+
+
+def test_a_micro_batch_moves_to_a_device_whole() -> None:
+    (batch,) = micro_batches(_two_groups(), torch.arange(4.0), size=4)
+    moved = batch.to(torch.device("cpu"))
+    for field in dataclasses.fields(batch)[:-1]:
+        assert torch.equal(getattr(moved, field.name), getattr(batch, field.name)), field.name
+    assert moved.sampling is batch.sampling
 
 
 def test_micro_batch_tokens_reaches_the_trainer(tiny_config, monkeypatch) -> None:

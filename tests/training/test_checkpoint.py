@@ -1,0 +1,128 @@
+"""A checkpoint's contents on their own: what ``save_checkpoint`` writes and ``load_checkpoint``
+restores, over a stand-in holding only the parts of a trainer that a checkpoint reads."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo.config import build_config
+from grpo.models import load_policy, load_tokenizer
+from grpo.runs.directory import Checkpoint, RunDir, RunDirError
+from grpo.runtime.distributed import DistInfo
+from grpo.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from grpo.training.optimizer import build_optimizer
+from grpo.training.prompt_selection import PromptFilter
+from grpo.training.temperature import TemperatureController
+
+
+class Engine:
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.synced = model
+
+
+def _trainer(model_dir: Path, run_dir: Path) -> SimpleNamespace:
+    """What a checkpoint reads and restores of a trainer, built as the trainer builds it."""
+    config = build_config(
+        {
+            "model": {"name": str(model_dir)},
+            "optim": {"lr": 1e-2, "warmup_steps": 2},
+            "temperature": {"schedule": "adaptive"},
+            "train": {"steps": 5},
+        }
+    )
+    policy = load_policy(config.model, str(model_dir))
+    optimizer, scheduler = build_optimizer(policy, config.optim, 5, fused=False)
+    return SimpleNamespace(
+        config=config,
+        dist=DistInfo(),
+        run=RunDir(run_dir),
+        policy=policy,
+        tokenizer=load_tokenizer(model_dir),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        stream=SimpleNamespace(consumed=0),
+        prompt_filter=PromptFilter(k=2, skip_prob=0.5, seed=0),
+        temperature=TemperatureController(config),
+        reference=None,
+        engine=Engine(),
+        inputs={"data": None, "model": "m0"},
+        step=0,
+        saved_step=-1,
+    )
+
+
+def test_a_checkpoint_restores_weights_optimizer_schedule_rng_and_stream(
+    tiny_model_dir: Path, tmp_path: Path, weights
+) -> None:
+    saved = _trainer(tiny_model_dir, tmp_path / "run")
+    saved.run.path.mkdir()
+    # three steps of training: weights, Adam's moments and the schedule all move
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for _ in range(3):
+        saved.policy(input_ids=ids, labels=ids).loss.backward()
+        saved.optimizer.step()
+        saved.optimizer.zero_grad()
+        saved.scheduler.step()
+    saved.step, saved.stream.consumed = 3, 24
+    saved.prompt_filter.record(5, True)
+    saved.temperature.observe({"frac_zero_std": 0.9, "truncated_frac": 0.0})
+    save_checkpoint(saved)
+    next_draws = (torch.rand(3), random.random())  # what the run draws after its checkpoint
+
+    path = saved.run.checkpoints / "step-3"
+    found = Checkpoint.read(path)
+    assert (found.step, found.world_size, found.inputs) == (3, 1, saved.inputs)
+    assert found.config == saved.config.model_dump(mode="json")
+    assert saved.saved_step == 3 and saved.run.intact == path
+
+    fresh = _trainer(tiny_model_dir, tmp_path / "run")
+    weights.assert_moved(weights.of(fresh.policy), weights.of(saved.policy))
+    load_checkpoint(fresh, path)
+    weights.assert_equal(weights.of(fresh.policy), weights.of(saved.policy))
+    # Adam's step count and both moments of every parameter
+    saved_state, fresh_state = (t.optimizer.state_dict()["state"] for t in (saved, fresh))
+    assert saved_state and fresh_state.keys() == saved_state.keys()
+    for index, moments in saved_state.items():
+        for key, value in moments.items():
+            assert torch.equal(fresh_state[index][key], value), (index, key)
+    assert fresh.scheduler.last_epoch == 3
+    assert fresh.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)  # warm-up over
+    assert (fresh.step, fresh.saved_step, fresh.stream.consumed) == (3, 3, 24)
+    assert fresh.prompt_filter.history == {5: [True]}
+    assert fresh.temperature.state_dict() == saved.temperature.state_dict()
+    assert fresh.temperature.current == pytest.approx(1.1)  # 1.0 raised by one step of 0.1
+    assert fresh.run.intact == path and fresh.engine.synced is fresh.policy
+    # the random streams continue where the checkpoint left them
+    draws = (torch.rand(3), random.random())
+    assert torch.equal(draws[0], next_draws[0]) and draws[1] == next_draws[1]
+
+
+def test_the_rng_state_round_trips() -> None:
+    state = capture_rng()
+    first = (torch.rand(4), random.random())
+    restore_rng(state)
+    assert torch.equal(torch.rand(4), first[0]) and random.random() == first[1]
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "step-1"
+    folder.mkdir()
+    torch.save({"trainable": None}, folder / "trainer_state.pt")
+    save_file({"other.weight": torch.zeros(1, 2)}, folder / "model.safetensors")
+    stand_in = SimpleNamespace(
+        policy=torch.nn.Linear(2, 1),
+        config=SimpleNamespace(model=SimpleNamespace(name="my-model")),
+    )
+    with pytest.raises(RunDirError) as refused:
+        load_checkpoint(stand_in, folder)
+    assert str(refused.value) == (
+        f"checkpoint {folder} does not fit the model my-model as configured (were its files "
+        f"changed?): checkpoint {folder} does not match the model: ['other.weight']"
+    )
