@@ -1,16 +1,21 @@
-"""The builder: what eval and curate build, in what order, and what it releases when a part fails."""
+"""The builder: the parts it builds, in what order, and what it releases when a part fails."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import grpo.build
 from grpo.build import build_for_sampling
-from grpo.config import build_config
-from grpo.models import ModelError
+from grpo.config import DataConfig, ModelConfig, build_config
+from grpo.data import DataError
+from grpo.data.prompts import prompt_format_for
+from grpo.models import ModelError, load_tokenizer
 from grpo.rewards import RewardError, RewardRunner
+from grpo.rollout.turns import MultiTurnEngine
 
 
 def _config(model: Path, **rewards: object):
@@ -87,3 +92,61 @@ def test_a_trainer_that_fails_to_build_stops_its_reward_workers(tiny_config, mon
     with pytest.raises(ModelError, match="damaged"):
         Trainer(tiny_config())
     assert closed == [True]
+
+
+def test_an_unknown_engine_is_named() -> None:
+    with pytest.raises(ValueError, match=r"^unknown rollout engine 'tpu'$"):
+        grpo.build.build_engine("tpu")
+
+
+def test_the_tool_loop_wraps_an_engine_once(tiny_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    inner = SimpleNamespace(eos=[tokenizer.eos_token_id], generate_turns=None, sync_weights=None)
+    plain = build_config({"model": {"name": str(tiny_model_dir)}})
+    assert grpo.build.engine_of(plain, None, tokenizer, inner) is inner  # no tools: as it is
+    tools = build_config({"model": {"name": str(tiny_model_dir)}, "rollout": {"tools": ["python"]}})
+    wrapped = grpo.build.engine_of(tools, None, tokenizer, inner)
+    assert isinstance(wrapped, MultiTurnEngine) and wrapped.engine is inner
+    assert grpo.build.engine_of(tools, None, tokenizer, wrapped) is wrapped  # not twice
+
+
+def test_the_reference_follows_beta_its_refreshes_and_autocast() -> None:
+    policy = torch.nn.Linear(2, 2)
+
+    def reference(**algorithm: object):
+        config = build_config({"algorithm": algorithm, "model": {"autocast": True}})
+        return grpo.build.reference_of(config, policy)
+
+    assert reference(beta=0.0) is None  # nothing loaded at all
+    # never refreshed: a mix would never happen, so it is a copy (alpha 1) held in bf16
+    frozen = reference(beta=0.04, ref_mix_alpha=0.5)
+    assert frozen.alpha == 1.0 and frozen.copy.weight.dtype == torch.bfloat16
+    assert frozen.copy is not policy and torch.equal(
+        frozen.copy.weight.float(), policy.weight.bfloat16().float()
+    )
+    mixing = reference(beta=0.04, ref_update_every=2, ref_mix_alpha=0.5)
+    assert mixing.alpha == 0.5 and mixing.copy.weight.dtype == torch.float32
+
+
+def test_a_reward_that_needs_a_missing_column_is_closed_with_its_error(monkeypatch) -> None:
+    closed: list[bool] = []
+    real_close = RewardRunner.close
+    monkeypatch.setattr(RewardRunner, "close", lambda self: closed.append(True) or real_close(self))
+    config = build_config({"rewards": {"functions": [{"name": "accuracy"}]}})
+    with pytest.raises(RewardError, match="reads the column 'answer', which no row"):
+        grpo.build.reward_runner(config, [{"prompt": "1 + 1?"}])
+    assert closed == [True]
+    grpo.build.reward_runner(config, [{"prompt": "1 + 1?", "answer": "2"}]).close()
+    assert closed == [True, True]  # the caller's close: none in between
+
+
+def test_rows_are_checked_before_the_weights_load(tiny_model_dir: Path, monkeypatch) -> None:
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights loaded before the rows were checked")
+
+    monkeypatch.setattr(grpo.build, "load_policy", never)
+    fmt = prompt_format_for(DataConfig(template="Q: {question}"), None)
+    with pytest.raises(DataError, match="question"):
+        grpo.build.load_model(
+            ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir), fmt, [{"prompt": "x"}]
+        )

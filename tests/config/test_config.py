@@ -14,6 +14,7 @@ from grpo.config import (
     parse_overrides,
     read_recipe,
 )
+from grpo.config.loading import _drop_other_task_args
 
 RECIPES = default_recipe_path().parent
 DEFAULT_TASK_ARGS = read_recipe(default_recipe_path())["data"]["task_args"]
@@ -95,3 +96,42 @@ def test_task_recipes_resolve(recipe: str, task: str, rewards: list[str]) -> Non
     if task == "gsm8k":
         assert config.rollout.max_new_tokens >= 256
         assert "<answer></answer>" in config.data.system_prompt
+
+
+def test_merge_trees_goes_as_deep_as_the_mappings_and_replaces_the_rest() -> None:
+    base = {"a": {"b": {"c": 1, "d": [1, 2]}, "e": 2}}
+    # a list is a value: replaced whole, never merged item by item
+    assert merge_trees(base, {"a": {"b": {"d": [3]}}}) == {"a": {"b": {"c": 1, "d": [3]}, "e": 2}}
+    # a mapping over a value replaces it, and a value over a mapping too
+    assert merge_trees({"a": 1}, {"a": {"x": 1}}) == {"a": {"x": 1}}
+    assert merge_trees(base, {"a": {"b": None}}) == {"a": {"b": None, "e": 2}}
+    assert merge_trees({}, {"n": {"m": 1}}) == {"n": {"m": 1}}
+
+
+RECIPE = {"data": {"task": "countdown", "task_args": {"size": 8}, "split": "train"}}
+WITHOUT_ARGS = {"data": {"task": "countdown", "split": "train"}}
+DEFAULT_TASKS_ARGS = {"data": {"task_args": {"size": 8}}}  # no task: the default, arithmetic
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "dropped"),
+    [
+        (RECIPE, {"data": {"task": "gsm8k"}}, WITHOUT_ARGS),  # another task: its args go
+        (RECIPE, {"data": {"task": "countdown"}}, None),  # the same task again
+        (RECIPE, {"data": {"path": "x.jsonl"}}, None),  # no task given
+        (RECIPE, {"train": {"steps": 3}}, None),
+        (DEFAULT_TASKS_ARGS, {"data": {"task": "arithmetic"}}, None),
+        (DEFAULT_TASKS_ARGS, {"data": {"task": "gsm8k"}}, {"data": {}}),
+        # nothing to drop, or an override that is no section
+        ({"data": {"task": "countdown"}}, {"data": {"task": "gsm8k"}}, None),
+        (RECIPE, {"data": "x"}, None),
+    ],
+)
+def test_only_a_switch_to_another_task_drops_the_recipes_task_args(
+    recipe: dict, overrides: dict, dropped: dict | None
+) -> None:
+    """``dropped``: the recipe without its task_args; None: the recipe itself, unchanged."""
+    before = str(recipe)
+    out = _drop_other_task_args(recipe, overrides)
+    assert out is recipe if dropped is None else out == dropped
+    assert str(recipe) == before  # never changed in place
