@@ -16,8 +16,7 @@ from grpo.runs.directory import Checkpoint, RunDir, RunDirError
 from grpo.runtime.distributed import DistInfo
 from grpo.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from grpo.training.optimizer import build_optimizer
-from grpo.training.prompt_selection import PromptFilter
-from grpo.training.temperature import TemperatureController
+from grpo.training.producer import Producer
 
 
 class Engine:
@@ -31,25 +30,26 @@ def _trainer(model_dir: Path, run_dir: Path) -> SimpleNamespace:
         {
             "model": {"name": str(model_dir)},
             "optim": {"lr": 1e-2, "warmup_steps": 2},
+            "sampling": {"greso": True, "greso_history": 2},
             "temperature": {"schedule": "adaptive"},
             "train": {"steps": 5},
         }
     )
     policy = load_policy(config.model, str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     optimizer, scheduler = build_optimizer(policy, config.optim, 5, fused=False)
+    rows = [{"prompt": "1 + 1?"}] * 4
+    producer = Producer(config, DistInfo(), rows, None, tokenizer, policy, Engine(), None)
     return SimpleNamespace(
         config=config,
         dist=DistInfo(),
         run=RunDir(run_dir),
         policy=policy,
-        tokenizer=load_tokenizer(model_dir),
+        tokenizer=tokenizer,
         optimizer=optimizer,
         scheduler=scheduler,
-        stream=SimpleNamespace(consumed=0),
-        prompt_filter=PromptFilter(k=2, skip_prob=0.5, seed=0),
-        temperature=TemperatureController(config),
+        producer=producer,
         reference=None,
-        engine=Engine(),
         inputs={"data": None, "model": "m0"},
         step=0,
         saved_step=-1,
@@ -68,9 +68,9 @@ def test_a_checkpoint_restores_weights_optimizer_schedule_rng_and_stream(
         saved.optimizer.step()
         saved.optimizer.zero_grad()
         saved.scheduler.step()
-    saved.step, saved.stream.consumed = 3, 24
-    saved.prompt_filter.record(5, True)
-    saved.temperature.observe({"frac_zero_std": 0.9, "truncated_frac": 0.0})
+    saved.step, saved.producer.stream.consumed = 3, 24
+    saved.producer.prompt_filter.record(5, True)
+    saved.producer.temperature.observe({"frac_zero_std": 0.9, "truncated_frac": 0.0})
     save_checkpoint(saved)
     next_draws = (torch.rand(3), random.random())  # what the run draws after its checkpoint
 
@@ -92,11 +92,13 @@ def test_a_checkpoint_restores_weights_optimizer_schedule_rng_and_stream(
             assert torch.equal(fresh_state[index][key], value), (index, key)
     assert fresh.scheduler.last_epoch == 3
     assert fresh.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)  # warm-up over
-    assert (fresh.step, fresh.saved_step, fresh.stream.consumed) == (3, 3, 24)
-    assert fresh.prompt_filter.history == {5: [True]}
-    assert fresh.temperature.state_dict() == saved.temperature.state_dict()
-    assert fresh.temperature.current == pytest.approx(1.1)  # 1.0 raised by one step of 0.1
-    assert fresh.run.intact == path and fresh.engine.synced is fresh.policy
+    assert (fresh.step, fresh.saved_step, fresh.producer.stream.consumed) == (3, 3, 24)
+    # what the producer drew and skipped, and the temperature it samples the next step at
+    assert fresh.producer.prompt_filter.history == {5: [True]}
+    temperature = fresh.producer.temperature
+    assert temperature.state_dict() == saved.producer.temperature.state_dict()
+    assert temperature.current == pytest.approx(1.1)  # 1.0 raised by one step of 0.1
+    assert fresh.run.intact == path and fresh.producer.engine.synced is fresh.policy
     # the random streams continue where the checkpoint left them
     draws = (torch.rand(3), random.random())
     assert torch.equal(draws[0], next_draws[0]) and draws[1] == next_draws[1]
