@@ -15,6 +15,7 @@ from grpo.models import load_policy, load_tokenizer
 from grpo.runs.directory import Checkpoint, RunDir, RunDirError
 from grpo.runtime.distributed import DistInfo
 from grpo.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from grpo.training.hack_watch import HackWatch
 from grpo.training.optimizer import build_optimizer
 from grpo.training.producer import Producer
 
@@ -49,6 +50,7 @@ def _trainer(model_dir: Path, run_dir: Path) -> SimpleNamespace:
         optimizer=optimizer,
         scheduler=scheduler,
         producer=producer,
+        hack_watch=HackWatch(config.train.hack_watch, config.rewards.functions),
         reference=None,
         inputs={"data": None, "model": "m0"},
         step=0,
@@ -56,7 +58,7 @@ def _trainer(model_dir: Path, run_dir: Path) -> SimpleNamespace:
     )
 
 
-def test_a_checkpoint_restores_weights_optimizer_schedule_rng_and_stream(
+def test_a_checkpoint_restores_weights_optimizer_schedule_rng_and_the_run_state(
     tiny_model_dir: Path, tmp_path: Path, weights
 ) -> None:
     saved = _trainer(tiny_model_dir, tmp_path / "run")
@@ -71,6 +73,9 @@ def test_a_checkpoint_restores_weights_optimizer_schedule_rng_and_stream(
     saved.step, saved.producer.stream.consumed = 3, 24
     saved.producer.prompt_filter.record(5, True)
     saved.producer.temperature.observe({"frac_zero_std": 0.9, "truncated_frac": 0.0})
+    saved.hack_watch.format.append(0.25)
+    saved.hack_watch.length.add(30.0, window=4)
+    saved.hack_watch.raised.add("hack/format_only")
     save_checkpoint(saved)
     next_draws = (torch.rand(3), random.random())  # what the run draws after its checkpoint
 
@@ -98,6 +103,10 @@ def test_a_checkpoint_restores_weights_optimizer_schedule_rng_and_stream(
     temperature = fresh.producer.temperature
     assert temperature.state_dict() == saved.producer.temperature.state_dict()
     assert temperature.current == pytest.approx(1.1)  # 1.0 raised by one step of 0.1
+    # the reward-hacking watch's windows and raised signals
+    assert fresh.hack_watch.state_dict() == saved.hack_watch.state_dict()
+    assert fresh.hack_watch.raised == {"hack/format_only"}
+    assert (fresh.hack_watch.format, fresh.hack_watch.length.recent) == ([0.25], [30.0])
     assert fresh.run.intact == path and fresh.producer.engine.synced is fresh.policy
     # the random streams continue where the checkpoint left them
     draws = (torch.rand(3), random.random())
