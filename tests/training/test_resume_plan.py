@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from grpo.build import Given
 from grpo.config import Config, ConfigError, build_config
-from grpo.runs.directory import RunDir, RunDirError
+from grpo.runs.directory import RunDir, RunDirError, model_digest, rows_digest
 from grpo.training.resume import (
     ResumePlan,
+    fingerprints,
     input_changes,
     moot_change,
     open_run,
@@ -152,7 +154,7 @@ def test_a_fingerprint_one_side_lacks_is_no_change() -> None:
     assert input_changes({"data": "d0"}, {"data": "d0", "model": "m1"}) == {}
     assert input_changes({}, INPUTS) == {}  # a checkpoint older than fingerprints
     assert input_changes(INPUTS, {"data": None, "model": "m1"}) == {
-        "the model folder's files": ("m0", "m1")
+        "the model's weights": ("m0", "m1")
     }
 
 
@@ -250,3 +252,24 @@ def test_a_fresh_start_replaces_what_a_previous_run_left(run: RunDir, capsys) ->
     assert (run.path / "config.yaml").read_text() == "a: 1\n"
     (record,) = [json.loads(line) for line in run.history.read_text().splitlines()]
     assert (record["step"], record["event"], record["changed"]) == (0, "start", {})
+
+
+def test_fingerprints_cover_a_data_file_and_a_model_folder(tmp_path: Path) -> None:
+    rows = [{"prompt": "1 + 1?", "answer": "2"}]
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    task = fingerprints(_config(), rows, str(model), Given())
+    # a task's rows follow from the config (compared anyway); nothing was given
+    digest = model_digest(str(model))
+    assert task == {"data": None, "model": digest, "rewards": None, "tokenizer": None}
+    from_file = fingerprints(_config(data={"path": "rows.jsonl"}), rows, "hub/id", Given())
+    assert from_file["data"] == rows_digest(rows) and from_file["model"] is None  # a hub id
+    # the same names over other contents: other fingerprints
+    (model / "model.safetensors").write_bytes(b"other weights")
+    assert fingerprints(_config(), rows, str(model), Given())["model"] != task["model"]
+    edited = fingerprints(
+        _config(data={"path": "rows.jsonl"}), [{"prompt": "2?"}], "hub/id", Given()
+    )
+    assert edited["data"] != from_file["data"]

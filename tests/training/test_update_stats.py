@@ -83,3 +83,17 @@ def test_rollout_statistics_combine_micro_batches_and_leave_out_what_is_off() ->
     stats.add_rollout(torch.full((1, 4), 5.0), _mask(3, 4), None, torch.zeros(1, 4), None)
     # no entropy filter and no sampler log-probs: neither metric appears
     assert stats.reduce() == {"entropy": pytest.approx((2.0 + 3 * 5.0) / 4)}
+
+
+def test_shares_are_what_was_touched_over_what_was_counted() -> None:
+    stats = UpdateStats()
+    # two micro-batches: 1 of 4 tokens touched, then 3 of 12; sequences counted apart
+    stats.add_shares({"tis/truncated_frac": (1.0, 4.0), "tis/offpolicy_masked_frac": (0.0, 2.0)})
+    stats.add_shares({"tis/truncated_frac": (3.0, 12.0), "tis/offpolicy_masked_frac": (1.0, 2.0)})
+    assert stats.reduce() == {
+        "tis/truncated_frac": pytest.approx(0.25),  # 4 / 16, whatever each micro-batch's share
+        "tis/offpolicy_masked_frac": pytest.approx(0.25),  # 1 / 4
+    }
+    empty = UpdateStats()
+    empty.add_shares({"tis/truncated_frac": (0.0, 0.0)})
+    assert math.isnan(empty.reduce()["tis/truncated_frac"])
