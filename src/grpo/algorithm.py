@@ -527,11 +527,16 @@ def offpolicy_sequence_mask(
     A completion with A < 0 is dropped when ``mean_t(behaviour_logp - logp) > delta`` over its
     counted tokens: the sampled-token estimate of KL(behaviour || current), so a negative
     sample the policy has already moved far from no longer pushes it. logp, behaviour_logp:
-    [N, T]; advantages: [N]; loss_mask: [N, T] bool. Returns [N] bool, True where kept.
+    [N, T]; advantages: [N], or [N, T] per token (a completion's sign is then that of their mean
+    over its counted tokens); loss_mask: [N, T] bool. Returns [N] bool, True where kept.
     """
     mask = loss_mask.to(logp.dtype)
+    counted = mask.sum(dim=1).clamp(min=1)  # [N]
     gap = torch.where(loss_mask.bool(), behaviour_logp - logp.detach(), torch.zeros_like(logp))
-    divergence = (gap * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
+    divergence = (gap * mask).sum(dim=1) / counted  # [N]
+    if advantages.dim() == 2:
+        per_token = torch.where(loss_mask.bool(), advantages, torch.zeros_like(advantages))
+        advantages = per_token.sum(dim=1) / counted  # [N]
     return ~((advantages < 0) & (divergence > delta))
 
 

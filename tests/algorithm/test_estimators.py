@@ -14,6 +14,7 @@ from grpo.algorithm import (
     decoupled_advantages,
     group_advantages,
     leave_one_out_advantages,
+    offpolicy_sequence_mask,
     policy_loss,
     reinforce_pp_advantages,
     token_returns,
@@ -251,3 +252,17 @@ def test_the_entropy_coefficient_moves_towards_the_target() -> None:
     assert adapted_entropy_coef(0.0, 0.1, 0.2, 0.005) == pytest.approx(0.005, abs=1e-12)
     assert adapted_entropy_coef(0.01, 0.2, 0.2, 0.005) == 0.01
     assert adapted_entropy_coef(0.01, math.nan, 0.2, 0.005) == 0.01
+
+
+def test_offpolicy_masking_takes_a_completions_sign_from_its_per_token_advantages() -> None:
+    # both completions drifted (behaviour - current = 0.5 per token > delta 0.1); the first's
+    # per-token advantages average -0.5 over its counted tokens (the 9 is not counted), the
+    # second's +0.5: only the first is dropped, as with [N] advantages of those means
+    logp = torch.zeros(2, 3)
+    behaviour = torch.full((2, 3), 0.5)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    per_token = torch.tensor([[-2.0, 1.0, 9.0], [1.5, -1.0, 1.0]])
+    kept = offpolicy_sequence_mask(logp, behaviour, per_token, mask, 0.1)
+    assert kept.tolist() == [False, True]
+    means = offpolicy_sequence_mask(logp, behaviour, torch.tensor([-0.5, 0.5]), mask, 0.1)
+    assert torch.equal(kept, means)
