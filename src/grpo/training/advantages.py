@@ -17,6 +17,7 @@ gathered, normalised as one batch, and sliced back.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from torch import Tensor
 
@@ -35,6 +36,10 @@ def counted_mask(rollout: Rollout, algo: AlgorithmConfig) -> Tensor:
     return rollout.loss_mask & ~rollout.truncated[:, None]
 
 
+def _as_they_are(rows: Tensor) -> Tensor:
+    return rows
+
+
 def batch_advantages(
     algo: AlgorithmConfig,
     group_size: int,
@@ -42,18 +47,25 @@ def batch_advantages(
     per_function: Tensor,
     weights: Tensor,
     counted: Tensor,
+    gather: Callable[[Tensor], Tensor] = _as_they_are,
 ) -> Tensor:
-    """[N] advantages of the batch given (whole groups): rewards [N] (the weighted total),
+    """[N] advantages of a batch of whole groups: rewards [N] (the weighted total),
     per_function [N, K] (NaN for None), weights [K], counted [N] tokens each completion has
-    in the loss."""
+    in the loss. ``gather`` makes the batch of the rows given (every rank's, under torchrun);
+    only the inputs the estimator reads are gathered."""
     if algo.estimator == "reinforce_pp":
-        return algorithm.batch_normalize(rewards, counted, algo.adv_eps)
+        return algorithm.batch_normalize(gather(rewards), gather(counted), algo.adv_eps)
     if algo.reward_aggregation == "gdpo":
         return algorithm.decoupled_advantages(
-            per_function, weights, group_size, algo.estimator, algo.scale_rewards, algo.adv_eps
+            gather(per_function),
+            weights,
+            group_size,
+            algo.estimator,
+            algo.scale_rewards,
+            algo.adv_eps,
         )
     return algorithm.ESTIMATORS[algo.estimator](
-        rewards, group_size, algo.scale_rewards, algo.adv_eps
+        gather(rewards), group_size, algo.scale_rewards, algo.adv_eps
     )
 
 
@@ -65,15 +77,15 @@ def rank_advantages(
     weights: Tensor,
 ) -> Tensor:
     """This rank's [N] advantages, with batch statistics over every rank's completions."""
-    gather = distributed.all_gather_rows
     counted = counted_mask(rollout, algo).sum(dim=1)  # [N]
     everyone = batch_advantages(
         algo,
         rollout.group_size,
-        gather(rewards),
-        gather(per_function),
+        rewards,
+        per_function,
         weights,
-        gather(counted),
+        counted,
+        distributed.all_gather_rows,
     )
     return everyone[distributed.rank_slice(len(rewards))]
 
