@@ -4,6 +4,9 @@ Implemented (names follow the papers):
 - group-relative advantages (DeepSeekMath): ``A_i = (r_i - mean(r)) / sqrt(var(r) + eps)`` over each
   contiguous block of G completions, with the population variance and ``eps`` inside the root;
   scaling by the batch std (as TRL's ``scale_rewards="batch"``) or no scaling (Dr. GRPO) as options;
+- the other estimators: leave-one-out baselines (RLOO), REINFORCE++'s returns of KL-shaped token
+  rewards normalised over the batch's tokens (per-token advantages), and GDPO's group
+  normalisation of each reward function before their weighted sum, then over the batch;
 - the KL estimators k1, k2, k3 of Schulman's note, k3 being the seed's
   ``exp(ref - logp) - (ref - logp) - 1``;
 - the clipped surrogate with separate low/high clip ranges (DAPO), an optional dual clip for negative
@@ -17,7 +20,9 @@ Implemented (names follow the papers):
   weights against the sampler's log-probs (truncated or masked, per token or per sequence; Yao
   et al., 2025), off-policy sequence masking (DeepSeek-V3.2) and the log-prob mismatch,
   the high-entropy token mask (Wang et al., 2025, "Beyond the 80/20 rule"), and the soft parameter
-  update used to refresh the reference policy.
+  update used to refresh the reference policy;
+- the entropy bonus (``-coef * H`` per counted token) and the rule that moves its coefficient
+  towards a target entropy (Skywork-OR1).
 
 Shapes: ``N`` completions, ``T`` completion tokens (right padded). ``loss_mask`` is True where a
 token counts. This module imports only torch.
@@ -25,6 +30,7 @@ token counts. This module imports only torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +62,19 @@ def zero_std_groups(rewards: Tensor, group_size: int, atol: float = 1e-6) -> Ten
     return group_std(rewards, group_size) <= atol
 
 
+def _reward_scale(centred: Tensor, rewards: Tensor, scale: str, eps: float) -> Tensor:
+    """The divisor ``scale_rewards`` names. centred: [P, G] float64 rewards less their group's
+    mean; rewards: [N]. Returns each group's ``sqrt(var + eps)`` [P, 1], the batch's, or 1."""
+    if scale == "group":
+        return (centred.pow(2).mean(dim=1, keepdim=True) + eps).sqrt()  # [P, 1]
+    if scale == "batch":
+        flat = rewards.double()
+        return ((flat - flat.mean()).pow(2).mean() + eps).sqrt()
+    if scale == "none":
+        return torch.ones((), dtype=torch.float64)
+    raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+
+
 def group_advantages(
     rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-8
 ) -> Tensor:
@@ -66,16 +85,110 @@ def group_advantages(
     """
     grouped = _group_view(rewards.double(), group_size)  # [P, G]
     centred = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
-    if scale == "group":
-        denom = (centred.pow(2).mean(dim=1, keepdim=True) + eps).sqrt()  # [P, 1]
-    elif scale == "batch":
-        flat = rewards.double()
-        denom = ((flat - flat.mean()).pow(2).mean() + eps).sqrt()
-    elif scale == "none":
-        denom = torch.ones((), dtype=torch.float64)
-    else:
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    denom = _reward_scale(centred, rewards, scale, eps)
     return (centred / denom).reshape(-1).to(rewards.dtype)
+
+
+def leave_one_out_advantages(
+    rewards: Tensor, group_size: int, scale: str = "none", eps: float = 1e-8
+) -> Tensor:
+    """RLOO (Kool et al., 2019; Ahmadian et al., 2024): ``A_i = r_i - mean_{j != i} r_j`` within
+    each group, which is ``G / (G - 1) * (r_i - mean(r))``. rewards: [N] -> [N].
+
+    scale divides as in ``group_advantages`` (by the rewards' std, not the advantages'); RLOO
+    itself does not scale, so a config that leaves ``scale_rewards`` unset resolves it to "none".
+    """
+    grouped = _group_view(rewards.double(), group_size)  # [P, G]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    # r_i - (sum - r_i) / (G - 1) = (G r_i - sum) / (G - 1) = G / (G - 1) * (r_i - mean)
+    loo = centred * (group_size / (group_size - 1))  # [P, G]
+    return (loo / _reward_scale(centred, rewards, scale, eps)).reshape(-1).to(rewards.dtype)
+
+
+# estimator -> advantages of one reward per completion: (rewards [N], group_size, scale, eps) -> [N]
+ESTIMATORS: dict[str, Callable[[Tensor, int, str, float], Tensor]] = {
+    "grpo": group_advantages,
+    "rloo": leave_one_out_advantages,
+}
+
+
+def batch_normalize(values: Tensor, weights: Tensor | None = None, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)``, the mean and population variance over the whole batch,
+    each value weighted by ``weights`` (same shape; 0 leaves a value out of the statistics;
+    default: each value once). Any shape; float64 inside, the values' dtype out. With nothing
+    weighted there is nothing to normalise by: zeros."""
+    x = values.double()
+    w = torch.ones_like(x) if weights is None else weights.double()
+    total = w.sum()
+    if total <= 0:
+        return torch.zeros_like(values)
+    mean = (x * w).sum() / total
+    var = ((x - mean).pow(2) * w).sum() / total
+    return ((x - mean) / (var + eps).sqrt()).to(values.dtype)
+
+
+def decoupled_advantages(
+    per_function: Tensor,
+    weights: Tensor,
+    group_size: int,
+    estimator: str = "grpo",
+    scale: str = "group",
+    eps: float = 1e-8,
+) -> Tensor:
+    """GDPO (Liu et al., 2026, arXiv 2601.05242): each reward function's advantages within its
+    groups separately, their weighted sum, then normalised over the batch.
+
+    per_function: [N, K] scores, NaN where a function returned None (counted as 0, as in the
+    weighted total); weights: [K]. ``A_k = ESTIMATORS[estimator](r_k)`` per function (the
+    paper's: grpo with the group std), ``A = sum_k w_k A_k``; returns ``batch_normalize(A)``
+    [N], each completion counted once. Normalising each function alone keeps apart reward
+    combinations that one normalised total maps to the same advantage.
+    """
+    scores = torch.nan_to_num(per_function.double(), nan=0.0)  # [N, K]
+    per = [
+        ESTIMATORS[estimator](scores[:, k], group_size, scale, eps) for k in range(scores.shape[1])
+    ]
+    combined = (torch.stack(per, dim=1) * weights.double()).sum(dim=1)  # [N]
+    return batch_normalize(combined, eps=eps).to(per_function.dtype)
+
+
+def token_returns(rewards: Tensor, loss_mask: Tensor, token_rewards: Tensor | None) -> Tensor:
+    """Undiscounted returns ``G_t = sum_{s >= t} r_s`` of each completion, where ``r_s`` is
+    ``token_rewards`` (or 0) at counted tokens plus the sequence reward at the last counted
+    token. rewards: [N]; loss_mask, token_rewards: [N, T] -> [N, T] float64 (0 where not
+    counted). A completion with no counted token gets no return."""
+    mask = loss_mask.bool()
+    r = torch.zeros(mask.shape, dtype=torch.float64, device=rewards.device)  # [N, T]
+    if token_rewards is not None:
+        r = torch.where(mask, token_rewards.double(), r)
+    last = mask.shape[1] - 1 - mask.flip(1).int().argmax(dim=1)  # [N] last counted token
+    rows = mask.any(dim=1).nonzero().flatten()
+    r[rows, last[rows]] += rewards.double()[rows]
+    returns = r.flip(1).cumsum(dim=1).flip(1)  # [N, T]
+    return torch.where(mask, returns, torch.zeros_like(returns))
+
+
+def reinforce_pp_advantages(
+    rewards: Tensor,
+    loss_mask: Tensor,
+    kl: Tensor | None = None,
+    beta: float = 0.0,
+    eps: float = 1e-8,
+) -> Tensor:
+    """REINFORCE++ (Hu, 2025, arXiv 2501.03262): the KL to the reference folded into the token
+    rewards, ``r_t = -beta * kl_t`` at every counted token plus the sequence reward at the last,
+    returns ``G_t = sum_{s >= t} r_s``, then normalised over every counted token of the batch.
+
+    rewards: [N]; loss_mask, kl: [N, T] (kl of the sampling policy to the reference). Returns
+    [N, T] in the rewards' dtype, 0 where not counted. With beta 0 every token of completion i
+    gets ``(r_i - m) / sqrt(v + eps)``, m and v the rewards' mean and variance over the
+    counted tokens (each completion weighted by its length).
+    """
+    shaped = None if kl is None or not beta else -beta * kl.double()
+    returns = token_returns(rewards, loss_mask, shaped)  # [N, T]
+    mask = loss_mask.bool()
+    normalized = batch_normalize(returns, mask, eps)
+    return torch.where(mask, normalized, torch.zeros_like(normalized)).to(rewards.dtype)
 
 
 # --------------------------------------------------------------------------------------- KL
@@ -229,7 +342,7 @@ def _sapo_surrogate(
     # SAPO: -f(rho) * A with the gate f(x) = sigmoid(tau * (x - 1)) * 4 / tau; its slope
     # 4 * s * (1 - s) is 1 at rho = 1 (the plain policy gradient on-policy) and fades smoothly
     # as rho leaves 1, faster for a hotter tau (tau_neg for A <= 0)
-    tau = torch.where(adv > 0, k.sapo_tau_pos, k.sapo_tau_neg)  # [N, 1]
+    tau = torch.where(adv > 0, k.sapo_tau_pos, k.sapo_tau_neg)  # as adv: [N, 1] or [N, T]
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # [N, T]
     return -gate * adv, {}
 
@@ -278,11 +391,15 @@ def policy_loss(
     importance_weights: Tensor | None = None,
     normalizer: Normalizer | None = None,
     pg_mask: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Policy-gradient loss (a per-token surrogate) with an optional in-loss KL penalty.
+    """Policy-gradient loss (a per-token surrogate) with an optional in-loss KL penalty and
+    entropy bonus.
 
     logp, old_logp, ref_logp: [N, T] log-probs of the sampled tokens under the current, the
-    sampling-time and the reference policy. advantages: [N]. loss_mask: [N, T] bool.
+    sampling-time and the reference policy. advantages: [N] (one per completion, shared by its
+    tokens) or [N, T] (one per token: REINFORCE++, GAE). loss_mask: [N, T] bool.
     importance_weights: [N, T] detached per-token weights (the sampler/trainer correction,
     ``importance_weights`` and ``offpolicy_sequence_mask``), multiplying the surrogate.
     normalizer: step-wide counts; by default the batch given is the whole step and its length
@@ -290,10 +407,12 @@ def policy_loss(
     pg_mask: [N, T] bool, tokens whose surrogate term counts (the high-entropy filter); the KL
     term and the aggregation's token counts still use ``loss_mask``, so filtered tokens count as
     zeros, as in the paper's objective.
+    entropy: [N, T] the policy's entropy at each position, differentiable; with
+    ``entropy_coef`` > 0 every counted token's term loses ``entropy_coef * entropy``.
 
     ``LOSS_TYPES[loss_type]`` names the surrogate and the aggregation. Per token, before
-    ``+ beta*KL``: ``clip`` ``-min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)``; ``cispo``
-    ``-sg(clip(rho, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logp``; ``sapo``
+    ``+ beta*KL - entropy_coef*H``: ``clip`` ``-min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)``;
+    ``cispo`` ``-sg(clip(rho, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logp``; ``sapo``
     ``-sigmoid(tau*(rho-1)) * 4/tau * A`` (tau = sapo_tau_pos if A > 0 else sapo_tau_neg).
     Returns the loss and detached statistics over counted tokens.
     """
@@ -317,7 +436,10 @@ def policy_loss(
 
     log_ratio = LOG_RATIOS[ratio_level](logp, old_logp, mask)  # [N, T]
     ratio = torch.exp(log_ratio)  # [N, T]
-    adv = advantages.unsqueeze(1)  # [N, 1]
+    if advantages.dim() == 1:
+        adv = advantages.unsqueeze(1)  # [N, 1]
+    else:  # [N, T]: masked positions may hold anything
+        adv = torch.where(keep, advantages, torch.zeros_like(advantages))
     per_token, flags = SURROGATES[surrogate](ratio, logp, adv, knobs)  # [N, T]
     if importance_weights is not None:
         per_token = per_token * importance_weights
@@ -330,6 +452,8 @@ def policy_loss(
         kl = KL_ESTIMATORS[kl_estimator](logp, ref_logp)  # [N, T]
         if beta:
             per_token = per_token + beta * kl
+    if entropy_coef:
+        per_token = per_token - entropy_coef * torch.where(keep, entropy, torch.zeros_like(logp))
 
     loss = AGGREGATIONS[aggregation](per_token, mask, normalizer)
 
@@ -403,11 +527,16 @@ def offpolicy_sequence_mask(
     A completion with A < 0 is dropped when ``mean_t(behaviour_logp - logp) > delta`` over its
     counted tokens: the sampled-token estimate of KL(behaviour || current), so a negative
     sample the policy has already moved far from no longer pushes it. logp, behaviour_logp:
-    [N, T]; advantages: [N]; loss_mask: [N, T] bool. Returns [N] bool, True where kept.
+    [N, T]; advantages: [N], or [N, T] per token (a completion's sign is then that of their mean
+    over its counted tokens); loss_mask: [N, T] bool. Returns [N] bool, True where kept.
     """
     mask = loss_mask.to(logp.dtype)
+    counted = mask.sum(dim=1).clamp(min=1)  # [N]
     gap = torch.where(loss_mask.bool(), behaviour_logp - logp.detach(), torch.zeros_like(logp))
-    divergence = (gap * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
+    divergence = (gap * mask).sum(dim=1) / counted  # [N]
+    if advantages.dim() == 2:
+        per_token = torch.where(loss_mask.bool(), advantages, torch.zeros_like(advantages))
+        advantages = per_token.sum(dim=1) / counted  # [N]
     return ~((advantages < 0) & (divergence > delta))
 
 
@@ -439,6 +568,15 @@ def top_entropy_mask(entropy: Tensor, loss_mask: Tensor, quantile: float) -> Ten
     threshold = torch.quantile(values, 1.0 - quantile)
     # a 0-dim threshold takes the entropy's dtype in the comparison (torch's promotion rule)
     return keep & (entropy.detach() >= threshold)
+
+
+def adapted_entropy_coef(coef: float, entropy: float, target: float, step: float) -> float:
+    """The next step's entropy-bonus coefficient (Skywork-OR1, He et al., 2025): ``step``
+    higher when the measured mean token entropy is below ``target``, ``step`` lower when above,
+    never below 0. A step with no measurement (NaN: no counted token) leaves it as it is."""
+    if math.isnan(entropy) or entropy == target:
+        return coef
+    return max(coef + step if entropy < target else coef - step, 0.0)
 
 
 # --------------------------------------------------------------------------------------- reference

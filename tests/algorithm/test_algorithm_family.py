@@ -82,6 +82,32 @@ def test_resolved_config_reloads_identically() -> None:
     assert again == config
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "expected"),
+    [
+        ({}, {"scale_rewards": "group", "kl_estimator": "k3"}),
+        # RLOO does not scale (TRL's RLOOTrainer, verl's rloo); REINFORCE++'s KL is k1
+        ({"estimator": "rloo"}, {"scale_rewards": "none", "kl_estimator": "k3"}),
+        ({"estimator": "reinforce_pp"}, {"scale_rewards": "group", "kl_estimator": "k1"}),
+        # what the recipe sets wins, over the estimator's default and the preset's
+        ({"estimator": "rloo", "scale_rewards": "group"}, {"scale_rewards": "group"}),
+        ({"estimator": "reinforce_pp", "kl_estimator": "k3"}, {"kl_estimator": "k3"}),
+        ({"estimator": "rloo", "preset": "dr_grpo"}, {"scale_rewards": "none", "beta": 0.0}),
+    ],
+)
+def test_an_estimator_fills_its_defaults_before_the_preset(algorithm, expected) -> None:
+    config = build_config({"algorithm": algorithm})
+    for key, value in expected.items():
+        assert getattr(config.algorithm, key) == value, key
+    # the resolved config (config.yaml) reloads as itself
+    assert build_config(yaml.safe_load(dump_config(config))) == config
+
+
+def test_gdpo_without_groups_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="estimator reinforce_pp has no groups"):
+        build_config({"algorithm": {"estimator": "reinforce_pp", "reward_aggregation": "gdpo"}})
+
+
 def test_ref_refresh_without_a_reference_is_an_error() -> None:
     # dapo has beta 0: no reference model, so there is nothing to refresh
     with pytest.raises(ConfigError, match="ref_update_every needs beta > 0"):

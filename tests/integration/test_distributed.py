@@ -146,8 +146,12 @@ def distributed_run(tiny_config, tmp_path: Path):
         pytest.param({"_strategy": "fsdp"}, marks=pytest.mark.slow),
         # DAPO with dynamic sampling: every rank sees every round, then takes an equal share
         {"preset": "dapo", "_sampling": {"dynamic": True, "max_rounds": 4}},
+        # REINFORCE++'s normalisation over every rank's tokens, KL in the rewards, an entropy
+        # bonus through DDP
+        {"estimator": "reinforce_pp", "beta": 0.1, "entropy_coef": 0.05},
+        pytest.param({"reward_aggregation": "gdpo"}, marks=pytest.mark.slow),
     ],
-    ids=["dapo-batch-std", "grpo", "fsdp2", "dapo-dynamic"],
+    ids=["dapo-batch-std", "grpo", "fsdp2", "dapo-dynamic", "reinforce_pp-entropy", "gdpo"],
 )
 def test_two_gloo_ranks_match_one_process(
     distributed_run, tiny_model_dir: Path, algorithm: dict

@@ -27,7 +27,12 @@ def test_every_logged_metric_is_in_the_glossary(tiny_config, tmp_path: Path) -> 
     )
     config = tiny_config(
         rewards={"functions": [{"name": "format"}, {"name": f"{reward}:noisy"}]},
-        algorithm={"beta": 0.1, "ref_update_every": 1, "top_entropy_quantile": 0.5},
+        algorithm={
+            "beta": 0.1,
+            "ref_update_every": 1,
+            "top_entropy_quantile": 0.5,
+            "entropy_coef": 0.01,
+        },
         sampling={"dynamic": True, "max_rounds": 2, "greso": True},
         train={"steps": 2, "eval_every": 1, "eval_examples": 2},
     )

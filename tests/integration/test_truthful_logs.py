@@ -114,6 +114,10 @@ def test_k1_in_the_loss_warns_once(tiny_config, capsys) -> None:
     assert lines == [grpo.training.console.K1_WARNING]
     Trainer(tiny_config(algorithm={"beta": 0.04, "kl_estimator": "k3"}))
     Trainer(tiny_config(algorithm={"beta": 0.0, "kl_estimator": "k1"}))  # no KL in the loss
+    # REINFORCE++ puts the (k1, the paper's) KL into the rewards, not the loss
+    reinforce_pp = tiny_config(algorithm={"beta": 0.04, "estimator": "reinforce_pp"})
+    assert reinforce_pp.algorithm.kl_estimator == "k1"
+    Trainer(reinforce_pp)
     assert "k1" not in capsys.readouterr().err
 
 

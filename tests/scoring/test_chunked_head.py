@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.scoring import chunked_head, logprobs, packing
 from grpo.scoring.chunked_head import History, Scorer, chunked_head_slot
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Sampling, process_logits
 from grpo.scoring.logprobs import completion_logprobs, token_logprobs
 
 SAMPLINGS = {
@@ -137,7 +137,7 @@ def test_backward_recomputes_the_logits_in_the_forwards_dtype(sampling, monkeypa
 
     monkeypatch.setattr(F, "linear", spy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        picked, lse = chunked_head._ChunkedHead.apply(
+        picked, lse, _ = chunked_head._ChunkedHead.apply(
             hidden, head.weight, head.bias, scorer, 4, [], False, False, True
         )
     (picked.sum() + lse.sum()).backward()
@@ -154,7 +154,7 @@ def test_a_head_weight_computed_from_others_hands_its_gradient_on() -> None:
     at = torch.tensor([[0, 3, 4], [0, 7, 10]])
     scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), Sampling(), False, None, 11)
     for _ in range(2):
-        picked, lse = chunked_head._ChunkedHead.apply(
+        picked, lse, _ = chunked_head._ChunkedHead.apply(
             hidden, base * 2.0, None, scorer, 4, [], True, False, True
         )
         scorer.logprobs(picked, lse, None, None)[0].sum().backward()
@@ -210,10 +210,10 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     tol = {"atol": 2e-2, "rtol": 2e-2} if autocast else {}
     extras: list = []
     with bf16:
-        picked, lse = chunked_head._ChunkedHead.apply(
+        picked, lse, entropy = chunked_head._ChunkedHead.apply(
             hidden, head.weight, head.bias, scorer, 4, extras, False, keep, True
         )
-    got = scorer.logprobs(picked, lse, *extras)[0]
+    got = scorer.logprobs(picked, lse, *extras, entropy)[0]
     got.sum().backward()
     grads = [t.grad.clone() for t in (hidden, head.weight, head.bias)]
     for t in (hidden, head.weight, head.bias):
@@ -228,10 +228,10 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     head.weight.grad = head.bias.grad = hidden.grad = None
     extras = []
     with bf16:
-        frozen = chunked_head._ChunkedHead.apply(
+        picked, lse, entropy = chunked_head._ChunkedHead.apply(
             hidden, head.weight, head.bias, scorer, 4, extras, False, keep, True
         )
-    scorer.logprobs(*frozen, *extras)[0].sum().backward()
+    scorer.logprobs(picked, lse, *extras, entropy)[0].sum().backward()
     assert head.weight.grad is None and head.bias.grad is None
     torch.testing.assert_close(hidden.grad, grads[0])
 
@@ -546,15 +546,15 @@ def _logits_made(
 
     extras: list = []
     with Record():
-        picked, lse = chunked_head._ChunkedHead.apply(
+        picked, lse, entropy = chunked_head._ChunkedHead.apply(
             hidden, weight, None, scorer, chunk, extras, False, keep, True
         )
     forward = list(made)
     made.clear()
     with Record():
-        scorer.logprobs(picked, lse, *extras)[0].sum().backward()
+        scorer.logprobs(picked, lse, *extras, entropy)[0].sum().backward()
     want = scorer.of_logits(hidden.detach() @ weight.detach().T, chunk=chunk)
-    got = scorer.logprobs(picked.detach(), lse.detach(), *extras)
+    got = scorer.logprobs(picked.detach(), lse.detach(), *extras, entropy)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
     return forward, made, products, scorer
@@ -680,11 +680,11 @@ def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling, keep
     scorer = Scorer.of(none, none, sampling, True, None, 0)
     extras: list = []
     chunk = scorer.head_chunk(0, 17)
-    picked, lse = chunked_head._ChunkedHead.apply(
+    picked, lse, entropy = chunked_head._ChunkedHead.apply(
         hidden, weight, None, scorer, chunk, extras, False, keep, True
     )
     (picked.sum() + lse.sum()).backward()
-    assert picked.shape == lse.shape == extras[1].shape == (0,)
+    assert picked.shape == lse.shape == entropy.shape == (0,)
     assert torch.equal(weight.grad, torch.zeros_like(weight))
 
 
@@ -696,3 +696,65 @@ def test_kept_logits_refuse_a_sampling_that_shapes_them() -> None:
     hidden, weight = torch.randn(1, 6), torch.randn(17, 6)
     with pytest.raises(ValueError, match="plain sampling"):
         chunked_head._ChunkedHead.apply(hidden, weight, None, scorer, 1, [], False, True, True)
+
+
+# --------------------------------------------------------------------------------------- entropy
+
+
+@pytest.mark.parametrize(
+    "sampling", [Sampling(), Sampling(0.7), Sampling(0.8, top_k=4, top_p=0.9)], ids=str
+)
+def test_the_entropys_gradient_is_the_formulas(sampling: Sampling) -> None:
+    # the entropy of the distribution sampled from, differentiated: against autograd through
+    # -sum p log p over the kept tokens (removed tokens have p = 0 and get no gradient)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 11, generator=gen, requires_grad=True)
+    at = torch.randint(0, 9, (3, 4), generator=gen)
+    targets = torch.randint(0, 11, (3, 4), generator=gen)
+    weights = torch.linspace(-1.0, 2.0, 12).view(3, 4)
+    _, entropy = token_logprobs(logits, at, targets, sampling, with_entropy=True, chunk=4)
+    (grad,) = torch.autograd.grad((entropy * weights).sum(), logits)
+    kept = process_logits(logits, sampling)  # removed tokens at -inf
+    log_p = torch.log_softmax(kept, dim=-1)
+    removed = torch.isinf(kept)
+    want_entropy = -(log_p.exp() * log_p.masked_fill(removed, 0.0)).sum(dim=-1)[at]
+    (want,) = torch.autograd.grad((want_entropy * weights).sum(), logits)
+    torch.testing.assert_close(entropy, want_entropy)
+    torch.testing.assert_close(grad, want)
+    assert grad.abs().max() > 1e-3 and bool(removed.any()) == sampling.truncates
+    if sampling.truncates:  # a removed token's logit gets no gradient from the entropy
+        assert torch.equal(grad[removed], torch.zeros(int(removed.sum())))
+
+
+@pytest.mark.parametrize("head", ["chunked", "kept"])
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_the_chunked_heads_entropy_gradient_equals_the_plain_heads(
+    model, monkeypatch, head: str, name: str
+) -> None:
+    # a loss on log-probs and entropies (an entropy bonus): every parameter's gradient equals
+    # the plain head's, on the in-place path (plain sampling: recomputed, or kept) and through
+    # autograd (penalty and truncation)
+    _chunks_of(3, model.config.vocab_size, monkeypatch)
+    if head == "kept":
+        chunked_head.full_logits(model)
+    batch, mask = _batch(g=3, n=6), _batch(g=3, n=6)[3]
+    weights = torch.linspace(-1, 2, mask.numel()).view(mask.shape)
+
+    def grads(plain: bool) -> list[torch.Tensor]:
+        with monkeypatch.context() as patch:
+            if plain:
+                patch.setattr(chunked_head, "head_slot", lambda model: None)
+            model.zero_grad()
+            logp, entropy = completion_logprobs(model, *batch, SAMPLINGS[name], with_entropy=True)
+            ((logp + 3.0 * entropy) * weights * mask).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    got, want = grads(plain=False), grads(plain=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    with monkeypatch.context() as patch:  # the entropy's share of the gradient is not small
+        patch.setattr(chunked_head, "head_slot", lambda model: None)
+        model.zero_grad()
+        logp, _ = completion_logprobs(model, *batch, SAMPLINGS[name])
+        (logp * weights * mask).sum().backward()
+    assert (got[0] - model.get_input_embeddings().weight.grad).abs().max() > 1e-3

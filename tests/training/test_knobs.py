@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import grpo.training.advantages
 import grpo.training.trainer
 from grpo import algorithm
 from grpo.config import Config, build_config
@@ -163,10 +164,10 @@ def test_dynamic_sampling_recomputes_advantages_with_the_configured_eps(
     # each round's are (a large eps shrinks every advantage, so it shows in the values)
     config = knob_config(algorithm={"adv_eps": 0.5}, sampling={"dynamic": True, "max_rounds": 2})
     trainer = Trainer(config)
-    calls = spy_on(monkeypatch, algorithm, "group_advantages")
+    calls = spy_on(monkeypatch, grpo.training.advantages, "batch_advantages")
     batch = trainer.producer.collect(0, {"rollout": 0.0, "reward": 0.0, "skipped": 0.0})
     assert batch.train is not None and len(calls) >= 2  # each round's, then the kept batch's
-    assert [c["eps"] for c in calls] == [0.5] * len(calls)
+    assert [c["algo"].adv_eps for c in calls] == [0.5] * len(calls)
     r = batch.train.rewards.double().view(-1, 4)
     centred = r - r.mean(dim=1, keepdim=True)
     expected = centred / (centred.pow(2).mean(dim=1, keepdim=True) + 0.5).sqrt()

@@ -144,8 +144,8 @@ class Script:
 ZERO, INFO = (1.0, 1.0), (1.0, 0.0)
 
 
-def double(rewards: torch.Tensor) -> torch.Tensor:
-    return 2 * rewards
+def double(scored: Scored) -> torch.Tensor:
+    return 2 * scored.rewards
 
 
 def test_round_size() -> None:

@@ -1,6 +1,9 @@
 """Resolution: what a config derives from its own choices, computed once when it is validated.
 
 - A built-in task brings its default rewards (humaneval: ``code``) unless the recipe names some.
+- ``algorithm.estimator`` brings its own defaults for fields left unset, before the preset's:
+  rloo does not scale by a std (``scale_rewards: none``, as TRL's RLOOTrainer and verl's rloo),
+  reinforce_pp folds the k1 KL of the paper into its rewards (``kl_estimator: k1``).
 - ``algorithm.preset`` fills every field of its member of the family that was not set
   explicitly (``grpo.config.presets``).
 - Rules between sections that hold only after both steps (a reference refresh needs ``beta``).
@@ -27,6 +30,7 @@ def resolve(config: Config) -> None:
         # still a default, not the user's choice: a preset may extend it (dapo adds overlong)
         resolved.__pydantic_fields_set__.discard("functions")
         _replace(config, "rewards", resolved)
+    _estimator_defaults(config)
     for name, updates in preset_updates(config).items():
         section = getattr(config, name)
         _replace(
@@ -55,6 +59,28 @@ def resolve(config: Config) -> None:
             "algorithm.ref_mix_alpha < 1 needs full weights "
             "(mixing LoRA factors does not mix the weights)"
         )
+
+
+# estimator -> the values it gives fields a recipe leaves unset
+ESTIMATOR_DEFAULTS: dict[str, dict[str, str]] = {
+    "grpo": {},
+    "rloo": {"scale_rewards": "none"},
+    "reinforce_pp": {"kl_estimator": "k1"},
+}
+
+
+def _estimator_defaults(config: Config) -> None:
+    algo = config.algorithm
+    if algo.estimator == "reinforce_pp" and algo.reward_aggregation == "gdpo":
+        raise ValueError(
+            "algorithm.reward_aggregation=gdpo normalises each reward within its group; "
+            "estimator reinforce_pp has no groups: use estimator grpo or rloo"
+        )
+    defaults = ESTIMATOR_DEFAULTS[algo.estimator]
+    unset = {k: v for k, v in defaults.items() if k not in algo.model_fields_set}
+    if unset:
+        tree = {**algo.model_dump(exclude_unset=True), **unset}
+        _replace(config, "algorithm", type(algo).model_validate(tree))
 
 
 def _replace(config: Config, name: str, section: object) -> None:

@@ -170,8 +170,12 @@ class RewardsConfig(Section):
 
 
 class AlgorithmConfig(Section):
+    estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator: group-relative (grpo), leave-one-out baseline (rloo), or REINFORCE++ (reinforce_pp: KL folded into per-token rewards, returns normalised over the batch's tokens); docs/algorithm.md, Advantage estimators."""
+    reward_aggregation: Literal["sum", "gdpo"] = "sum"
+    """How reward functions combine: their weighted sum, then the estimator (sum), or the estimator on each function in its groups, the weighted sum of those, normalised over the batch (gdpo; GDPO)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO)."""
+    """Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO). Unset with estimator rloo: none; not used by reinforce_pp."""
     loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"] = "grpo"
     """The per-token surrogate and its aggregation over tokens (docs/algorithm.md): grpo, bnpo, dapo and dr_grpo aggregate the clipped surrogate differently; cispo is MiniMax-M1's clipped, stop-gradient importance weight on log pi (token mean over the step, as dapo); sapo is SAPO's soft sigmoid gate in place of the clip (per-sequence mean, as grpo)."""
     ratio_level: Literal["token", "sequence"] = "token"
@@ -218,6 +222,12 @@ class AlgorithmConfig(Section):
     """Refresh the reference from the policy every N steps (0 = frozen reference); needs beta > 0."""
     ref_mix_alpha: float = Field(1.0, gt=0, le=1)
     """Refresh as ref <- alpha * policy + (1 - alpha) * ref; 1 copies (the only choice with LoRA)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: the loss loses coef x the policy's mean token entropy (aggregated as the loss's tokens); with entropy_target, the starting coefficient."""
+    entropy_target: float | None = Field(None, gt=0)
+    """Adapt entropy_coef after each step towards this mean token entropy (nats): entropy_coef_step higher below it, lower above it, never below 0 (null = a fixed coefficient)."""
+    entropy_coef_step: float = Field(0.005, gt=0)
+    """entropy_target: the coefficient's change per step."""
 
 
 class SamplingConfig(Section):

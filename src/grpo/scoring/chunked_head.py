@@ -198,14 +198,7 @@ class Scorer:
         lse = torch.logsumexp(kept, dim=-1)
         entropy = None
         if self.with_entropy if with_entropy is None else with_entropy:
-            with torch.no_grad():  # logged and used for token selection, never differentiated
-                probs = torch.softmax(kept, dim=-1)  # 0 on removed tokens
-                # -sum p ln p as sum p (lse - x): no logarithm per logit (5x faster than entr)
-                # and no cancellation between two large sums, each term >= 0. nansum drops
-                # the 0 * inf of a removed or -inf logit; lse - lse (NaN where lse is not
-                # finite: a NaN or +inf logit, or every logit -inf) keeps such a row NaN
-                terms = (lse[:, None] - kept).mul_(probs)  # one [c, V] temporary, not two
-                entropy = terms.nansum(dim=-1) + (lse - lse)
+            entropy = _Entropy.apply(kept, lse)
         return picked, lse, cutoff, entropy
 
     def head_chunk(self, positions: int, vocab: int) -> int:
@@ -260,12 +253,15 @@ class Scorer:
         lse: Tensor,
         grad_picked: Tensor,
         grad_lse: Tensor,
+        entropy: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """The gradient of the raw ``logits`` ([c, V] float32) from those of ``plain_terms_``'s
-        picked logits and log-normaliser, computed in ``logits`` (overwritten, returned)."""
+        picked logits, log-normaliser and (``entropy``: its values and gradient) entropy,
+        computed in ``logits`` (overwritten, returned)."""
         if self.sampling.temperature != 1.0:
             logits.div_(self.sampling.temperature)
-        return self.softmax_grad_(logits.sub_(lse[:, None]), start, span, grad_picked, grad_lse)
+        log_softmax = logits.sub_(lse[:, None])
+        return self.softmax_grad_(log_softmax, start, span, grad_picked, grad_lse, entropy)
 
     def softmax_grad_(
         self,
@@ -274,10 +270,19 @@ class Scorer:
         span: tuple[int, int],
         grad_picked: Tensor,
         grad_lse: Tensor,
+        entropy: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``plain_grad_`` from the log-softmax x / T - lse of the chunk's positions, in place:
-        softmax * grad_lse, plus grad_picked at each target, over the temperature."""
-        grad = log_softmax.exp_().mul_(grad_lse[:, None])
+        softmax * grad_lse, plus grad_picked at each target, over the temperature. ``entropy``
+        (the entropy H [c] and its gradient g [c], when the loss uses it) adds
+        ``dH/dx = -p (log p + H)`` times g."""
+        if entropy is None:
+            grad = log_softmax.exp_().mul_(grad_lse[:, None])
+        else:
+            value, grad_entropy = entropy
+            probs = log_softmax.exp()  # the one [c, V] temporary an entropy bonus costs
+            factor = log_softmax.add_(value[:, None]).mul_(-grad_entropy[:, None])
+            grad = factor.add_(grad_lse[:, None]).mul_(probs)
         lo, hi = span
         # accumulate: a position shared by several targets (a prompt's last) takes each one's
         grad.index_put_(
@@ -312,9 +317,39 @@ class Scorer:
 Terms = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
 
 
+class _Entropy(torch.autograd.Function):
+    """The entropy of each row of logits: kept [c, V] (removed tokens at -inf) and their
+    log-normaliser lse [c] -> H [c], differentiable in ``kept`` (``dH/dx = -p (log p + H)``).
+
+    Only ``kept`` and ``lse`` are saved (the log-normaliser's own backward keeps them anyway),
+    so an entropy that is only logged holds no [c, V] tensor of its own."""
+
+    @staticmethod
+    def forward(ctx, kept, lse):  # type: ignore[override]
+        probs = torch.softmax(kept, dim=-1)  # 0 on removed tokens
+        # -sum p ln p as sum p (lse - x): no logarithm per logit (5x faster than entr) and no
+        # cancellation between two large sums, each term >= 0. nansum drops the 0 * inf of a
+        # removed or -inf logit; lse - lse (NaN where lse is not finite: a NaN or +inf logit,
+        # or every logit -inf) keeps such a row NaN
+        terms = (lse[:, None] - kept).mul_(probs)  # one [c, V] temporary, not two
+        entropy = terms.nansum(dim=-1) + (lse - lse)
+        ctx.save_for_backward(kept, lse, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_entropy):  # type: ignore[override]
+        kept, lse, entropy = ctx.saved_tensors
+        log_probs = kept - lse[:, None]
+        probs = log_probs.exp()
+        # a removed token (p = 0, log p = -inf) gets no gradient, not 0 * -inf
+        grad = torch.where(probs > 0, probs * (log_probs + entropy[:, None]), 0.0)
+        return grad.mul_(-grad_entropy[:, None]), None
+
+
 class _ChunkedHead(torch.autograd.Function):
     """The LM head and a ``Scorer``'s terms, ``chunk`` positions at a time: hidden [M, H] ->
-    picked [B*T] and log-normaliser [M], differentiable; the cutoff and entropy go to ``out``.
+    picked [B*T], log-normaliser [M] and entropy [M] (None unless asked for), differentiable;
+    the cutoff goes to ``out``.
 
     Only the hidden states are kept for backward: each chunk's logits are computed again there
     and their gradient folded into the head's at once, so neither the [M, V] logits nor their
@@ -341,6 +376,9 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, scorer, chunk, out, in_place, keep, grad):  # type: ignore[override]
+        # an output the loss does not use (the entropy, when it is only logged) gets None in
+        # backward, so it costs nothing there
+        ctx.set_materialize_grads(False)
         device = hidden.device.type
         # the dtype the head's products run in: autocast's (bf16) where it is on, else the weight's
         on = torch.is_autocast_enabled(device)
@@ -374,15 +412,23 @@ class _ChunkedHead(torch.autograd.Function):
                 ]
             else:
                 terms = [scorer.terms(F.linear(h, w, b), k * chunk, s) for k, (h, s) in parts]
-        out.extend([_cat([t[2] for t in terms]), _cat([t[3] for t in terms])])
+        out.append(_cat([t[2] for t in terms]))
         picked, lse = torch.cat([t[0] for t in terms]), torch.cat([t[1] for t in terms])
+        entropy = _cat([t[3] for t in terms])
         # the backward's softmax on the in-place path, without a logsumexp; None: autograd's
         ctx.lse = lse.detach() if scorer.sampling.plain and not keep else None
-        return picked, lse
+        # what the in-place paths' entropy gradient needs (detached: an output kept on ctx
+        # would hold its own graph node)
+        ctx.entropy = None if entropy is None else entropy.detach()
+        return picked, lse, entropy
 
     @staticmethod
-    def backward(ctx, grad_picked, grad_lse):  # type: ignore[override]
+    def backward(ctx, grad_picked, grad_lse, grad_entropy):  # type: ignore[override]
         hidden, weight, bias = ctx.saved_tensors
+        if grad_picked is None:
+            grad_picked = hidden.new_zeros(ctx.scorer.tokens.numel(), dtype=torch.float32)
+        if grad_lse is None:
+            grad_lse = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # every row is written
         # only a leaf keeps a .grad: a weight computed from others (a parametrization) hands
@@ -395,34 +441,47 @@ class _ChunkedHead(torch.autograd.Function):
         )
         grad_bias = torch.zeros_like(bias) if need_bias else None
         w = ctx.run_weights[0]
-        for start, h, grad in _ChunkedHead.logit_grads(ctx, hidden, grad_picked, grad_lse):
+        grads = _ChunkedHead.logit_grads(ctx, hidden, grad_picked, grad_lse, grad_entropy)
+        for start, h, grad in grads:
             if grad_hidden is not None:
                 grad_hidden[start : start + h.shape[0]] = grad @ w
             if grad_weight is not None:
                 add_product_(grad_weight, grad.T, h)
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0, dtype=grad_bias.dtype)
-        ctx.run_weights = None
+        ctx.run_weights = ctx.entropy = None
         if into_grad:
             grad_weight = None  # already in weight.grad
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
     @staticmethod
     def logit_grads(
-        ctx, hidden: Tensor, grad_picked: Tensor, grad_lse: Tensor
+        ctx, hidden: Tensor, grad_picked: Tensor, grad_lse: Tensor, grad_entropy: Tensor | None
     ) -> Iterator[tuple[int, Tensor, Tensor]]:
         """(first position, hidden states [c, H], gradient of their logits [c, V]), both in the
         forward's product dtype: every position at once from the kept log-softmax, else a
-        chunk at a time from the logits computed again."""
+        chunk at a time from the logits computed again. ``grad_entropy``: [M], or None when
+        the loss does not use the entropy."""
         scorer, chunk = ctx.scorer, ctx.chunk
         w, b = ctx.run_weights  # the forward's, so its logits come back exactly
+
+        def entropy(start: int, stop: int) -> tuple[Tensor, Tensor] | None:
+            if grad_entropy is None:
+                return None
+            return ctx.entropy[start:stop], grad_entropy[start:stop]
+
         if ctx.kept is not None:
             grad, ctx.kept = ctx.kept, None
             for k, ((lo, hi), part) in enumerate(zip(ctx.spans, grad.split(chunk), strict=True)):
                 start = k * chunk
                 stop = start + part.shape[0]
                 scorer.softmax_grad_(
-                    part, start, (lo, hi), grad_picked[lo:hi], grad_lse[start:stop]
+                    part,
+                    start,
+                    (lo, hi),
+                    grad_picked[lo:hi],
+                    grad_lse[start:stop],
+                    entropy(start, stop),
                 )
             grad = grad.to(w.dtype)  # a bf16 product's copy; float32's is the buffer itself
             yield 0, hidden.to(w.dtype), grad
@@ -440,12 +499,18 @@ class _ChunkedHead(torch.autograd.Function):
                     ctx.lse[start:stop],
                     grad_picked[lo:hi],
                     grad_lse[start:stop],
+                    entropy(start, stop),
                 ).to(w.dtype)  # [c, V]: the products run in the forward's dtype
             else:
                 logits = F.linear(h, w, b).requires_grad_()  # the forward's logits, exactly
+                used = grad_entropy is not None
                 with torch.enable_grad():
-                    picked, lse, _, _ = scorer.terms(logits, start, (lo, hi), with_entropy=False)
-                torch.autograd.backward((picked, lse), (grad_picked[lo:hi], grad_lse[start:stop]))
+                    picked, lse, _, ent = scorer.terms(logits, start, (lo, hi), with_entropy=used)
+                outputs, grads = [picked, lse], [grad_picked[lo:hi], grad_lse[start:stop]]
+                if used:
+                    outputs.append(ent)
+                    grads.append(grad_entropy[start:stop])
+                torch.autograd.backward(outputs, grads)
                 grad = logits.grad  # [c, V]
             yield start, h, grad
 
@@ -468,7 +533,8 @@ class _ScoringHead(nn.Module):
         chunk = self.scorer.head_chunk(flat.shape[0], w.shape[0])
         args = (self.scorer, chunk, self.extras, self.in_place, self.keep, torch.is_grad_enabled())
         self.positions = flat.shape[0]
-        picked, lse = _ChunkedHead.apply(flat, w, b, *args)
+        picked, lse, entropy = _ChunkedHead.apply(flat, w, b, *args)
+        self.extras.append(entropy)  # after the cutoff; differentiable, beside the output
         self.output = torch.cat([picked, lse])[None, None]
         return self.output
 

@@ -5,7 +5,8 @@ written and read back. The run directory (``grpo.runs.directory``) owns the fold
 A checkpoint is the HF folder of the policy plus ``trainer_state.pt``: step, data position,
 optimizer (and the float32 master weights of a bf16 policy), scheduler, RNG (rank 0's; other
 ranks add ``rng-rank{r}.pt``), GRESO's history, the temperature controller, the reward-hacking
-watch's windows, the reference (when it is refreshed) and, for LoRA, the adapter weights.
+watch's windows, the entropy bonus's coefficient, the reference (when it is refreshed) and, for
+LoRA, the adapter weights.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def trainer_state(t: Trainer, optimizer: dict[str, Any]) -> dict[str, Any]:
         "scheduler": t.scheduler.state_dict(),
         "rng": capture_rng(),
         "hack_watch": t.hack_watch.state_dict(),
+        "entropy_bonus": t.entropy_bonus.state_dict(),
         "reference": None if t.reference is None else t.reference.state_dict(),
         # LoRA: only the adapters train
         "trainable": {k: v for k, v in t.policy.state_dict().items() if "lora_" in k}
@@ -164,6 +166,8 @@ def _load_checkpoint(t: Trainer, path: Path) -> None:
     t.producer.load_state_dict(state)
     if state.get("hack_watch"):  # a checkpoint from before the watch starts it afresh
         t.hack_watch.load_state_dict(state["hack_watch"])
+    if state.get("entropy_bonus"):
+        t.entropy_bonus.load_state_dict(state["entropy_bonus"])
     if t.reference is not None and state.get("reference"):
         t.reference.load_state_dict(state["reference"])
     t.step = t.saved_step = state["step"]

@@ -8,6 +8,7 @@ import sys
 import transformers
 
 from grpo.config import Config
+from grpo.training import advantages
 
 # the gradient of beta * (logp - ref_logp) is beta * grad(logp), whose mean over sampled tokens
 # is zero: in the loss, k1 does not pull the policy towards the reference
@@ -19,7 +20,9 @@ K1_WARNING = (
 
 def warn_about(config: Config) -> None:
     """One line for each setting that runs but does not do what its name suggests."""
-    if config.algorithm.beta > 0 and config.algorithm.kl_estimator == "k1":
+    algo = config.algorithm
+    # reinforce_pp puts the KL into the rewards, where k1 is the paper's estimator
+    if algo.beta > 0 and algo.kl_estimator == "k1" and advantages.loss_beta(algo) > 0:
         print(K1_WARNING, file=sys.stderr)
 
 

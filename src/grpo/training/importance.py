@@ -23,7 +23,7 @@ def correction(
     """Detached [b, T] weights for the surrogate (None: no correction) and what each option
     touched: ``tis/*_frac`` over counted tokens, ``tis/offpolicy_masked_frac`` over completions
     with a counted token. logp: [b, T] the current policy's (with grad); old_logp,
-    sampler_logp: [b, T]; advantages: [b]; loss_mask: [b, T] bool."""
+    sampler_logp: [b, T]; advantages: [b] or [b, T]; loss_mask: [b, T] bool."""
     weights, shares = None, {}
     tokens = float(loss_mask.sum())
     if sampler_logp is not None and (cfg.tis_cap is not None or cfg.tis_low is not None):

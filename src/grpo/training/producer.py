@@ -1,6 +1,7 @@
 """Where a step's scored groups come from: prompts drawn from the stream (past the GRESO filter),
-rolled out by the engine at the step's temperature, scored by the rewards, with group advantages;
-dynamic sampling's rounds until the step has enough informative groups.
+rolled out by the engine at the step's temperature, scored by the rewards, with the configured
+estimator's advantages (``grpo.training.advantages``); dynamic sampling's rounds until the step
+has enough informative groups.
 
 The trainer asks for one step's groups (``collect``), updates, and hands the new weights back
 (``sync_weights``). What the producer draws and skips is part of a checkpoint (``state_dict``).
@@ -27,6 +28,7 @@ from grpo.rewards.inputs import reward_inputs
 from grpo.rollout import RolloutEngine, close_engine
 from grpo.runtime import distributed
 from grpo.runtime.distributed import DistInfo
+from grpo.training import advantages
 from grpo.training.gather import empty_rollout, gather_scored
 from grpo.training.prompt_selection import Collected, PromptFilter, collect, draw_prompts
 from grpo.training.temperature import TemperatureController
@@ -88,16 +90,23 @@ class Producer:
         else:  # this rank has no prompt this round; it still joins the collectives below
             names = self.rewards.names
             out = RewardOutput(torch.zeros(0, len(names)), names, torch.zeros(len(names)), {})
-        # on every rank's rewards, so that scale_rewards=batch uses the global batch std; the
-        # groups are whole on each rank, so group statistics are unchanged
-        mine = distributed.rank_slice(len(out.total))
-        advantages = self.advantages(distributed.all_gather_rows(out.total))[mine]
-        return Scored(rollout, out.per_function, out.names, out.total, advantages, out.errors)
+        # batch statistics over every rank's completions (groups are whole on each rank)
+        adv = advantages.rank_advantages(
+            self.config.algorithm, rollout, out.total, out.per_function, out.weights
+        )
+        return Scored(rollout, out.per_function, out.names, out.total, adv, out.errors)
 
-    def advantages(self, rewards: Tensor) -> Tensor:
+    def recomputed_advantages(self, scored: Scored) -> Tensor:
+        """The advantages of a batch of whole groups that every rank holds (dynamic sampling's
+        kept groups)."""
         algo = self.config.algorithm
-        return algorithm.group_advantages(
-            rewards, self.config.rollout.group_size, algo.scale_rewards, algo.adv_eps
+        return advantages.batch_advantages(
+            algo,
+            self.config.rollout.group_size,
+            scored.rewards,
+            scored.per_function,
+            self.rewards.weights,
+            advantages.counted_mask(scored.rollout, algo).sum(dim=1),
         )
 
     def sample(self, n: int, clock: dict[str, float]) -> Scored:
@@ -134,7 +143,7 @@ class Producer:
             self.config.rollout.prompts_per_step,
             dynamic=self.config.sampling.dynamic,
             max_rounds=self.config.sampling.max_rounds,
-            advantages=self.advantages,
+            advantages=self.recomputed_advantages,
             multiple_of=self.dist.world_size,
         )
 

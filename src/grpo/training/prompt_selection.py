@@ -153,13 +153,14 @@ def collect(
     *,
     dynamic: bool,
     max_rounds: int,
-    advantages: Callable[[Tensor], Tensor],
+    advantages: Callable[[Scored], Tensor],
     multiple_of: int = 1,
 ) -> Collected:
     """Roll out and score ``target`` prompts; with ``dynamic``, keep only informative groups.
 
-    sample(n) rolls out and scores n prompts. advantages(rewards [N]) -> [N] recomputes the
-    advantages over the kept batch (they differ from the per-round ones only for batch scaling).
+    sample(n) rolls out and scores n prompts. advantages(scored) -> [N] recomputes the
+    advantages over the kept batch (they differ from the per-round ones only for statistics
+    over the batch: batch scaling, GDPO, REINFORCE++).
     multiple_of: the kept groups are trimmed to a multiple of it (ranks take equal shares).
     """
     if not dynamic:
@@ -184,7 +185,7 @@ def collect(
     n_kept -= n_kept % multiple_of
     if n_kept:
         train = select_groups(concat_scored(kept), list(range(n_kept)))
-        train = replace(train, advantages=advantages(train.rewards))
+        train = replace(train, advantages=advantages(train))
     return Collected(train, concat_scored(seen), drawn, n_kept, rounds)
 
 

@@ -1,8 +1,9 @@
 """The training loop: wires rollout, rewards, advantages, log-probs and the loss. No formula here.
 
-One step: P prompts -> G completions each -> rewards -> group advantages -> (reference and old
-log-probs, only when needed) -> ``num_iterations`` optimizer steps, each accumulating gradients
-over length-sorted micro-batches -> metrics, sampled completions, checkpoint.
+One step: P prompts -> G completions each -> rewards -> advantages (``advantages``) ->
+(reference and old log-probs, only when needed; per-token advantages) -> ``num_iterations``
+optimizer steps, each accumulating gradients over length-sorted micro-batches -> metrics,
+sampled completions, checkpoint.
 
 The parts come from ``grpo.build``; checkpoints (``checkpoint``), the resume decision
 (``resume``), micro-batches, update statistics, the optimizer, signals and console noise each
@@ -35,9 +36,10 @@ from grpo.runtime import distributed
 from grpo.runtime.host_memory import set_malloc_policy
 from grpo.scoring.chunked_head import chunked_head_slot, full_logits
 from grpo.scoring.logprobs import completion_logprobs, scoring_path
-from grpo.training import importance
+from grpo.training import advantages, importance
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
+from grpo.training.entropy_bonus import EntropyBonus
 from grpo.training.gather import gather_scored
 from grpo.training.given import Given, RewardItem, given_parts
 from grpo.training.hack_watch import HackWatch
@@ -142,6 +144,7 @@ class Trainer:
             engine,
             self.rewards,
         )
+        self.entropy_bonus = EntropyBonus(config.algorithm)
         self.step = 0
         self.saved_step = -1  # the step of the newest checkpoint on disk
 
@@ -169,7 +172,7 @@ class Trainer:
                 with self.reference.model() as model:
                     for mb in batches:
                         scatter_rows(ref, mb, self._logprobs(model, mb)[0])
-            if self.config.algorithm.num_iterations > 1:
+            if advantages.needs_old_logprobs(self.config.algorithm):
                 old = torch.zeros(shape, device=self.dist.device)
                 for mb in batches:
                     scatter_rows(old, mb, self._logprobs(self.policy, mb)[0])
@@ -203,12 +206,16 @@ class Trainer:
             num_micro_batches=len(batches),
             max_new_tokens=self.config.rollout.max_new_tokens,
         )
+        per_token = advantages.token_advantages(cfg, scored.rewards, counted, old_all, ref_all)
+        if per_token is not None:
+            batches = advantages.with_token_advantages(batches, per_token)
         sampler_all = rollout.sampler_logp
         if sampler_all is not None:
             sampler_all = sampler_all.to(self.dist.device)
         pg_masks: dict[int, Tensor] = {}  # micro-batch -> high-entropy tokens, fixed at iteration 0
         stats = UpdateStats()
         skipped = 0  # optimizer steps not taken: a zero or non-finite gradient
+        coef = self.entropy_bonus.coef
         for iteration in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
@@ -216,7 +223,9 @@ class Trainer:
                 # gradients cross ranks once per optimizer step, with the last micro-batch
                 with distributed.gradient_sync(self.train_model, enabled=k == len(batches) - 1):
                     t = mb.completion_ids.shape[1]
-                    logp, entropy = self._logprobs(self.train_model, mb, entropy=iteration == 0)
+                    logp, entropy = self._logprobs(
+                        self.train_model, mb, entropy=iteration == 0 or coef > 0
+                    )
                     old = logp.detach() if old_all is None else old_all[mb.index, :t]
                     ref = None if ref_all is None else ref_all[mb.index, :t]
                     sampler = None if sampler_all is None else sampler_all[mb.index, :t]
@@ -236,7 +245,7 @@ class Trainer:
                         ref,
                         clip_low=cfg.clip_low,
                         clip_high=cfg.clip_high,
-                        beta=cfg.beta,
+                        beta=advantages.loss_beta(cfg),
                         loss_type=cfg.loss_type,
                         ratio_level=cfg.ratio_level,
                         kl_estimator=cfg.kl_estimator,
@@ -248,6 +257,8 @@ class Trainer:
                         normalizer=normalizer,
                         importance_weights=weights,
                         pg_mask=pg_masks.get(k),
+                        entropy=entropy,
+                        entropy_coef=coef,
                     )
                     loss.backward()
                     loss_total += float(loss.detach())
@@ -272,6 +283,7 @@ class Trainer:
         out["loss"] = distributed.all_reduce(first_loss) / self.dist.world_size
         out["grad_norm"] = first_norm
         out["optim/skipped"] = skipped / cfg.num_iterations
+        out.update(self.entropy_bonus.observe(out))
         return out
 
     # ----------------------------------------------------------------------------- loop

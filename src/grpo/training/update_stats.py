@@ -69,7 +69,7 @@ class UpdateStats:
         """One micro-batch of the first pass; entropy, masks, logp, sampler_logp: [b, T]."""
         mask = loss_mask.bool()
         tokens = float(mask.sum())
-        self._add("entropy", float(entropy[mask].sum()), tokens)
+        self._add("entropy", float(entropy.detach()[mask].sum()), tokens)
         if pg_mask is not None:
             self._add("entropy/kept_frac", float(pg_mask.sum()), tokens)
         if sampler_logp is not None:
