@@ -75,7 +75,7 @@ class StepClock:
         self.frozen_s = 0.0
         self.scored = None
         self.positions = self.logits = 0
-        frozen, score = trainer.frozen_logprobs, trainer.producer.score
+        frozen, score = trainer.update.frozen_logprobs, trainer.producer.score
 
         def timed_frozen(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -106,7 +106,7 @@ class StepClock:
             finally:
                 hook.remove()
 
-        trainer.frozen_logprobs = timed_frozen
+        trainer.update.frozen_logprobs = timed_frozen
         trainer.producer.score = keep_scored
         trainer.optimize = counted_optimize
 
@@ -117,7 +117,12 @@ class StepClock:
 
 # the trainer's methods StageMemory labels, and the stage each one is (``optimize`` holds the
 # frozen log-probs: what it does besides them is the update)
-STAGES = {"rollout": "rollout", "frozen_logprobs": "frozen_logprobs", "optimize": "update"}
+# (the trainer's part, its method) -> the stage it runs in
+STAGES = {
+    ("producer", "rollout"): "rollout",
+    ("update", "frozen_logprobs"): "frozen_logprobs",
+    (None, "optimize"): "update",
+}
 
 
 class StageMemory:
@@ -134,8 +139,9 @@ class StageMemory:
     def __init__(self, trainer: Trainer) -> None:
         self.peaks: dict[str, float] = {}
         self.stage = "other"
-        for name, stage in STAGES.items():
-            setattr(trainer, name, self._within(getattr(trainer, name), stage))
+        for (part, name), stage in STAGES.items():
+            owner = trainer if part is None else getattr(trainer, part)
+            setattr(owner, name, self._within(getattr(owner, name), stage))
 
     @staticmethod
     def available() -> bool:

@@ -233,9 +233,9 @@ def test_update_mfu_counts_the_positions_computed(tiny_config) -> None:
 def test_stage_memory_puts_a_short_spike_in_its_own_stage(tiny_config, monkeypatch) -> None:
     # a 256 MiB tensor touched and freed within the frozen log-probs is that stage's peak and
     # the run's: read from the kernel's mark, however short the spike
-    from grpo.training.trainer import Trainer
+    from grpo.training.update import PolicyUpdate
 
-    frozen = Trainer.frozen_logprobs
+    frozen = PolicyUpdate.frozen_logprobs
 
     samplers = []
 
@@ -248,7 +248,7 @@ def test_stage_memory_puts_a_short_spike_in_its_own_stage(tiny_config, monkeypat
         )
         return frozen(self, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "frozen_logprobs", spiking)
+    monkeypatch.setattr(PolicyUpdate, "frozen_logprobs", spiking)
     result = step_module.run(tiny_config(train={"steps": 1}), warmup_peak_s=0.1)
     stages = result["peak_rss_by_stage_mb"]
     others = max(v for k, v in stages.items() if k != "frozen_logprobs")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import grpo.training.trainer
+import grpo.training.update
 from grpo import algorithm
 from grpo.training.trainer import Trainer
 
@@ -84,7 +85,7 @@ def test_means_divide_by_the_tokens_counted(tiny_config, monkeypatch) -> None:
     scored = dataclasses.replace(scored, rollout=rollout, advantages=torch.randn(n))
 
     seen: list[torch.Tensor] = []
-    original = grpo.training.trainer.completion_logprobs
+    original = grpo.training.update.completion_logprobs
 
     def pinned_entropy(*args, with_entropy=False, **kwargs):
         logp, entropy = original(*args, with_entropy=with_entropy, **kwargs)
@@ -93,7 +94,7 @@ def test_means_divide_by_the_tokens_counted(tiny_config, monkeypatch) -> None:
             entropy = torch.full_like(entropy, 2.0)
         return logp, entropy
 
-    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", pinned_entropy)
+    monkeypatch.setattr(grpo.training.update, "completion_logprobs", pinned_entropy)
     calls = _spy_loss(monkeypatch)
     metrics = trainer.optimize(scored)
     counted = [mask for _, mask in calls]

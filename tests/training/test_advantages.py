@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import grpo.training.trainer
+import grpo.training.update
 from grpo import algorithm
 from grpo.config import Config, build_config
 from grpo.containers import Rollout
@@ -103,8 +104,8 @@ def test_reinforce_pp_trains_on_per_token_advantages_with_no_kl_in_the_loss(
         for p in trainer.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     scored = trainer.producer.score(rollout)
-    frozen = spy(monkeypatch, trainer, "frozen_logprobs")
-    cuts = spy(monkeypatch, grpo.training.trainer, "micro_batches")
+    frozen = spy(monkeypatch, trainer.update, "frozen_logprobs")
+    cuts = spy(monkeypatch, grpo.training.update, "micro_batches")
     losses = spy(monkeypatch, algorithm, "policy_loss")
     metrics = trainer.optimize(scored)
     ((ref, old),) = [c["result"] for c in frozen]

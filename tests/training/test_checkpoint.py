@@ -15,6 +15,7 @@ from grpo.models import load_policy, load_tokenizer
 from grpo.runs.directory import Checkpoint, RunDir, RunDirError
 from grpo.runtime.distributed import DistInfo
 from grpo.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from grpo.training.entropy_bonus import EntropyBonus
 from grpo.training.hack_watch import HackWatch
 from grpo.training.optimizer import build_optimizer
 from grpo.training.producer import Producer
@@ -51,6 +52,7 @@ def _trainer(model_dir: Path, run_dir: Path) -> SimpleNamespace:
         scheduler=scheduler,
         producer=producer,
         hack_watch=HackWatch(config.train.hack_watch, config.rewards.functions),
+        entropy_bonus=EntropyBonus(config.algorithm),
         reference=None,
         inputs={"data": None, "model": "m0"},
         step=0,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo.training.trainer as trainer_module
+import grpo.training.update as trainer_module
 from grpo.config import build_config
 from grpo.training.entropy_bonus import EntropyBonus
 from grpo.training.trainer import Trainer, train

@@ -19,6 +19,7 @@ import torch
 
 import grpo.training.advantages
 import grpo.training.trainer
+import grpo.training.update
 from grpo import algorithm
 from grpo.config import Config, build_config
 from grpo.containers import Rollout, Scored
@@ -124,7 +125,7 @@ def test_the_trainer_passes_each_knob_to_the_math(knob_config, rollout, monkeypa
     scored = scored_by(trainer, rollout)
     losses = spy_on(monkeypatch, algorithm, "policy_loss")
     entropy = spy_on(monkeypatch, algorithm, "top_entropy_mask")
-    logprobs = spy_on(monkeypatch, grpo.training.trainer, "completion_logprobs")
+    logprobs = spy_on(monkeypatch, grpo.training.update, "completion_logprobs")
     metrics = trainer.optimize(scored)
     assert len(losses) == 2 * 2  # num_iterations x micro-batches
     for call in losses:
@@ -292,7 +293,7 @@ def test_every_loss_the_trainer_computes_is_the_formula(
     )
     trainer = Trainer(config)
     scored = scored_by(trainer, rollout)
-    batches = spy_on(monkeypatch, grpo.training.trainer, "micro_batches")
+    batches = spy_on(monkeypatch, grpo.training.update, "micro_batches")
     calls = spy_on(monkeypatch, algorithm, "policy_loss")
     start = weights.of(trainer.policy)
     metrics = trainer.optimize(scored)
@@ -435,7 +436,7 @@ def first_token_frequencies(trainer: Trainer, monkeypatch) -> tuple[dict, dict, 
         plain, _ = original_logprobs(
             trainer.policy, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 1.0
         )
-    calls = spy_on(monkeypatch, grpo.training.trainer, "completion_logprobs")
+    calls = spy_on(monkeypatch, grpo.training.update, "completion_logprobs")
     trainer.optimize(scored)  # beta 0, one iteration: the gradient pass is the only scoring
     (call,) = calls
     ids = call["completion_ids"][:, 0]
@@ -532,9 +533,9 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
         trainer.producer.engine, "generate", recorded("sample", trainer.producer.engine.generate)
     )
     monkeypatch.setattr(
-        grpo.training.trainer,
+        grpo.training.update,
         "completion_logprobs",
-        recorded("score", grpo.training.trainer.completion_logprobs),
+        recorded("score", grpo.training.update.completion_logprobs),
     )
     trainer.step = 1
     trainer.train_step()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import grpo.training.trainer
+import grpo.training.update
 from grpo.containers import Rollout, Scored
 from grpo.scoring.distribution import Sampling
 from grpo.scoring.logprobs import token_logprobs
@@ -174,13 +175,13 @@ def test_a_micro_batch_moves_to_a_device_whole() -> None:
 def test_micro_batch_tokens_reaches_the_trainer(tiny_config, monkeypatch) -> None:
     # the same rollout trained with and without a budget: the budget makes more, smaller passes
     seen: list[int] = []
-    original = grpo.training.trainer.completion_logprobs
+    original = grpo.training.update.completion_logprobs
 
     def count(model, prompt_ids, *args, **kwargs):
         seen.append(prompt_ids.shape[0])
         return original(model, prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", count)
+    monkeypatch.setattr(grpo.training.update, "completion_logprobs", count)
     sizes = {}
     for budget in (None, 40):
         config = tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 8})
@@ -204,13 +205,13 @@ def another_rank_needs_one_more_micro_batch(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(grpo.training.trainer.distributed, "all_reduce", one_more)
     seen: list[int] = []
-    original_logprobs = grpo.training.trainer.completion_logprobs
+    original_logprobs = grpo.training.update.completion_logprobs
 
     def count(model, prompt_ids, *args, **kwargs):
         seen.append(prompt_ids.shape[0])
         return original_logprobs(model, prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", count)
+    monkeypatch.setattr(grpo.training.update, "completion_logprobs", count)
     return seen
 
 
@@ -291,7 +292,7 @@ def test_the_logged_loss_is_the_step_loss_over_ranks(tiny_config, monkeypatch) -
     # step's mean loss scaled by the 2 ranks DDP averages over, so the step's loss is
     # (share + share) / 2, this rank's sum of micro-batch losses
     trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 4}))
-    trainer.dist = dataclasses.replace(trainer.dist, world_size=2)
+    trainer.update.dist = dataclasses.replace(trainer.dist, world_size=2)
     original = grpo.training.trainer.distributed.all_reduce
 
     def two_equal_ranks(value, op="sum"):
@@ -299,14 +300,14 @@ def test_the_logged_loss_is_the_step_loss_over_ranks(tiny_config, monkeypatch) -
 
     monkeypatch.setattr(grpo.training.trainer.distributed, "all_reduce", two_equal_ranks)
     losses: list[float] = []
-    policy_loss = grpo.training.trainer.algorithm.policy_loss
+    policy_loss = grpo.training.update.algorithm.policy_loss
 
     def record(*args, **kwargs):
         loss, stats = policy_loss(*args, **kwargs)
         losses.append(float(loss.detach()))
         return loss, stats
 
-    monkeypatch.setattr(grpo.training.trainer.algorithm, "policy_loss", record)
+    monkeypatch.setattr(grpo.training.update.algorithm, "policy_loss", record)
     out = trainer.optimize(_hand_scored())
     assert len(losses) == 2 and abs(sum(losses)) > 1e-3
     assert out["loss"] == pytest.approx(sum(losses), abs=1e-6)

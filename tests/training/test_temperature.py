@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import grpo.training.trainer as trainer_module
+import grpo.training.update as trainer_module
 from grpo.config import ConfigError, build_config, load_config
 from grpo.training.temperature import TemperatureController, adapted, scheduled
 from grpo.training.trainer import train

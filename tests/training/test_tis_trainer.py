@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import grpo.training.trainer
+import grpo.training.update
 from grpo import algorithm
 from grpo.rollout.hf import HFEngine
 from grpo.scoring.logprobs import completion_logprobs
@@ -59,7 +60,7 @@ def test_tis_weights_and_mismatch_against_a_different_sampler(tiny_config, monke
     seen = []
     original_loss, original_logprobs = (
         algorithm.policy_loss,
-        grpo.training.trainer.completion_logprobs,
+        grpo.training.update.completion_logprobs,
     )
     batch: list = []
 
@@ -72,7 +73,7 @@ def test_tis_weights_and_mismatch_against_a_different_sampler(tiny_config, monke
         return original_loss(logp, old_logp, advantages, loss_mask, *args, **kwargs)
 
     monkeypatch.setattr(algorithm, "policy_loss", spy)
-    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", logprobs_spy)
+    monkeypatch.setattr(grpo.training.update, "completion_logprobs", logprobs_spy)
     metrics = trainer.optimize(scored)
 
     ((logp, weights, mask, mb),) = seen  # one micro-batch of 8 rows
@@ -126,14 +127,14 @@ def test_sequence_masking_and_offpolicy_masking_reach_the_loss(tiny_config, monk
         return original_loss(logp, old_logp, advantages, loss_mask, *args, **kwargs)
 
     cuts = []
-    original_cut = grpo.training.trainer.micro_batches
+    original_cut = grpo.training.update.micro_batches
 
     def cut_spy(*args, **kwargs):
         cuts.append(original_cut(*args, **kwargs))
         return cuts[-1]
 
     monkeypatch.setattr(algorithm, "policy_loss", spy)
-    monkeypatch.setattr(grpo.training.trainer, "micro_batches", cut_spy)
+    monkeypatch.setattr(grpo.training.update, "micro_batches", cut_spy)
     metrics = trainer.optimize(scored)
 
     ((logp, adv, mask, weights),) = seen  # one micro-batch of 8 rows, on-policy: old = logp

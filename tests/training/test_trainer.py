@@ -208,11 +208,12 @@ def _spy_policy_loss(monkeypatch, with_ref: bool = False) -> list:
     """Records (logp, old_logp) of every policy_loss call; with_ref: dicts that also hold the
     reference log-probs and the micro-batch's (prompt ids/mask, completion ids/mask)."""
     import grpo.training.trainer
+    import grpo.training.update
     from grpo import algorithm
 
     calls: list = []
     original = algorithm.policy_loss
-    original_logprobs = grpo.training.trainer.completion_logprobs
+    original_logprobs = grpo.training.update.completion_logprobs
     last_batch: list = []
 
     def logprobs_spy(model, *batch, **kwargs):
@@ -227,7 +228,7 @@ def _spy_policy_loss(monkeypatch, with_ref: bool = False) -> list:
         return original(logp, old_logp, advantages, loss_mask, ref_logp, **kwargs)
 
     monkeypatch.setattr(algorithm, "policy_loss", spy)
-    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", logprobs_spy)
+    monkeypatch.setattr(grpo.training.update, "completion_logprobs", logprobs_spy)
     return calls
 
 
@@ -250,17 +251,18 @@ def test_several_policy_iterations_use_old_logprobs(tiny_config, noisy_reward, m
 
 def test_one_iteration_needs_no_extra_forward(tiny_config, monkeypatch) -> None:
     import grpo.training.trainer
+    import grpo.training.update
 
     trainer = Trainer(tiny_config(algorithm={"beta": 0.0}, optim={"micro_batch_size": 4}))
     scored = trainer.producer.score(trainer.producer.rollout())
     calls = []
-    original = grpo.training.trainer.completion_logprobs
+    original = grpo.training.update.completion_logprobs
 
     def counting(*args, **kwargs):
         calls.append(torch.is_grad_enabled())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(grpo.training.trainer, "completion_logprobs", counting)
+    monkeypatch.setattr(grpo.training.update, "completion_logprobs", counting)
     trainer.optimize(scored)
     # 8 completions / micro-batch 4: two log-prob passes, both the gradient passes; no reference
     # (beta 0) and no old log-probs (mu 1) forward
@@ -445,6 +447,7 @@ def test_only_the_hf_engine_generates_from_gathered_parameters(tiny_config, monk
     import contextlib
 
     import grpo.training.trainer
+    import grpo.training.update
 
     trainer = Trainer(tiny_config(rollout={"prompts_per_step": 1, "group_size": 2}))
     gathered: list = []
