@@ -21,7 +21,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from grpo.algorithm import soft_update_
 from grpo.config import ModelConfig
@@ -333,6 +338,20 @@ def _loading(path: str) -> Iterator[None]:
         yield
     except OSError as err:
         raise ModelError(f"model '{path}': {str(err).splitlines()[0]}") from None
+
+
+def mlp_shape(source: str | PretrainedConfig) -> tuple[int, int]:
+    """(hidden, intermediate) of a decoder layer's MLP products, from a model folder or hub id,
+    or a loaded model's config (an MLP without an ``intermediate_size``, GPT-2's, is 4 x
+    hidden)."""
+    from transformers import AutoConfig
+
+    if isinstance(source, str):
+        with _loading(source):
+            source = AutoConfig.from_pretrained(source)
+    config = getattr(source, "text_config", None) or source  # a multimodal model's decoder
+    hidden = config.hidden_size
+    return hidden, getattr(config, "intermediate_size", None) or 4 * hidden
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
