@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: train test test-slow lint format docs bench mutate vllm gemma clean
+.PHONY: train test test-slow gpu-check gpu-check-cpu lint format docs bench mutate vllm gemma clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -25,6 +25,16 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# on a machine with an NVIDIA GPU and a CUDA build of torch in .venv: the device-dependent tests
+# on cuda, 10 default-recipe steps in bf16, a colocated vLLM run when vLLM is installed; one JSON
+# (tools/gpu_check.py). DEVICE=cpu (or gpu-check-cpu) is its dry run on a tiny model
+DEVICE ?= cuda
+gpu-check: $(STAMP)
+	$(PY) -m tools.gpu_check --device $(DEVICE)
+
+gpu-check-cpu: $(STAMP)
+	$(PY) -m tools.gpu_check --device cpu
 
 lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks tools

@@ -510,12 +510,14 @@ def test_top_k_and_top_p_restrict_what_the_sampler_draws(
 # -------------------------------------------------------------------------------- precision
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("autocast", [False, True])
 def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
     knob_config, monkeypatch, autocast: bool
 ) -> None:
     precision = "bf16_autocast" if autocast else "float32"
     trainer = Trainer(knob_config(model={"precision": precision}, algorithm={"beta": 0.1}))
+    device = trainer.dist.device.type
     seen: list[tuple[str, bool, torch.dtype | None]] = []
     caching: list[bool] = []
 
@@ -523,7 +525,7 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
         def wrapper(*args, **kwargs):
             result = fn(*args, **kwargs)
             logp = result[0] if isinstance(result, tuple) else result.sampler_logp
-            seen.append((what, torch.is_autocast_enabled("cpu"), logp.dtype))
+            seen.append((what, torch.is_autocast_enabled(device), logp.dtype))
             caching.append(torch.is_autocast_cache_enabled())
             return result
 
