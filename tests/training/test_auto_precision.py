@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import yaml
 
+import grpo.eval
 from grpo import build
 from grpo.config import ConfigError, build_config
 from grpo.runtime.precision import MatmulRates
@@ -36,8 +36,6 @@ def test_auto_becomes_the_measured_choice_with_its_line(
     assert config.model.precision == "auto"  # the caller's config is left as it was
     line = f"model.precision auto: {chosen} (matmul on cpu, "
     assert line in capsys.readouterr().out
-    with trainer._autocast() as _:
-        assert torch.is_autocast_enabled("cpu") is (chosen == "bf16_autocast")
 
 
 @pytest.mark.device
@@ -87,3 +85,24 @@ def test_the_run_records_the_choice_and_a_resume_that_decides_otherwise_says_so(
     assert "from step 1 model.precision 'float32' -> 'bf16_autocast'" in capsys.readouterr().out
     history = [json.loads(line) for line in (run_dir / "config_history.jsonl").open()]
     assert history[-1]["changed"]["model.precision"] == ["float32", "bf16_autocast"]
+
+
+@pytest.mark.parametrize(("bf16", "chosen"), [(900.0, True), (150.0, False)])
+def test_grpo_eval_decides_auto_too_and_samples_in_its_choice(
+    tiny_config, monkeypatch, capsys, bf16: float, chosen: bool
+) -> None:
+    # `grpo eval` on a recipe that says auto (the default one): measured, said, and generation
+    # runs in the choice, never in an undecided "auto"
+    monkeypatch.setattr(build, "measure_rates", measured(300.0, bf16))
+    seen = []
+    bf16_autocast = grpo.eval.bf16_autocast
+    monkeypatch.setattr(
+        grpo.eval,
+        "bf16_autocast",
+        lambda device, enabled, **kw: seen.append(enabled) or bf16_autocast(device, enabled, **kw),
+    )
+    config = tiny_config(model={"precision": "auto"}, train={"eval_every": 1})
+    result = grpo.eval.evaluate_config(config, samples=1, examples=2)
+    assert seen == [chosen] and "accuracy" in result
+    want = "bf16_autocast" if chosen else "float32"
+    assert f"model.precision auto: {want} (matmul on cpu" in capsys.readouterr().out
