@@ -8,6 +8,7 @@ the model parts (``load_model``, ``reference_of``, ``engine_of``) after.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,7 +85,8 @@ def concrete_precision(
         return config
     rates = measure_rates(device, *mlp_shape(model))
     chosen = choose_precision(rates)
-    print(precision_line(chosen, rates, device), flush=True)
+    # stderr: `grpo eval` keeps stdout for its JSON
+    print(precision_line(chosen, rates, device), file=sys.stderr, flush=True)
     return config.model_copy(
         update={"model": config.model.model_copy(update={"precision": chosen})}
     )

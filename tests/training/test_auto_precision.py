@@ -35,13 +35,13 @@ def test_auto_becomes_the_measured_choice_with_its_line(
     assert trainer.config.model.autocast is (chosen == "bf16_autocast")
     assert config.model.precision == "auto"  # the caller's config is left as it was
     line = f"model.precision auto: {chosen} (matmul on cpu, "
-    assert line in capsys.readouterr().out
+    assert line in capsys.readouterr().err
 
 
 @pytest.mark.device
 def test_auto_measures_for_real_on_this_machine(tiny_config, capsys) -> None:
     trainer = Trainer(tiny_config(model={"precision": "auto"}))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert trainer.config.model.precision in ("float32", "bf16_autocast")
     assert f"model.precision auto: {trainer.config.model.precision}" in out
     assert out.count("GFLOP/s") == 2
@@ -51,7 +51,7 @@ def test_a_set_precision_is_not_measured(tiny_config, monkeypatch, capsys) -> No
     monkeypatch.setattr(build, "measure_rates", pytest.fail)
     trainer = Trainer(tiny_config(model={"precision": "bf16_autocast"}))
     assert trainer.config.model.autocast
-    assert "model.precision auto" not in capsys.readouterr().out
+    assert "model.precision auto" not in capsys.readouterr().err
 
 
 def test_an_undecided_auto_is_never_read_as_float32() -> None:
@@ -105,4 +105,6 @@ def test_grpo_eval_decides_auto_too_and_samples_in_its_choice(
     result = grpo.eval.evaluate_config(config, samples=1, examples=2)
     assert seen == [chosen] and "accuracy" in result
     want = "bf16_autocast" if chosen else "float32"
-    assert f"model.precision auto: {want} (matmul on cpu" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert f"model.precision auto: {want} (matmul on cpu" in said.err
+    assert "model.precision" not in said.out  # stdout is `grpo eval`'s JSON
