@@ -443,7 +443,7 @@ class Reference:
     mixing the factors A and B does not mix B @ A).
 
     ``autocast``: the dtype every reference forward casts its matrix products to (bf16 under
-    ``model.autocast``). A copy refreshed by copying (alpha 1) then holds its linear layers'
+    ``model.precision: bf16_autocast``). A copy refreshed by copying (alpha 1) then holds its linear layers'
     weights in it, which is what autocast would multiply anyway: the same log-probs, half their
     memory, and no cast per forward (autocast caches casts only of weights that take
     gradients). One that mixes stays float32: a mix rounded to bf16 would lose every step under
@@ -542,7 +542,7 @@ def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path) ->
 def bf16_autocast(
     device: torch.device, enabled: bool, cache: bool = True
 ) -> contextlib.AbstractContextManager:
-    """bf16 autocast over float32 weights when ``enabled`` (``model.autocast``); log-probs stay
+    """bf16 autocast over float32 weights when ``enabled`` (``model.precision``); log-probs stay
     float32.
 
     ``cache``: keep each weight's bf16 cast for the whole context. Generation reuses it at every

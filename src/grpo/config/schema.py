@@ -401,7 +401,7 @@ class Config(Section):
             # FSDP2 saves optimizer state under the model's parameter names, which masters lack
             raise ValueError(
                 "train.distributed=fsdp keeps no float32 master weights for "
-                "model.dtype=bfloat16: use model.dtype=float32 with model.autocast=true"
+                "model.dtype=bfloat16: use model.dtype=float32 with model.precision=bf16_autocast"
             )
         if self.model.disable_dropout and self.model.lora.enabled and self.model.lora.dropout:
             raise ValueError(
