@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: train test test-slow lint format docs bench mutate vllm gemma clean
+.PHONY: train test test-slow gpu-check gpu-check-cpu lint format docs bench mutate vllm gemma clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -14,20 +14,27 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
-# vLLM's engine once `make vllm` has installed it: measured side by side on an idle machine,
-# its whole steps (weight pushes included) took 0.82x the HF engine's, at 1.58x the memory
-# (docs/results/vllm.md); `grpo train` alone keeps the HF engine. Expanded when the recipe
-# runs, after .venv is made
-ENGINE = $(shell test -x $(PY) && $(PY) -c "import importlib.util as u; print('rollout.engine=vllm' if u.find_spec('vllm') else '')" 2>/dev/null)
-
+# the recipe's HF engine, vLLM installed or not: which engine is faster depends on the CPU
+# (whole steps 0.82x the HF engine's on an AMD EPYC, 1.40x on an AMX Xeon: README, "Rollout
+# engine"); `make train ARGS=rollout.engine=vllm` after measuring yours
 train: $(STAMP)
-	.venv/bin/grpo train $(ENGINE)
+	.venv/bin/grpo train $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# on a machine with an NVIDIA GPU and a CUDA build of torch in .venv: the device-dependent tests
+# on cuda, 10 default-recipe steps in bf16, a colocated vLLM run when vLLM is installed; one JSON
+# (tools/gpu_check.py). DEVICE=cpu (or gpu-check-cpu) is its dry run on a tiny model
+DEVICE ?= cuda
+gpu-check: $(STAMP)
+	$(PY) -m tools.gpu_check --device $(DEVICE)
+
+gpu-check-cpu: $(STAMP)
+	$(PY) -m tools.gpu_check --device cpu
 
 lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks tools

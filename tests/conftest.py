@@ -50,11 +50,38 @@ if MUTATION_RUN:
     _warm_up_for_mutation()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="device of the tests marked `device` (their models and tensors; the trainer's own "
+        "choice is CUDA when torch sees it). Another device than cpu runs only those tests "
+        "(`make gpu-check`)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    device = torch.device(config.getoption("--device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device}: torch {torch.__version__} sees no CUDA device")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--device") != "cpu":
+        # the other tests build their tensors on the CPU: on another device only these run
+        kept = [item for item in items if item.get_closest_marker("device")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     if MUTATION_RUN:
         # a mutant stops at its first failing test: the unit tests first, those that build a
         # model after them, so a killed mutant rarely waits for a trainer
         items.sort(key=lambda item: "tiny_model_dir" in getattr(item, "fixturenames", ()))
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The device of the tests marked ``device`` (``--device``, cpu by default)."""
+    return torch.device(request.config.getoption("--device"))
 
 
 @pytest.fixture(scope="session")

@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     setup = common.with_precision(common.SETUPS[args.setup], args.precision)
-    # bf16 autocast over float32 weights, as grpo's model.autocast runs every forward
+    # bf16 autocast over float32 weights, as grpo's model.precision=bf16_autocast runs every forward
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup["precision"] == "bfloat16"):
         run_levers(args, setup)
 

@@ -38,7 +38,7 @@ def config_tree(setup: dict[str, Any], steps: int, seed: int, output_dir: str) -
             "gradient_checkpointing": setup["gradient_checkpointing"],
             "chunked_head": setup.get("chunked_head", True),
             # mixed precision as TRL's bf16=True: bf16 autocast over float32 weights
-            "autocast": setup["precision"] == "bfloat16",
+            "precision": "bf16_autocast" if setup["precision"] == "bfloat16" else "float32",
         },
         "data": setup["data"],
         "rollout": {

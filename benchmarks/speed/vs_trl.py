@@ -12,7 +12,7 @@ system prompt, the same reward functions, G, prompts per step, max new tokens, l
 checkpointing (on: TRL's default; the ``-fast`` set-ups turn it off on both sides and train the
 whole step as one micro-batch, each trainer's fastest settings here) and precision: in the
 SmolLM2 set-ups bf16 autocast over float32 weights on both sides (TRL's ``bf16=True``, its
-default; grpo's ``model.autocast``) where this CPU's bf16 matrix product is clearly faster,
+default; grpo's ``model.precision``) where this CPU's bf16 matrix product is clearly faster,
 decided once per comparison by measuring both, else float32 (the tiny set-ups: float32).
 Writes the per-run JSON and a summary: ratios of median step time and of peak RSS
 (grpo / TRL), and both reward curves.

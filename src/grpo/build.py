@@ -8,13 +8,14 @@ the model parts (``load_model``, ``reference_of``, ``engine_of``) after.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from grpo.config import Config, ModelConfig, RewardsConfig
 from grpo.data import (
@@ -30,6 +31,7 @@ from grpo.models import (
     Reference,
     load_policy,
     load_tokenizer,
+    mlp_shape,
     prepare_policy,
     prepare_tokenizer,
     resolve_model_path,
@@ -39,6 +41,7 @@ from grpo.rewards.registry import RewardFn
 from grpo.rollout import RolloutEngine
 from grpo.rollout.turns import MultiTurnEngine, chat_tools
 from grpo.runtime.host_memory import bound_kernel_caches
+from grpo.runtime.precision import choose_precision, measure_rates, precision_line
 
 
 def _hf_engine(**kwargs: Any) -> RolloutEngine:
@@ -69,6 +72,24 @@ def prepare_process(config: Config) -> None:
     bound_kernel_caches()
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
+
+
+def concrete_precision(
+    config: Config, model: str | PretrainedConfig, device: torch.device
+) -> Config:
+    """``config`` with ``model.precision: auto`` decided on ``device`` for ``model`` (its folder
+    or hub id, or a given model's config; ``grpo.runtime.precision``), said in one console line;
+    as it is when the precision is set. Call it after ``prepare_process``: the thread count is
+    part of the measurement."""
+    if config.model.precision != "auto":
+        return config
+    rates = measure_rates(device, *mlp_shape(model))
+    chosen = choose_precision(rates)
+    # stderr: `grpo eval` keeps stdout for its JSON
+    print(precision_line(chosen, rates, device), file=sys.stderr, flush=True)
+    return config.model_copy(
+        update={"model": config.model.model_copy(update={"precision": chosen})}
+    )
 
 
 @dataclass

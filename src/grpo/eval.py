@@ -206,6 +206,7 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     verifier = build.verifier_runner(config)
     engine = None
     try:
+        config = build.concrete_precision(config, parts.policy.config, parts.policy.device)
         engine = build.engine_of(config, parts.policy, parts.tokenizer)
         with bf16_autocast(parts.policy.device, config.model.autocast):
             return evaluate(

@@ -21,7 +21,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from grpo.algorithm import soft_update_
 from grpo.config import ModelConfig
@@ -335,6 +340,20 @@ def _loading(path: str) -> Iterator[None]:
         raise ModelError(f"model '{path}': {str(err).splitlines()[0]}") from None
 
 
+def mlp_shape(source: str | PretrainedConfig) -> tuple[int, int]:
+    """(hidden, intermediate) of a decoder layer's MLP products, from a model folder or hub id,
+    or a loaded model's config (an MLP without an ``intermediate_size``, GPT-2's, is 4 x
+    hidden)."""
+    from transformers import AutoConfig
+
+    if isinstance(source, str):
+        with _loading(source):
+            source = AutoConfig.from_pretrained(source)
+    config = getattr(source, "text_config", None) or source  # a multimodal model's decoder
+    hidden = config.hidden_size
+    return hidden, getattr(config, "intermediate_size", None) or 4 * hidden
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     with _loading(path):
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -424,7 +443,7 @@ class Reference:
     mixing the factors A and B does not mix B @ A).
 
     ``autocast``: the dtype every reference forward casts its matrix products to (bf16 under
-    ``model.autocast``). A copy refreshed by copying (alpha 1) then holds its linear layers'
+    ``model.precision: bf16_autocast``). A copy refreshed by copying (alpha 1) then holds its linear layers'
     weights in it, which is what autocast would multiply anyway: the same log-probs, half their
     memory, and no cast per forward (autocast caches casts only of weights that take
     gradients). One that mixes stays float32: a mix rounded to bf16 would lose every step under
@@ -523,7 +542,7 @@ def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path) ->
 def bf16_autocast(
     device: torch.device, enabled: bool, cache: bool = True
 ) -> contextlib.AbstractContextManager:
-    """bf16 autocast over float32 weights when ``enabled`` (``model.autocast``); log-probs stay
+    """bf16 autocast over float32 weights when ``enabled`` (``model.precision``); log-probs stay
     float32.
 
     ``cache``: keep each weight's bf16 cast for the whole context. Generation reuses it at every

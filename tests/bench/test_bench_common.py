@@ -271,4 +271,4 @@ def test_smollm2_set_ups_take_bf16_only_where_it_multiplies_clearly_faster(
     assert common.with_precision(fast, "float32")["precision"] == "float32"
     # grpo runs the chosen precision as TRL's bf16=True does: autocast over float32 weights
     tree = config_tree(fast, steps=1, seed=0, output_dir="out")
-    assert tree["model"]["autocast"] is (chosen == "bfloat16")
+    assert tree["model"]["precision"] == ("bf16_autocast" if chosen == "bfloat16" else "float32")

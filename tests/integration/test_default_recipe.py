@@ -20,6 +20,7 @@ def test_default_recipe_is_the_real_model_with_held_out_eval() -> None:
     recipe = read_recipe(default_recipe_path())
     assert recipe["model"]["name"] == "smollm2-135m-instruct"
     config = load_config()
+    assert config.model.precision == "auto"  # measured on the machine it runs on
     assert config.train.eval_every > 0
     assert config.train.steps >= 20  # first and last 10 steps do not overlap
     names = [spec.name for spec in config.rewards.functions]

@@ -31,15 +31,13 @@ def _tiny_classifier(folder: Path, tiny_model_dir: Path) -> Path:
     return folder
 
 
-def test_reward_model_scores_logit_zero_batched(tmp_path: Path, tiny_model_dir: Path):
+@pytest.mark.device
+def test_reward_model_scores_logit_zero_batched(tmp_path: Path, tiny_model_dir: Path, device):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     folder = _tiny_classifier(tmp_path / "rm", tiny_model_dir)
-    fn = resolve_reward(
-        RewardSpec(
-            name="reward_model", args={"path": str(folder), "batch_size": 2, "device": "cpu"}
-        )
-    )
+    args = {"path": str(folder), "batch_size": 2, "device": str(device)}
+    fn = resolve_reward(RewardSpec(name="reward_model", args=args))
     assert fn.batched
     prompts, completions = ["a=", "b=", "c="], ["1", "22", "333"]
     scores = fn(completions, prompts=prompts)

@@ -57,7 +57,7 @@ def llama(**overrides) -> LlamaForCausalLM:
 def decode_both(model, steps: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Left-padded prompts prefilled once per path, then ``steps`` decode steps through the
     model's own forward and through lean_step, each on its own cache: their logits per step."""
-    ids = torch.randint(0, 50, (3, 7))
+    ids = torch.randint(0, 50, (3, 7)).to(model.device)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # rows of different prompt lengths
     mask[1, :1] = 0
@@ -83,15 +83,16 @@ def decode_both(model, steps: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]
     return list(zip(*paths, strict=True))
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("build", [llama, mistral, qwen2, qwen3])
 @pytest.mark.parametrize("attention", ["sdpa", "prefix", "eager"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
-def test_lean_step_gives_the_models_own_logits_bit_for_bit(build, attention, bf16) -> None:
-    model = build(attn_implementation="eager" if attention == "eager" else "sdpa")
+def test_lean_step_gives_the_models_own_logits_bit_for_bit(build, attention, bf16, device) -> None:
+    model = build(attn_implementation="eager" if attention == "eager" else "sdpa").to(device)
     if attention == "prefix":
         assert use_prefix_attention(model)  # what the trainer's models run
     assert decode.leanable(model)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         pairs = decode_both(model)
     assert all(torch.equal(own, lean) for own, lean in pairs)
     assert not torch.equal(pairs[0][0], pairs[1][0])  # the steps did move on

@@ -35,11 +35,12 @@ def test_chat_template_and_plain_prompts(tiny_model_dir) -> None:
     assert render_prompt(tok, "1+1?", "Be brief.") == "Be brief.\n\n1+1?\n"
 
 
-def test_generate_groups_padding_and_masks(tiny_model_dir) -> None:
+@pytest.mark.device
+def test_generate_groups_padding_and_masks(tiny_model_dir, device) -> None:
     from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer(str(tiny_model_dir))
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(device)
     engine = HFEngine(model, tok, RolloutConfig(max_new_tokens=6, temperature=1.0))
     prompts = ["a", "a much longer prompt"]
     torch.manual_seed(0)

@@ -64,16 +64,17 @@ def _scored(model, batch, sampling, plain: bool, monkeypatch):
         model.zero_grad()
         logp, entropy = completion_logprobs(model, *batch, sampling, with_entropy=True)
         mask = batch[3]
-        weights = torch.linspace(-1, 2, mask.numel()).view(mask.shape)
+        weights = torch.linspace(-1, 2, mask.numel(), device=mask.device).view(mask.shape)
         (logp * weights * mask).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     return logp[mask], entropy[mask], grads
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("head", ["chunked", "kept"])
 @pytest.mark.parametrize("path", ["packed", "rows", "full"])
 @pytest.mark.parametrize("name", list(SAMPLINGS))
-def test_chunked_head_equals_the_plain_head(model, monkeypatch, head, path: str, name: str) -> None:
+def test_chunked_head_equals_the_plain_head(model, device, monkeypatch, head, path: str, name: str):
     # values, entropy and the gradient of every parameter (the tied embedding takes the head's)
     # equal the plain head's full logits, with chunks of 3 positions cutting through targets
     # that share a position (a prompt's last token predicts each completion's first); under
@@ -88,7 +89,8 @@ def test_chunked_head_equals_the_plain_head(model, monkeypatch, head, path: str,
     if path == "full":
         monkeypatch.setattr(logprobs, "scoring_path", lambda model: ("rows", "test"))
     assert chunked_head.head_slot(model) is not None
-    batch = _batch()
+    model.to(device)
+    batch = [t.to(device) for t in _batch()]
     got = _scored(model, batch, SAMPLINGS[name], plain=False, monkeypatch=monkeypatch)
     want = _scored(model, batch, SAMPLINGS[name], plain=True, monkeypatch=monkeypatch)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
@@ -98,8 +100,9 @@ def test_chunked_head_equals_the_plain_head(model, monkeypatch, head, path: str,
     assert got[2][0].abs().sum() > 0  # the embedding (tied head) got a gradient
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("head", ["chunked", "kept"])
-def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypatch, head) -> None:
+def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, device, monkeypatch, head):
     # the recomputed logits are the forward's (the head's products in bf16 both times), and the
     # gradients go back through the same casts as autograd's; kept logits likewise
     _chunks_of(5, model.config.vocab_size, monkeypatch)
@@ -109,8 +112,9 @@ def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, monkeypat
     # the head's weight gradient in blocks of 7 rows of the vocabulary, the last one ragged
     monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 7 * 6 * hidden)
     assert model.get_output_embeddings().weight.shape[0] % 7
-    batch = _batch(g=3, n=6)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    model.to(device)
+    batch = [t.to(device) for t in _batch(g=3, n=6)]
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         got = _scored(model, batch, Sampling(0.7), plain=False, monkeypatch=monkeypatch)
         want = _scored(model, batch, Sampling(0.7), plain=True, monkeypatch=monkeypatch)
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=1e-2)

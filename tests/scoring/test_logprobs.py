@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ def model(tiny_model_dir):
 
 
 def _naive(model, prompt: list[int], completion: list[int], temperature: float):
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     logits = model(input_ids=ids).logits[0] / temperature  # [L, V]
     logp = torch.log_softmax(logits.float(), dim=-1)
     probs = logp.exp()
@@ -38,8 +39,10 @@ def _naive(model, prompt: list[int], completion: list[int], temperature: float):
     return torch.stack(picked), torch.stack(entropy)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_matches_naive_log_softmax_with_padding(model, temperature: float) -> None:
+def test_matches_naive_log_softmax_with_padding(model, device, temperature: float) -> None:
+    model = copy.deepcopy(model).to(device)
     prompts = [[10, 11, 12, 13, 14], [20, 21]]
     completions = [[30, 31, 1], [40, 41, 42, 43]]
     s, t = 5, 4
@@ -52,10 +55,9 @@ def test_matches_naive_log_softmax_with_padding(model, temperature: float) -> No
         prompt_mask[i, s - len(p) :] = True
         completion_ids[i, : len(c)] = torch.tensor(c)  # right padding
         completion_mask[i, : len(c)] = True
+    batch = [t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask)]
     with torch.no_grad():
-        logp, entropy = completion_logprobs(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, True
-        )
+        logp, entropy = completion_logprobs(model, *batch, temperature, True)
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             want_logp, want_entropy = _naive(model, p, c, temperature)
             assert torch.allclose(logp[i, : len(c)], want_logp, atol=1e-5)
@@ -176,8 +178,9 @@ def _batch(prompts, completions, s: int, t: int):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("penalised", [False, True])
-def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch, penalised) -> None:
+def test_groups_scored_per_row_match_packed_and_padded(model, device, monkeypatch, penalised):
     # group A (prompt of 5) is packed, group B (prompt of 3) scored one row per completion:
     # values and gradients equal one padded sequence per row (also under a repetition penalty
     # and top-k, which read each row's history)
@@ -192,8 +195,9 @@ def test_groups_scored_per_row_match_packed_and_padded(model, monkeypatch, penal
     a, b = [10, 11, 12, 13, 14], [20, 21, 22]
     prompts = [a, b, a, b]
     completions = [[30, 31, 1], [40, 41, 42, 43], [32], [44, 45]]
-    batch = _batch(prompts, completions, s=5, t=4)
+    batch = [t.to(device) for t in _batch(prompts, completions, s=5, t=4)]
     mask = batch[3]
+    model = copy.deepcopy(model).to(device)
     model.zero_grad()
     mixed, entropy = completion_logprobs(model, *batch, sampling, with_entropy=True)
     (mixed * mask).sum().backward()

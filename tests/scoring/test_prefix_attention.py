@@ -93,14 +93,15 @@ def test_the_layout_reads_what_the_dense_mask_allows(batch, end_to_end: bool) ->
     assert sorted(layout.target.tolist()) == real_query.nonzero()[:, 0].tolist()
 
 
+@pytest.mark.device
 @BATCHES
-def test_prefix_scoring_equals_the_masked_one_under_checkpointing(tiny_model_dir, batch) -> None:
+def test_prefix_scoring_equals_the_masked_one_under_checkpointing(tiny_model_dir, device, batch):
     # the layout travels as a keyword argument, so the recomputation in backward takes it too;
     # prompts that start alike share those tokens, whose gradient must be counted once
     sdpa, prefix = _pair(tiny_model_dir)
     for model in (sdpa, prefix):
-        model.gradient_checkpointing_enable({"use_reentrant": False})
-    batch = batch()
+        model.to(device).gradient_checkpointing_enable({"use_reentrant": False})
+    batch = [t.to(device) for t in batch()]
     m = batch[-1]
     want, _ = completion_logprobs(sdpa, *batch, 0.8)
     got, _ = completion_logprobs(prefix, *batch, 0.8)

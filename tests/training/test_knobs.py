@@ -511,11 +511,14 @@ def test_top_k_and_top_p_restrict_what_the_sampler_draws(
 # -------------------------------------------------------------------------------- precision
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("autocast", [False, True])
 def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
     knob_config, monkeypatch, autocast: bool
 ) -> None:
-    trainer = Trainer(knob_config(model={"autocast": autocast}, algorithm={"beta": 0.1}))
+    precision = "bf16_autocast" if autocast else "float32"
+    trainer = Trainer(knob_config(model={"precision": precision}, algorithm={"beta": 0.1}))
+    device = trainer.dist.device.type
     seen: list[tuple[str, bool, torch.dtype | None]] = []
     caching: list[bool] = []
 
@@ -523,7 +526,7 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
         def wrapper(*args, **kwargs):
             result = fn(*args, **kwargs)
             logp = result[0] if isinstance(result, tuple) else result.sampler_logp
-            seen.append((what, torch.is_autocast_enabled("cpu"), logp.dtype))
+            seen.append((what, torch.is_autocast_enabled(device), logp.dtype))
             caching.append(torch.is_autocast_cache_enabled())
             return result
 
@@ -554,8 +557,8 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
 
 def test_a_reference_that_refreshes_by_mixing_stays_float32_under_autocast(knob_config) -> None:
     mixing = {"beta": 0.1, "ref_update_every": 2, "ref_mix_alpha": 0.5}
-    trainer = Trainer(knob_config(model={"autocast": True}, algorithm=mixing))
+    trainer = Trainer(knob_config(model={"precision": "bf16_autocast"}, algorithm=mixing))
     assert trainer.reference.copy.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
     copying = {**mixing, "ref_mix_alpha": 1.0}
-    trainer = Trainer(knob_config(model={"autocast": True}, algorithm=copying))
+    trainer = Trainer(knob_config(model={"precision": "bf16_autocast"}, algorithm=copying))
     assert trainer.reference.copy.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16

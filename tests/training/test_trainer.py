@@ -49,6 +49,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [row for row in rows if "event" not in row]
 
 
+@pytest.mark.device
 def test_short_run_writes_metrics_completions_and_a_loadable_checkpoint(
     tiny_config, tiny_model_dir, weights
 ) -> None:
@@ -112,6 +113,7 @@ def test_tiny_model_learns_a_toy_reward(tiny_config, toy_reward) -> None:
     assert last > first + 0.2, (first, last)
 
 
+@pytest.mark.device
 def test_resume_matches_an_uninterrupted_run(tiny_config, tiny_model_dir, weights) -> None:
     # the default tiny_config reward moves the weights on every step, so optimizer state,
     # scheduler, RNG and data order all have to come back exactly for the two runs to agree

@@ -46,9 +46,9 @@ class ModelConfig(Section):
     name: str = "tiny-random"
     """Built-in alias (see `grpo models`), local HF folder, or hub id (needs network)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weight dtype. bfloat16: bf16 weights, which the optimizer steps through float32 master copies (bf16 alone would round most updates away; docs/scaling.md); not with train.distributed: fsdp. For bf16 speed prefer `autocast` (docs/performance.md)."""
-    autocast: bool = False
-    """bf16 autocast for forwards over float32 weights (mixed precision, TRL's bf16=True); log-probs stay float32. Pays on GPUs and CPUs with bf16 units (AVX512-BF16, AMX): steps 0.53x here; without them bf16 is slower (docs/performance.md: how to measure it)."""
+    """Weight dtype. bfloat16: bf16 weights, which the optimizer steps through float32 master copies (bf16 alone would round most updates away; docs/scaling.md); not with train.distributed: fsdp. For bf16 speed prefer `precision` (docs/performance.md)."""
+    precision: Literal["auto", "float32", "bf16_autocast"] = "float32"
+    """What forwards compute in. `bf16_autocast`: bf16 autocast over float32 weights (mixed precision, TRL's bf16=True) for sampling and scoring; log-probs stay float32. Pays on GPUs and CPUs with bf16 units (AVX512-BF16, AMX: steps 0.53x); without them bf16 is slower. `auto`: measured when the run starts (bf16 and float32 products of the model's MLP shape on its device and threads, well under a second): bf16_autocast where bf16 is at least 1.3x as fast, else float32, said in one console line; the run's config.yaml records the choice, and a resume measures again (a change is said, not refused). `model.autocast: true/false` (older recipes) means bf16_autocast/float32 (docs/performance.md)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute (docs/performance.md)."""
     chunked_head: bool = True
@@ -57,6 +57,32 @@ class ModelConfig(Section):
     """Zero every dropout of the policy (as TRL does), so current, old and reference log-probs come from one deterministic network."""
     lora: LoraConfig = LoraConfig()
     """Parameter-efficient training."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _autocast_key(cls, data: Any) -> Any:
+        # recipes and run directories written before `precision` say `autocast: true/false`
+        if not isinstance(data, dict) or "autocast" not in data:
+            return data
+        data = dict(data)
+        autocast = data.pop("autocast")
+        if not isinstance(autocast, bool):
+            raise ValueError("model.autocast: true or false (or set model.precision)")
+        precision = "bf16_autocast" if autocast else "float32"
+        if data.setdefault("precision", precision) != precision:
+            raise ValueError(
+                f"model.autocast={str(autocast).lower()} and model.precision="
+                f"{data['precision']} disagree: set model.precision alone"
+            )
+        return data
+
+    @property
+    def autocast(self) -> bool:
+        """Whether forwards run under bf16 autocast; `auto` must be decided first
+        (``grpo.build.concrete_precision``), so that nothing reads it as float32 by mistake."""
+        if self.precision == "auto":
+            raise RuntimeError("model.precision=auto is read before the run decided it")
+        return self.precision == "bf16_autocast"
 
 
 class ChatMessage(Section):
@@ -375,7 +401,7 @@ class Config(Section):
             # FSDP2 saves optimizer state under the model's parameter names, which masters lack
             raise ValueError(
                 "train.distributed=fsdp keeps no float32 master weights for "
-                "model.dtype=bfloat16: use model.dtype=float32 with model.autocast=true"
+                "model.dtype=bfloat16: use model.dtype=float32 with model.precision=bf16_autocast"
             )
         if self.model.disable_dropout and self.model.lora.enabled and self.model.lora.dropout:
             raise ValueError(

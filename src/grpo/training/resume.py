@@ -18,9 +18,13 @@ from grpo.training.given import fingerprints as given_fingerprints
 from grpo.training.given import weights_digest
 
 # Keys that may change between a checkpoint and its resume: they change neither the math nor the
-# order of the data (every train.* key except the seed, and pure memory/speed knobs).
+# order of the data (every train.* key except the seed, and pure memory/speed knobs). Precision
+# rounds differently but optimises the same objective; `auto` measures again on resume, and on
+# a machine that decides otherwise holding the old choice could make every step several times
+# slower (bf16 on a CPU without bf16 units), so a change is said, not refused.
 FREE_KEYS = {
     "model.gradient_checkpointing",
+    "model.precision",
     "optim.micro_batch_size",
     "rollout.vllm_gpu_memory_utilization",
     "rewards.workers",

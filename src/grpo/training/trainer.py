@@ -87,6 +87,11 @@ class Trainer:
         self.run = RunDir(config.run_dir)
         self.bars = TransformersBars(config.train.progress)  # until train() ends
         try:
+            # auto precision decided once, by rank 0, before the run directory saves or compares it
+            shape_of = model_path or self.given.model.config
+            self.config = distributed.from_main(
+                lambda: build.concrete_precision(config, shape_of, self.dist.device)
+            )
             self.plan: ResumePlan = distributed.from_main(self._claim_run_dir)
             self._build(model_path, engine)
         except BaseException:  # what was started is stopped: reward workers, the lock, the bars
