@@ -25,6 +25,13 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMED = ("time/", "tokens_per_s")
 
 
+def float32(tree: Path) -> str:
+    """Float32 in either tree: model.precision where the schema has it (the default recipe's
+    auto decides by a timing), model.autocast before it."""
+    schema = (tree / "src" / "grpo" / "config" / "schema.py").read_text()
+    return "model.precision=float32" if "precision:" in schema else "model.autocast=false"
+
+
 def runs(tree: Path) -> dict[str, list[str]]:
     toy = tree / "tests" / "toy_rewards.py"
     return {
@@ -39,7 +46,7 @@ def runs(tree: Path) -> dict[str, list[str]]:
         # float32 in both trees: the recipe's `model.precision: auto` decides by a timing, which
         # two runs on a busy machine may read differently (`model.autocast` is read by trees
         # from before `model.precision` too)
-        "default": ["train.steps=2", "model.autocast=false"],
+        "default": ["train.steps=2", float32(tree)],
     }
 
 
