@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from torch_calls import RowsOf
 from transformers import AutoModelForCausalLM
 
 from grpo.scoring import packing
@@ -64,21 +62,6 @@ def test_matches_naive_log_softmax_with_padding(model, device, temperature: floa
             assert torch.allclose(entropy[i, : len(c)], want_entropy, atol=1e-5)
 
 
-class _NormaliserRows(TorchFunctionMode):
-    """Records how many positions each ``logsumexp`` (a log-normaliser) is taken over."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[int] = []
-
-    def __torch_function__(
-        self, func: Callable[..., Any], types: object, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        if func is torch.logsumexp:
-            self.rows.append(args[0].shape[0])
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("chunk", [1, 2, 8, 64])
 def test_token_logprobs_chunking_is_exact(chunk: int) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -86,7 +69,7 @@ def test_token_logprobs_chunking_is_exact(chunk: int) -> None:
     targets = torch.randint(0, 11, (5, 3), generator=gen)
     at = torch.randperm(15, generator=gen).view(5, 3)
     want = torch.log_softmax(logits / 0.5, dim=-1)[at, targets]
-    with _NormaliserRows() as normalised:
+    with RowsOf(lambda func: func is torch.logsumexp) as normalised:  # log-normalisers
         got, _ = token_logprobs(logits, at, targets, 0.5, chunk=chunk)
     assert torch.allclose(got, want, atol=1e-6)
     # the float32 temporaries are as small as asked: each position normalised once, ``chunk``
