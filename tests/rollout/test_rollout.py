@@ -315,3 +315,32 @@ def test_greedy_takes_the_most_likely_token_as_transformers_does(tiny_model_dir)
         want = expected[row // 2]
         assert out.completion_ids[row, : n[row]].tolist() == want[: n[row]].tolist()
     assert out.sampler_logp is None
+
+
+def test_greedy_applies_the_repetition_penalty_as_transformers_does(tiny_model_dir) -> None:
+    # the penalty changes which token is most likely: greedy answers under a recipe's penalty are
+    # transformers' greedy answers under the same penalty, not the plain argmax path
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model.generation_config.eos_token_id = None
+    prompts = ["What is 2 + 3?"]
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+
+    def engine_greedy(penalty: float) -> list[int]:
+        config = RolloutConfig(max_new_tokens=16, repetition_penalty=penalty)
+        out = HFEngine(model, tok, config).generate(prompts, [{}], 1, seeds=[0], greedy=True)
+        return out.completion_ids[0, : int(out.completion_mask[0].sum())].tolist()
+
+    with torch.no_grad():
+        want = model.generate(
+            **enc,
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=5.0,
+            pad_token_id=tok.pad_token_id,
+        )[0, enc.input_ids.shape[1] :].tolist()
+    penalised = engine_greedy(5.0)
+    assert penalised == want[: len(penalised)] and len(penalised) >= 3
+    assert penalised != engine_greedy(1.0)[: len(penalised)]

@@ -78,13 +78,6 @@ scores [b, V], which rows they are [b]) -> [b] their next tokens. ``b`` shrinks 
 (``sample_groups``)."""
 
 
-def greedy_choice(
-    input_ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor
-) -> torch.Tensor:
-    """The most likely token (a ``Choice``)."""
-    return scores.argmax(dim=-1)
-
-
 def processor_choice(
     processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n: int
 ) -> Choice:
@@ -103,8 +96,10 @@ class Chooser(LogitsProcessor):
     """One decode step of the engine: raw scores -> the drawn token (``pick``).
 
     ``extra`` (transformers' processors from ``rollout.generation_kwargs``) runs on the raw
-    logits, then ``grpo.scoring.distribution`` (penalty, temperature, min-p, top-k, top-p), then the seeded
-    draw. The log-prob of every drawn token under the distribution it was drawn from is kept
+    logits, then ``grpo.scoring.distribution`` (penalty, temperature, min-p, top-k, top-p), then
+    the seeded draw, or with ``greedy`` the most likely token of that distribution (the penalty
+    and the extra processors change which one it is; vLLM's greedy decoding applies them too).
+    The log-prob of every drawn token under the distribution it was drawn from is kept
     (``logps``, one [N] tensor per step, 0 for rows that had finished), as vLLM reports it.
     ``seen`` [N, V] tracks the prompt's and the completion's tokens for the repetition penalty
     (prompt padding excluded).
@@ -117,8 +112,9 @@ class Chooser(LogitsProcessor):
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
         extra: LogitsProcessorList,
+        greedy: bool = False,
     ) -> None:
-        self.sampling, self.sampler, self.extra = sampling, sampler, extra
+        self.sampling, self.sampler, self.extra, self.greedy = sampling, sampler, extra, greedy
         self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask  # [N, S]
         self.seen: torch.Tensor | None = None  # built at the first step, when V is known
         self.logps: list[torch.Tensor] = []
@@ -135,7 +131,11 @@ class Chooser(LogitsProcessor):
             self.seen = token_set(self.prompt_ids, self.prompt_mask, scores.shape[1])
         seen = None if self.seen is None else self.seen[rows]
         processed = process_logits(scores.float(), self.sampling, seen)  # [b, V]
-        picked = self.sampler.draw(processed, rows)  # [b, 1]
+        picked = (
+            processed.argmax(dim=-1, keepdim=True)
+            if self.greedy
+            else self.sampler.draw(processed, rows)
+        )  # [b, 1]
         # log_softmax at the drawn token only: no second [b, V] tensor
         logp = processed.gather(1, picked)[:, 0] - torch.logsumexp(processed, dim=-1)
         self.logps.append(logp.new_zeros(len(self.prompt_ids)).index_copy_(0, rows, logp))
@@ -487,6 +487,7 @@ class HFEngine:
             ids.repeat_interleave(group_size, dim=0),
             attention.repeat_interleave(group_size, dim=0),
             self.extra,
+            greedy,
         )
         with self.session():
             # each prompt's G completions, groups contiguous (the chooser supplies the randomness)
@@ -495,7 +496,7 @@ class HFEngine:
                 ids,
                 attention,
                 group_size,
-                greedy_choice if greedy else chooser.pick,
+                chooser.pick,
                 self.config.max_new_tokens,
                 self.eos,
                 self.tokenizer.pad_token_id,
@@ -549,6 +550,7 @@ class HFEngine:
             ids.repeat_interleave(n, dim=0),
             mask.repeat_interleave(n, dim=0),
             self.extra,
+            greedy,
         )
         strings = [*stop, *self.config.stop]
         with self.session():
@@ -557,7 +559,7 @@ class HFEngine:
                 ids,
                 mask,
                 n,
-                greedy_choice if greedy else chooser.pick,
+                chooser.pick,
                 max(r.max_tokens for r in requests),
                 self.eos,
                 self.tokenizer.pad_token_id,
