@@ -13,7 +13,7 @@ import grpo
 from grpo.config import ConfigError
 from grpo.data import DataError
 from grpo.models import load_tokenizer
-from grpo.training.given import source_digest, spec_name
+from grpo.training.given import given_parts, source_digest, spec_name
 
 CALLS: list[dict] = []
 
@@ -82,6 +82,8 @@ def test_bad_parts_are_one_line(tiny_config) -> None:
         grpo.train(tiny_config(train={"eval_every": 1}), dataset=_rows())
     with pytest.raises(DataError, match="dataset: row 3 has no 'prompt' field"):
         grpo.train(tiny_config(), dataset=[*_rows(2), {"question": "no prompt"}])
+    with pytest.raises(DataError, match="dataset: row 2 is a str, not a dict"):
+        grpo.train(tiny_config(), dataset=[*_rows(1), "What is 1 + 1?"])
     with pytest.raises(ConfigError, match="rewards: a callable"):
         grpo.train(tiny_config(), rewards=[3])
 
@@ -103,3 +105,11 @@ def test_resume_refuses_a_changed_callable_or_dataset(tiny_config) -> None:
     # the same parts resume and train on
     run = grpo.train(longer, rewards=[lowercase_share], dataset=_rows())
     assert [m["step"] for m in _metrics(run) if "event" not in m] == [1, 2]
+
+
+def test_data_num_examples_cuts_a_given_dataset_not_the_held_out_one(tiny_config) -> None:
+    config, given = given_parts(
+        tiny_config(data={"num_examples": 3}), dataset=_rows(), eval_dataset=_rows(5)
+    )
+    assert [r["answer"] for r in given.rows] == ["1", "2", "3"] and len(given.eval_rows) == 5
+    assert config.data.task is None and config.data.path is None

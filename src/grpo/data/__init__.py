@@ -245,9 +245,14 @@ def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -
             ) from None
         source = f"task '{config.task}'"
     rows = normalise_rows(rows, config.prompt_field, config.answer_field, source)
-    if config.num_examples is not None:
+    return first_rows(rows, config.num_examples)
+
+
+def first_rows(rows: Rows, n: int | None) -> Rows:
+    """The first ``n`` rows (all when None), with their sources and row numbers."""
+    if n is not None:
         for kept in (rows, rows.sources, rows.numbers):
-            del kept[config.num_examples :]
+            del kept[n:]
     return rows
 
 

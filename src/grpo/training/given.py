@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.build import Given
 from grpo.config import Config, ConfigError, RewardSpec, build_config
-from grpo.data import DataError, Rows, normalise_rows
+from grpo.data import DataError, Rows, first_rows, normalise_rows
 from grpo.rewards.registry import RewardFn
 
 RewardItem = Callable[..., Sequence[float | None]] | str | dict[str, Any] | RewardSpec
@@ -78,19 +78,18 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _rows_of(dataset: Any, config: Config, name: str) -> Rows:
+def _rows_of(dataset: Any, config: Config, name: str, limit: int | None = None) -> Rows:
     if hasattr(dataset, "to_list"):  # a datasets.Dataset
         dataset = dataset.to_list()
-    if not isinstance(dataset, list) or not all(isinstance(r, dict) for r in dataset):
+    if not isinstance(dataset, list):
         raise DataError(
             f"{name}: a datasets.Dataset or a list of dicts, got {type(dataset).__name__}"
         )
+    bad = next((i for i, row in enumerate(dataset) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise DataError(f"{name}: row {bad + 1} is a {type(dataset[bad]).__name__}, not a dict")
     data = config.data
-    rows = normalise_rows(dataset, data.prompt_field, data.answer_field, name)
-    if data.num_examples is not None and name == "dataset":
-        for kept in (rows, rows.sources, rows.numbers):
-            del kept[data.num_examples :]
-    return rows
+    return first_rows(normalise_rows(dataset, data.prompt_field, data.answer_field, name), limit)
 
 
 def _reward_spec(item: RewardItem) -> tuple[RewardSpec, RewardFn | None]:
@@ -139,7 +138,7 @@ def given_parts(
         )
     config = build_config(tree)
     if dataset is not None:
-        given.rows = _rows_of(dataset, config, "dataset")
+        given.rows = _rows_of(dataset, config, "dataset", config.data.num_examples)
     if eval_dataset is not None:
         given.eval_rows = _rows_of(eval_dataset, config, "eval_dataset")
     held_out = given.eval_rows is not None or config.data.eval_path is not None
