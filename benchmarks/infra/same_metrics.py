@@ -59,22 +59,26 @@ def train(tree: Path, out: Path, name: str, args: list[str]) -> list[dict[str, A
     return [json.loads(line) for line in lines]
 
 
-def differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
-    """One line per value that differs (NaN equals NaN), timings left out."""
+def differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """(one line per value that differs, NaN equalling NaN; the keys only the second run logs),
+    timings left out. A key only the first run logs is a difference: a metric was lost."""
     if len(a) != len(b):
-        return [f"{len(a)} rows against {len(b)}"]
-    out = []
+        return [f"{len(a)} rows against {len(b)}"], []
+    out, added = [], set()
     for row_a, row_b in zip(a, b, strict=True):
         for key in sorted(row_a.keys() | row_b.keys()):
             if key.startswith(TIMED):
                 continue
-            x, y = row_a.get(key), row_b.get(key)
+            if key not in row_a:
+                added.add(key)
+                continue
+            x, y = row_a[key], row_b.get(key)
             both_nan = (
                 isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)
             )
             if x != y and not both_nan:
                 out.append(f"step {row_a.get('step')} {key}: {x} != {y}")
-    return out
+    return out, sorted(added)
 
 
 def main() -> int:
@@ -87,10 +91,12 @@ def main() -> int:
     for name, overrides in runs(args.new).items():
         a = train(args.base, args.out / "base", name, runs(args.base)[name])
         b = train(args.new, args.out / "new", name, overrides)
-        diff = differences(a, b)
+        diff, added = differences(a, b)
         values = sum(len([k for k in r if not k.startswith(TIMED)]) for r in a)
-        result[name] = {"rows": len(a), "values": values, "differ": diff}
+        result[name] = {"rows": len(a), "values": values, "differ": diff, "added": added}
         print(f"{name}: {len(a)} rows, {values} values, {len(diff)} differ", *diff, sep="\n  ")
+        if added:
+            print(f"  new metrics (not compared): {', '.join(added)}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "same_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
     return 1 if any(r["differ"] for r in result.values()) else 0
