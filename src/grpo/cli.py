@@ -151,7 +151,7 @@ def eval_config(args: argparse.Namespace) -> Config:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from grpo.data import heldout_source
+    from grpo.data import heldout_source, verifier_of
     from grpo.eval import evaluate_config
 
     config = eval_config(args)
@@ -160,6 +160,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "model": config.model.name,
         "data": heldout_source(config.data),
         "rewards": [spec.model_dump() for spec in config.rewards.functions],
+        "verifier": verifier_of(config.data),  # what `accuracy`, pass@k and maj@k count as right
         "samples": args.samples,
         "metrics": metrics,
     }

@@ -290,6 +290,9 @@ def test_cli_eval_json(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     assert metrics["examples"] == 3
     assert metrics["pass@1"] <= metrics["pass@2"] + 1e-12  # more tries never hurt
     assert printed["data"]["task"] == "arithmetic" and printed["data"]["split"] == "test"
+    # the default recipe's verifier: its accuracy reward's spec
+    verifier = printed["verifier"]
+    assert verifier["name"] == "accuracy" and verifier["args"]["last_number"] is True
 
 
 def test_cli_eval_of_a_run_dir_uses_its_recipe(tiny_config, capsys) -> None:
