@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -33,20 +34,11 @@ def test_the_margin_is_a_parameter() -> None:
     assert choose_precision(rates, min_gain=1.6) == "float32"
 
 
-def test_measuring_gives_both_rates_in_a_few_rounds(monkeypatch) -> None:
-    rounds = []
-    timer = precision.product_timer
-
-    def counted(dtype, device, shape):
-        timed = timer(dtype, device, shape)
-        return lambda: rounds.append(dtype) or timed()
-
-    monkeypatch.setattr(precision, "product_timer", counted)
+def test_measuring_gives_both_rates_at_a_models_shape() -> None:
+    # no wall-clock bound: a shared machine may stall any product (the budget's rounds are
+    # counted in the tests below)
     rates = measure_rates(torch.device("cpu"), 576, 1536)  # SmolLM2-135M's MLP
-    assert rates.float32 > 0 and rates.bfloat16 > 0
-    # alternated round by round: each dtype timed as often as the other (no wall-clock bound
-    # here: a shared machine may stall any product)
-    assert rounds == [torch.float32, torch.bfloat16] * (len(rounds) // 2) and rounds
+    assert rates.float32 > 0 and rates.bfloat16 > 0 and math.isfinite(rates.gain)
 
 
 def test_the_dtypes_alternate_after_a_warm_up_on_a_few_rows(monkeypatch) -> None:
