@@ -492,6 +492,7 @@ def importance_weights(
     mode "truncate" (TIS, Yao et al. 2025): ``min(w, cap)``, only the upper side (a small
     weight never explodes the gradient); "mask" (MIS): ``w`` where ``low <= w <= cap``, else 0
     (the token or sequence leaves the policy-gradient term). ``cap`` or ``low`` None: no bound.
+    A NaN weight is masked in either mode (and counted as masked).
     Returns detached [N, T] weights and the shares of counted tokens truncated and masked.
     """
     mask = loss_mask.to(old_logp.dtype)
@@ -502,16 +503,19 @@ def importance_weights(
     weights = torch.exp(LOG_RATIOS[level](old_logp, sampler_logp, mask))  # [N, T]
     above = weights > cap if cap is not None else torch.zeros_like(keep)
     below = weights < low if low is not None else torch.zeros_like(keep)
+    # a NaN weight (a NaN log-prob from either side) is masked in both modes: clamp and the
+    # comparisons above would let it through into the loss
+    broken = weights.isnan()
     if mode == "truncate":
         if low is not None:
             raise ValueError("importance_weights: a lower bound only masks (mode='mask')")
-        truncated, masked = above, torch.zeros_like(keep)
+        truncated, masked = above, broken
         weights = weights.clamp(max=cap) if cap is not None else weights
     elif mode == "mask":
-        truncated, masked = torch.zeros_like(keep), above | below
-        weights = torch.where(masked, torch.zeros_like(weights), weights)
+        truncated, masked = torch.zeros_like(keep), above | below | broken
     else:
         raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
+    weights = torch.where(masked, torch.zeros_like(weights), weights)
     stats = {
         "truncated_frac": masked_mean((truncated & keep).to(mask.dtype), mask),
         "masked_frac": masked_mean((masked & keep).to(mask.dtype), mask),

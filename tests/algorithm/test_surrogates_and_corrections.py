@@ -191,3 +191,15 @@ def test_a_dropped_sequence_counts_as_zeros() -> None:
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-0.25, abs=1e-6)
     assert torch.allclose(logp.grad.flatten(), torch.tensor([-0.25, 0.0, -0.25, 0.25]))
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_a_nan_weight_is_masked_and_counted_in_either_mode(mode: str) -> None:
+    # a NaN sampler log-prob would pass clamp and the bound checks into the loss
+    old = torch.zeros(1, 3)
+    sampler = torch.tensor([[0.0, math.nan, 0.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    low = 0.5 if mode == "mask" else None
+    weights, stats = importance_weights(old, sampler, mask, cap=2.0, low=low, mode=mode)
+    assert weights.tolist() == [[1.0, 0.0, 1.0]]
+    assert float(stats["masked_frac"]) == pytest.approx(1 / 3)

@@ -25,8 +25,8 @@ def correction(
     with a counted token. logp: [b, T] the current policy's (with grad); old_logp,
     sampler_logp: [b, T]; advantages: [b] or [b, T]; loss_mask: [b, T] bool."""
     weights, shares = None, {}
-    tokens = float(loss_mask.sum())
     if sampler_logp is not None and (cfg.tis_cap is not None or cfg.tis_low is not None):
+        tokens = float(loss_mask.sum())  # a host sync: only when a correction is on
         weights, fracs = algorithm.importance_weights(
             old_logp,
             sampler_logp,
@@ -36,8 +36,10 @@ def correction(
             level=cfg.tis_level,
             mode=cfg.tis_mode,
         )
-        key = "truncated_frac" if cfg.tis_mode == "truncate" else "masked_frac"
-        shares[f"tis/{key}"] = (float(fracs[key]) * tokens, tokens)
+        for key in (
+            ("truncated_frac", "masked_frac") if cfg.tis_mode == "truncate" else ("masked_frac",)
+        ):
+            shares[f"tis/{key}"] = (float(fracs[key]) * tokens, tokens)
     if cfg.offpolicy_mask_delta is not None:
         # the behaviour policy: the sampler's own log-probs, else the weights that sampled
         behaviour = old_logp if sampler_logp is None else sampler_logp

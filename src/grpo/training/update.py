@@ -84,13 +84,8 @@ class PolicyUpdate:
         batches = [mb.to(self.dist.device) for mb in batches]
         ref_all, old_all = self.frozen_logprobs(batches, tuple(rollout.completion_ids.shape))
         # mask_truncated_completions: a cut-off completion contributes no token to the loss
-        keep = (
-            ~rollout.truncated
-            if cfg.mask_truncated_completions
-            else torch.ones_like(rollout.truncated)
-        )
-        counted = rollout.loss_mask & keep[:, None]
-        keep = keep.to(self.dist.device)
+        counted = advantages.counted_mask(rollout, cfg)
+        counted_here = counted.to(self.dist.device)
         normalizer = algorithm.Normalizer(
             num_sequences=rollout.num_completions,
             num_tokens=distributed.local_share_of_global(float(counted.sum())),
@@ -120,7 +115,7 @@ class PolicyUpdate:
                     old = logp.detach() if old_all is None else old_all[mb.index, :t]
                     ref = None if ref_all is None else ref_all[mb.index, :t]
                     sampler = None if sampler_all is None else sampler_all[mb.index, :t]
-                    loss_mask = mb.loss_mask & keep[mb.index, None]
+                    loss_mask = counted_here[mb.index, :t]
                     weights, shares = importance.correction(
                         cfg, logp, old, sampler, mb.advantages, loss_mask
                     )
