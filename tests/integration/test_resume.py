@@ -485,7 +485,7 @@ def test_a_model_folder_changed_under_its_name_is_one_line(tree: dict, tmp_path:
     train(make(moved, "swapped", steps=1))
     shutil.rmtree(folder)
     build_tiny_model(folder, hidden_size=32)
-    with pytest.raises(ConfigError, match="the model's weights"):
+    with pytest.raises(ConfigError, match="the model folder's files"):
         Trainer(make(moved, "swapped", steps=2))
     with pytest.raises(RunDirError) as refused:  # forced: the weights cannot fit
         train(make(moved, "swapped", steps=2, resume="force"))
@@ -555,8 +555,8 @@ def test_inputs_changed_under_the_same_names_are_a_change_of_the_math(
         Trainer(make(moved, "inputs", steps=2))
     shutil.rmtree(model)
     build_tiny_model(model, seed=1)  # another model of the same shapes under the same name
-    with pytest.raises(ConfigError, match=r"the data's rows .*, the model's weights '"):
+    with pytest.raises(ConfigError, match=r"the data's rows .*, the model folder's files '"):
         Trainer(make(moved, "inputs", steps=2))
     run_dir = train(make(moved, "inputs", steps=2, resume="force"))
     history = [json.loads(line) for line in (run_dir / "config_history.jsonl").open()]
-    assert {"the data's rows", "the model's weights"} <= history[-1]["changed"].keys()
+    assert {"the data's rows", "the model folder's files"} <= history[-1]["changed"].keys()

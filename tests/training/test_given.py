@@ -113,3 +113,33 @@ def test_data_num_examples_cuts_a_given_dataset_not_the_held_out_one(tiny_config
     )
     assert [r["answer"] for r in given.rows] == ["1", "2", "3"] and len(given.eval_rows) == 5
     assert config.data.task is None and config.data.path is None
+
+
+def test_a_rerun_with_the_trained_model_object_is_refused_with_the_reason(
+    tiny_config, tiny_model_dir: Path
+) -> None:
+    # grpo.train trains the model it is given in place: passing the same object again would
+    # make its trained weights the KL reference; the model as first loaded resumes
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    grpo.train(tiny_config(train={"steps": 1, "save_every": 1}), model=model)
+    longer = tiny_config(train={"steps": 2, "save_every": 1})
+    with pytest.raises(ConfigError, match=r"the given model.s weights .*pass the model as first"):
+        grpo.train(longer, model=model)
+    run = grpo.train(longer, model=AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    assert [m["step"] for m in _metrics(run) if "event" not in m] == [1, 2]
+
+
+def test_callable_fingerprints_see_what_a_closure_or_partial_holds() -> None:
+    import functools
+
+    def make(k):
+        def paid(completions, **columns):
+            return [k] * len(completions)
+
+        return paid
+
+    assert source_digest(make(1)) != source_digest(make(2))
+    assert source_digest(make(1)) == source_digest(make(1))
+    one, two = (functools.partial(lowercase_share, k=k) for k in (1, 2))
+    assert source_digest(one) != source_digest(two)
+    assert spec_name(one) == spec_name(lowercase_share)

@@ -154,7 +154,7 @@ def test_a_fingerprint_one_side_lacks_is_no_change() -> None:
     assert input_changes({"data": "d0"}, {"data": "d0", "model": "m1"}) == {}
     assert input_changes({}, INPUTS) == {}  # a checkpoint older than fingerprints
     assert input_changes(INPUTS, {"data": None, "model": "m1"}) == {
-        "the model's weights": ("m0", "m1")
+        "the model folder's files": ("m0", "m1")
     }
 
 
@@ -263,7 +263,13 @@ def test_fingerprints_cover_a_data_file_and_a_model_folder(tmp_path: Path) -> No
     task = fingerprints(_config(), rows, str(model), Given())
     # a task's rows follow from the config (compared anyway); nothing was given
     digest = model_digest(str(model))
-    assert task == {"data": None, "model": digest, "rewards": None, "tokenizer": None}
+    assert task == {
+        "data": None,
+        "model": digest,
+        "given_model": None,
+        "rewards": None,
+        "tokenizer": None,
+    }
     from_file = fingerprints(_config(data={"path": "rows.jsonl"}), rows, "hub/id", Given())
     assert from_file["data"] == rows_digest(rows) and from_file["model"] is None  # a hub id
     # the same names over other contents: other fingerprints

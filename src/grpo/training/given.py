@@ -16,8 +16,11 @@ that isolation, name a function as ``module:function`` in ``rewards.functions`` 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
+import re
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,30 +48,63 @@ class _Batched:
         return list(self.fn(completions=completions, **columns))
 
 
+ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _callee(fn: Callable[..., Any]) -> Any:
+    """What a callable runs: a partial's function, a function or method itself, else the
+    object's class."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+
+
 def spec_name(fn: Callable[..., Any]) -> str:
-    """``module:qualname`` of a callable (a callable object: of its class)."""
-    owner = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
-    return f"{owner.__module__}:{owner.__qualname__}"
+    """``module:qualname`` of what a callable runs (a partial: its function; an object: its
+    class)."""
+    callee = _callee(fn)
+    return f"{callee.__module__}:{callee.__qualname__}"
+
+
+def _code_text(code: types.CodeType) -> str:
+    """A compiled function, without the addresses its repr carries: its bytecode, names and
+    constants, nested code objects (comprehensions, inner functions) taken apart the same way."""
+    consts = [_code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    return repr((code.co_code, code.co_names, consts))
 
 
 def source_digest(fn: Callable[..., Any]) -> str:
-    """A fingerprint of a callable's code: its source, else (defined where no source is kept)
-    its compiled code and constants."""
-    owner = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    """A fingerprint of what a callable computes, the same in every process: its source (else,
+    defined where no source is kept, its compiled code), and what it closes over or is bound to
+    (closure cells, default arguments, a partial's arguments, an object's attributes), by repr."""
+    callee = _callee(fn)
     try:
-        text = inspect.getsource(owner).encode()
+        parts = [inspect.getsource(callee)]
     except (OSError, TypeError):
-        code = getattr(fn, "__code__", None)
-        text = repr((code.co_code, code.co_consts)).encode() if code else repr(fn).encode()
-    return hashlib.sha256(text).hexdigest()[:16]
+        target = vars(callee).get("__call__", callee) if isinstance(callee, type) else callee
+        code = getattr(target, "__code__", None)
+        parts = [_code_text(code) if code is not None else callee.__qualname__]
+    while isinstance(fn, functools.partial):
+        parts.append(repr((fn.args, sorted(fn.keywords.items()))))
+        fn = fn.func
+    if inspect.isfunction(fn):
+        cells = [cell.cell_contents for cell in fn.__closure__ or ()]
+        parts.append(repr((cells, fn.__defaults__, fn.__kwdefaults__)))
+    elif not inspect.ismethod(fn):
+        parts.append(repr(sorted(vars(fn).items())) if hasattr(fn, "__dict__") else "")
+    # a repr may carry an object's address ("<function f at 0x7f...>"): not part of what it is
+    text = ADDRESS.sub("", "\n".join(parts))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def weights_digest(model: nn.Module) -> str:
-    """A fingerprint of a model's weights: every tensor's name, shape and bytes."""
+    """A fingerprint of a model's weights as ``model_digest`` takes a folder's, without reading
+    gigabytes: every tensor's name, shape and dtype, and its first MiB of bytes."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        head = tensor.detach().reshape(-1)[: (1 << 20) // tensor.element_size()]
+        digest.update(head.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 

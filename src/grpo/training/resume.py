@@ -37,7 +37,11 @@ FIXED_KEYS = {"model.name", "model.lora.enabled", "model.lora.r", "model.lora.ta
 # what a run's checkpoints fingerprint besides its config, and how a change is named
 INPUTS = {
     "data": "the data's rows",
-    "model": "the model's weights",
+    "model": "the model folder's files",
+    # grpo.train trains the model it is given in place: the same object passed again is the
+    # trained model, and its weights would become the KL reference
+    "given_model": "the given model's weights (grpo.train trains it in place: pass the model "
+    "as first loaded)",
     "rewards": "the reward callables' source",
     "tokenizer": "the tokenizer's vocabulary or chat template",
 }
@@ -49,11 +53,11 @@ def fingerprints(
     """What a checkpoint records of a run's inputs (``INPUTS``): a task's rows follow from the
     config, which is compared anyway, but a file or a given dataset can change; a model folder
     by its files, a given model by its weights; given callables and tokenizer (``given``)."""
-    model = weights_digest(given.model) if given.model is not None else model_digest(model_path)
     data = config.data.path is not None or given.rows is not None
     return {
         "data": rows_digest(rows) if data else None,
-        "model": model,
+        "model": None if model_path is None else model_digest(model_path),
+        "given_model": None if given.model is None else weights_digest(given.model),
         **given_fingerprints(given),
     }
 
