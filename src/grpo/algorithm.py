@@ -453,6 +453,8 @@ def policy_loss(
         if beta:
             per_token = per_token + beta * kl
     if entropy_coef:
+        if entropy is None:
+            raise ValueError("policy_loss: entropy_coef needs the tokens' entropy (entropy=...)")
         per_token = per_token - entropy_coef * torch.where(keep, entropy, torch.zeros_like(logp))
 
     loss = AGGREGATIONS[aggregation](per_token, mask, normalizer)

@@ -228,6 +228,8 @@ def test_the_entropy_bonus_is_subtracted_with_the_losss_aggregation() -> None:
         loss_type="dapo",
     )
     assert torch.allclose(dapo, torch.tensor(-0.12), atol=1e-6)
+    with pytest.raises(ValueError, match="entropy_coef needs the tokens' entropy"):
+        policy_loss(logp, logp.detach(), torch.zeros(2), mask, entropy_coef=0.1)
 
 
 def test_a_zero_entropy_coef_leaves_the_loss_as_it_was() -> None:
