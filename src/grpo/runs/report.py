@@ -21,13 +21,6 @@ from grpo.runs.directory import read_jsonl
 SUMMARY_WINDOW = 10  # steps averaged at the start and at the end of the run
 SMOOTH_FROM = 10  # series this long get a running mean drawn over the raw values
 SMOOTH_WINDOW = 5
-HACK_KEYS = (
-    "hack/template_copy",
-    "hack/question_restated",
-    "hack/format_only",
-    "hack/length_collapse",
-    "hack/entropy_collapse",
-)
 
 
 class ReportError(ValueError):
@@ -108,6 +101,11 @@ def eval_keys(rows: list[dict[str, Any]]) -> tuple[str, ...]:
     )
 
 
+def hack_keys(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Every hack/* signal the run logged (grpo.training.hack_watch)."""
+    return tuple(sorted({k for r in rows for k in r if k.startswith("hack/")}))
+
+
 def plots_for(rows: list[dict[str, Any]]) -> list[Plot]:
     return [
         Plot("Reward (total and per function)", reward_keys(rows), "mean reward"),
@@ -119,7 +117,7 @@ def plots_for(rows: list[dict[str, Any]]) -> list[Plot]:
         Plot("Groups with zero reward variance", ("frac_zero_std",), "share of groups"),
         Plot("Reflection rate (self-check phrases)", ("reflection_rate",), "share of completions"),
         Plot("Truncated completions", ("truncated_frac",), "share of completions"),
-        Plot("Reward-hacking signals (docs/rewards.md)", HACK_KEYS, "share, or 1 when flagged"),
+        Plot("Reward-hacking signals (docs/rewards.md)", hack_keys(rows), "share, or 1 when flagged"),
     ]
 
 
