@@ -205,7 +205,6 @@ def vllm_part(device: str, work: Path) -> dict[str, Any]:
 
     from grpo.config import dump_config, load_config
     from grpo.models import resolve_model_path
-    from grpo.rollout import close_engine
     from grpo.training.resume import open_run
     from grpo.training.trainer import Trainer
 
@@ -223,11 +222,11 @@ def vllm_part(device: str, work: Path) -> dict[str, Any]:
         while trainer.step < steps:
             trainer.step += 1
             rows.append({"step": trainer.step, **trainer.train_step()})
-        rollout = trainer.engine.generate(prompts, probe, 4, seeds=[1, 2, 3, 4])
+        rollout = trainer.producer.engine.generate(prompts, probe, 4, seeds=[1, 2, 3, 4])
         to_policy, to_base = sync_gaps(trainer.policy, rollout), sync_gaps(base, rollout)
     finally:
         trainer.rewards.close()
-        close_engine(trainer.engine)
+        trainer.producer.close()
         trainer.run.release()
     problem = healthy(rows, steps) or sync_problem(to_policy, to_base)
     return {

@@ -312,3 +312,18 @@ def test_a_model_that_ignores_logits_to_keep_is_refused(
         monkeypatch.setattr(chunked_head, "head_slot", lambda model: None)
     with pytest.raises(RuntimeError, match="does not honour logits_to_keep"):
         completion_logprobs(prefix, *_shared_batch())
+
+
+@pytest.mark.device
+@BATCHES
+def test_prefix_scoring_under_bf16_autocast_equals_the_masked_one(tiny_model_dir, device, batch):
+    # under autocast attention returns bf16 for float32 queries (on CUDA): the scatter of the
+    # real positions takes the attention's dtype, and both paths agree to bf16's precision
+    sdpa, prefix = _pair(tiny_model_dir)
+    batch = [t.to(device) for t in batch()]
+    m = batch[-1]
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        want, _ = completion_logprobs(sdpa.to(device), *batch, 0.8)
+        got, _ = completion_logprobs(prefix.to(device), *batch, 0.8)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got[m], want[m], atol=0.1)

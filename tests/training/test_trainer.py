@@ -114,7 +114,9 @@ def test_tiny_model_learns_a_toy_reward(tiny_config, toy_reward) -> None:
 
 
 @pytest.mark.device
-def test_resume_matches_an_uninterrupted_run(tiny_config, tiny_model_dir, weights) -> None:
+def test_resume_matches_an_uninterrupted_run(
+    tiny_config, tiny_model_dir, weights, deterministic
+) -> None:
     # the default tiny_config reward moves the weights on every step, so optimizer state,
     # scheduler, RNG and data order all have to come back exactly for the two runs to agree
     # (checked by hand: this test fails when optimize() stops calling zero_grad)

@@ -162,7 +162,8 @@ def prefix_attention_forward(
         _gather(q, rows_q), _gather(k, rows_k), _gather(v, rows_k), lay.rows_blocked, scale
     )
     real = torch.cat([prompts[lay.select[0]], rows[lay.select[1]]])
-    out = q.new_zeros(q.shape).index_copy(0, lay.target, real)  # padding positions read 0
+    # real.new_zeros: under CUDA autocast attention returns bf16 for float32 queries
+    out = real.new_zeros(q.shape).index_copy(0, lay.target, real)  # padding positions read 0
     lay.uses[0] += 1
     return out.view(u, length, hq, d), None
 
