@@ -202,8 +202,12 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     rows of ``config.data`` through the recipe's rollout engine, judged also by the recipe's
     reward functions."""
     rows = heldout_rows(config.data, config.train.seed, examples)
-    parts = build.build_for_sampling(config, rows)
-    verifier = build.verifier_runner(config)
+    verifier = build.verifier_runner(config)  # a bad data.verifier fails before the model loads
+    try:
+        parts = build.build_for_sampling(config, rows)
+    except BaseException:
+        verifier.close()
+        raise
     engine = None
     try:
         config = build.concrete_precision(config, parts.policy.config, parts.policy.device)

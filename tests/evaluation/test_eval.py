@@ -351,3 +351,16 @@ def test_eval_without_math_verify_for_numeric_tasks(tiny_config) -> None:
     correct = judged(tiny_config(), [restated, restated, "<answer>53</answer>"], "53")
     scored = score_samples([correct], [["23 + 30", "23 + 30", "53"]])
     assert scored["pass@1"] == pytest.approx(1 / 3, abs=1e-12) and scored["maj@3"] == 0.0
+
+
+def test_a_bad_verifier_fails_before_the_model_loads(tiny_config, monkeypatch) -> None:
+    from grpo.config import ConfigError
+    from grpo.eval import evaluate_config
+    from grpo.rewards import RewardError
+
+    loaded = []
+    monkeypatch.setattr(build, "build_for_sampling", lambda *a: loaded.append(1))
+    config = tiny_config(data={"verifier": {"name": "no-such-reward"}})
+    with pytest.raises((RewardError, ConfigError), match="unknown reward 'no-such-reward'"):
+        evaluate_config(config, samples=1, examples=2)
+    assert loaded == []
