@@ -114,7 +114,12 @@ class Chooser(LogitsProcessor):
         extra: LogitsProcessorList,
         greedy: bool = False,
     ) -> None:
-        self.sampling, self.sampler, self.extra, self.greedy = sampling, sampler, extra, greedy
+        self.sampler, self.extra, self.greedy = sampler, extra, greedy
+        # greedy: only what can change the most likely token (the penalty) is applied; the
+        # temperature and the truncations keep it, so their [b, V] passes are skipped
+        self.sampling = (
+            Sampling(repetition_penalty=sampling.repetition_penalty) if greedy else sampling
+        )
         self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask  # [N, S]
         self.seen: torch.Tensor | None = None  # built at the first step, when V is known
         self.logps: list[torch.Tensor] = []
@@ -131,11 +136,12 @@ class Chooser(LogitsProcessor):
             self.seen = token_set(self.prompt_ids, self.prompt_mask, scores.shape[1])
         seen = None if self.seen is None else self.seen[rows]
         processed = process_logits(scores.float(), self.sampling, seen)  # [b, V]
-        picked = (
-            processed.argmax(dim=-1, keepdim=True)
-            if self.greedy
-            else self.sampler.draw(processed, rows)
-        )  # [b, 1]
+        if self.greedy:  # no draw, and no log-prob: nothing was sampled
+            picked = processed.argmax(dim=-1, keepdim=True)
+            if self.seen is not None:
+                self.seen[rows, picked[:, 0]] = True
+            return picked[:, 0]
+        picked = self.sampler.draw(processed, rows)  # [b, 1]
         # log_softmax at the drawn token only: no second [b, V] tensor
         logp = processed.gather(1, picked)[:, 0] - torch.logsumexp(processed, dim=-1)
         self.logps.append(logp.new_zeros(len(self.prompt_ids)).index_copy_(0, rows, logp))
@@ -514,7 +520,7 @@ class HFEngine:
             prompts,
             rows,
             group_size,
-            None if greedy else torch.stack(chooser.logps, dim=1)[:, :t].cpu(),
+            torch.stack(chooser.logps, dim=1)[:, :t].cpu() if chooser.logps else None,
             sampling,
         )
 
@@ -566,7 +572,7 @@ class HFEngine:
                 StopStrings(self.tokenizer, strings) if strings else None,
             )
         tokens, lengths = out.tokens.cpu(), out.lengths.tolist()
-        logps = None if greedy else torch.stack(chooser.logps, dim=1).cpu()  # [N, t]
+        logps = torch.stack(chooser.logps, dim=1).cpu() if chooser.logps else None  # [N, t]
         samples = []
         for row in range(tokens.shape[0]):
             k = min(lengths[row], requests[row // n].max_tokens)
