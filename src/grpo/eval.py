@@ -11,9 +11,9 @@ judged by the task's verifier.
   ``accuracy`` with its default arguments (``grpo.data.verifier_of``).
 - ``pass@k``: from n sampled completions with c correct, the unbiased estimator of Chen et al.
   (2021), ``1 - C(n-c, k) / C(n, k)``, averaged over problems; reported for k = 1, 2, 4, ... n.
-- ``maj@k``: the most frequent extracted answer among the k samples (ties: the one seen first;
-  completions without an answer do not vote) is correct when the verifier paid the first sample
-  that gave it.
+- ``maj@k``: the most frequent answer among the k samples, extracted as the verifier extracts
+  it (ties: the one seen first; completions without an answer do not vote), is correct when the
+  verifier paid the first sample that gave it; none for a verifier that reads no answer (code).
 - ``answer_rate``: share of greedy completions that contain an <answer> tag at all.
 - ``completion_len``: mean length of the greedy completions, in counted tokens (as training's).
 - ``reward/mean``, ``reward/<fn>/mean``, ``reward/pass_rate``: the recipe's own reward functions
@@ -45,7 +45,7 @@ from grpo.data.prompts import PromptFormat
 from grpo.data.stream import sampling_seed
 from grpo.models import bf16_autocast
 from grpo.rewards import RewardError, RewardOutput, RewardRunner
-from grpo.rewards.accuracy import DEFAULT_EXTRACT, extract_answer
+from grpo.rewards.accuracy import extract_answer
 from grpo.rewards.inputs import per_function_metrics, reward_inputs
 from grpo.rollout import RolloutEngine, close_engine
 from grpo.rollout.turns import tool_metrics
@@ -76,14 +76,19 @@ def k_values(n: int) -> list[int]:
     return ks if ks[-1] == n else [*ks, n]
 
 
-def score_samples(correct: list[list[bool]], answers: list[list[str | None]]) -> dict[str, float]:
+def score_samples(
+    correct: list[list[bool]], answers: list[list[str | None]] | None
+) -> dict[str, float]:
     """pass@k for k = 1, 2, 4, ... n and maj@n from n judged samples per problem: ``correct``
-    says which the verifier paid, ``answers`` what each extracted (None: no answer)."""
+    says which the verifier paid, ``answers`` what each extracted (None: no answer; no
+    ``answers`` at all: the verifier reads no answer to vote on, and there is no maj@n)."""
     n = len(correct[0])
     out = {
         f"pass@{k}": sum(pass_at_k(n, sum(group), k) for group in correct) / len(correct)
         for k in k_values(n)
     }
+    if answers is None:
+        return out
     majority = 0
     for group, given in zip(correct, answers, strict=True):
         vote = majority_answer(given)
@@ -145,6 +150,12 @@ def generate(
     return concat_rollouts(parts)
 
 
+def answer_strategies(verifier: RewardRunner) -> tuple[str, ...] | None:
+    """How the verifier extracts an answer (``accuracy``'s strategies); None for verifiers that
+    judge otherwise (unit tests, countdown's equation, a user function)."""
+    return getattr(next(iter(verifier.builtins.values()), None), "strategies", None)
+
+
 def verdicts(verifier: RewardRunner, rollout: Rollout) -> list[bool]:
     """Which completions the verifier pays in full (a None score is not correct)."""
     scores = verifier(*reward_inputs(rollout)).per_function[:, 0]
@@ -185,13 +196,13 @@ def evaluate(
             n = settings.samples
             sampled = generate(engine, prompts, rows, n, False, settings)
             correct = verdicts(verifier, sampled)
-            answers = [extract_answer(t, DEFAULT_EXTRACT) for t in reward_inputs(sampled)[0]]
             groups = range(0, len(correct), n)
-            out.update(
-                score_samples(
-                    [correct[i : i + n] for i in groups], [answers[i : i + n] for i in groups]
-                )
-            )
+            strategies = answer_strategies(verifier)
+            answers = None
+            if strategies is not None:  # voted with the verifier's own reading of an answer
+                given = [extract_answer(t, strategies) for t in reward_inputs(sampled)[0]]
+                answers = [given[i : i + n] for i in groups]
+            out.update(score_samples([correct[i : i + n] for i in groups], answers))
     if rewards is not None:
         out.update(reward_metrics(rewards(*reward_inputs(greedy)), settings.reward_threshold))
     return dict(sorted(out.items()))

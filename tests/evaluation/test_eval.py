@@ -20,6 +20,7 @@ from grpo.data import DataError, verifier_of
 from grpo.data.prompts import PromptFormat
 from grpo.eval import (
     EvalSettings,
+    answer_strategies,
     evaluate,
     generate,
     k_values,
@@ -29,6 +30,7 @@ from grpo.eval import (
 )
 from grpo.models import load_tokenizer
 from grpo.rewards import RewardRunner
+from grpo.rewards.accuracy import extract_answer
 from grpo.rollout import grouped_rollout
 from grpo.rollout.hf import HFEngine
 from grpo.training.trainer import train
@@ -364,3 +366,22 @@ def test_a_bad_verifier_fails_before_the_model_loads(tiny_config, monkeypatch) -
     with pytest.raises((RewardError, ConfigError), match="unknown reward 'no-such-reward'"):
         evaluate_config(config, samples=1, examples=2)
     assert loaded == []
+
+
+def test_maj_votes_with_the_verifiers_own_extraction(tiny_config) -> None:
+    # a last_number verifier: "so it is 7." answers 7; with the default extraction it would
+    # cast no vote and the wrong 8s would win
+    spec = {"name": "accuracy", "args": {"extract": ["answer"], "last_number": True}}
+    verifier = build.verifier_runner(tiny_config(data={"verifier": spec}))
+    code = build.verifier_runner(tiny_config(data={"task": "humaneval"}))
+    try:
+        strategies = answer_strategies(verifier)
+        texts = ["so it is 7.", "<answer>8</answer>", "so it is 7.", "<answer>8</answer>"]
+        answers = [[extract_answer(t, strategies) for t in texts]]
+        assert answers == [["7", "8", "7", "8"]]
+        assert score_samples([[True, False, True, False]], answers)["maj@4"] == 1.0
+        assert answer_strategies(code) is None  # unit tests read no answer: no maj@k
+        assert "maj@2" not in score_samples([[True, False]], None)
+    finally:
+        verifier.close()
+        code.close()
