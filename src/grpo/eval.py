@@ -14,6 +14,8 @@ judged by the task's verifier.
 - ``maj@k``: the most frequent answer among the k samples, extracted as the verifier extracts
   it (ties: the one seen first; completions without an answer do not vote), is correct when the
   verifier paid the first sample that gave it; none for a verifier that reads no answer (code).
+- ``verifier_errors``: completions the verifier failed on (raised or timed out), judged wrong;
+  its first failure of each kind is printed.
 - ``answer_rate``: share of greedy completions that contain an <answer> tag at all.
 - ``completion_len``: mean length of the greedy completions, in counted tokens (as training's).
 - ``reward/mean``, ``reward/<fn>/mean``, ``reward/pass_rate``: the recipe's own reward functions
@@ -156,10 +158,12 @@ def answer_strategies(verifier: RewardRunner) -> tuple[str, ...] | None:
     return getattr(next(iter(verifier.builtins.values()), None), "strategies", None)
 
 
-def verdicts(verifier: RewardRunner, rollout: Rollout) -> list[bool]:
-    """Which completions the verifier pays in full (a None score is not correct)."""
-    scores = verifier(*reward_inputs(rollout)).per_function[:, 0]
-    return (scores >= 1.0).tolist()  # NaN (None) compares False
+def verdicts(verifier: RewardRunner, rollout: Rollout) -> tuple[list[bool], int]:
+    """Which completions the verifier pays in full (a None score is not correct), and how many
+    it failed on (raised, timed out: judged wrong)."""
+    out = verifier(*reward_inputs(rollout))
+    # NaN (None) compares False
+    return (out.per_function[:, 0] >= 1.0).tolist(), sum(out.errors.values())
 
 
 def evaluate(
@@ -191,11 +195,13 @@ def evaluate(
     if greedy.turns is not None:
         out.update(tool_metrics(greedy.turns))
     if judged:
-        out["accuracy"] = sum(verdicts(verifier, greedy)) / len(rows)
+        correct, failed = verdicts(verifier, greedy)
+        out["accuracy"] = sum(correct) / len(rows)
         if settings.samples > 1:
             n = settings.samples
             sampled = generate(engine, prompts, rows, n, False, settings)
-            correct = verdicts(verifier, sampled)
+            correct, failed_sampled = verdicts(verifier, sampled)
+            failed += failed_sampled
             groups = range(0, len(correct), n)
             strategies = answer_strategies(verifier)
             answers = None
@@ -203,6 +209,8 @@ def evaluate(
                 given = [extract_answer(t, strategies) for t in reward_inputs(sampled)[0]]
                 answers = [given[i : i + n] for i in groups]
             out.update(score_samples([correct[i : i + n] for i in groups], answers))
+        # a verifier that fails counts as wrong: said, not hidden in the accuracy
+        out["verifier_errors"] = float(failed)
     if rewards is not None:
         out.update(reward_metrics(rewards(*reward_inputs(greedy)), settings.reward_threshold))
     return dict(sorted(out.items()))

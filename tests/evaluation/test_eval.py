@@ -385,3 +385,22 @@ def test_maj_votes_with_the_verifiers_own_extraction(tiny_config) -> None:
     finally:
         verifier.close()
         code.close()
+
+
+def test_a_verifier_that_fails_is_counted_not_hidden(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # a user verifier that raises on every completion: judged wrong, and eval says how often
+    broken = tmp_path / "broken.py"
+    broken.write_text("def verify(completions, **columns):\n    raise RuntimeError('boom')\n")
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    rows = [
+        {"prompt": "What is 2 + 3?", "answer": "5"},
+        {"prompt": "What is 4 * 4?", "answer": "16"},
+    ]
+    verifier = RewardRunner(
+        RewardsConfig(functions=[RewardSpec(name=f"{broken}:verify")], workers=1)
+    )
+    try:
+        out = evaluate(ScriptedEngine(tokenizer), tokenizer, rows, PromptFormat(), verifier)
+    finally:
+        verifier.close()
+    assert out["accuracy"] == 0.0 and out["verifier_errors"] == 2.0
