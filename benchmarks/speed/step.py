@@ -23,7 +23,9 @@ import torch
 
 import grpo
 from benchmarks import common, rewards
+from grpo import build
 from grpo.config import Config, build_config, merge_trees, parse_overrides
+from grpo.models import resolve_model_path
 from grpo.scoring.chunked_head import kept_positions
 from grpo.training.trainer import Trainer
 
@@ -190,6 +192,11 @@ def module_mb(model: torch.nn.Module | None) -> float:
 
 def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
     """Build a trainer, time ``config.train.steps`` steps; everything the JSON holds."""
+    # `auto` decided here as the trainer decides it: the MFU peak is the chosen precision's
+    build.prepare_process(config)
+    config = build.concrete_precision(
+        config, resolve_model_path(config.model.name), torch.device("cpu")
+    )
     bf16 = config.model.autocast or config.model.dtype == "bfloat16"
     dtype = torch.bfloat16 if bf16 else torch.float32  # the MFU peak is the compute precision's
     peak_before = common.matmul_peak_flops(seconds=warmup_peak_s, dtype=dtype)
