@@ -24,6 +24,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from grpo.rewards import RewardError
     from grpo.runs.directory import RunDirError
     from grpo.runs.report import ReportError
+    from grpo.training.ahead import ProducerLost
 
     return (
         ConfigError,
@@ -32,6 +33,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         RewardError,
         ReportError,
         RunDirError,
+        ProducerLost,
         FileNotFoundError,
     )
 

@@ -172,4 +172,4 @@ def _load_checkpoint(t: Trainer, path: Path) -> None:
         t.reference.load_state_dict(state["reference"])
     t.step = t.saved_step = state["step"]
     t.run.intact = path
-    t.producer.sync_weights(t.policy)  # the engine samples from the restored weights
+    t.producer.sync_weights(t.step, changed=True)  # the engine samples from the restored weights

@@ -4,12 +4,14 @@ estimator's advantages (``grpo.training.advantages``); dynamic sampling's rounds
 has enough informative groups.
 
 The trainer asks for one step's groups (``collect``), updates, and hands the new weights back
-(``sync_weights``). What the producer draws and skips is part of a checkpoint (``state_dict``).
+(``sync_weights``). With ``rollout.max_staleness >= 1`` this producer runs in a process of its
+own, ahead of the trainer (``grpo.training.ahead``). What the producer draws and skips is part of a checkpoint (``state_dict``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any
 
@@ -147,9 +149,11 @@ class Producer:
             multiple_of=self.dist.world_size,
         )
 
-    def sync_weights(self, policy: nn.Module) -> None:
-        """The engine samples from ``policy``'s current weights from now on."""
-        self.engine.sync_weights(policy)
+    def sync_weights(self, step: int, changed: bool) -> None:
+        """After step ``step``: the engine samples from the policy's new weights (when the step
+        changed them) from now on."""
+        if changed:
+            self.engine.sync_weights(self.policy)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -159,6 +163,15 @@ class Producer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("ahead"):  # saved with rollout.max_staleness >= 1 (grpo.training.ahead)
+            steps = [p.step for p in state["ahead"]]
+            print(
+                f"grpo: dropping the rollouts made ahead for steps {min(steps)}-{max(steps)} "
+                "(rollout.max_staleness is 0 now): their prompts are not trained on",
+                file=sys.stderr,
+                flush=True,
+            )
+            state = state["ahead"][-1].state
         if self.prompt_filter is not None and state.get("greso"):
             self.prompt_filter.load_state_dict(state["greso"])
         if state.get("temperature"):

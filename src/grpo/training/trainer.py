@@ -36,6 +36,7 @@ from grpo.runtime import distributed
 from grpo.runtime.host_memory import set_malloc_policy
 from grpo.scoring.chunked_head import chunked_head_slot, full_logits
 from grpo.scoring.logprobs import scoring_path
+from grpo.training.ahead import ProducerLost, ProducerProcess
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
 from grpo.training.entropy_bonus import EntropyBonus
@@ -130,22 +131,12 @@ class Trainer:
         fsdp = self.dist.enabled and config.train.distributed == "fsdp"
         if fsdp and frozen_copy is not None:
             distributed.fully_shard_model(frozen_copy, self.dist)
-        engine = build.engine_of(config, self.policy, self.tokenizer, engine)
+        self.producer = self._producer(model_path, engine)
         self.optimizer, self.scheduler = build_optimizer(
             self.policy,
             config.optim,
             config.train.steps * config.algorithm.num_iterations,
             fused=not fsdp,
-        )
-        self.producer = Producer(
-            config,
-            self.dist,
-            self.rows,
-            self.prompt_format,
-            self.tokenizer,
-            self.policy,
-            engine,
-            self.rewards,
         )
         self.entropy_bonus = EntropyBonus(config.algorithm)
         self.update = PolicyUpdate(
@@ -161,14 +152,45 @@ class Trainer:
         self.step = 0
         self.saved_step = -1  # the step of the newest checkpoint on disk
 
+    def _producer(
+        self, model_path: str | None, engine: RolloutEngine | None
+    ) -> Producer | ProducerProcess:
+        """The producer of the steps' groups: in this process, or (``rollout.max_staleness``
+        >= 1) ahead of it in another (``grpo.training.ahead``). ``self.engine`` is the one
+        held-out evaluation samples with (with a producer process: built only for it)."""
+        config = self.config
+        if not config.rollout.max_staleness:
+            self.engine = build.engine_of(config, self.policy, self.tokenizer, engine)
+            return Producer(
+                config,
+                self.dist,
+                self.rows,
+                self.prompt_format,
+                self.tokenizer,
+                self.policy,
+                self.engine,
+                self.rewards,
+            )
+        if self.dist.enabled or engine is not None:
+            why = "under torchrun" if self.dist.enabled else "with an engine object given"
+            raise ConfigError(
+                f"rollout.max_staleness={config.rollout.max_staleness} runs the producer in a "
+                f"process of its own, not {why}: use max_staleness 0"
+            )
+        self.engine = (
+            build.engine_of(config, self.policy, self.tokenizer)
+            if config.train.eval_every
+            else None
+        )
+        return ProducerProcess(
+            config, self.rows, self.given.rewards, model_path, self.policy, self.tokenizer
+        )
+
     # ----------------------------------------------------------------------------- update
 
     def optimize(self, scored: Scored) -> dict[str, float]:
-        """The update on one scored batch (``grpo.training.update``); the engine then samples
-        from the new weights."""
-        metrics = self.update(scored, self.step)
-        self.producer.sync_weights(self.policy)
-        return metrics
+        """The update on one scored batch (``grpo.training.update``)."""
+        return self.update(scored, self.step)
 
     # ----------------------------------------------------------------------------- loop
 
@@ -212,7 +234,14 @@ class Trainer:
                         save_checkpoint(self)
                     raise TrainingStopped(signum, self.step, self.run.intact, False)
                 self.step += 1
-                metrics = self.train_step()
+                try:
+                    metrics = self.train_step()
+                except ProducerLost as lost:  # one line, and the steps done are kept
+                    self.step -= 1
+                    if self.step > 0 and self.saved_step != self.step:
+                        save_checkpoint(self)
+                    saved = f"{self.run.intact} is complete" if self.run.intact else "no checkpoint"
+                    raise ProducerLost(f"{lost} before step {self.step + 1}: {saved}") from None
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     metrics.update(self.held_out_eval())
                 if logger:
@@ -239,13 +268,13 @@ class Trainer:
             bf16_autocast(self.dist.device, self.config.model.autocast),
         ):
             result = evaluate(
-                self.producer.engine,
+                self.engine,
                 self.tokenizer,
                 self.eval_rows,
                 self.prompt_format,
                 self.verifier,
                 settings,
-                self.producer.rewards,
+                self.rewards,
             )
         out = {f"eval/{key}": value for key, value in result.items()}
         out["time/eval_s"] = time.perf_counter() - t0
@@ -278,6 +307,7 @@ class Trainer:
             train = rank_groups(train, self.dist.rank, self.dist.world_size)
         update = self.optimize(train) if train is not None else {"optim/skipped": 1.0}
         metrics = self.refresh_reference()
+        self.producer.sync_weights(self.step, changed=train is not None)
         t3 = time.perf_counter()
         # metrics over every group rolled out (all ranks, global order): the kept ones are biased
         everyone = batch.seen if self.config.sampling.dynamic else gather_scored(batch.seen)
@@ -309,6 +339,16 @@ class Trainer:
                 "tokens_per_s": tokens / max(t3 - t0, 1e-9),
             }
         )
+        if "staleness" in clock:  # a producer process made this step's groups ahead
+            metrics.update(
+                {
+                    # one version per step: every rollout of it was sampled with the same weights
+                    "staleness/mean": clock["staleness"],
+                    "staleness/max": clock["staleness"],
+                    "time/wait_rollout_s": clock["wait_rollout"],
+                    "time/wait_train_s": clock["wait_train"],
+                }
+            )
         metrics.update(self.hack_watch.observe(self.step, everyone, metrics, self.dist.is_main))
         if self.dist.is_main:
             # the groups trained on when dynamic sampling kept a subset, else all rolled out

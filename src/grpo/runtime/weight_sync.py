@@ -1,0 +1,106 @@
+"""Weights from the trainer to a producer process: one flat buffer per push, broadcast over a
+two-process gloo group of their own (a ``TCPStore`` on a free port, not the default group, so it
+never meets ``torchrun``'s collectives).
+
+Only the parameters that train move (``trainable``): full weights, or a LoRA policy's adapters;
+the frozen rest is loaded the same way on both sides. Buffers travel in float32 or the
+parameter's own dtype, as they are: the producer samples with exactly the trainer's weights.
+The trainer pushes from a thread (``WeightSender``), so an optimizer step never waits for a
+producer that is still generating; pushes arrive in order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+TRAINER, PRODUCER = 0, 1
+
+
+def trainable(model: nn.Module) -> list[Tensor]:
+    """The parameters a push carries, in the module's order (the same on both sides)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def flatten(params: list[Tensor]) -> Tensor:
+    """One detached CPU copy of ``params``, as float32 (every dtype a policy trains in fits)."""
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+
+
+@torch.no_grad()
+def unflatten_into(flat: Tensor, params: list[Tensor]) -> None:
+    """Copy a pushed buffer into ``params`` in place (cast back to each one's dtype)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"a weight push of {flat.numel()} values for {offset} parameters")
+
+
+def store(host: str, port: int, is_trainer: bool, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous of the two processes (the trainer's: ``port`` 0 picks a free one)."""
+    return dist.TCPStore(
+        host,
+        port,
+        2,
+        is_trainer,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def group(rendezvous: dist.TCPStore, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(rendezvous, rank, 2, datetime.timedelta(seconds=timeout_s))
+
+
+def broadcast(pg: dist.ProcessGroup, flat: Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = TRAINER
+    pg.broadcast([flat], opts).wait()
+
+
+class WeightSender:
+    """Trainer side: ``push`` snapshots the weights and returns; a thread joins the group
+    (``connect``: it waits for the producer) and broadcasts the snapshots in order.
+    ``failure`` holds the first error (a producer that died)."""
+
+    def __init__(self, connect: Callable[[], dist.ProcessGroup]) -> None:
+        self.connect = connect
+        self.pending: queue.Queue[Tensor | None] = queue.Queue()
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._send, name="grpo-weight-sender", daemon=True)
+        self.thread.start()
+
+    def push(self, params: list[Tensor]) -> None:
+        self.pending.put(flatten(params))
+
+    def _send(self) -> None:
+        try:
+            pg = self.connect()
+            while (flat := self.pending.get()) is not None:
+                broadcast(pg, flat)
+        except BaseException as err:  # the producer is gone; the trainer reads this
+            self.failure = err
+
+    def close(self) -> None:
+        self.pending.put(None)  # a thread blocked on a dead peer is a daemon: never joined
+
+
+class WeightReceiver:
+    """Producer side: ``receive`` blocks for the next push and loads it into ``params``."""
+
+    def __init__(self, pg: dist.ProcessGroup, params: list[Tensor]) -> None:
+        self.pg, self.params = pg, params
+        self.buffer = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+
+    def receive(self) -> None:
+        broadcast(self.pg, self.buffer)
+        unflatten_into(self.buffer, self.params)
