@@ -151,11 +151,16 @@ def test_quantile_one_filters_no_token_and_the_engine_gets_the_update(
     scored = scored_by(trainer, rollout)
     losses = spy_on(monkeypatch, algorithm, "policy_loss")
     entropy = spy_on(monkeypatch, algorithm, "top_entropy_mask")
-    synced = spy_on(monkeypatch, trainer.producer.engine, "sync_weights")
     metrics = trainer.optimize(scored)
     assert entropy == [] and losses and all(c["pg_mask"] is None for c in losses)
     assert "entropy/kept_frac" not in metrics and "entropy" in metrics
+    # a whole step hands the engine the updated policy; a step that changed nothing does not
+    synced = spy_on(monkeypatch, trainer.producer.engine, "sync_weights")
+    trainer.step = 1
+    trainer.train_step()
     assert [c["model"] for c in synced] == [trainer.policy]
+    trainer.producer.sync_weights(2, changed=False)
+    assert len(synced) == 1
 
 
 def test_dynamic_sampling_recomputes_advantages_with_the_configured_eps(

@@ -60,11 +60,6 @@ def resolve(config: Config) -> None:
             "weights: set algorithm.tis_cap (e.g. 2.0) so they are importance-weighted "
             "(docs/ahead.md)"
         )
-    if config.rollout.max_staleness and config.temperature.schedule == "adaptive":
-        raise ValueError(
-            "temperature.schedule=adaptive sets each rollout's temperature from the step before; "
-            "with rollout.max_staleness >= 1 that rollout is generated before that step ends"
-        )
     if algo.ref_mix_alpha < 1 and config.model.lora.enabled:
         raise ValueError(
             "algorithm.ref_mix_alpha < 1 needs full weights "

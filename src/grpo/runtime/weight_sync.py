@@ -6,7 +6,8 @@ Only the parameters that train move (``trainable``): full weights, or a LoRA pol
 the frozen rest is loaded the same way on both sides. Buffers travel in float32 or the
 parameter's own dtype, as they are: the producer samples with exactly the trainer's weights.
 The trainer pushes from a thread (``WeightSender``), so an optimizer step never waits for a
-producer that is still generating; pushes arrive in order.
+producer that is still generating; pushes arrive in order. A push also carries the sampling
+controls that go with those weights (float64 values: the adaptive temperature).
 """
 
 from __future__ import annotations
@@ -74,19 +75,20 @@ class WeightSender:
 
     def __init__(self, connect: Callable[[], dist.ProcessGroup]) -> None:
         self.connect = connect
-        self.pending: queue.Queue[Tensor | None] = queue.Queue()
+        self.pending: queue.Queue[tuple[Tensor, Tensor] | None] = queue.Queue()
         self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._send, name="grpo-weight-sender", daemon=True)
         self.thread.start()
 
-    def push(self, params: list[Tensor]) -> None:
-        self.pending.put(flatten(params))
+    def push(self, params: list[Tensor], controls: list[float]) -> None:
+        self.pending.put((flatten(params), torch.tensor(controls, dtype=torch.float64)))
 
     def _send(self) -> None:
         try:
             pg = self.connect()
-            while (flat := self.pending.get()) is not None:
-                broadcast(pg, flat)
+            while (push := self.pending.get()) is not None:
+                for tensor in push:
+                    broadcast(pg, tensor)
         except BaseException as err:  # the producer is gone; the trainer reads this
             self.failure = err
 
@@ -95,12 +97,16 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """Producer side: ``receive`` blocks for the next push and loads it into ``params``."""
+    """Producer side: ``receive`` blocks for the next push, loads it into ``params`` and
+    returns its ``controls`` values."""
 
-    def __init__(self, pg: dist.ProcessGroup, params: list[Tensor]) -> None:
+    def __init__(self, pg: dist.ProcessGroup, params: list[Tensor], controls: int) -> None:
         self.pg, self.params = pg, params
         self.buffer = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+        self.controls = torch.empty(controls, dtype=torch.float64)
 
-    def receive(self) -> None:
+    def receive(self) -> list[float]:
         broadcast(self.pg, self.buffer)
+        broadcast(self.pg, self.controls)
         unflatten_into(self.buffer, self.params)
+        return self.controls.tolist()

@@ -18,6 +18,7 @@ so.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -44,6 +45,8 @@ from grpo.training.prompt_selection import Collected
 from grpo.training.temperature import TemperatureController
 
 HOST = "127.0.0.1"
+CONTROLS = ("temperature",)  # what a weight push carries besides the weights
+WAIT_FOR_TRAINER_S = 7 * 24 * 3600.0
 
 
 def sampling_version(step: int, staleness: int, first: int = 0) -> int:
@@ -138,9 +141,12 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
         if spec.state is not None:
             producer.load_state_dict(spec.state)
         rendezvous = weight_sync.store(HOST, spec.port, False, timeout)
-        pg = weight_sync.group(rendezvous, weight_sync.PRODUCER, timeout)
-        weights = weight_sync.WeightReceiver(pg, weight_sync.trainable(policy))
-        weights.receive()  # the trainer's weights now: version first_version
+        # the trainer may take long (an evaluation) before the weights we wait for: no limit
+        # of ours; a trainer that died ends this process (_exit_with_parent)
+        pg = weight_sync.group(rendezvous, weight_sync.PRODUCER, WAIT_FOR_TRAINER_S)
+        weights = weight_sync.WeightReceiver(pg, weight_sync.trainable(policy), len(CONTROLS))
+        # the trainer's weights now (version first_version), and the temperature after them
+        controls = weights.receive()
         producer.engine.sync_weights(policy)
         held = spec.first_version
         for step in range(spec.first_step, config.train.steps + 1):
@@ -148,9 +154,11 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
             needed = sampling_version(step, config.rollout.max_staleness, spec.first_version)
             if held < needed:
                 while held < needed:
-                    weights.receive()
+                    controls = weights.receive()
                     held += 1
                 producer.engine.sync_weights(policy)
+            # adaptive: the temperature the trainer had set after the step of these weights
+            producer.temperature.current = controls[CONTROLS.index("temperature")]
             clock = {"rollout": 0.0, "reward": 0.0, "skipped": 0.0}
             clock["wait_train"] = time.perf_counter() - t0
             collected = producer.collect(step, clock)
@@ -182,7 +190,9 @@ class ProducerProcess:
         self.config, self.rows, self.rewards = config, rows, rewards
         self.model_path, self.policy, self.tokenizer = model_path, policy, tokenizer
         self.staleness = config.rollout.max_staleness
-        self.temperature = TemperatureController(config)  # for the metric: schedules are pure
+        self.timeout_s = config.rollout.producer_timeout_s  # from its start: loading counts
+        # adaptive: the trainer observes each step and pushes the temperature with the weights
+        self.temperature = TemperatureController(config)
         self.ready: dict[int, Produced] = {}  # steps made and not yet trained on
         self.state: dict[str, Any] | None = None  # the producer's, after its newest step
         self.process: Any = None
@@ -232,7 +242,7 @@ class ProducerProcess:
         )
         try:
             self.process.start()
-        except (TypeError, AttributeError, mp.ProcessError) as err:  # pickling a given part
+        except (pickle.PicklingError, TypeError, AttributeError) as err:  # a given part
             raise ProducerLost(
                 f"rollout.max_staleness: the producer process cannot receive this run's parts "
                 f"({' '.join(str(err).split())[:200]}); reward functions and datasets must be "
@@ -241,19 +251,26 @@ class ProducerProcess:
         self.spec = spec  # its shared tensors live until the producer has read them
         self.rendezvous = rendezvous
         torch.set_num_threads(trainer_threads)
+        # a producer that takes no weights is seen hung by _receive first (producer_timeout_s)
+        limit = 2 * rollout.producer_timeout_s
         self.sender = weight_sync.WeightSender(
-            lambda: weight_sync.group(rendezvous, weight_sync.TRAINER, rollout.producer_timeout_s)
+            lambda: weight_sync.group(rendezvous, weight_sync.TRAINER, limit)
         )
-        self.sender.push(weight_sync.trainable(self.policy))
+        self._push()
+
+    def _push(self) -> None:
+        assert self.sender is not None
+        self.sender.push(weight_sync.trainable(self.policy), [self.temperature.current])
 
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
         if self.process is not None and self.process.is_alive():
             self.process.terminate()
-            self.process.join(10)
+            self.process.join(3)  # a stopped (SIGSTOP) producer takes only SIGKILL
             if self.process.is_alive():
                 self.process.kill()
+                self.process.join(3)
         torch.set_num_threads(self.threads)
 
     # --------------------------------------------------------------- the producer's interface
@@ -270,6 +287,7 @@ class ProducerProcess:
             clock[key] = clock.get(key, 0.0) + produced.clock[key]
         clock["wait_rollout"] = time.perf_counter() - t0
         clock["staleness"] = float(step - 1 - produced.version)
+        clock["temperature"] = produced.clock["temperature"]
         self.consumed_step = step
         return produced.collected
 
@@ -278,18 +296,23 @@ class ProducerProcess:
         if self.sender is None:
             return  # not started: the start pushes the weights it starts from
         if step + 1 + self.staleness <= self.config.train.steps:
-            self.sender.push(weight_sync.trainable(self.policy))
+            self._push()
 
     def state_dict(self) -> dict[str, Any]:
         """The producer's state after its newest step, and the steps made ahead (all of them up
         to ``consumed + k`` unless the producer is lost)."""
         if self.process is not None and self.lost is None:
             last = min(self.consumed_step + self.staleness, self.config.train.steps)
-            while any(s not in self.ready for s in range(self.consumed_step + 1, last + 1)):
-                self._receive()
+            with contextlib.suppress(ProducerLost):  # saved without them; the next step says so
+                while any(s not in self.ready for s in range(self.consumed_step + 1, last + 1)):
+                    self._receive()
         if self.state is None:
             raise ProducerLost("the producer made no step yet: no state to save")
-        return {**self.state, "ahead": [self.ready[s] for s in sorted(self.ready)]}
+        return {
+            **self.state,
+            "temperature": self.temperature.state_dict(),  # the trainer's: it observes the steps
+            "ahead": [self.ready[s] for s in sorted(self.ready)],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ready = {p.step: p for p in state.get("ahead", [])}
@@ -297,12 +320,14 @@ class ProducerProcess:
         if self.ready:
             self.state = self.ready[max(self.ready)].state
         self.consumed_step = int(state["step"])
+        if state.get("temperature"):
+            self.temperature.load_state_dict(state["temperature"])
 
     # --------------------------------------------------------------- the queue
 
     def _receive(self) -> None:
         """One message from the producer, or ProducerLost after one line saying why."""
-        timeout = self.config.rollout.producer_timeout_s
+        timeout = self.timeout_s
         t0 = time.perf_counter()
         while True:
             try:

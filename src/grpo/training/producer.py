@@ -138,8 +138,10 @@ class Producer:
         return scored
 
     def collect(self, step: int, clock: dict[str, float]) -> Collected:
-        """Step ``step``'s groups: one round, or dynamic sampling's rounds (prompt_selection)."""
+        """Step ``step``'s groups: one round, or dynamic sampling's rounds (prompt_selection);
+        ``clock`` also gets the temperature they were sampled at."""
         self.step = step
+        clock["temperature"] = self.temperature.for_step(step)
         return collect(
             lambda n: self.sample(n, clock),
             self.config.rollout.prompts_per_step,

@@ -307,7 +307,6 @@ class Trainer:
             train = rank_groups(train, self.dist.rank, self.dist.world_size)
         update = self.optimize(train) if train is not None else {"optim/skipped": 1.0}
         metrics = self.refresh_reference()
-        self.producer.sync_weights(self.step, changed=train is not None)
         t3 = time.perf_counter()
         # metrics over every group rolled out (all ranks, global order): the kept ones are biased
         everyone = batch.seen if self.config.sampling.dynamic else gather_scored(batch.seen)
@@ -326,9 +325,10 @@ class Trainer:
                 self.config.rollout.group_size,
             )
         )
-        temperature = self.producer.temperature
-        metrics["rollout/temperature"] = temperature.for_step(self.step)
-        temperature.observe(metrics)  # adaptive: the next step's temperature
+        metrics["rollout/temperature"] = clock["temperature"]
+        self.producer.temperature.observe(metrics)  # adaptive: the next rollout's temperature
+        # the new weights (and that temperature) to the engine, or to the producer process
+        self.producer.sync_weights(self.step, changed=train is not None)
         tokens = float(everyone.rollout.completion_mask.sum())
         metrics.update(
             {

@@ -1,0 +1,392 @@
+"""Generation ahead of training (rollout.max_staleness, grpo.training.ahead): the schedule, the
+weight push, the loss on stale rollouts by hand, and whole runs with a producer process on the
+tiny model: reproducible, resumable after kill -9, and stopped in one line with a checkpoint
+when the producer dies or hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo import algorithm
+from grpo.config import ConfigError, ModelConfig, build_config
+from grpo.models import load_policy
+from grpo.runtime import weight_sync
+from grpo.training import importance
+from grpo.training.ahead import ProducerLost, sampling_version, split_threads
+from grpo.training.producer import Producer
+from grpo.training.trainer import Trainer, train
+
+STEPS = 4
+TRAINABLE_REWARD = f"{Path(__file__).parents[1] / 'toy_rewards.py'}:lowercase_share"
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tree(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A 4-step run whose weights move at every step, one step ahead (k = 1)."""
+    return {
+        "model": {"name": str(tiny_model_dir)},
+        "data": {"task": "arithmetic", "task_args": {"size": 32}},
+        "rewards": {"functions": [{"name": TRAINABLE_REWARD}]},
+        "rollout": {
+            "prompts_per_step": 2,
+            "group_size": 4,
+            "max_new_tokens": 8,
+            "max_staleness": 1,
+        },
+        "algorithm": {"beta": 0.0, "tis_cap": 2.0},
+        "optim": {"lr": 1e-2, "micro_batch_size": 8},
+        "train": {
+            "steps": STEPS,
+            "save_every": 1,
+            "keep_last": 2,
+            "threads": 2,  # one for the trainer, one for the producer: the same sums every run
+            "output_dir": str(tmp_path_factory.mktemp("runs")),
+            "progress": False,
+            "sinks": ["jsonl"],
+        },
+    }
+
+
+def make(tree: dict, run_name: str, rollout: dict | None = None, **train_args: object):
+    return build_config(
+        {
+            **tree,
+            "rollout": {**tree["rollout"], **(rollout or {})},
+            "train": {**tree["train"], "run_name": run_name, **train_args},
+        }
+    )
+
+
+def rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without timings and event rows."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [
+        {k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_s"}
+        for row in map(json.loads, lines)
+        if "event" not in row
+    ]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+@pytest.fixture(scope="module")
+def ahead(tree: dict, tiny_model_dir: Path) -> Path:
+    """The uninterrupted k = 1 run the others are compared with."""
+    run_dir = train(make(tree, "ahead"))
+    start, end = weights(tiny_model_dir), weights(run_dir / "final")
+    assert max(float((end[k] - start[k]).abs().max()) for k in end) > 1e-2  # training moved them
+    return run_dir
+
+
+# ------------------------------------------------------------------------------- the schedule
+
+
+def test_each_step_samples_with_the_weights_k_steps_before_it() -> None:
+    # step t samples with the weights after step t-1-k: synchronous (k = 0) is t-1
+    assert [sampling_version(t, 0) for t in range(1, 6)] == [0, 1, 2, 3, 4]
+    assert [sampling_version(t, 1) for t in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [sampling_version(t, 2) for t in range(1, 6)] == [0, 0, 0, 1, 2]
+    # a run resumed after step 3 has no weights older than its own
+    assert [sampling_version(t, 2, first=3) for t in range(4, 8)] == [3, 3, 3, 4]
+
+
+def test_the_cores_are_split_between_trainer_and_producer() -> None:
+    assert split_threads(2, None) == (1, 1)
+    assert split_threads(16, None) == (8, 8)
+    assert split_threads(16, 4) == (12, 4)
+    assert split_threads(1, None) == (1, 1)  # both get one: never zero
+
+
+def test_a_push_carries_the_trainable_weights_exactly(tiny_model_dir: Path) -> None:
+    # LoRA: only the adapters train, so only they travel; a bf16 policy goes through float32
+    for model in (
+        ModelConfig(name=str(tiny_model_dir), dtype="bfloat16"),
+        ModelConfig(name=str(tiny_model_dir), lora={"enabled": True, "r": 4}),
+    ):
+        source, target = load_policy(model, model.name), load_policy(model, model.name)
+        with torch.no_grad():
+            for p in weight_sync.trainable(source):
+                p.add_(torch.randn_like(p))
+        params = weight_sync.trainable(target)
+        every = list(target.parameters())
+        assert len(params) < len(every) if model.lora.enabled else len(params) == len(every)
+        weight_sync.unflatten_into(weight_sync.flatten(weight_sync.trainable(source)), params)
+        for (name, a), b in zip(
+            source.state_dict().items(), target.state_dict().values(), strict=True
+        ):
+            assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="a weight push of 3 values"):
+        weight_sync.unflatten_into(torch.zeros(3), [torch.zeros(2)])
+
+
+# ------------------------------------------------------------------------------- the loss
+
+
+def test_stale_rollouts_by_hand_the_decoupled_objective() -> None:
+    # One completion of two tokens, A = +1, loss_type grpo (mean over its tokens), tis_cap 2.
+    # Sampled by older weights (behaviour): pi_b = 0.25, 0.4. Proximal (this step's weights
+    # before the update, the PPO anchor): pi_prox = 0.5, 0.2. Current: pi = 0.5, 0.2 at the
+    # first iteration. Importance weights pi_prox / pi_b = 2, 0.5 (cap 2: unchanged); the ratio
+    # pi / pi_prox = 1 is inside the clip, so d loss / d log pi_t = -w_t A / 2 = -1, -0.25.
+    cfg = build_config({"algorithm": {"tis_cap": 2.0}}).algorithm
+    prox = torch.log(torch.tensor([[0.5, 0.2]]))
+    behaviour = torch.log(torch.tensor([[0.25, 0.4]]))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.tensor([1.0])
+
+    def gradient(current: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
+        logp = current.clone().requires_grad_(True)
+        capped = cfg.model_copy(update={"tis_cap": cap})
+        weights, _ = importance.correction(capped, logp, prox, behaviour, adv, mask)
+        loss, _ = algorithm.policy_loss(
+            logp, prox, adv, mask, None, importance_weights=weights, clip_low=0.2, clip_high=0.2
+        )
+        loss.backward()
+        return logp.grad
+
+    assert torch.allclose(gradient(prox), torch.tensor([[-1.0, -0.25]]), atol=1e-6)
+    # a cap of 1.5 truncates the first weight: -1.5 / 2
+    assert torch.allclose(gradient(prox, cap=1.5), torch.tensor([[-0.75, -0.25]]), atol=1e-6)
+    # a later iteration: pi = 0.75, 0.2 -> ratio 1.5 > 1.2 with A > 0: clipped, no gradient for
+    # the first token; the second keeps -w A / 2. The clip is against pi_prox, never pi_b
+    moved = torch.log(torch.tensor([[0.75, 0.2]]))
+    assert torch.allclose(gradient(moved), torch.tensor([[0.0, -0.25]]), atol=1e-6)
+
+
+def test_staleness_needs_an_importance_correction(tree: dict) -> None:
+    with pytest.raises(ConfigError, match=r"set algorithm\.tis_cap"):
+        build_config({**tree, "algorithm": {"beta": 0.0}})
+
+
+# ------------------------------------------------------------------------------- runs
+
+
+def test_k0_is_the_synchronous_run_in_one_process(tree: dict) -> None:
+    trainer = Trainer(make(tree, "sync", {"max_staleness": 0}, steps=1))
+    assert type(trainer.producer) is Producer
+    run_dir = trainer.train()
+    assert not any(k.startswith("staleness/") for k in rows(run_dir)[0])
+
+
+def test_k1_runs_ahead_and_is_reproducible(tree: dict, ahead: Path) -> None:
+    logged = rows(ahead)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    # step 1 samples with the first weights (staleness 0), every later step one step behind
+    assert [r["staleness/max"] for r in logged] == [0, 1, 1, 1]
+    times = [json.loads(line) for line in (ahead / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["time/wait_rollout_s"] >= 0 and r["time/wait_train_s"] >= 0 for r in times)
+    # the stale steps were importance-weighted against the older sampler
+    assert all("tis/mismatch_mean" in r or "tis/truncated_frac" in r for r in logged[1:])
+    again = train(make(tree, "ahead-again"))
+    assert rows(again) == logged
+    assert_same_weights(again / "final", ahead / "final")
+
+
+def test_k2_trains_on_rollouts_two_steps_old(tree: dict) -> None:
+    run_dir = train(make(tree, "k2", {"max_staleness": 2}, save_every=0))
+    assert [r["staleness/max"] for r in rows(run_dir)] == [0, 1, 2, 2]
+
+
+def test_the_adaptive_temperature_follows_the_weights_it_goes_with(tree: dict) -> None:
+    # all groups zero-variance, raise_above 0, no cooling: every step ends 0.25 hotter. Step t samples with the weights after step
+    # t-1-k and the temperature set after that same step: k = 0 -> 1, 1.25, 1.5, 1.75;
+    # k = 1 -> 1, 1 (both with the first weights), 1.25, 1.5
+    adaptive = {"schedule": "adaptive", "raise_above": 0.0, "step": 0.25, "max": 3.0}
+    adaptive["degenerate_above"] = 1.0  # the tiny model never ends before the token limit
+    temperatures = {}
+    for k in (0, 1):
+        config = build_config(
+            {
+                **tree,
+                "temperature": adaptive,
+                # never earned by the random model: every group has zero variance, so the rule
+                # raises the temperature after every step
+                "rewards": {"functions": [{"name": "accuracy"}]},
+                "rollout": {**tree["rollout"], "max_staleness": k},
+                "train": {**tree["train"], "run_name": f"adaptive-{k}", "save_every": 0},
+            }
+        )
+        temperatures[k] = [r["rollout/temperature"] for r in rows(train(config))]
+    assert temperatures == {0: [1.0, 1.25, 1.5, 1.75], 1: [1.0, 1.0, 1.25, 1.5]}
+
+
+KILL_AT_UPDATE = """
+import json, os, signal, sys
+import grpo.training.trainer as T
+from grpo.config import build_config
+tree, kill_at, pid_file = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+seen = 0
+update = T.Trainer.optimize
+def optimize(self, scored):
+    global seen
+    seen += 1
+    if seen == kill_at:
+        open(pid_file, "w").write(str(self.producer.process.pid))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return update(self, scored)
+T.Trainer.optimize = optimize
+T.train(build_config(tree))
+"""
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_kill_9_mid_step_resumes_to_the_same_weights(
+    tree: dict, ahead: Path, tmp_path: Path
+) -> None:
+    # SIGKILL in step 3's update: step-2's checkpoint holds step 3's rollouts (sampled with the
+    # weights after step 1, which no checkpoint keeps); the resume trains on those
+    config = make(tree, "killed")
+    pid_file = tmp_path / "producer.pid"
+    life = subprocess.run(
+        [sys.executable, "-c", KILL_AT_UPDATE, config.model_dump_json(), "3", str(pid_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert life.returncode == -signal.SIGKILL, life.stderr[-2000:]
+    assert gone_within(int(pid_file.read_text()), 10)  # the orphaned producer leaves too
+    run_dir = config.run_dir
+    assert (run_dir / "checkpoints" / "step-2").is_dir()
+    assert not (run_dir / "checkpoints" / "step-3").exists()
+    resumed = train(make(tree, "killed", resume="auto"))
+    assert rows(resumed) == rows(ahead)
+    assert_same_weights(resumed / "final", ahead / "final")
+
+
+def _producer_at_step(monkeypatch, at_step: int, act) -> None:
+    """``act(producer)`` on the producer in step ``at_step``'s update, once the producer has made
+    all it can before that update's weights (step at_step + k): what it made is then fixed."""
+    update = Trainer.optimize
+
+    def optimize(self: Trainer, scored):
+        if self.step == at_step:
+            while at_step + 1 not in self.producer.ready:
+                self.producer._receive()
+            act(self.producer)
+        return update(self, scored)
+
+    monkeypatch.setattr(Trainer, "optimize", optimize)
+
+
+def test_a_producer_that_dies_stops_the_run_with_a_checkpoint(
+    tree: dict, monkeypatch, capsys
+) -> None:
+    _producer_at_step(monkeypatch, 1, lambda p: os.kill(p.process.pid, signal.SIGKILL))
+    t0 = time.monotonic()
+    with pytest.raises(ProducerLost) as lost:
+        train(make(tree, "dies"))
+    said = str(lost.value)
+    assert "\n" not in said and "exited with code -9" in said, said
+    assert said.endswith("checkpoints/step-2 is complete"), said
+    assert time.monotonic() - t0 < 120
+    monkeypatch.undo()
+    # the checkpoint lacks step 3's rollouts: the resume samples them with its own weights
+    run_dir = train(make(tree, "dies", resume="auto"))
+    assert "no rollouts made ahead for steps 3-3" in capsys.readouterr().err
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]
+    assert [r["staleness/max"] for r in rows(run_dir)] == [0, 1, 0, 1]
+
+
+def test_a_producer_that_hangs_stops_the_run_within_its_timeout(tree: dict, monkeypatch) -> None:
+    stopped: list[int] = []
+
+    def stop(producer) -> None:
+        assert producer.timeout_s == 900  # the knob's default; loading a model counts in it
+        producer.timeout_s = 3.0
+        os.kill(producer.process.pid, signal.SIGSTOP)
+        stopped.append(producer.process.pid)
+
+    # SIGSTOP once step 2's groups (made ahead) arrived: step 3's never do
+    _producer_at_step(monkeypatch, 1, stop)
+    t0 = time.monotonic()
+    with pytest.raises(ProducerLost, match=r"sent nothing for 3 s \(rollout.producer_timeout_s\)"):
+        train(make(tree, "hangs", save_every=0))
+    assert time.monotonic() - t0 < 120
+    assert gone_within(stopped[0], 10)  # stopped producers are killed, not left behind
+
+
+def test_a_given_engine_or_an_unpicklable_reward_is_one_line(tree: dict) -> None:
+    class Engine:
+        def generate(self, *args, **kwargs): ...
+
+    with pytest.raises(ConfigError, match="not with an engine object given: use max_staleness 0"):
+        train(make(tree, "engine", steps=1), engine=Engine())
+    with pytest.raises(ProducerLost, match="must be importable"):
+        train(
+            make(tree, "lambda", steps=1),
+            rewards=[lambda completions, **_: [0.0] * len(completions)],
+        )
+
+
+def test_k1_with_dynamic_sampling_and_lora(tree: dict, tiny_model_dir: Path) -> None:
+    lora = {**tree["model"], "lora": {"enabled": True, "r": 4}}
+    config = build_config(
+        {
+            **tree,
+            "model": lora,
+            "sampling": {"dynamic": True, "max_rounds": 2},
+            "optim": {**tree["optim"], "lr": 5e-2},
+            "train": {**tree["train"], "run_name": "dyn-lora", "steps": 3, "save_every": 0},
+        }
+    )
+    run_dir = train(config)
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert [r["staleness/max"] for r in logged] == [0, 1, 1]
+    assert all("sampling/rounds" in r for r in logged)
+
+
+@pytest.mark.slow
+def test_killed_at_random_points_resumes_bit_identical_with_k1(tree: dict, tmp_path: Path) -> None:
+    # tests/integration/kill_chain.py with a producer process: every life SIGKILLs the trainer
+    # at a random fsync / rename / torch.save / update / log, its producer follows it
+    script = Path(__file__).parents[1] / "integration" / "kill_chain.py"
+    chain_tree = {**tree, "train": {**tree["train"], "output_dir": str(tmp_path)}}
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(chain_tree), "1"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lives = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lives[-1]["exit"] == 0 and sum(life["killed"] for life in lives[1:]) >= 3, lives
+    straight, chain = tmp_path / "straight", tmp_path / "chain"
+    assert rows(chain) == rows(straight)
+    assert_same_weights(chain / "final", straight / "final")
