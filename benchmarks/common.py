@@ -178,6 +178,24 @@ def with_precision(setup: dict[str, Any], precision: str | None) -> dict[str, An
     return {**setup, "precision": chosen}
 
 
+def machine() -> dict[str, Any]:
+    """The CPU a measurement ran on: its model name, the flags that decide its bf16 speed
+    (AVX2, AVX-512, AVX512-BF16, AMX), its cores; and the GPU, if torch sees one."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = {
+        key.strip(): value.strip()
+        for key, value in (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    }
+    flags = set(fields.get("flags", "").split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {
+        "cpu": fields.get("model name", "?"),
+        "flags": [f for f in wanted if f in flags],
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

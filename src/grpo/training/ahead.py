@@ -56,6 +56,15 @@ def sampling_version(step: int, staleness: int, first: int = 0) -> int:
     return max(first, step - 1 - staleness)
 
 
+def producer_device(trainer: torch.device) -> torch.device:
+    """The producer's device: the GPU after the trainer's when there is one, else the
+    trainer's (a CPU, or one GPU shared)."""
+    if trainer.type != "cuda":
+        return trainer
+    following = (trainer.index or 0) + 1
+    return torch.device("cuda", following) if following < torch.cuda.device_count() else trainer
+
+
 def split_threads(total: int, producer: int | None) -> tuple[int, int]:
     """(trainer, producer) threads out of ``total``: the producer's as asked, else half."""
     ours = producer or max(1, total // 2)
@@ -96,6 +105,7 @@ class ProducerSpec:
     first_step: int
     first_version: int
     threads: int
+    device: torch.device
     port: int
     parent: int
 
@@ -132,12 +142,15 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
     producer = None
     try:
         if spec.policy is not None:
-            tokenizer, policy = spec.tokenizer, spec.policy
+            tokenizer, policy = spec.tokenizer, spec.policy.to(spec.device)
         else:
-            tokenizer, policy = build.load_model(config.model, spec.model_path, fmt, spec.rows)
+            tokenizer, policy = build.load_model(
+                config.model, spec.model_path, fmt, spec.rows, spec.device
+            )
         policy.train()  # as the trainer's policy samples
         engine = build.engine_of(config, policy, tokenizer)
-        producer = Producer(config, DistInfo(), spec.rows, fmt, tokenizer, policy, engine, rewards)
+        here = DistInfo(device=spec.device)
+        producer = Producer(config, here, spec.rows, fmt, tokenizer, policy, engine, rewards)
         if spec.state is not None:
             producer.load_state_dict(spec.state)
         rendezvous = weight_sync.store(HOST, spec.port, False, timeout)
@@ -186,9 +199,11 @@ class ProducerProcess:
         model_path: str | None,
         policy: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
     ) -> None:
         self.config, self.rows, self.rewards = config, rows, rewards
         self.model_path, self.policy, self.tokenizer = model_path, policy, tokenizer
+        self.device = device  # the trainer's
         self.staleness = config.rollout.max_staleness
         self.timeout_s = config.rollout.producer_timeout_s  # from its start: loading counts
         # adaptive: the trainer observes each step and pushes the temperature with the weights
@@ -224,13 +239,15 @@ class ProducerProcess:
             rows=self.rows,
             rewards=self.rewards,
             model_path=self.model_path,
-            # a given model travels as a copy: a pickled tensor would share the trainer's memory
-            policy=copy.deepcopy(self.policy) if given_model else None,
+            # a given model travels as a copy (on the host): a pickled tensor would share the
+            # trainer's memory
+            policy=copy.deepcopy(self.policy).cpu() if given_model else None,
             tokenizer=self.tokenizer if given_model else None,
             state=self.state,
             first_step=made + 1,
             first_version=version,
             threads=producer_threads,
+            device=producer_device(self.device),
             port=rendezvous.port,
             parent=os.getpid(),
         )

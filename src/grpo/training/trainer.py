@@ -183,7 +183,13 @@ class Trainer:
             else None
         )
         return ProducerProcess(
-            config, self.rows, self.given.rewards, model_path, self.policy, self.tokenizer
+            config,
+            self.rows,
+            self.given.rewards,
+            model_path,
+            self.policy,
+            self.tokenizer,
+            self.dist.device,
         )
 
     # ----------------------------------------------------------------------------- update
@@ -357,6 +363,7 @@ class Trainer:
             records = completion_records(shown, self.step, self.config.train.log_completions)
             if records:
                 self.run.write_completions(self.step, records)
+        metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
 
