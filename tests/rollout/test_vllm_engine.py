@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -245,6 +246,26 @@ def test_missing_vllm_is_one_clear_line(parts, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(ConfigError, match=r"pip install 'grpo\[vllm\]'"):
         build_engine("vllm", model=model, tokenizer=tok, config=RolloutConfig())
+
+
+def test_vllm_info_lines_are_off_the_console_unless_asked_for(parts, monkeypatch) -> None:
+    # vLLM reads VLLM_LOGGING_LEVEL when imported (create_llm sets it before `import vllm`)
+    seen: list[str | None] = []
+
+    def llm(**_: Any) -> None:
+        seen.append(os.environ.get("VLLM_LOGGING_LEVEL"))
+        raise RuntimeError("no engine in this test")
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=llm, SamplingParams=None))
+    model, tok = parts
+    for preset in (None, "INFO"):
+        if preset is None:
+            monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_LOGGING_LEVEL", preset)
+        with pytest.raises(RuntimeError, match="no engine in this test"):
+            build_engine("vllm", model=model, tokenizer=tok, config=RolloutConfig())
+    assert seen == ["WARNING", "INFO"]  # the default quiet, a user's choice kept
 
 
 def test_a_resumed_run_pushes_the_restored_weights_before_sampling(tiny_config, tmp_path) -> None:

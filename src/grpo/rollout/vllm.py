@@ -67,6 +67,10 @@ def not_a_rotary_reload_notice(record: logging.LogRecord) -> bool:
 
 def create_llm(model: nn.Module, config: RolloutConfig) -> tuple[Any, Callable[..., Any]]:
     """A colocated ``vllm.LLM`` for ``model``'s checkpoint, and vLLM's ``SamplingParams``."""
+    # vLLM logs every weight reload, prefix-cache reset and NUMA binding at INFO: on the console
+    # they would bury grpo's own lines. Read when vLLM is imported; VLLM_LOGGING_LEVEL=INFO
+    # brings them back
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError:

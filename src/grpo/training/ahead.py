@@ -34,6 +34,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 from transformers import PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from grpo import build
 from grpo.config import Config
@@ -137,6 +138,7 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
     config, timeout = spec.config, spec.config.rollout.producer_timeout_s
     bound_kernel_caches()
     torch.set_num_threads(spec.threads)
+    hf_logging.disable_progress_bar()  # the trainer already showed its model loading
     fmt = build.prompt_format(config)
     rewards = build.reward_runner(config, None, spec.rewards)
     producer = None
