@@ -158,13 +158,7 @@ def token_returns(rewards: Tensor, loss_mask: Tensor, token_rewards: Tensor | No
     token. rewards: [N]; loss_mask, token_rewards: [N, T] -> [N, T] float64 (0 where not
     counted). A completion with no counted token gets no return."""
     mask = loss_mask.bool()
-    r = torch.zeros(mask.shape, dtype=torch.float64, device=rewards.device)  # [N, T]
-    if token_rewards is not None:
-        r = torch.where(mask, token_rewards.double(), r)
-    last = mask.shape[1] - 1 - mask.flip(1).int().argmax(dim=1)  # [N] last counted token
-    rows = mask.any(dim=1).nonzero().flatten()
-    r[rows, last[rows]] += rewards.double()[rows]
-    returns = r.flip(1).cumsum(dim=1).flip(1)  # [N, T]
+    returns = per_token_rewards(rewards, mask, token_rewards).flip(1).cumsum(dim=1).flip(1)
     return torch.where(mask, returns, torch.zeros_like(returns))
 
 
@@ -189,6 +183,72 @@ def reinforce_pp_advantages(
     mask = loss_mask.bool()
     normalized = batch_normalize(returns, mask, eps)
     return torch.where(mask, normalized, torch.zeros_like(normalized)).to(rewards.dtype)
+
+
+def per_token_rewards(rewards: Tensor, loss_mask: Tensor, shaped: Tensor | None) -> Tensor:
+    """[N, T] float64 per-token rewards: ``shaped`` (e.g. ``-beta * kl``) at counted tokens, plus
+    the sequence reward [N] at each completion's last counted token; 0 elsewhere."""
+    mask = loss_mask.bool()
+    r = torch.zeros(mask.shape, dtype=torch.float64, device=rewards.device)  # [N, T]
+    if shaped is not None:
+        r = torch.where(mask, shaped.double(), r)
+    last = mask.shape[1] - 1 - mask.flip(1).int().argmax(dim=1)  # [N] last counted token
+    rows = mask.any(dim=1).nonzero().flatten()
+    r[rows, last[rows]] += rewards.double()[rows]
+    return r
+
+
+def gae(
+    rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al., 2016) over each completion's counted
+    tokens: ``delta_t = r_t + gamma V_{t+1} - V_t`` (V after the last counted token is 0),
+    ``A_t = delta_t + gamma lam A_{t+1}``; returns ``R_t = A_t + V_t`` (the critic's target).
+
+    rewards, values, loss_mask: [N, T]; a token outside the mask (a tool's output between turns)
+    is skipped: the next counted token follows the one before it. Returns ([N, T], [N, T])
+    float64, 0 outside the mask. lam 1: ``A_t = G_t - V_t`` with ``G_t`` the discounted return;
+    lam 0: the one-step TD error.
+    """
+    mask = loss_mask.bool()
+    r, v = rewards.double(), values.double()
+    advantages = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)  # A_{t+1}
+    next_value = torch.zeros_like(running)  # V_{t+1}
+    for t in reversed(range(r.shape[1])):
+        here = mask[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        step = delta + gamma * lam * running
+        advantages[:, t] = torch.where(here, step, 0.0)
+        running = torch.where(here, step, running)
+        next_value = torch.where(here, v[:, t], next_value)
+    returns = torch.where(mask, advantages + v, 0.0)
+    return advantages, returns
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    loss_mask: Tensor,
+    clip: float,
+    tokens: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped value loss: ``0.5 max((V - R)^2, (V_clip - R)^2)`` with ``V_clip = V_old +
+    clip(V - V_old, -clip, clip)``, summed over counted tokens and divided by ``tokens`` (the
+    step's count, so micro-batches add up to the step's token mean).
+
+    values: [b, T] the critic's now (with grad); old_values: [b, T] its values when the step
+    began; returns: [b, T] GAE's targets; loss_mask: [b, T]. Stats: ``clip_frac`` (tokens where
+    the clipped term won), over this micro-batch's counted tokens.
+    """
+    mask = loss_mask.to(values.dtype)
+    returns, old_values = returns.to(values.dtype), old_values.to(values.dtype)
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    plain, bounded = (values - returns).pow(2), (clipped - returns).pow(2)
+    loss = (0.5 * torch.maximum(plain, bounded) * mask).sum() / tokens
+    counted = mask.sum().clamp(min=1)
+    return loss, {"clip_frac": ((bounded > plain).to(mask.dtype) * mask).sum().detach() / counted}
 
 
 # --------------------------------------------------------------------------------------- KL

@@ -3,7 +3,8 @@
 - A built-in task brings its default rewards (humaneval: ``code``) unless the recipe names some.
 - ``algorithm.estimator`` brings its own defaults for fields left unset, before the preset's:
   rloo does not scale by a std (``scale_rewards: none``, as TRL's RLOOTrainer and verl's rloo),
-  reinforce_pp folds the k1 KL of the paper into its rewards (``kl_estimator: k1``).
+  reinforce_pp and ppo fold the k1 KL into their rewards (``kl_estimator: k1``, as the
+  REINFORCE++ paper and verl's PPO).
 - ``algorithm.preset`` fills every field of its member of the family that was not set
   explicitly (``grpo.config.presets``).
 - Rules between sections that hold only after both steps (a reference refresh needs ``beta``).
@@ -72,15 +73,16 @@ ESTIMATOR_DEFAULTS: dict[str, dict[str, str]] = {
     "grpo": {},
     "rloo": {"scale_rewards": "none"},
     "reinforce_pp": {"kl_estimator": "k1"},
+    "ppo": {"kl_estimator": "k1"},
 }
 
 
 def _estimator_defaults(config: Config) -> None:
     algo = config.algorithm
-    if algo.estimator == "reinforce_pp" and algo.reward_aggregation == "gdpo":
+    if algo.estimator in ("reinforce_pp", "ppo") and algo.reward_aggregation == "gdpo":
         raise ValueError(
             "algorithm.reward_aggregation=gdpo normalises each reward within its group; "
-            "estimator reinforce_pp has no groups: use estimator grpo or rloo"
+            f"estimator {algo.estimator} has no groups: use estimator grpo or rloo"
         )
     defaults = ESTIMATOR_DEFAULTS[algo.estimator]
     unset = {k: v for k, v in defaults.items() if k not in algo.model_fields_set}

@@ -202,8 +202,8 @@ class RewardsConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
-    """Advantage estimator: group-relative (grpo), leave-one-out baseline (rloo), or REINFORCE++ (reinforce_pp: KL folded into per-token rewards, returns normalised over the batch's tokens); docs/algorithm.md, Advantage estimators."""
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
+    """Advantage estimator: group-relative (grpo), leave-one-out baseline (rloo), REINFORCE++ (reinforce_pp: KL folded into per-token rewards, returns normalised over the batch's tokens), or PPO with a learned critic (ppo: GAE over per-token rewards with the KL folded in, a value model trained every step); docs/algorithm.md, Advantage estimators."""
     reward_aggregation: Literal["sum", "gdpo"] = "sum"
     """How reward functions combine: their weighted sum, then the estimator (sum), or the estimator on each function in its groups, the weighted sum of those, normalised over the batch (gdpo; GDPO)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -254,6 +254,16 @@ class AlgorithmConfig(Section):
     """Refresh the reference from the policy every N steps (0 = frozen reference); needs beta > 0."""
     ref_mix_alpha: float = Field(1.0, gt=0, le=1)
     """Refresh as ref <- alpha * policy + (1 - alpha) * ref; 1 copies (the only choice with LoRA)."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    """estimator ppo: discount of GAE (1: every token of a completion counts alike)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """estimator ppo: GAE's lambda (1: Monte-Carlo returns minus the value; 0: one-step TD errors)."""
+    value_clip: float = Field(0.2, gt=0)
+    """estimator ppo: the clipped value loss keeps the new value within this of the value the step began with."""
+    critic_lr: float | None = Field(None, gt=0)
+    """estimator ppo: the critic's AdamW learning rate (null: optim.lr), constant."""
+    critic_model: str | None = None
+    """estimator ppo: the critic's body, a model name or folder (as model.name; its decoder under a new value head); null: a copy of the policy's."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: the loss loses coef x the policy's mean token entropy (aggregated as the loss's tokens); with entropy_target, the starting coefficient."""
     entropy_target: float | None = Field(None, gt=0)

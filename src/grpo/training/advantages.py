@@ -8,6 +8,10 @@ applied to the step's rewards, with statistics over every rank's completions.
 - Per token (``token_advantages``), once the reference log-probs exist: reinforce_pp with
   beta > 0 folds the KL of the sampling policy to the reference into the token rewards, and the
   loss then carries no KL term (``loss_beta``).
+- ppo (``critic_advantages``), once the critic has scored the step: GAE over the same token
+  rewards (KL folded in as reinforce_pp's), whitened over the batch's counted tokens, and the
+  critic's targets. Its per-completion ones (for metrics and dynamic sampling's choice) are
+  reinforce_pp's, the rewards normalised over the batch.
 
 Under torchrun each rank holds whole groups, so group statistics are local; batch statistics
 (batch scale, GDPO's and REINFORCE++'s normalisation) are over the rows of every rank, which are
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from grpo import algorithm
@@ -40,6 +45,11 @@ def _as_they_are(rows: Tensor) -> Tensor:
     return rows
 
 
+# estimators whose KL goes into the token rewards (the loss has none) and whose advantages are
+# per token, normalised over the batch rather than within groups
+KL_IN_REWARDS = ("reinforce_pp", "ppo")
+
+
 def batch_advantages(
     algo: AlgorithmConfig,
     group_size: int,
@@ -53,7 +63,7 @@ def batch_advantages(
     per_function [N, K] (NaN for None), weights [K], counted [N] tokens each completion has
     in the loss. ``gather`` makes the batch of the rows given (every rank's, under torchrun);
     only the inputs the estimator reads are gathered."""
-    if algo.estimator == "reinforce_pp":
+    if algo.estimator in KL_IN_REWARDS:
         return algorithm.batch_normalize(gather(rewards), gather(counted), algo.adv_eps)
     if algo.reward_aggregation == "gdpo":
         return algorithm.decoupled_advantages(
@@ -92,13 +102,13 @@ def rank_advantages(
 
 def loss_beta(algo: AlgorithmConfig) -> float:
     """The KL weight in the loss: none where the estimator put the KL into the rewards."""
-    return 0.0 if algo.estimator == "reinforce_pp" else algo.beta
+    return 0.0 if algo.estimator in KL_IN_REWARDS else algo.beta
 
 
 def needs_old_logprobs(algo: AlgorithmConfig) -> bool:
     """Whether the step needs the sampling policy's log-probs before its first update: for
     mu > 1, and for a KL folded into the rewards (the sampling policy's KL)."""
-    return algo.num_iterations > 1 or (algo.estimator == "reinforce_pp" and algo.beta > 0)
+    return algo.num_iterations > 1 or (algo.estimator in KL_IN_REWARDS and algo.beta > 0)
 
 
 def token_advantages(
@@ -123,6 +133,29 @@ def token_advantages(
         gather(rewards.to(device)), gather(counted), gather(kl), algo.beta, algo.adv_eps
     )
     return everyone[distributed.rank_slice(len(rewards)), : counted.shape[1]]
+
+
+def critic_advantages(
+    algo: AlgorithmConfig,
+    rewards: Tensor,
+    counted: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    values: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """ppo: ([N, T] advantages whitened over the batch's counted tokens, [N, T] the critic's
+    targets). rewards: [N]; counted: [N, T]; values: [N, T] the critic's before the update;
+    old_logp, ref_logp: [N, T] when beta > 0 (the KL of the sampling policy in the rewards)."""
+    device = values.device
+    counted = counted.to(device)
+    shaped = None
+    if algo.beta > 0 and old_logp is not None and ref_logp is not None:
+        shaped = -algo.beta * algorithm.KL_ESTIMATORS[algo.kl_estimator](old_logp, ref_logp)
+    token_rewards = algorithm.per_token_rewards(rewards.to(device), counted, shaped)
+    raw, returns = algorithm.gae(token_rewards, values, counted, algo.gamma, algo.lam)
+    whitened = algorithm.batch_normalize(raw, counted, algo.adv_eps)
+    whitened = torch.where(counted.bool(), whitened, torch.zeros_like(whitened))
+    return whitened.to(values.dtype), returns.to(values.dtype)
 
 
 def with_token_advantages(batches: list[MicroBatch], advantages: Tensor) -> list[MicroBatch]:

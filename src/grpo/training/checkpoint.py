@@ -5,8 +5,8 @@ written and read back. The run directory (``grpo.runs.directory``) owns the fold
 A checkpoint is the HF folder of the policy plus ``trainer_state.pt``: step, data position,
 optimizer (and the float32 master weights of a bf16 policy), scheduler, RNG (rank 0's; other
 ranks add ``rng-rank{r}.pt``), GRESO's history, the temperature controller, the reward-hacking
-watch's windows, the entropy bonus's coefficient, the reference (when it is refreshed) and, for
-LoRA, the adapter weights.
+watch's windows, the entropy bonus's coefficient, the reference (when it is refreshed), PPO's
+critic with its optimizer state and, for LoRA, the adapter weights.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def trainer_state(t: Trainer, optimizer: dict[str, Any]) -> dict[str, Any]:
         "hack_watch": t.hack_watch.state_dict(),
         "entropy_bonus": t.entropy_bonus.state_dict(),
         "reference": None if t.reference is None else t.reference.state_dict(),
+        "critic": None if t.critic is None else t.critic.state_dict(),  # estimator ppo
         # LoRA: only the adapters train
         "trainable": {k: v for k, v in t.policy.state_dict().items() if "lora_" in k}
         if is_lora(t.policy)
@@ -170,6 +171,10 @@ def _load_checkpoint(t: Trainer, path: Path) -> None:
         t.entropy_bonus.load_state_dict(state["entropy_bonus"])
     if t.reference is not None and state.get("reference"):
         t.reference.load_state_dict(state["reference"])
+    if t.critic is not None:
+        if not state.get("critic"):
+            raise ValueError("the checkpoint holds no critic (saved by another estimator)")
+        t.critic.load_state_dict(state["critic"])
     t.step = t.saved_step = state["step"]
     t.run.intact = path
     t.producer.sync_weights(t.step, changed=True)  # the engine samples from the restored weights

@@ -39,6 +39,7 @@ from grpo.scoring.logprobs import scoring_path
 from grpo.training.ahead import ProducerLost, ProducerProcess
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
+from grpo.training.critic import Critic
 from grpo.training.entropy_bonus import EntropyBonus
 from grpo.training.gather import gather_scored
 from grpo.training.given import Given, RewardItem, given_parts
@@ -139,6 +140,7 @@ class Trainer:
             fused=not fsdp,
         )
         self.entropy_bonus = EntropyBonus(config.algorithm)
+        self.critic = self._critic()
         self.update = PolicyUpdate(
             config,
             self.dist,
@@ -148,9 +150,21 @@ class Trainer:
             self.optimizer,
             self.scheduler,
             self.entropy_bonus,
+            self.critic,
         )
         self.step = 0
         self.saved_step = -1  # the step of the newest checkpoint on disk
+
+    def _critic(self) -> Critic | None:
+        """PPO's value model (``estimator: ppo``), on this process's device."""
+        if self.config.algorithm.estimator != "ppo":
+            return None
+        if self.dist.enabled:
+            raise ConfigError(
+                "algorithm.estimator=ppo trains its critic in one process: not under torchrun "
+                "(use grpo, rloo or reinforce_pp there)"
+            )
+        return Critic(self.config, self.policy, self.dist.device)
 
     def _producer(
         self, model_path: str | None, engine: RolloutEngine | None

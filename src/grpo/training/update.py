@@ -1,7 +1,8 @@
 """The policy update: ``num_iterations`` optimizer steps on one scored batch, each accumulating
 gradients over length-sorted micro-batches (``micro_batches``), with the reference and old
 log-probs scored first when the loss needs them and per-token advantages after them
-(``advantages``). No formula here: the losses are ``grpo.algorithm``'s.
+(``advantages``; with ppo, from the critic's values, and the critic's own step after each of
+the policy's, ``critic``). No formula here: the losses are ``grpo.algorithm``'s.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from grpo.runtime import distributed
 from grpo.runtime.distributed import DistInfo
 from grpo.scoring.logprobs import completion_logprobs
 from grpo.training import advantages, importance
+from grpo.training.critic import Critic, value_metrics
 from grpo.training.entropy_bonus import EntropyBonus
 from grpo.training.micro_batches import MicroBatch, micro_batches, scatter_rows
 from grpo.training.optimizer import clip_and_step, takes_step
@@ -36,10 +38,12 @@ class PolicyUpdate:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         entropy_bonus: EntropyBonus,
+        critic: Critic | None = None,
     ) -> None:
         self.config, self.dist = config, dist
         self.policy, self.train_model, self.reference = policy, train_model, reference
         self.optimizer, self.scheduler, self.entropy_bonus = optimizer, scheduler, entropy_bonus
+        self.critic = critic  # estimator ppo
 
     def logprobs(self, model: nn.Module, mb: MicroBatch, entropy: bool = False):
         with bf16_autocast(self.dist.device, self.config.model.autocast, cache=False):
@@ -92,7 +96,15 @@ class PolicyUpdate:
             num_micro_batches=len(batches),
             max_new_tokens=self.config.rollout.max_new_tokens,
         )
-        per_token = advantages.token_advantages(cfg, scored.rewards, counted, old_all, ref_all)
+        value_out: dict[str, float] = {}
+        if self.critic is not None:
+            old_values = self.critic.values(batches, tuple(rollout.completion_ids.shape))
+            per_token, returns = advantages.critic_advantages(
+                cfg, scored.rewards, counted, old_all, ref_all, old_values
+            )
+            value_out = value_metrics(old_values, returns, counted_here)
+        else:
+            per_token = advantages.token_advantages(cfg, scored.rewards, counted, old_all, ref_all)
         if per_token is not None:
             batches = advantages.with_token_advantages(batches, per_token)
         sampler_all = rollout.sampler_logp
@@ -161,6 +173,10 @@ class PolicyUpdate:
                 self.dist.is_main,
             )
             skipped += not takes_step(grad_norm)
+            if self.critic is not None:  # the critic's own step on the same micro-batches
+                critic_stats = self.critic.update(batches, returns, old_values, counted_here)
+                if iteration == 0:
+                    value_out.update(critic_stats)
             if iteration == 0:
                 first_loss, first_norm = loss_total, grad_norm
         out = stats.reduce()
@@ -169,4 +185,5 @@ class PolicyUpdate:
         out["grad_norm"] = first_norm
         out["optim/skipped"] = skipped / cfg.num_iterations
         out.update(self.entropy_bonus.observe(out))
+        out.update(value_out)
         return out
