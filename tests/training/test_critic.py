@@ -16,8 +16,11 @@ from safetensors.torch import load_file
 
 from grpo import algorithm
 from grpo.config import ConfigError, build_config
+from grpo.models import load_policy
+from grpo.scoring.distribution import Sampling
 from grpo.training import advantages
-from grpo.training.critic import value_metrics
+from grpo.training.critic import completion_values, value_metrics, value_model
+from grpo.training.micro_batches import MicroBatch
 from grpo.training.trainer import Trainer, train
 
 TRAINABLE_REWARD = f"{Path(__file__).parents[1] / 'toy_rewards.py'}:lowercase_share"
@@ -89,6 +92,43 @@ def test_ppo_advantages_fold_the_kl_and_whiten_over_the_tokens() -> None:
     assert torch.allclose(adv, expected, atol=1e-5)
     stats = value_metrics(torch.zeros(2, 2), ret, counted)
     assert stats["value/mean"] == 0 and stats["value/explained_var"] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("attention", ["prefix", "dense"])
+def test_packed_values_are_each_rows_own(tiny_model_dir: Path, attention: str) -> None:
+    # two groups of two completions behind left-padded prompts: the packed values equal those
+    # of each row alone (its prompt and completion, unpadded, plain causal attention)
+    config = build_config(
+        {"model": {"name": str(tiny_model_dir)}, "algorithm": {"estimator": "ppo"}}
+    )
+    policy = load_policy(config.model, config.model.name)
+    model = value_model(config, policy)
+    torch.nn.init.normal_(model.head.weight)
+    if attention == "dense":
+        model.body.set_attn_implementation("sdpa")
+    prompts = [[5, 6, 7], [8, 9]]
+    completions = [[10, 11, 12], [13], [14, 15], [16, 17, 18]]
+    prompt_ids = torch.tensor([[5, 6, 7], [5, 6, 7], [0, 8, 9], [0, 8, 9]])
+    prompt_mask = prompt_ids != 0
+    completion_ids = torch.tensor([c + [0] * (3 - len(c)) for c in completions])
+    completion_mask = torch.tensor([[j < len(c) for j in range(3)] for c in completions])
+    mb = MicroBatch(
+        torch.arange(4),
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        completion_mask,
+        torch.zeros(4),
+        Sampling(),
+    )
+    with torch.no_grad():
+        packed = completion_values(model, mb)
+        for i, c in enumerate(completions):
+            ids = torch.tensor([prompts[i // 2] + c])
+            alone = model.head(model.body(input_ids=ids).last_hidden_state).squeeze(-1)[0]
+            p = len(prompts[i // 2])
+            assert torch.allclose(packed[i, : len(c)], alone[p - 1 : p - 1 + len(c)], atol=1e-5)
 
 
 def test_ppo_refusals() -> None:

@@ -23,11 +23,13 @@ from transformers import AutoModel
 from grpo import algorithm
 from grpo.config import Config
 from grpo.models import bf16_autocast, is_lora, resolve_model_path
+from grpo.scoring.packing import PACKABLE, attention_dropout_on, pack
+from grpo.scoring.prefix_attention import PREFIX, prefix_layout, use_prefix_attention
 from grpo.training.micro_batches import MicroBatch, scatter_rows
 
 
 class ValueModel(nn.Module):
-    """A decoder body and a value head: [B, L] token ids -> [B, L] values."""
+    """A decoder body and a value head (``completion_values`` runs them)."""
 
     def __init__(self, body: nn.Module) -> None:
         super().__init__()
@@ -36,17 +38,13 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)  # V = 0 at the start: the first advantages are returns
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
-        positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # prompts are left padded
-        out = self.body(input_ids=ids, attention_mask=mask, position_ids=positions)
-        return self.head(out.last_hidden_state).squeeze(-1).float()
-
 
 def value_model(config: Config, policy: nn.Module) -> ValueModel:
     """The critic ``algorithm.critic_model`` names, else a copy of the policy's decoder."""
     name = config.algorithm.critic_model
     if name is not None:
         body = AutoModel.from_pretrained(resolve_model_path(name), dtype=torch.float32)
+        use_prefix_attention(body)  # packed scoring without an [L, L] mask, as the policy's
     else:
         base = policy.get_base_model() if is_lora(policy) else policy
         body = copy.deepcopy(base.get_decoder())
@@ -55,12 +53,29 @@ def value_model(config: Config, policy: nn.Module) -> ValueModel:
     return ValueModel(body)
 
 
-def completion_values(model: nn.Module, mb: MicroBatch) -> Tensor:
-    """[b, T] the value of each completion position: read where the token is predicted."""
-    ids = torch.cat([mb.prompt_ids, mb.completion_ids], dim=1)
-    mask = torch.cat([mb.prompt_mask, mb.completion_mask], dim=1)
-    s, t = mb.prompt_ids.shape[1], mb.completion_ids.shape[1]
-    return model(ids, mask)[:, s - 1 : s - 1 + t]
+def completion_values(model: ValueModel, mb: MicroBatch) -> Tensor:
+    """[b, T] the value of each completion position, read where the token is predicted. The
+    rows are packed by prompt as the policy's are scored (``grpo.scoring.packing``): a group's
+    prompt once, under prefix attention where the body has it, else a dense mask."""
+    body = model.body
+    prefix = getattr(body.config, "_attn_implementation", None) == PREFIX
+    prefix = prefix and not attention_dropout_on(body)
+    packed = pack(
+        mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask, end_to_end=prefix
+    )
+    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+    if prefix:
+        layout = prefix_layout(packed.segment, packed.group)
+        mask = torch.ones_like(packed.input_ids)  # see packed_logprobs: no [L, L] mask built
+        hidden = body(**inputs, attention_mask=mask, prefix_layout=layout, use_cache=False)
+        kept = hidden.last_hidden_state[0, packed.keep]  # [K, H]
+    else:
+        implementation = getattr(body.config, "_attn_implementation", None)
+        dtype = PACKABLE.get(implementation) or next(body.parameters()).dtype
+        mask = packed.attention_mask(dtype)
+        hidden = body(**inputs, attention_mask=mask, use_cache=False).last_hidden_state
+        kept = hidden[:, -packed.keep :].reshape(-1, hidden.shape[-1])  # [U * keep, H]
+    return model.head(kept).squeeze(-1).float()[packed.at]
 
 
 class Critic:
