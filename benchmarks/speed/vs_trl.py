@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append({"round": r, **result})
     summary = {
         "setup": args.setup,
+        "machine": common.machine(),  # one docs row per machine kind (docs/results/vs-trl.md)
         "precision": setup["precision"],
         "steps": steps,
         "rounds": args.rounds,
