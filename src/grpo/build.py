@@ -56,7 +56,17 @@ def _vllm_engine(**kwargs: Any) -> RolloutEngine:
     return VLLMEngine(**kwargs)
 
 
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": _hf_engine, "vllm": _vllm_engine}
+def _server_engine(**kwargs: Any) -> RolloutEngine:
+    from grpo.rollout.server import ServerEngine
+
+    return ServerEngine(kwargs["tokenizer"], kwargs["config"])
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {
+    "hf": _hf_engine,
+    "vllm": _vllm_engine,
+    "server": _server_engine,
+}
 
 
 def build_engine(name: str, **kwargs: Any) -> RolloutEngine:

@@ -22,9 +22,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from grpo.data import DataError
     from grpo.models import ModelError
     from grpo.rewards import RewardError
+    from grpo.rollout import RolloutLost
     from grpo.runs.directory import RunDirError
     from grpo.runs.report import ReportError
-    from grpo.training.ahead import ProducerLost
 
     return (
         ConfigError,
@@ -33,7 +33,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         RewardError,
         ReportError,
         RunDirError,
-        ProducerLost,
+        RolloutLost,
         FileNotFoundError,
     )
 
@@ -237,8 +237,33 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from grpo import build
+    from grpo.config import LoraConfig
+    from grpo.models import resolve_model_path
+    from grpo.rollout.server import serve
+    from grpo.runtime.distributed import init_from_env
+
+    overrides = [f"model.name={args.model}", f"rollout.engine={args.engine}", *args.overrides]
+    config = load_config(args.recipe, overrides)
+    build.prepare_process(config)
+    path = resolve_model_path(config.model.name)
+    device = init_from_env().device
+    config = build.concrete_precision(config, path, device)
+    # full weights: a LoRA run pushes its base with the adapters merged in
+    plain = config.model.model_copy(update={"lora": LoraConfig()})
+    tokenizer, model = build.load_model(plain, path, build.prompt_format(config), [], device)
+    model.eval()
+    engine = build.build_engine(
+        config.rollout.engine, model=model, tokenizer=tokenizer, config=config.rollout
+    )
+    serve(config, engine, model, device, args.host, args.port)
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": cmd_train,
+    "serve": cmd_serve,
     "eval": cmd_eval,
     "report": cmd_report,
     "curate": cmd_curate,
@@ -329,6 +354,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="completions per generation call (prompts per call: this / K; default 64)",
     )
+    srv = sub.add_parser(
+        "serve",
+        help="serve a model's rollouts over HTTP for runs with rollout.engine=server",
+        description="Hold a rollout engine for MODEL behind HTTP (docs/ahead.md): a run with "
+        "rollout.engine=server and rollout.server_url pointing here generates with it and "
+        "pushes its weights to it after every step. Start it with the run's recipe, so both "
+        "sample alike (the run checks).",
+    )
+    srv.add_argument("model", help="alias, HF folder or hub id: the run's model.name")
+    srv.add_argument("overrides", nargs="*", help="dotted overrides of the recipe")
+    srv.add_argument("--recipe", help="the run's recipe (default: the built-in one)")
+    srv.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="default: hf")
+    srv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="default: 8000")
     report = sub.add_parser("report", help="write report.html for a run directory")
     report.add_argument("run_dir")
     sub.add_parser("models", help="list model aliases and whether each is cached")

@@ -55,6 +55,11 @@ def resolve(config: Config) -> None:
             f"algorithm.tis_mode={algo.tis_mode} tis_level={algo.tis_level} needs a bound: "
             "set tis_cap (or tis_low with tis_mode=mask)"
         )
+    if config.rollout.engine == "server" and config.rollout.tools:
+        raise ValueError(
+            "rollout.tools runs its turn loop around a local engine: not with rollout.engine "
+            "server (use hf or vllm)"
+        )
     if config.rollout.max_staleness and unbounded:
         raise ValueError(
             f"rollout.max_staleness={config.rollout.max_staleness} trains on rollouts of older "

@@ -136,8 +136,14 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine: Hugging Face `generate`, or vLLM (extra `vllm`; `make vllm` installs its CPU build)."""
+    engine: Literal["hf", "vllm", "server"] = "hf"
+    """Generation engine: Hugging Face `generate`, vLLM (extra `vllm`; `make vllm` installs its CPU build), or a `grpo serve` process at rollout.server_url (docs/ahead.md)."""
+    server_url: str = "http://127.0.0.1:8000"
+    """engine server: where `grpo serve` answers."""
+    server_timeout_s: float = Field(600.0, gt=0)
+    """engine server: how long one request (a step's rollout, a weight push) may take before the run stops with a checkpoint."""
+    server_weights_host: str = "127.0.0.1"
+    """engine server: this trainer's address as the server reaches it, for the weights' process group."""
     prompts_per_step: int = Field(4, ge=1)
     """P: prompts sampled per training step, over all ranks (each rank takes P / world_size)."""
     group_size: int = Field(8, ge=2)

@@ -25,6 +25,11 @@ from grpo.containers import Rollout
 from grpo.scoring.distribution import Sampling
 
 
+class RolloutLost(RuntimeError):
+    """Generation that runs elsewhere (a producer process, a rollout server) died, failed or
+    stopped answering: the run stops with a checkpoint and this one line."""
+
+
 class RolloutEngine(Protocol):
     def generate(
         self,

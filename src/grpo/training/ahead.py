@@ -38,6 +38,7 @@ from transformers.utils import logging as hf_logging
 
 from grpo import build
 from grpo.config import Config
+from grpo.rollout import RolloutLost
 from grpo.runtime import weight_sync
 from grpo.runtime.distributed import DistInfo
 from grpo.runtime.host_memory import bound_kernel_caches
@@ -72,7 +73,7 @@ def split_threads(total: int, producer: int | None) -> tuple[int, int]:
     return max(1, total - ours), ours
 
 
-class ProducerLost(RuntimeError):
+class ProducerLost(RolloutLost):
     """The producer process died, failed or stopped answering; the run stopped."""
 
 

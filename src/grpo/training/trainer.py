@@ -29,14 +29,14 @@ from grpo.containers import Scored
 from grpo.eval import evaluate, settings_for
 from grpo.models import bf16_autocast, resolve_model_path
 from grpo.rewards import ErrorWatch
-from grpo.rollout import RolloutEngine
+from grpo.rollout import RolloutEngine, RolloutLost
 from grpo.runs.directory import RunDir, RunDirError, is_disk_full
 from grpo.runs.metrics import MetricsLogger, ProgressBar
 from grpo.runtime import distributed
 from grpo.runtime.host_memory import set_malloc_policy
 from grpo.scoring.chunked_head import chunked_head_slot, full_logits
 from grpo.scoring.logprobs import scoring_path
-from grpo.training.ahead import ProducerLost, ProducerProcess
+from grpo.training.ahead import ProducerProcess
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
 from grpo.training.critic import Critic
@@ -153,7 +153,10 @@ class Trainer:
             self.critic,
         )
         self.step = 0
-        self.saved_step = -1  # the step of the newest checkpoint on disk
+        self.saved_step = -1
+        self.lost: RolloutLost | None = (
+            None  # generation elsewhere failed after an update  # the step of the newest checkpoint on disk
+        )
 
     def _critic(self) -> Critic | None:
         """PPO's value model (``estimator: ppo``), on this process's device."""
@@ -256,12 +259,9 @@ class Trainer:
                 self.step += 1
                 try:
                     metrics = self.train_step()
-                except ProducerLost as lost:  # one line, and the steps done are kept
+                except RolloutLost as lost:  # before the update: the steps done are kept
                     self.step -= 1
-                    if self.step > 0 and self.saved_step != self.step:
-                        save_checkpoint(self)
-                    saved = f"{self.run.intact} is complete" if self.run.intact else "no checkpoint"
-                    raise ProducerLost(f"{lost} before step {self.step + 1}: {saved}") from None
+                    self._stop_lost(lost, f"before step {self.step + 1}")
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     metrics.update(self.held_out_eval())
                 if logger:
@@ -269,6 +269,8 @@ class Trainer:
                 bar.update(self.step, metrics)
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     save_checkpoint(self)
+                if self.lost is not None:  # after the update: the step is logged and kept
+                    self._stop_lost(self.lost, f"after step {self.step}")
             if self.saved_step != self.step:
                 save_checkpoint(self)
             if distributed.from_main(self.run.final_step) != self.step:
@@ -277,6 +279,13 @@ class Trainer:
             bar.close()
             if logger:
                 logger.close()
+
+    def _stop_lost(self, lost: RolloutLost, when: str) -> None:
+        """Stop for generation that failed elsewhere: a checkpoint of the steps done, one line."""
+        if self.step > 0 and self.saved_step != self.step:
+            save_checkpoint(self)
+        saved = f"{self.run.intact} is complete" if self.run.intact else "no checkpoint"
+        raise type(lost)(f"{lost} {when}: {saved}") from None
 
     def held_out_eval(self) -> dict[str, float]:
         """``eval/*`` metrics of the current policy on the held-out rows (see grpo.eval)."""
@@ -348,7 +357,10 @@ class Trainer:
         metrics["rollout/temperature"] = clock["temperature"]
         self.producer.temperature.observe(metrics)  # adaptive: the next rollout's temperature
         # the new weights (and that temperature) to the engine, or to the producer process
-        self.producer.sync_weights(self.step, changed=train is not None)
+        try:
+            self.producer.sync_weights(self.step, changed=train is not None)
+        except RolloutLost as lost:  # a rollout server gone: this step is done, then stop
+            self.lost = lost
         tokens = float(everyone.rollout.completion_mask.sum())
         metrics.update(
             {

@@ -1,0 +1,325 @@
+"""A rollout engine in another process, possibly on another machine: ``grpo serve MODEL``
+holds an engine (``hf``, or ``vllm`` on its own GPUs) behind HTTP; a run with
+``rollout.engine: server`` is its client (``ServerEngine``), as TRL's ``vllm_mode="server"``.
+
+- ``POST /generate``: prompts, group size, seeds, temperature, greedy (JSON) -> the engine's
+  ``Rollout`` without its rows (``torch.save`` bytes; the client puts its rows back).
+- ``GET /health``: the model, the engine, the weights' version and the sampling controls the
+  server was started with. The client compares them with its own before the first request and
+  refuses a difference in one line: the trainer scores under the controls it asked for.
+- Weights: ``POST /weights/init`` makes the server join a two-process gloo group on the
+  client's ``TCPStore`` (``grpo.runtime.weight_sync``) and check the names and shapes the
+  client will send (the policy's merged weights: full, or a LoRA policy's base plus its
+  deltas); each ``POST /weights/update`` then receives one flat float32 buffer over that group,
+  loads it and hands it to the engine (vLLM reloads its weights and drops its prefix cache).
+
+A server that stops answering fails the request after ``rollout.server_timeout_s``
+(``ServerLost``): the run stops with a checkpoint and one line, never a hang.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedTokenizerBase
+
+from grpo.config import Config, RolloutConfig
+from grpo.containers import Rollout
+from grpo.models import bf16_autocast
+from grpo.rollout import RolloutLost
+from grpo.runtime import weight_sync
+from grpo.scoring.distribution import Sampling
+
+# the controls that shape what is sampled: client and server must agree on every one
+# (the temperature comes with each request: a schedule changes it)
+SAMPLING_KEYS = (
+    "max_new_tokens",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop",
+    "generation_kwargs",
+)
+TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
+OPTIONAL_TENSORS = ("sampler_logp", "sampled_mask")
+
+
+class ServerLost(RolloutLost):
+    """The rollout server failed or stopped answering."""
+
+
+# ------------------------------------------------------------------------- the wire format
+
+
+def encode_rollout(rollout: Rollout) -> bytes:
+    """A rollout without its rows, as ``torch.save`` bytes (tensors, strings, numbers only)."""
+    state: dict[str, Any] = {name: getattr(rollout, name) for name in TENSORS + OPTIONAL_TENSORS}
+    state |= {
+        "prompts": rollout.prompts,
+        "completions": rollout.completions,
+        "group_size": rollout.group_size,
+        "sampling": asdict(rollout.sampling),
+    }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def decode_rollout(data: bytes, rows: list[dict[str, Any]]) -> Rollout:
+    state = torch.load(io.BytesIO(data), weights_only=True)
+    return Rollout(
+        **{name: state[name] for name in TENSORS + OPTIONAL_TENSORS},
+        prompts=state["prompts"],
+        completions=state["completions"],
+        rows=rows,
+        group_size=state["group_size"],
+        sampling=Sampling(**state["sampling"]),
+    )
+
+
+def pushed_weights(model: nn.Module) -> dict[str, Tensor]:
+    """What a push carries: the weights the engine samples from, under plain HF names."""
+    from grpo.rollout.vllm import merged_weights  # no vllm import: only the merge
+
+    return merged_weights(model)
+
+
+# ------------------------------------------------------------------------- the server
+
+
+class Served:
+    """The server's state: its engine, model and the weights group (once a client joined)."""
+
+    def __init__(self, config: Config, engine: Any, model: nn.Module, device: torch.device) -> None:
+        self.config, self.engine, self.model, self.device = config, engine, model, device
+        self.version = 0
+        self.receiver: tuple[Any, list[Tensor]] | None = None
+        self.lock = threading.Lock()  # one request at a time reaches the engine
+
+    def health(self) -> dict[str, Any]:
+        rollout = self.config.rollout
+        return {
+            "model": self.config.model.name,
+            "engine": rollout.engine,
+            "version": self.version,
+            "sampling": {key: getattr(rollout, key) for key in SAMPLING_KEYS},
+        }
+
+    def generate(self, request: dict[str, Any]) -> bytes:
+        prompts = request["prompts"]
+        autocast = bf16_autocast(self.device, self.config.model.autocast)
+        with self.lock, torch.no_grad(), autocast:  # the precision a run's own engine samples in
+            rollout = self.engine.generate(
+                prompts,
+                [{} for _ in prompts],
+                request["group_size"],
+                seeds=request.get("seeds"),
+                temperature=request.get("temperature"),
+                greedy=request.get("greedy", False),
+            )
+        return encode_rollout(rollout)
+
+    def init_weights(self, request: dict[str, Any]) -> dict[str, Any]:
+        own = dict(self.model.state_dict())
+        params = []
+        for name, shape in request["names"]:
+            if name not in own or list(own[name].shape) != shape:
+                raise ValueError(f"the client's weight {name} {shape} is not in the served model")
+            params.append(own[name])
+        timeout = float(request["timeout_s"])
+        rendezvous = weight_sync.store(request["host"], request["port"], False, timeout)
+        pg = weight_sync.group(rendezvous, weight_sync.PRODUCER, timeout)
+        self.receiver = (pg, params)
+        return {"ok": True}
+
+    def update_weights(self) -> dict[str, Any]:
+        if self.receiver is None:
+            raise ValueError("no weights group: POST /weights/init first")
+        pg, params = self.receiver
+        with self.lock:
+            flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+            weight_sync.broadcast(pg, flat)
+            weight_sync.unflatten_into(flat, params)
+            self.engine.sync_weights(self.model)
+            self.version += 1
+        return {"version": self.version}
+
+
+def handler_for(served: Served) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, status: int, body: bytes, kind: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, status: int, value: Any) -> None:
+            self._reply(status, json.dumps(value).encode(), "application/json")
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._json(200, served.health())
+            else:
+                self._json(404, {"error": f"no {self.path}"})
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", 0))
+            request = json.loads(self.rfile.read(length) or b"{}")
+            try:
+                if self.path == "/generate":
+                    self._reply(200, served.generate(request), "application/octet-stream")
+                elif self.path == "/weights/init":
+                    self._json(200, served.init_weights(request))
+                elif self.path == "/weights/update":
+                    self._json(200, served.update_weights())
+                else:
+                    self._json(404, {"error": f"no {self.path}"})
+            except Exception as err:  # the client shows it in one line
+                self._json(500, {"error": f"{type(err).__name__}: {' '.join(str(err).split())}"})
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # one line per request would bury the server's own lines
+
+    return Handler
+
+
+def serve(
+    config: Config, engine: Any, model: nn.Module, device: torch.device, host: str, port: int
+) -> None:
+    """Answer for ``engine`` (over ``model``, built by ``grpo serve``) until killed."""
+    served = Served(config, engine, model, device)
+    server = ThreadingHTTPServer((host, port), handler_for(served))
+    print(
+        f"grpo serve: {config.model.name} on the {config.rollout.engine} engine at "
+        f"http://{host}:{server.server_address[1]}",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.serve_forever()
+
+
+# ------------------------------------------------------------------------- the client
+
+
+class ServerEngine:
+    """``rollout.engine: server``: generation by a ``grpo serve`` process at
+    ``rollout.server_url``; weights pushed to it after every optimizer step."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> None:
+        self.tokenizer, self.config = tokenizer, config
+        self.url = config.server_url.rstrip("/")
+        self.checked = False
+        self.sender: tuple[Any, list[str]] | None = None
+
+    def _call(self, path: str, body: dict[str, Any] | None = None) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.config.server_timeout_s) as reply:
+                return reply.read()
+        except urllib.error.HTTPError as err:
+            said = json.loads(err.read() or b"{}").get("error", str(err))
+            raise ServerLost(f"the rollout server at {self.url} failed {path}: {said}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise ServerLost(
+                f"the rollout server at {self.url} did not answer {path} "
+                f"(rollout.server_timeout_s {self.config.server_timeout_s:g}): {reason}"
+            ) from None
+
+    def _check(self) -> None:
+        """Before the first request: the server samples as this run would, or one line."""
+        health = json.loads(self._call("/health"))
+        ours = {key: getattr(self.config, key) for key in SAMPLING_KEYS}
+        theirs = health["sampling"]
+        differ = [f"{k} {theirs.get(k)!r} -> {v!r}" for k, v in ours.items() if theirs.get(k) != v]
+        if differ:
+            raise ServerLost(
+                f"the rollout server at {self.url} samples otherwise than this run "
+                f"({'; '.join(differ)}): start it with the same rollout.* settings"
+            )
+        self.checked = True
+
+    def generate(
+        self,
+        prompts: list[str],
+        rows: list[dict[str, Any]],
+        group_size: int,
+        seeds: list[int] | None = None,
+        temperature: float | None = None,
+        greedy: bool = False,
+    ) -> Rollout:
+        if not self.checked:
+            self._check()
+        body = {
+            "prompts": prompts,
+            "group_size": group_size,
+            "seeds": seeds,
+            "temperature": temperature,
+            "greedy": greedy,
+        }
+        rollout = decode_rollout(self._call("/generate", body), rows)
+        if rollout.num_completions != len(prompts) * group_size:
+            raise ServerLost(f"the rollout server at {self.url} answered another request")
+        return rollout
+
+    def sync_weights(self, model: nn.Module) -> None:
+        weights = pushed_weights(model)
+        if self.sender is None:
+            timeout = self.config.server_timeout_s
+            rendezvous = weight_sync.store(self.config.server_weights_host, 0, True, timeout)
+            names = [[name, list(t.shape)] for name, t in weights.items()]
+            init = {
+                "host": self.config.server_weights_host,
+                "port": rendezvous.port,
+                "timeout_s": timeout,
+                "names": names,
+            }
+            # the server joins the group while answering; this process joins it meanwhile
+            replies: list[bytes | BaseException] = []
+            thread = threading.Thread(target=self._post_into, args=("/weights/init", init, replies))
+            thread.start()
+            pg = weight_sync.group(rendezvous, weight_sync.TRAINER, timeout)
+            thread.join()
+            self._raise_from(replies)
+            self.sender = (pg, list(weights))
+            self.rendezvous = rendezvous
+        pg, names = self.sender
+        flat = weight_sync.flatten([weights[name] for name in names])
+        replies = []
+        thread = threading.Thread(target=self._post_into, args=("/weights/update", {}, replies))
+        thread.start()
+        try:
+            weight_sync.broadcast(pg, flat)
+        except Exception as err:
+            thread.join(1)
+            raise ServerLost(
+                f"the rollout server at {self.url} stopped taking weights: {err}"
+            ) from None
+        thread.join()
+        self._raise_from(replies)
+
+    def _post_into(self, path: str, body: dict[str, Any], out: list) -> None:
+        try:
+            out.append(self._call(path, body))
+        except BaseException as err:
+            out.append(err)
+
+    @staticmethod
+    def _raise_from(replies: list) -> None:
+        if replies and isinstance(replies[0], BaseException):
+            raise replies[0]

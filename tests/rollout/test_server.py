@@ -1,0 +1,166 @@
+"""``grpo serve`` and ``rollout.engine: server``: a run that generates on a rollout server (the
+HF engine in another process, weights pushed over gloo after every step) computes what the
+same run with its own HF engine computes; a server that samples otherwise is refused, and one
+that dies stops the run with a checkpoint and one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.config import ConfigError
+from grpo.rollout import RolloutLost
+from grpo.rollout.server import ServerLost, decode_rollout, encode_rollout
+from grpo.training.trainer import Trainer, train
+
+ROLLOUT = {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12}
+
+
+def start_server(model: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
+    """``grpo serve`` on a free port; returns the process and its URL (from its first line)."""
+    command = [sys.executable, "-m", "grpo.cli", "serve", str(model), "--port", "0"]
+    command += [f"rollout.{k}={v}" for k, v in ROLLOUT.items()]
+    command += ["train.threads=1", *overrides]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = server.stderr.readline()
+        if "grpo serve:" in line:
+            return server, line.rsplit(" at ", 1)[1].strip()
+        if not line and server.poll() is not None:
+            break
+    server.kill()
+    raise AssertionError(f"grpo serve did not start: {server.stderr.read()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[str]:
+    process, url = start_server(tiny_model_dir)
+    yield url
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [
+        {k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_s"}
+        for row in map(json.loads, lines)
+        if "event" not in row
+    ]
+
+
+def test_a_rollout_travels_whole(tiny_model_dir: Path) -> None:
+    from grpo.containers import Rollout
+    from grpo.scoring.distribution import Sampling
+
+    rollout = Rollout(
+        prompt_ids=torch.tensor([[1, 2]]),
+        prompt_mask=torch.tensor([[True, True]]),
+        completion_ids=torch.tensor([[3, 4]]),
+        completion_mask=torch.tensor([[True, False]]),
+        truncated=torch.tensor([False]),
+        prompts=["p"],
+        completions=["c"],
+        rows=[{"x": 1}],
+        group_size=1,
+        sampler_logp=torch.tensor([[-0.1234567, 0.0]]),
+        sampling=Sampling(temperature=0.7, top_k=5),
+    )
+    back = decode_rollout(encode_rollout(rollout), [{"x": 1}])
+    for name in ("prompt_ids", "completion_mask", "truncated", "sampler_logp"):
+        assert torch.equal(getattr(back, name), getattr(rollout, name)), name
+    assert back.sampled_mask is None and back.sampling == rollout.sampling
+    assert back.rows == [{"x": 1}] and back.completions == ["c"]
+
+
+def test_a_run_on_the_server_computes_what_its_own_engine_does(
+    tiny_config, server: str, weights, tiny_model_dir
+) -> None:
+    def run(name: str, engine: dict):
+        config = tiny_config(
+            rollout={**ROLLOUT, **engine},
+            optim={"lr": 1e-2},
+            train={"steps": 3, "threads": 1, "run_name": name, "eval_every": 3, "eval_examples": 4},
+        )
+        return train(config)
+
+    own = run("own", {"engine": "hf"})
+    served = run("served", {"engine": "server", "server_url": server})
+    weights.assert_moved(weights.of(tiny_model_dir), weights.of(own / "final"))
+    # the same tokens (per-row seeds, the same weights pushed each step), the same updates,
+    # the same greedy evaluation
+    assert rows(served) == rows(own)
+    a, b = weights.of(own / "final"), weights.of(served / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_server_that_samples_otherwise_is_one_line(tiny_config, server: str) -> None:
+    config = tiny_config(
+        rollout={**ROLLOUT, "engine": "server", "server_url": server, "top_k": 5},
+        train={"steps": 1, "threads": 1},
+    )
+    with pytest.raises(ServerLost, match=r"samples otherwise than this run \(top_k 0 -> 5\)"):
+        train(config)
+
+
+def test_tools_are_refused_on_the_server_engine(tiny_config) -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.tools runs its turn loop"):
+        tiny_config(rollout={"engine": "server", "tools": ["python"]})
+
+
+def test_a_server_that_dies_stops_the_run_with_a_checkpoint(
+    tiny_config, tiny_model_dir: Path, monkeypatch
+) -> None:
+    process, url = start_server(tiny_model_dir)
+    update = Trainer.optimize
+
+    def optimize(self: Trainer, scored):
+        if self.step == 2:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+        return update(self, scored)
+
+    monkeypatch.setattr(Trainer, "optimize", optimize)
+    config = tiny_config(
+        rollout={**ROLLOUT, "engine": "server", "server_url": url, "server_timeout_s": 5.0},
+        train={"steps": 4, "save_every": 0, "threads": 1, "run_name": "dies"},
+    )
+    t0 = time.monotonic()
+    with pytest.raises(RolloutLost) as lost:
+        train(config)
+    said = str(lost.value)
+    # the push after step 2's update finds no server: step 2 is kept, logged and saved
+    assert "\n" not in said and said.startswith(f"the rollout server at {url}"), said
+    assert said.endswith(
+        "after step 2: " + str(config.run_dir / "checkpoints" / "step-2") + " is complete"
+    ), said
+    assert time.monotonic() - t0 < 60
+    assert [r["step"] for r in rows(config.run_dir)] == [1, 2]
+
+
+def test_a_producer_process_generates_on_the_server(tiny_config, server: str) -> None:
+    # max_staleness 1: the producer process is the server's client and pushes it the weights
+    config = tiny_config(
+        rollout={**ROLLOUT, "engine": "server", "server_url": server, "max_staleness": 1},
+        algorithm={"tis_cap": 2.0},
+        train={"steps": 3, "threads": 2, "run_name": "ahead-served"},
+    )
+    logged = rows(train(config))
+    assert [r["staleness/max"] for r in logged] == [0, 1, 1]
