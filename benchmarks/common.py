@@ -178,6 +178,23 @@ def with_precision(setup: dict[str, Any], precision: str | None) -> dict[str, An
     return {**setup, "precision": chosen}
 
 
+# a timed `grpo train` of the default recipe: no evaluation, checkpoints or completions
+TIMED_RUN = [
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.log_completions=0",
+    "train.progress=false",
+    "train.resume=never",
+]
+
+
+def timed_steps(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's step rows that carry ``time/step_s``, the first left out: it carries the start
+    (model load, a producer process's start)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if "time/step_s" in row][1:]
+
+
 def machine() -> dict[str, Any]:
     """The CPU a measurement ran on: its model name, the flags that decide its bf16 speed
     (AVX2, AVX-512, AVX512-BF16, AMX), its cores; and the GPU, if torch sees one."""

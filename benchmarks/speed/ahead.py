@@ -28,14 +28,7 @@ from typing import Any
 from benchmarks import common
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-SAME = [
-    "train.eval_every=0",
-    "train.save_every=0",
-    "train.log_completions=0",
-    "train.progress=false",
-    "train.resume=never",
-    "algorithm.tis_cap=2.0",
-]
+SAME = [*common.TIMED_RUN, "algorithm.tis_cap=2.0"]
 
 
 def run_one(k: int, steps: int, out: Path, name: str, extra: list[str]) -> list[dict[str, Any]]:
@@ -43,8 +36,7 @@ def run_one(k: int, steps: int, out: Path, name: str, extra: list[str]) -> list[
     cmd += [f"train.steps={steps}", f"train.output_dir={out}", f"train.run_name={name}"]
     cmd += [f"rollout.max_staleness={k}", *SAME, *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    lines = (out / name / "metrics.jsonl").read_text().splitlines()
-    return [row for row in map(json.loads, lines) if "time/step_s" in row]
+    return common.timed_steps(out / name)
 
 
 def per_k(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -89,8 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for k in (0, 1):
-                rows = run_one(k, args.steps, Path(tmp), f"k{k}-r{r}", args.overrides)
-                runs[k] += rows[1:]  # the first step carries the start (the producer's load)
+                runs[k] += run_one(k, args.steps, Path(tmp), f"k{k}-r{r}", args.overrides)
     sync, ahead = per_k(runs[0]), per_k(runs[1])
     # the model: a synchronous step is G0 + U0 on all cores; ahead, the stages overlap and the
     # slower one sets the pace: max(G1, U1) on the split cores

@@ -24,13 +24,6 @@ from typing import Any
 from benchmarks import common
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-SAME = [
-    "train.eval_every=0",
-    "train.save_every=0",
-    "train.log_completions=0",
-    "train.progress=false",
-    "train.resume=never",
-]
 # a fresh interpreter that runs one training and reports the largest RSS among its children
 WRAPPER = (
     "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
@@ -41,13 +34,12 @@ WRAPPER = (
 def run_one(estimator: str, steps: int, out: Path, name: str) -> dict[str, Any]:
     train = [sys.executable, "-m", "grpo.cli", "train", "recipes/default.yaml"]
     train += [f"train.steps={steps}", f"train.output_dir={out}", f"train.run_name={name}"]
-    train += [f"algorithm.estimator={estimator}", *SAME]
+    train += [f"algorithm.estimator={estimator}", *common.TIMED_RUN]
     done = subprocess.run(
         [sys.executable, "-c", WRAPPER, *train], check=True, capture_output=True, text=True
     )
-    lines = (out / name / "metrics.jsonl").read_text().splitlines()
-    rows = [row for row in map(json.loads, lines) if "time/step_s" in row]
-    return {"rows": rows[1:], "peak_rss_mb": int(done.stdout.split()[-1]) / 1024}
+    rows = common.timed_steps(out / name)
+    return {"rows": rows, "peak_rss_mb": int(done.stdout.split()[-1]) / 1024}
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from run_logs import step_rows
 from safetensors.torch import load_file
 
 from grpo.cli import main
@@ -70,16 +71,6 @@ def make(tree: dict, run_name: str, output_dir: Path | None = None, **train: obj
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
-
-
-def step_rows(run_dir: Path) -> list[dict]:
-    """metrics.jsonl without timings and event rows: what must match an uninterrupted run."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [
-        {k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_s"}
-        for row in rows
-        if "event" not in row
-    ]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ that dies stops the run with a checkpoint and one line."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_logs import step_rows as rows
 
 from grpo.config import ConfigError
 from grpo.rollout import RolloutLost
@@ -55,15 +55,6 @@ def _keep_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-def rows(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [
-        {k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_s"}
-        for row in map(json.loads, lines)
-        if "event" not in row
-    ]
 
 
 def test_a_rollout_travels_whole(tiny_model_dir: Path) -> None:

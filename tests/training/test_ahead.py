@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_logs import step_rows as rows
 from safetensors.torch import load_file
 
 from grpo import algorithm
@@ -72,16 +73,6 @@ def make(tree: dict, run_name: str, rollout: dict | None = None, **train_args: o
             "train": {**tree["train"], "run_name": run_name, **train_args},
         }
     )
-
-
-def rows(run_dir: Path) -> list[dict]:
-    """metrics.jsonl without timings and event rows."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [
-        {k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_s"}
-        for row in map(json.loads, lines)
-        if "event" not in row
-    ]
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -236,23 +227,7 @@ def test_the_adaptive_temperature_follows_the_weights_it_goes_with(tree: dict) -
     assert temperatures == {0: [1.0, 1.25, 1.5, 1.75], 1: [1.0, 1.0, 1.25, 1.5]}
 
 
-KILL_AT_UPDATE = """
-import json, os, signal, sys
-import grpo.training.trainer as T
-from grpo.config import build_config
-tree, kill_at, pid_file = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-seen = 0
-update = T.Trainer.optimize
-def optimize(self, scored):
-    global seen
-    seen += 1
-    if seen == kill_at:
-        open(pid_file, "w").write(str(self.producer.process.pid))
-        os.kill(os.getpid(), signal.SIGKILL)
-    return update(self, scored)
-T.Trainer.optimize = optimize
-T.train(build_config(tree))
-"""
+KILL_AT_UPDATE = Path(__file__).parents[1] / "integration" / "kill_at_update.py"
 
 
 def gone_within(pid: int, seconds: float) -> bool:
@@ -274,7 +249,7 @@ def test_kill_9_mid_step_resumes_to_the_same_weights(
     config = make(tree, "killed")
     pid_file = tmp_path / "producer.pid"
     life = subprocess.run(
-        [sys.executable, "-c", KILL_AT_UPDATE, config.model_dump_json(), "3", str(pid_file)],
+        [sys.executable, str(KILL_AT_UPDATE), config.model_dump_json(), "3", str(pid_file)],
         capture_output=True,
         text=True,
         timeout=300,

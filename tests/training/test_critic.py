@@ -4,7 +4,6 @@ critic learn and a resume after kill -9 ends with the same policy and critic."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_logs import step_rows as rows
 from safetensors.torch import load_file
 
 from grpo import algorithm
@@ -159,15 +159,6 @@ def tree(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     }
 
 
-def rows(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [
-        {k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_s"}
-        for row in map(json.loads, lines)
-        if "event" not in row
-    ]
-
-
 def critic_of(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     state = torch.load(run_dir / "checkpoints" / f"step-{step}" / "trainer_state.pt")
     return state["critic"]["model"]
@@ -199,28 +190,13 @@ def test_ppo_trains_the_policy_and_the_critic(tree: dict, straight: Path, tiny_m
     trainer.run.release()
 
 
-KILL_AT_UPDATE = """
-import json, os, signal, sys
-import grpo.training.trainer as T
-from grpo.config import build_config
-tree, kill_at = json.loads(sys.argv[1]), int(sys.argv[2])
-seen = 0
-update = T.Trainer.optimize
-def optimize(self, scored):
-    global seen
-    seen += 1
-    if seen == kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return update(self, scored)
-T.Trainer.optimize = optimize
-T.train(build_config(tree))
-"""
+KILL_AT_UPDATE = Path(__file__).parents[1] / "integration" / "kill_at_update.py"
 
 
 def test_kill_9_and_resume_end_with_the_same_policy_and_critic(tree: dict, straight: Path) -> None:
     config = build_config({**tree, "train": {**tree["train"], "run_name": "ppo-killed"}})
     life = subprocess.run(
-        [sys.executable, "-c", KILL_AT_UPDATE, config.model_dump_json(), "3"],
+        [sys.executable, str(KILL_AT_UPDATE), config.model_dump_json(), "3"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -3,9 +3,8 @@ and a run stopped after step 2 and resumed ends bit for bit where the uninterrup
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from run_logs import step_rows
 
 from grpo.training.trainer import Trainer, train
 
@@ -56,12 +55,4 @@ def test_each_member_trains_and_resumes_bit_for_bit(
     a, b = weights.of(straight / "final"), weights.of(resumed / "final")
     assert all(a[k].equal(b[k]) for k in a)
 
-    def logged(run_dir):
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return [
-            {k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_s"}
-            for row in map(json.loads, lines)
-            if "event" not in row
-        ]
-
-    assert logged(resumed) == logged(straight)
+    assert step_rows(resumed) == step_rows(straight)

@@ -1,0 +1,56 @@
+"""The arithmetic of benchmarks.speed.ahead and benchmarks.speed.ppo_vs_grpo on made-up rows,
+and the machine description every timing carries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common
+from benchmarks.speed import ahead, ppo_vs_grpo
+
+
+def row(step: float, rollout: float, train: float, **more: float) -> dict[str, float]:
+    return {
+        "time/step_s": step,
+        "time/rollout_s": rollout,
+        "time/reward_s": 0.0,
+        "time/train_s": train,
+        **more,
+    }
+
+
+def test_busy_shares_of_a_step_ahead() -> None:
+    # a 10 s step: the trainer waited 1 s for rollouts (busy 0.9), the producer generated 6 s
+    # (busy 0.6): both were busy at least 0.9 + 0.6 - 1 = 0.5 of it
+    rows = [row(10.0, 6.0, 8.0, **{"time/wait_rollout_s": 1.0, "time/wait_train_s": 4.0})] * 3
+    out = ahead.per_k(rows)
+    assert out["steps_per_min"] == pytest.approx(6.0)
+    assert out["trainer_busy_share"] == pytest.approx(0.9)
+    assert out["producer_busy_share"] == pytest.approx(0.6)
+    assert out["both_busy_share"] == pytest.approx(0.5)
+    assert "trainer_busy_share" not in ahead.per_k([row(10.0, 6.0, 4.0)])  # k = 0: no waits
+
+
+def test_ppo_summary_takes_medians_and_the_largest_peak() -> None:
+    runs = [
+        {"rows": [row(2.0, 1.0, 1.0), row(4.0, 1.0, 3.0)], "peak_rss_mb": 100.0},
+        {"rows": [row(3.0, 1.0, 2.0)], "peak_rss_mb": 120.0},
+    ]
+    out = ppo_vs_grpo.summary(runs)
+    assert out["median_step_s"] == 3.0 and out["median_train_s"] == 2.0
+    assert out["peak_rss_mb"] == 120.0 and out["steps_timed"] == 3
+
+
+def test_timed_steps_leave_out_the_first_and_the_evaluations(tmp_path: Path) -> None:
+    lines = [{"step": 0, "eval/accuracy": 0.5}, row(9.0, 1, 1), row(2.0, 1, 1), row(3.0, 1, 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert [r["time/step_s"] for r in common.timed_steps(tmp_path)] == [2.0, 3.0]
+
+
+def test_the_machine_names_its_cpu_and_flags() -> None:
+    machine = common.machine()
+    assert machine["cpu"] and machine["cores"] >= 1
+    assert set(machine["flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
