@@ -24,6 +24,8 @@ class Rollout:
     truncated: [N] True when no EOS was produced within max_new_tokens.
     sampler_logp: [N, T] log-probs the sampler assigned, when the engine reports them.
     sampling: the controls the tokens were sampled under (the trainer scores with the same).
+    policy_version: with a producer process (``rollout.max_staleness``), the weights that sampled
+        them: optimizer steps applied (None: the weights of the step that trains on them).
     rows: the P dataset rows the prompts came from (one per group).
     sampled_mask: [N, T] multi-turn rollouts only: True on the tokens the policy sampled, False on
         tool outputs and template tokens between turns (in the sequence, never in the loss).
@@ -45,6 +47,7 @@ class Rollout:
     sampled_mask: Tensor | None = None
     turns: list[list[dict[str, Any]]] | None = None
     sampling: Sampling = field(default_factory=Sampling)
+    policy_version: int | None = None
 
     @property
     def num_completions(self) -> int:

@@ -57,6 +57,7 @@ def tree(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             "steps": STEPS,
             "save_every": 1,
             "keep_last": 2,
+            "log_completions": 1,
             "threads": 2,  # one for the trainer, one for the producer: the same sums every run
             "output_dir": str(tmp_path_factory.mktemp("runs")),
             "progress": False,
@@ -194,6 +195,12 @@ def test_k1_runs_ahead_and_is_reproducible(tree: dict, ahead: Path) -> None:
     assert all(r["time/wait_rollout_s"] >= 0 and r["time/wait_train_s"] >= 0 for r in times)
     # the stale steps were importance-weighted against the older sampler
     assert all("tis/mismatch_mean" in r or "tis/truncated_frac" in r for r in logged[1:])
+    # each logged completion names the weights that sampled it
+    versions = [
+        json.loads((ahead / "completions" / f"step-{t:06d}.jsonl").read_text().splitlines()[0])
+        for t in range(1, STEPS + 1)
+    ]
+    assert [v["policy_version"] for v in versions] == [0, 0, 1, 2]
     again = train(make(tree, "ahead-again"))
     assert rows(again) == logged
     assert_same_weights(again / "final", ahead / "final")

@@ -303,6 +303,9 @@ class ProducerProcess:
         while step not in self.ready:
             self._receive()
         produced = self.ready.pop(step)
+        for batch in (produced.collected.seen, produced.collected.train):
+            if batch is not None:  # every rollout carries the weights that sampled it
+                batch.rollout.policy_version = produced.version
         for key in ("rollout", "reward", "skipped", "wait_train"):
             clock[key] = clock.get(key, 0.0) + produced.clock[key]
         clock["wait_rollout"] = time.perf_counter() - t0

@@ -73,4 +73,6 @@ def completion_records(scored: Scored, step: int, n: int) -> list[dict[str, Any]
         )
         if rollout.turns is not None:
             records[-1]["turns"] = rollout.turns[i]
+        if rollout.policy_version is not None:  # sampled ahead (rollout.max_staleness)
+            records[-1]["policy_version"] = rollout.policy_version
     return records
