@@ -284,8 +284,8 @@ def test_gemma3_270m_alias_is_the_base_model_and_scores_like_a_plain_forward() -
     assert model.config.model_type == "gemma3_text"
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(268e6, rel=0.01)
     assert tokenizer("2").input_ids[0] == tokenizer.bos_token_id  # Gemma wants its BOS
-    # sliding-window layers keep their own mask: one padded row per completion
-    assert scoring_path(model)[0] == "rows"
+    # its sliding window (512) is longer than these sequences: packed, and exact (below)
+    assert scoring_path(model)[0] == "packed"
 
     # a base model continues text: after "2 + 3 = " it predicts "5"
     ids = tokenizer("2 + 3 = ", return_tensors="pt").input_ids

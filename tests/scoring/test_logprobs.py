@@ -235,9 +235,67 @@ def test_scoring_path_says_why() -> None:
     assert (path, why) == ("rows", "flash_attention_2 attention takes no custom mask")
     path, why = scoring_path(model(_attn_implementation="sdpa", sliding_window=4096))
     assert (path, why) == (
-        "rows",
-        "the model has a sliding window, which the packed mask would replace",
+        "packed",
+        "sdpa attention takes a custom mask; with a sliding window of 4096: packed while every "
+        "sequence of a batch fits in it, else one padded row per completion; a group switches "
+        "to one row per completion when packing costs more (long completions)",
     )
+
+
+def _tiny_gemma3(window: int):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from grpo.scoring.prefix_attention import use_prefix_attention
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_implementation="sdpa",
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    assert use_prefix_attention(model)
+    return model
+
+
+@pytest.mark.parametrize("window", [32, 6], ids=["fits", "outgrown"])
+def test_a_sliding_window_model_is_packed_while_its_sequences_fit(window: int, monkeypatch) -> None:
+    # Gemma 3's local layers: a window at least as long as every sequence excludes no key, so
+    # the packed layout (which replaces the model's masks) is exact; a longer sequence falls
+    # back to one padded row per completion under the model's own masks. Either way the
+    # log-probs are those of a plain forward over each unpadded sequence
+    import grpo.scoring.logprobs as logprobs
+
+    model = _tiny_gemma3(window)
+    rows_path = []
+    full = logprobs.full_sequence_logprobs
+    monkeypatch.setattr(
+        logprobs, "full_sequence_logprobs", lambda *a, **k: rows_path.append(1) or full(*a, **k)
+    )
+    prompts = [[1, 5, 6, 7], [1, 8]]
+    completions = [[10, 11, 12, 13, 14], [15, 16], [17, 18, 19], [20]]
+    rows = [(prompts[i // 2], c) for i, c in enumerate(completions)]
+    prompt_ids = torch.tensor([[0] * (4 - len(p)) + p for p, _ in rows])
+    prompt_mask = prompt_ids != 0
+    completion_ids = torch.tensor([c + [0] * (5 - len(c)) for _, c in rows])
+    completion_mask = torch.tensor([[j < len(c) for j in range(5)] for _, c in rows])
+    with torch.no_grad():
+        logp, _ = logprobs.completion_logprobs(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask
+        )
+        for i, (p, c) in enumerate(rows):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
+            torch.testing.assert_close(logp[i, : len(c)], want, atol=1e-5, rtol=0)
+    # 4 + 5 = 9 positions: packed under a window of 32, one row each under a window of 6
+    assert bool(rows_path) is (window == 6)
 
 
 def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:

@@ -65,7 +65,7 @@ def completion_logprobs(
     (``group_rows_logprobs``). Models that cannot take the packed mask get one padded row per
     completion (``scoring_path`` says which and why).
     """
-    if scoring_path(model)[0] != "packed":
+    if scoring_path(model)[0] != "packed" or not fits_window(model, prompt_mask, completion_mask):
         return full_sequence_logprobs(
             model,
             prompt_ids,
@@ -127,23 +127,42 @@ def _merge(
     return column(0), column(1) if with_entropy else None
 
 
+def sliding_window(model: nn.Module) -> int | None:
+    """The model's attention window, when some of its layers slide one (Gemma 3: 512)."""
+    config = _config(model)
+    window = getattr(config, "sliding_window", None)
+    return window if window and getattr(config, "use_sliding_window", True) else None
+
+
+def fits_window(model: nn.Module, prompt_mask: Tensor, completion_mask: Tensor) -> bool:
+    """Whether every sequence of the batch, prompt and completion, fits in the model's sliding
+    window (or it has none): a window that long excludes no key, its layers are plain causal
+    attention, and the packed layouts (which replace the model's own masks) are exact."""
+    window = sliding_window(model)
+    if window is None:
+        return True
+    longest = int(prompt_mask.sum(dim=1).max()) + int(completion_mask.sum(dim=1).max())
+    return longest <= window
+
+
 def scoring_path(model: nn.Module) -> tuple[str, str]:
     """("packed" | "rows", why): how ``completion_logprobs`` scores this model's completions."""
-    config = _config(model)
-    implementation = getattr(config, "_attn_implementation", None)
-    windowed = getattr(config, "sliding_window", None) and getattr(
-        config, "use_sliding_window", True
-    )
+    implementation = getattr(_config(model), "_attn_implementation", None)
     if implementation not in PACKABLE:
         return "rows", f"{implementation} attention takes no custom mask"
-    if windowed:
-        # the custom mask would replace the model's own, sliding window included
-        return "rows", "the model has a sliding window, which the packed mask would replace"
     how = (
         "prefix attention: each completion reads its prompt and its own tokens, no [L, L] mask"
         if implementation == PREFIX
         else f"{implementation} attention takes a custom mask"
     )
+    window = sliding_window(model)
+    if window is not None:
+        # the packed layout replaces the model's masks, its sliding window included: exact only
+        # while no sequence outgrows the window
+        how += (
+            f"; with a sliding window of {window}: packed while every sequence of a batch fits "
+            "in it, else one padded row per completion"
+        )
     return "packed", (
         f"{how}; a group switches to one row per completion when packing costs more "
         "(long completions)"

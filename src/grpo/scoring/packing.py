@@ -87,6 +87,7 @@ def packed_logprobs(
         # mask of ones keeps transformers from building one: given none, it reads packed
         # sequences from the restarting position ids and builds their block mask
         layout = prefix_layout(packed.segment, packed.group)
+        layout.span = int(packed.position_ids.max()) + 1
         mask = torch.ones_like(packed.input_ids)
         result = _scores(model, scorer, **inputs, attention_mask=mask, prefix_layout=layout)
         if not layout.uses[0]:

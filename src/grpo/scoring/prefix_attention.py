@@ -46,6 +46,9 @@ class PrefixLayout:
     target: Tensor  # [K] the real positions, prompts' then completions'
     select: tuple[Tensor, Tensor]  # [U, P] and [R, N] masks of real query slots, in that order
     uses: list[int] = field(default_factory=lambda: [0])  # attention calls that took this path
+    # the longest sequence packed, prompt and completion, in positions: a sliding window at
+    # least this long excludes no key, so its layer is plain causal attention (Gemma 3)
+    span: int = 0
 
 
 # ``Packed.group`` of the leading prompt tokens every group shares (packed once, end to end)
@@ -147,10 +150,12 @@ def prefix_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if dropout or kwargs.get("softcap") is not None or kwargs.get("sliding_window"):
-        # packed_logprobs passes no layout to such models; reaching here is a bug, not a fallback
+    window = kwargs.get("sliding_window")
+    if dropout or kwargs.get("softcap") is not None or (window and prefix_layout.span > window):
+        # packed_logprobs passes no layout to such models or batches; reaching here is a bug
         raise ValueError(
-            "prefix attention: plain softmax attention only (no dropout, softcap or window)"
+            "prefix attention: plain softmax attention only (no dropout, softcap, or a "
+            "sliding window shorter than the sequences)"
         )
     u, hq, length, d = query.shape
     scale = scaling if scaling is not None else d**-0.5

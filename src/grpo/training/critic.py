@@ -23,6 +23,7 @@ from transformers import AutoModel
 from grpo import algorithm
 from grpo.config import Config
 from grpo.models import bf16_autocast, is_lora, resolve_model_path
+from grpo.scoring.logprobs import fits_window
 from grpo.scoring.packing import PACKABLE, attention_dropout_on, pack
 from grpo.scoring.prefix_attention import PREFIX, prefix_layout, use_prefix_attention
 from grpo.training.micro_batches import MicroBatch, scatter_rows
@@ -58,6 +59,8 @@ def completion_values(model: ValueModel, mb: MicroBatch) -> Tensor:
     rows are packed by prompt as the policy's are scored (``grpo.scoring.packing``): a group's
     prompt once, under prefix attention where the body has it, else a dense mask."""
     body = model.body
+    if not fits_window(body, mb.prompt_mask, mb.completion_mask):
+        return _padded_values(model, mb)  # the body's own masks keep its sliding window
     prefix = getattr(body.config, "_attn_implementation", None) == PREFIX
     prefix = prefix and not attention_dropout_on(body)
     packed = pack(
@@ -66,6 +69,7 @@ def completion_values(model: ValueModel, mb: MicroBatch) -> Tensor:
     inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
     if prefix:
         layout = prefix_layout(packed.segment, packed.group)
+        layout.span = int(packed.position_ids.max()) + 1
         mask = torch.ones_like(packed.input_ids)  # see packed_logprobs: no [L, L] mask built
         hidden = body(**inputs, attention_mask=mask, prefix_layout=layout, use_cache=False)
         kept = hidden.last_hidden_state[0, packed.keep]  # [K, H]
@@ -76,6 +80,18 @@ def completion_values(model: ValueModel, mb: MicroBatch) -> Tensor:
         hidden = body(**inputs, attention_mask=mask, use_cache=False).last_hidden_state
         kept = hidden[:, -packed.keep :].reshape(-1, hidden.shape[-1])  # [U * keep, H]
     return model.head(kept).squeeze(-1).float()[packed.at]
+
+
+def _padded_values(model: ValueModel, mb: MicroBatch) -> Tensor:
+    """``completion_values`` one padded row per completion, under the body's own masks."""
+    ids = torch.cat([mb.prompt_ids, mb.completion_ids], dim=1)
+    mask = torch.cat([mb.prompt_mask, mb.completion_mask], dim=1)
+    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # prompts are left padded
+    hidden = model.body(
+        input_ids=ids, attention_mask=mask, position_ids=positions
+    ).last_hidden_state
+    s, t = mb.prompt_ids.shape[1], mb.completion_ids.shape[1]
+    return model.head(hidden[:, s - 1 : s - 1 + t]).squeeze(-1).float()
 
 
 class Critic:
