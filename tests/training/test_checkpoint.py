@@ -54,6 +54,7 @@ def _trainer(model_dir: Path, run_dir: Path) -> SimpleNamespace:
         hack_watch=HackWatch(config.train.hack_watch, config.rewards.functions),
         entropy_bonus=EntropyBonus(config.algorithm),
         reference=None,
+        critic=None,
         inputs={"data": None, "model": "m0"},
         step=0,
         saved_step=-1,
