@@ -372,3 +372,18 @@ def test_killed_at_random_points_resumes_bit_identical_with_k1(tree: dict, tmp_p
     straight, chain = tmp_path / "straight", tmp_path / "chain"
     assert rows(chain) == rows(straight)
     assert_same_weights(chain / "final", straight / "final")
+
+
+def test_k1_with_the_tool_loop_and_greso(tree: dict) -> None:
+    # the producer process runs the multi-turn loop (and its sandbox) and GRESO's filter
+    config = build_config(
+        {
+            **tree,
+            "rollout": {**tree["rollout"], "tools": ["python"], "max_turns": 2},
+            "sampling": {"greso": True},
+            "train": {**tree["train"], "run_name": "tools", "steps": 3, "save_every": 0},
+        }
+    )
+    logged = rows(train(config))
+    assert [r["staleness/max"] for r in logged] == [0, 1, 1]
+    assert all("tools/turns_per_completion" in r for r in logged)  # turns ran, in the producer
