@@ -387,3 +387,23 @@ def test_k1_with_the_tool_loop_and_greso(tree: dict) -> None:
     logged = rows(train(config))
     assert [r["staleness/max"] for r in logged] == [0, 1, 1]
     assert all("tools/turns_per_completion" in r for r in logged)  # turns ran, in the producer
+
+
+def test_held_out_evaluation_samples_the_trainers_own_weights(tree: dict) -> None:
+    # the producer's engine holds the weights it was pushed (k steps old, or a server's): the
+    # trainer evaluates with the HF engine over its own policy
+    config = build_config(
+        {
+            **tree,
+            "rollout": {**tree["rollout"], "engine": "server"},
+            "train": {**tree["train"], "run_name": "eval-engine", "eval_every": 2},
+        }
+    )
+    trainer = Trainer(config)
+    try:
+        assert type(trainer.engine).__name__ == "HFEngine"
+        assert trainer.engine.model is trainer.policy
+        assert trainer.config.rollout.engine == "server"  # the producer's, unchanged
+    finally:
+        trainer.run.release()
+        trainer.bars.restore()

@@ -194,10 +194,13 @@ class Trainer:
                 f"rollout.max_staleness={config.rollout.max_staleness} runs the producer in a "
                 f"process of its own, not {why}: use max_staleness 0"
             )
+        # held-out evaluation samples this process's own weights, which the producer's engine
+        # (a vLLM or a rollout server, weights pushed by the producer) does not hold: the HF
+        # engine over the policy itself
+        hf = config.rollout.model_copy(update={"engine": "hf"})
+        here = config.model_copy(update={"rollout": hf})
         self.engine = (
-            build.engine_of(config, self.policy, self.tokenizer)
-            if config.train.eval_every
-            else None
+            build.engine_of(here, self.policy, self.tokenizer) if config.train.eval_every else None
         )
         return ProducerProcess(
             config,
