@@ -155,3 +155,26 @@ def test_a_producer_process_generates_on_the_server(tiny_config, server: str) ->
     )
     logged = rows(train(config))
     assert [r["staleness/max"] for r in logged] == [0, 1, 1]
+
+
+@pytest.mark.slow
+def test_a_vllm_server_samples_with_the_pushed_weights(tiny_config, tiny_model_dir: Path) -> None:
+    # `make vllm`: grpo serve --engine vllm. At lr 1e-2 the tiny model moves far each step, so
+    # a server that kept its first weights would disagree with the trainer's log-probs by whole
+    # nats; one that took every push agrees to vLLM's kernel noise
+    pytest.importorskip("vllm")
+    process, url = start_server(tiny_model_dir, "--engine", "vllm")
+    try:
+        config = tiny_config(
+            rollout={**ROLLOUT, "engine": "server", "server_url": url},
+            optim={"lr": 1e-2},
+            train={"steps": 3, "threads": 1, "run_name": "vllm-served"},
+        )
+        logged = rows(train(config))
+    finally:
+        process.kill()
+        process.wait()
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert all(r["tis/mismatch_mean"] < 0.05 for r in logged), [
+        r["tis/mismatch_mean"] for r in logged
+    ]
