@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from grpo.config import (
+    ConfigError,
+    build_config,
     default_recipe_path,
     load_config,
     merge_trees,
@@ -135,3 +138,37 @@ def test_only_a_switch_to_another_task_drops_the_recipes_task_args(
     out = _drop_other_task_args(recipe, overrides)
     assert out is recipe if dropped is None else out == dropped
     assert str(recipe) == before  # never changed in place
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "said"),
+    [
+        (
+            {"sapo_tau_pos": 2.0},
+            "algorithm.sapo_tau_pos is set but not used: it applies only with loss_type sapo",
+        ),
+        (
+            {"loss_type": "dapo", "cispo_clip_high": 2.0},
+            "algorithm.cispo_clip_high is set but not used: it applies only with loss_type cispo",
+        ),
+        (
+            {"entropy_coef_step": 0.1},
+            "algorithm.entropy_coef_step is set but not used: it applies only with entropy_target",
+        ),
+        ({"lam": 0.9}, "algorithm.lam is set but not used: it applies only with estimator ppo"),
+        (
+            {"estimator": "rloo", "critic_lr": 1e-4},
+            "algorithm.critic_lr is set but not used: it applies only with estimator ppo",
+        ),
+    ],
+)
+def test_a_knob_that_nothing_reads_is_one_line(algorithm: dict, said: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        build_config({"algorithm": algorithm})
+
+
+def test_a_knob_with_its_setting_is_taken() -> None:
+    algo = build_config(
+        {"algorithm": {"estimator": "ppo", "lam": 0.9, "loss_type": "sapo", "sapo_tau_pos": 2.0}}
+    ).algorithm
+    assert (algo.lam, algo.sapo_tau_pos) == (0.9, 2.0)

@@ -12,13 +12,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from grpo.config.presets import preset_updates
 from grpo.data.tasks import TASKS
 
 if TYPE_CHECKING:
-    from grpo.config.schema import Config
+    from grpo.config.schema import AlgorithmConfig, Config
 
 
 def resolve(config: Config) -> None:
@@ -55,6 +56,10 @@ def resolve(config: Config) -> None:
             f"algorithm.tis_mode={algo.tis_mode} tis_level={algo.tis_level} needs a bound: "
             "set tis_cap (or tis_low with tis_mode=mask)"
         )
+    for name, (applies, when) in USED_ONLY_WITH.items():
+        # off its default: a saved run's config spells out every default, and may
+        if getattr(algo, name) != type(algo).model_fields[name].default and not applies(algo):
+            raise ValueError(f"algorithm.{name} is set but not used: it applies only {when}")
     if config.rollout.engine == "server" and config.rollout.tools:
         raise ValueError(
             "rollout.tools runs its turn loop around a local engine: not with rollout.engine "
@@ -71,6 +76,26 @@ def resolve(config: Config) -> None:
             "algorithm.ref_mix_alpha < 1 needs full weights "
             "(mixing LoRA factors does not mix the weights)"
         )
+
+
+def _is_ppo(algo: AlgorithmConfig) -> bool:
+    return algo.estimator == "ppo"
+
+
+# algorithm fields that only one setting reads -> (whether it is on, how a line says so): a
+# recipe that sets one without it would believe it changed the run
+USED_ONLY_WITH: dict[str, tuple[Callable[[AlgorithmConfig], bool], str]] = {
+    "sapo_tau_pos": (lambda a: a.loss_type == "sapo", "with loss_type sapo"),
+    "sapo_tau_neg": (lambda a: a.loss_type == "sapo", "with loss_type sapo"),
+    "cispo_clip_low": (lambda a: a.loss_type == "cispo", "with loss_type cispo"),
+    "cispo_clip_high": (lambda a: a.loss_type == "cispo", "with loss_type cispo"),
+    "entropy_coef_step": (lambda a: a.entropy_target is not None, "with entropy_target"),
+    "gamma": (_is_ppo, "with estimator ppo"),
+    "lam": (_is_ppo, "with estimator ppo"),
+    "value_clip": (_is_ppo, "with estimator ppo"),
+    "critic_lr": (_is_ppo, "with estimator ppo"),
+    "critic_model": (_is_ppo, "with estimator ppo"),
+}
 
 
 # estimator -> the values it gives fields a recipe leaves unset
