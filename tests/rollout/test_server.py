@@ -18,6 +18,7 @@ import torch
 from run_logs import step_rows as rows
 
 from grpo.config import ConfigError
+from grpo.models import build_tiny_model
 from grpo.rollout import RolloutLost
 from grpo.rollout.server import ServerLost, decode_rollout, encode_rollout
 from grpo.training.trainer import Trainer, train
@@ -158,14 +159,19 @@ def test_a_producer_process_generates_on_the_server(tiny_config, server: str) ->
 
 
 @pytest.mark.slow
-def test_a_vllm_server_samples_with_the_pushed_weights(tiny_config, tiny_model_dir: Path) -> None:
+def test_a_vllm_server_samples_with_the_pushed_weights(
+    tiny_config, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     # `make vllm`: grpo serve --engine vllm. At lr 1e-2 the tiny model moves far each step, so
     # a server that kept its first weights would disagree with the trainer's log-probs by whole
     # nats; one that took every push agrees to vLLM's kernel noise
     pytest.importorskip("vllm")
-    process, url = start_server(tiny_model_dir, "--engine", "vllm")
+    # vLLM's CPU attention takes head sizes from 32 up: a wider tiny model
+    wide = build_tiny_model(tmp_path_factory.mktemp("wide") / "model", hidden_size=256)
+    process, url = start_server(wide, "--engine", "vllm")
     try:
         config = tiny_config(
+            model={"name": str(wide)},
             rollout={**ROLLOUT, "engine": "server", "server_url": url},
             optim={"lr": 1e-2},
             train={"steps": 3, "threads": 1, "run_name": "vllm-served"},

@@ -26,7 +26,7 @@ import threading
 import urllib.error
 import urllib.request
 from dataclasses import asdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 import torch
@@ -105,7 +105,6 @@ class Served:
         self.config, self.engine, self.model, self.device = config, engine, model, device
         self.version = 0
         self.receiver: tuple[Any, list[Tensor]] | None = None
-        self.lock = threading.Lock()  # one request at a time reaches the engine
 
     def health(self) -> dict[str, Any]:
         rollout = self.config.rollout
@@ -119,7 +118,7 @@ class Served:
     def generate(self, request: dict[str, Any]) -> bytes:
         prompts = request["prompts"]
         autocast = bf16_autocast(self.device, self.config.model.autocast)
-        with self.lock, torch.no_grad(), autocast:  # the precision a run's own engine samples in
+        with torch.no_grad(), autocast:  # the precision a run's own engine samples in
             rollout = self.engine.generate(
                 prompts,
                 [{} for _ in prompts],
@@ -147,12 +146,11 @@ class Served:
         if self.receiver is None:
             raise ValueError("no weights group: POST /weights/init first")
         pg, params = self.receiver
-        with self.lock:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-            weight_sync.broadcast(pg, flat)
-            weight_sync.unflatten_into(flat, params)
-            self.engine.sync_weights(self.model)
-            self.version += 1
+        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+        weight_sync.broadcast(pg, flat)
+        weight_sync.unflatten_into(flat, params)
+        self.engine.sync_weights(self.model)
+        self.version += 1
         return {"version": self.version}
 
 
@@ -200,7 +198,9 @@ def serve(
 ) -> None:
     """Answer for ``engine`` (over ``model``, built by ``grpo serve``) until killed."""
     served = Served(config, engine, model, device)
-    server = ThreadingHTTPServer((host, port), handler_for(served))
+    # one request at a time, on this thread: the engine runs where it was built (vLLM's CPU
+    # attention checks its thread count against the building thread's)
+    server = HTTPServer((host, port), handler_for(served))
     print(
         f"grpo serve: {config.model.name} on the {config.rollout.engine} engine at "
         f"http://{host}:{server.server_address[1]}",
