@@ -19,7 +19,7 @@ from grpo.config import ConfigError, build_config
 from grpo.models import load_policy
 from grpo.scoring.distribution import Sampling
 from grpo.training import advantages
-from grpo.training.critic import completion_values, value_metrics, value_model
+from grpo.training.critic import Critic, completion_values, value_metrics, value_model
 from grpo.training.micro_batches import MicroBatch
 from grpo.training.trainer import Trainer, train
 
@@ -213,3 +213,22 @@ def test_kill_9_and_resume_end_with_the_same_policy_and_critic(tree: dict, strai
     wa = load_file(straight / "final" / "model.safetensors")
     wb = load_file(resumed / "final" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_non_finite_critic_gradient_takes_no_step_and_says_so(
+    tiny_model_dir: Path, capsys
+) -> None:
+    config = build_config(
+        {"model": {"name": str(tiny_model_dir)}, "algorithm": {"estimator": "ppo"}}
+    )
+    critic = Critic(config, load_policy(config.model, config.model.name), torch.device("cpu"))
+    before = {k: v.clone() for k, v in critic.model.state_dict().items()}
+    ids = torch.tensor([[5, 6, 7]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    mb = MicroBatch(torch.arange(1), ids, mask, ids, mask, mask, torch.zeros(1), Sampling())
+    nan = torch.full((1, 3), float("nan"))
+    stats = critic.update([mb], nan, torch.zeros(1, 3), mask, step=7, announce=True)
+    assert stats["value/grad_norm"] != stats["value/grad_norm"]  # NaN
+    after = critic.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "step 7: the gradient's norm is nan (not finite)" in capsys.readouterr().err

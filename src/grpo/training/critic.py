@@ -27,6 +27,7 @@ from grpo.scoring.logprobs import fits_window
 from grpo.scoring.packing import PACKABLE, attention_dropout_on, pack
 from grpo.scoring.prefix_attention import PREFIX, prefix_layout, use_prefix_attention
 from grpo.training.micro_batches import MicroBatch, scatter_rows
+from grpo.training.optimizer import clip_and_step
 
 
 class ValueModel(nn.Module):
@@ -105,6 +106,8 @@ class Critic:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, weight_decay=config.optim.weight_decay
         )
+        # constant: clip_and_step steps a schedule with the optimizer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
 
     def values(self, batches: list[MicroBatch], shape: tuple[int, int]) -> Tensor:
         """[N, T] values of every completion position of the step, before its update."""
@@ -115,7 +118,13 @@ class Critic:
         return out
 
     def update(
-        self, batches: list[MicroBatch], returns: Tensor, old_values: Tensor, counted: Tensor
+        self,
+        batches: list[MicroBatch],
+        returns: Tensor,
+        old_values: Tensor,
+        counted: Tensor,
+        step: int,
+        announce: bool,
     ) -> dict[str, float]:
         """One optimizer step of the clipped value loss over the step's micro-batches; returns
         ``value/loss``, ``value/clip_frac`` and ``value/grad_norm``."""
@@ -139,11 +148,16 @@ class Critic:
             loss.backward()
             total += float(loss.detach())
             clipped += float(stats["clip_frac"]) * float(mask.sum())
-        max_norm = self.config.optim.max_grad_norm or math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        if math.isfinite(norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # the policy's rule: a non-finite or zero gradient takes no step, and a non-finite one
+        # says so in one line
+        norm = clip_and_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.config.optim.max_grad_norm,
+            step,
+            announce,
+        )
         return {"value/loss": total, "value/clip_frac": clipped / tokens, "value/grad_norm": norm}
 
     def state_dict(self) -> dict[str, Any]:

@@ -174,7 +174,9 @@ class PolicyUpdate:
             )
             skipped += not takes_step(grad_norm)
             if self.critic is not None:  # the critic's own step on the same micro-batches
-                critic_stats = self.critic.update(batches, returns, old_values, counted_here)
+                critic_stats = self.critic.update(
+                    batches, returns, old_values, counted_here, step, self.dist.is_main
+                )
                 if iteration == 0:
                     value_out.update(critic_stats)
             if iteration == 0:
