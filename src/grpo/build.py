@@ -59,7 +59,7 @@ def _vllm_engine(**kwargs: Any) -> RolloutEngine:
 def _server_engine(**kwargs: Any) -> RolloutEngine:
     from grpo.rollout.server import ServerEngine
 
-    return ServerEngine(kwargs["tokenizer"], kwargs["config"])
+    return ServerEngine(kwargs["model"], kwargs["tokenizer"], kwargs["config"])
 
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {

@@ -184,3 +184,28 @@ def test_a_vllm_server_samples_with_the_pushed_weights(
     assert all(r["tis/mismatch_mean"] < 0.05 for r in logged), [
         r["tis/mismatch_mean"] for r in logged
     ]
+
+
+def test_a_second_run_on_the_same_server_stops_the_first(server: str, tiny_model_dir: Path) -> None:
+    # each run pushes its weights before its first request; a run whose server took another
+    # run's weights since stops in one line instead of sampling them
+    from grpo.config import RolloutConfig
+    from grpo.models import ModelConfig, load_policy, load_tokenizer
+    from grpo.rollout.server import ServerEngine
+
+    config = RolloutConfig(**ROLLOUT, engine="server", server_url=server, server_timeout_s=20)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    models = [load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir)) for _ in "ab"]
+    with torch.no_grad():
+        for p in models[1].parameters():
+            p.add_(0.1)
+    first, second = (ServerEngine(m, tokenizer, config) for m in models)
+    prompts, rows_ = ["1+1="], [{}]
+    first.generate(prompts, rows_, 2, seeds=[1])
+    second.generate(prompts, rows_, 2, seeds=[1])
+    with pytest.raises(ServerLost, match=r"holds other weights .* another run pushes its weights"):
+        first.generate(prompts, rows_, 2, seeds=[1])
+    with pytest.raises(ServerLost, match="holds another run's weights now"):
+        first.sync_weights(models[0])
+    second.sync_weights(models[1])  # the run that took it goes on
+    second.generate(prompts, rows_, 2, seeds=[1])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import secrets
 import sys
 import threading
 import urllib.error
@@ -103,7 +104,8 @@ class Served:
 
     def __init__(self, config: Config, engine: Any, model: nn.Module, device: torch.device) -> None:
         self.config, self.engine, self.model, self.device = config, engine, model, device
-        self.version = 0
+        self.version = 0  # pushes since the client's /weights/init
+        self.session = ""  # the client whose weights it holds ("" : its own, as loaded)
         self.receiver: tuple[Any, list[Tensor]] | None = None
 
     def health(self) -> dict[str, Any]:
@@ -112,10 +114,12 @@ class Served:
             "model": self.config.model.name,
             "engine": rollout.engine,
             "version": self.version,
+            "session": self.session,
             "sampling": {key: getattr(rollout, key) for key in SAMPLING_KEYS},
         }
 
     def generate(self, request: dict[str, Any]) -> bytes:
+        self._holds(request)
         prompts = request["prompts"]
         autocast = bf16_autocast(self.device, self.config.model.autocast)
         with torch.no_grad(), autocast:  # the precision a run's own engine samples in
@@ -140,11 +144,23 @@ class Served:
         rendezvous = weight_sync.store(request["host"], request["port"], False, timeout)
         pg = weight_sync.group(rendezvous, weight_sync.PRODUCER, timeout)
         self.receiver = (pg, params)
-        return {"ok": True}
+        self.session, self.version = secrets.token_hex(8), 0
+        return {"session": self.session}
 
-    def update_weights(self) -> dict[str, Any]:
+    def _holds(self, request: dict[str, Any]) -> None:
+        """The weights a request was made for are the ones held: the same client's, after as
+        many pushes as it made (another run may have taken this server since)."""
+        held = (self.session, self.version)
+        if (request.get("session"), request.get("version")) != held:
+            raise ValueError(
+                f"this server holds other weights (session {self.session or 'none'}, push "
+                f"{self.version}) than the request's: another run pushes its weights here"
+            )
+
+    def update_weights(self, request: dict[str, Any]) -> dict[str, Any]:
         if self.receiver is None:
             raise ValueError("no weights group: POST /weights/init first")
+        self._holds(request)
         pg, params = self.receiver
         flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
         weight_sync.broadcast(pg, flat)
@@ -181,11 +197,13 @@ def handler_for(served: Served) -> type[BaseHTTPRequestHandler]:
                 elif self.path == "/weights/init":
                     self._json(200, served.init_weights(request))
                 elif self.path == "/weights/update":
-                    self._json(200, served.update_weights())
+                    self._json(200, served.update_weights(request))
                 else:
                     self._json(404, {"error": f"no {self.path}"})
-            except Exception as err:  # the client shows it in one line
-                self._json(500, {"error": f"{type(err).__name__}: {' '.join(str(err).split())}"})
+            except Exception as err:  # one line here, and the client stops with it
+                said = f"{type(err).__name__}: {' '.join(str(err).split())}"
+                print(f"grpo serve: {self.path} failed: {said}", file=sys.stderr, flush=True)
+                self._json(500, {"error": said})
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # one line per request would bury the server's own lines
@@ -217,11 +235,15 @@ class ServerEngine:
     """``rollout.engine: server``: generation by a ``grpo serve`` process at
     ``rollout.server_url``; weights pushed to it after every optimizer step."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> None:
+    def __init__(
+        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig
+    ) -> None:
         self.tokenizer, self.config = tokenizer, config
         self.url = config.server_url.rstrip("/")
+        self.model = model  # pushed before the first request: the server holds no other's
         self.checked = False
         self.sender: tuple[Any, list[str]] | None = None
+        self.weights_session, self.pushes = "", 0
 
     def _call(self, path: str, body: dict[str, Any] | None = None) -> bytes:
         data = None if body is None else json.dumps(body).encode()
@@ -265,7 +287,11 @@ class ServerEngine:
     ) -> Rollout:
         if not self.checked:
             self._check()
+        if self.sender is None:
+            self.sync_weights(self.model)
         body = {
+            "session": self.weights_session,
+            "version": self.pushes,
             "prompts": prompts,
             "group_size": group_size,
             "seeds": seeds,
@@ -296,12 +322,16 @@ class ServerEngine:
             pg = weight_sync.group(rendezvous, weight_sync.TRAINER, timeout)
             thread.join()
             self._raise_from(replies)
+            self.weights_session = json.loads(replies[0])["session"]
             self.sender = (pg, list(weights))
             self.rendezvous = rendezvous
+        else:  # refused here, before the broadcast would wait for a server that took another run
+            self._still_ours()
         pg, names = self.sender
         flat = weight_sync.flatten([weights[name] for name in names])
         replies = []
-        thread = threading.Thread(target=self._post_into, args=("/weights/update", {}, replies))
+        update = {"session": self.weights_session, "version": self.pushes}
+        thread = threading.Thread(target=self._post_into, args=("/weights/update", update, replies))
         thread.start()
         try:
             weight_sync.broadcast(pg, flat)
@@ -312,6 +342,15 @@ class ServerEngine:
             ) from None
         thread.join()
         self._raise_from(replies)
+        self.pushes += 1
+
+    def _still_ours(self) -> None:
+        health = json.loads(self._call("/health"))
+        if (health["session"], health["version"]) != (self.weights_session, self.pushes):
+            raise ServerLost(
+                f"the rollout server at {self.url} holds another run's weights now (session "
+                f"{health['session']}, not this run's {self.weights_session}): one server per run"
+            )
 
     def _post_into(self, path: str, body: dict[str, Any], out: list) -> None:
         try:
