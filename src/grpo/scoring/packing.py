@@ -70,34 +70,48 @@ def packed_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` with every row packed by prompt (see ``pack``): end to end under
     prefix attention, else a sequence per group under a dense mask."""
-    config = _config(model)
-    implementation = getattr(config, "_attn_implementation", None)
+    packed, inputs = packed_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    scorer = Scorer.of(packed.at, completion_ids, sampling, with_entropy, history, packed.kept)
+    result = _scores(model, scorer, **inputs, logits_to_keep=packed.keep)
+    layout = inputs.get("prefix_layout")
+    if layout is not None and not layout.uses[0]:
+        raise RuntimeError(
+            f"{type(model).__name__} does not pass keyword arguments to its attention, so "
+            "packed scoring cannot use prefix attention: load it with attn_implementation='sdpa'"
+        )
+    return result
+
+
+def packed_inputs(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+) -> tuple[Packed, dict]:
+    """The rows packed for ``model`` (``pack``) and the keyword arguments of its forward:
+    end to end under prefix attention, else a sequence per group under a dense mask. Shared by
+    the policy's scoring and the critic's values (``grpo.training.critic``)."""
+    implementation = getattr(_config(model), "_attn_implementation", None)
     prefix = implementation == PREFIX and not attention_dropout_on(model)
     packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, end_to_end=prefix)
     inputs = {
         "input_ids": packed.input_ids,
         "position_ids": packed.position_ids,
-        "logits_to_keep": packed.keep,
         "use_cache": False,
     }
-    history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    scorer = Scorer.of(packed.at, completion_ids, sampling, with_entropy, history, packed.kept)
     if prefix:
         # no [L, L] mask: the layout says what each token reads (grpo.scoring.prefix_attention). The
         # mask of ones keeps transformers from building one: given none, it reads packed
         # sequences from the restarting position ids and builds their block mask
         layout = prefix_layout(packed.segment, packed.group)
         layout.span = int(packed.position_ids.max()) + 1
-        mask = torch.ones_like(packed.input_ids)
-        result = _scores(model, scorer, **inputs, attention_mask=mask, prefix_layout=layout)
-        if not layout.uses[0]:
-            raise RuntimeError(
-                f"{type(model).__name__} does not pass keyword arguments to its attention, so "
-                "packed scoring cannot use prefix attention: load it with attn_implementation='sdpa'"
-            )
-        return result
-    dtype = PACKABLE[implementation] or next(model.parameters()).dtype
-    return _scores(model, scorer, **inputs, attention_mask=packed.attention_mask(dtype))
+        inputs |= {"attention_mask": torch.ones_like(packed.input_ids), "prefix_layout": layout}
+    else:
+        dtype = PACKABLE[implementation] or next(model.parameters()).dtype
+        inputs["attention_mask"] = packed.attention_mask(dtype)
+    return packed, inputs
 
 
 def attention_dropout_on(model: nn.Module) -> bool:

@@ -23,9 +23,9 @@ from transformers import AutoModel
 from grpo import algorithm
 from grpo.config import Config
 from grpo.models import bf16_autocast, is_lora, resolve_model_path
-from grpo.scoring.logprobs import fits_window
-from grpo.scoring.packing import PACKABLE, attention_dropout_on, pack
-from grpo.scoring.prefix_attention import PREFIX, prefix_layout, use_prefix_attention
+from grpo.scoring.logprobs import fits_window, scoring_path
+from grpo.scoring.packing import packed_inputs
+from grpo.scoring.prefix_attention import use_prefix_attention
 from grpo.training.micro_batches import MicroBatch, scatter_rows
 from grpo.training.optimizer import clip_and_step
 
@@ -60,26 +60,20 @@ def completion_values(model: ValueModel, mb: MicroBatch) -> Tensor:
     rows are packed by prompt as the policy's are scored (``grpo.scoring.packing``): a group's
     prompt once, under prefix attention where the body has it, else a dense mask."""
     body = model.body
-    if not fits_window(body, mb.prompt_mask, mb.completion_mask):
-        return _padded_values(model, mb)  # the body's own masks keep its sliding window
-    prefix = getattr(body.config, "_attn_implementation", None) == PREFIX
-    prefix = prefix and not attention_dropout_on(body)
-    packed = pack(
-        mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask, end_to_end=prefix
+    if scoring_path(body)[0] != "packed" or not fits_window(
+        body, mb.prompt_mask, mb.completion_mask
+    ):
+        # attention that takes no custom mask, or a sliding window the sequences outgrow: the
+        # body's own masks, one padded row per completion (as the policy's scoring does)
+        return _padded_values(model, mb)
+    packed, inputs = packed_inputs(
+        body, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask
     )
-    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
-    if prefix:
-        layout = prefix_layout(packed.segment, packed.group)
-        layout.span = int(packed.position_ids.max()) + 1
-        mask = torch.ones_like(packed.input_ids)  # see packed_logprobs: no [L, L] mask built
-        hidden = body(**inputs, attention_mask=mask, prefix_layout=layout, use_cache=False)
-        kept = hidden.last_hidden_state[0, packed.keep]  # [K, H]
-    else:
-        implementation = getattr(body.config, "_attn_implementation", None)
-        dtype = PACKABLE.get(implementation) or next(body.parameters()).dtype
-        mask = packed.attention_mask(dtype)
-        hidden = body(**inputs, attention_mask=mask, use_cache=False).last_hidden_state
-        kept = hidden[:, -packed.keep :].reshape(-1, hidden.shape[-1])  # [U * keep, H]
+    hidden = body(**inputs).last_hidden_state
+    if isinstance(packed.keep, Tensor):  # end to end: these positions of the one sequence
+        kept = hidden[0, packed.keep]  # [K, H]
+    else:  # the last ``keep`` positions of every sequence
+        kept = hidden[:, -packed.keep :].reshape(-1, hidden.shape[-1])
     return model.head(kept).squeeze(-1).float()[packed.at]
 
 
