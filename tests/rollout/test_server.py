@@ -166,7 +166,7 @@ def test_a_vllm_server_samples_with_the_pushed_weights(
     # a server that kept its first weights would disagree with the trainer's log-probs by whole
     # nats; one that took every push agrees to vLLM's kernel noise
     pytest.importorskip("vllm")
-    # vLLM's CPU attention takes head sizes from 32 up: a wider tiny model
+    # vLLM's CPU attention refuses the tiny model's head size (16): a wider one
     wide = build_tiny_model(tmp_path_factory.mktemp("wide") / "model", hidden_size=256)
     process, url = start_server(wide, "--engine", "vllm")
     try:
