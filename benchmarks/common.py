@@ -195,6 +195,41 @@ def timed_steps(run_dir: Path) -> list[dict[str, Any]]:
     return [row for row in map(json.loads, lines) if "time/step_s" in row][1:]
 
 
+# one `grpo` command in a fresh interpreter, after PATCH (Python, may be empty); prints the
+# interpreter's peak RSS in KiB last
+FRESH_RUN = """
+import resource, sys
+exec(sys.argv[1])
+from grpo.cli import main
+code = main(sys.argv[2:])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+sys.exit(code)
+"""
+
+
+def timed_run(run_dir: Path, args: list[str], patch: str = "") -> dict[str, Any]:
+    """``grpo ARGS`` (a training into ``run_dir``) in a fresh process: its timed steps
+    (``timed_steps``) and its peak RSS in MiB."""
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH_RUN, patch, *args], check=True, capture_output=True, text=True
+    )
+    return {"rows": timed_steps(run_dir), "peak_rss_mb": int(done.stdout.split()[-1]) / 1024}
+
+
+def run_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over every timed step of ``timed_run`` results, and the largest peak RSS."""
+    rows = [r for run in runs for r in run["rows"]]
+    return {
+        "steps_timed": len(rows),
+        "median_step_s": median([r["time/step_s"] for r in rows]),
+        "median_rollout_s": median([r["time/rollout_s"] for r in rows]),
+        "median_train_s": median([r["time/train_s"] for r in rows]),
+        "median_completion_len": median([r["completion_len/mean"] for r in rows]),
+        "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
+        "peak_rss_mb_per_run": [run["peak_rss_mb"] for run in runs],
+    }
+
+
 def machine() -> dict[str, Any]:
     """The CPU a measurement ran on: its model name, the flags that decide its bf16 speed
     (AVX2, AVX-512, AVX512-BF16, AMX), its cores; and the GPU, if torch sees one."""

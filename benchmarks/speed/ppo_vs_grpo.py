@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,35 +23,14 @@ from typing import Any
 from benchmarks import common
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-# a fresh interpreter that runs one training and reports the largest RSS among its children
-WRAPPER = (
-    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
-    "stdout=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
-)
 
 
 def run_one(estimator: str, steps: int, out: Path, name: str) -> dict[str, Any]:
-    train = [sys.executable, "-m", "grpo.cli", "train", "recipes/default.yaml"]
-    train += [f"train.steps={steps}", f"train.output_dir={out}", f"train.run_name={name}"]
-    train += [f"algorithm.estimator={estimator}", *common.TIMED_RUN]
-    done = subprocess.run(
-        [sys.executable, "-c", WRAPPER, *train], check=True, capture_output=True, text=True
+    train = ["train", "recipes/default.yaml", f"train.steps={steps}"]
+    train += [f"train.output_dir={out}", f"train.run_name={name}"]
+    return common.timed_run(
+        out / name, [*train, f"algorithm.estimator={estimator}", *common.TIMED_RUN]
     )
-    rows = common.timed_steps(out / name)
-    return {"rows": rows, "peak_rss_mb": int(done.stdout.split()[-1]) / 1024}
-
-
-def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    rows = [r for run in runs for r in run["rows"]]
-    med = common.median
-    return {
-        "steps_timed": len(rows),
-        "median_step_s": med([r["time/step_s"] for r in rows]),
-        "median_rollout_s": med([r["time/rollout_s"] for r in rows]),
-        "median_train_s": med([r["time/train_s"] for r in rows]),
-        "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
-        "peak_rss_mb_per_run": [run["peak_rss_mb"] for run in runs],
-    }
 
 
 def main() -> None:
@@ -68,7 +46,7 @@ def main() -> None:
                 runs[estimator].append(
                     run_one(estimator, args.steps, Path(tmp), f"{estimator}-{r}")
                 )
-    grpo, ppo = summary(runs["grpo"]), summary(runs["ppo"])
+    grpo, ppo = common.run_summary(runs["grpo"]), common.run_summary(runs["ppo"])
     report = {
         "machine": common.machine(),
         "command": " ".join(["python -m benchmarks.speed.ppo_vs_grpo", *sys.argv[1:]]),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,42 +24,18 @@ from typing import Any
 from benchmarks import common
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-# one training in a fresh interpreter; "rows" makes every batch outgrow the window; prints the
-# peak RSS (KiB) of that interpreter
-CHILD = """
-import resource, sys
-import grpo.scoring.logprobs as logprobs
-if sys.argv[1] == "rows":
-    logprobs.fits_window = lambda model, *masks: logprobs.sliding_window(model) is None
-from grpo.cli import main
-code = main(sys.argv[2:])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-sys.exit(code)
-"""
-VARIANTS = ("rows", "packed")
+# "rows": the window check answers "does not fit" for every windowed model's batch
+ROWS = (
+    "import grpo.scoring.logprobs as logprobs; "
+    "logprobs.fits_window = lambda model, *masks: logprobs.sliding_window(model) is None"
+)
+VARIANTS = {"rows": ROWS, "packed": ""}
 
 
 def run_one(variant: str, steps: int, out: Path, name: str) -> dict[str, Any]:
     train = ["train", "recipes/gemma-r1-zero.yaml", f"train.steps={steps}"]
     train += [f"train.output_dir={out}", f"train.run_name={name}", *common.TIMED_RUN]
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, variant, *train], check=True, capture_output=True, text=True
-    )
-    return {
-        "rows": common.timed_steps(out / name),
-        "peak_rss_mb": int(done.stdout.split()[-1]) / 1024,
-    }
-
-
-def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    rows = [r for run in runs for r in run["rows"]]
-    return {
-        "steps_timed": len(rows),
-        "median_step_s": common.median([r["time/step_s"] for r in rows]),
-        "median_train_s": common.median([r["time/train_s"] for r in rows]),
-        "median_completion_len": common.median([r["completion_len/mean"] for r in rows]),
-        "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
-    }
+    return common.timed_run(out / name, train, VARIANTS[variant])
 
 
 def main() -> None:
@@ -74,7 +49,7 @@ def main() -> None:
         for r in range(args.rounds):
             for variant in VARIANTS:
                 runs[variant].append(run_one(variant, args.steps, Path(tmp), f"{variant}-{r}"))
-    rows, packed = summary(runs["rows"]), summary(runs["packed"])
+    rows, packed = common.run_summary(runs["rows"]), common.run_summary(runs["packed"])
     report = {
         "machine": common.machine(),
         "command": " ".join(["python -m benchmarks.speed.windowed", *sys.argv[1:]]),

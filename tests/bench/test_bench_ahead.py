@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import common
-from benchmarks.speed import ahead, ppo_vs_grpo
+from benchmarks.speed import ahead
 
 
 def row(step: float, rollout: float, train: float, **more: float) -> dict[str, float]:
@@ -18,6 +18,7 @@ def row(step: float, rollout: float, train: float, **more: float) -> dict[str, f
         "time/rollout_s": rollout,
         "time/reward_s": 0.0,
         "time/train_s": train,
+        "completion_len/mean": 20.0,
         **more,
     }
 
@@ -34,12 +35,12 @@ def test_busy_shares_of_a_step_ahead() -> None:
     assert "trainer_busy_share" not in ahead.per_k([row(10.0, 6.0, 4.0)])  # k = 0: no waits
 
 
-def test_ppo_summary_takes_medians_and_the_largest_peak() -> None:
+def test_a_summary_takes_medians_and_the_largest_peak() -> None:
     runs = [
         {"rows": [row(2.0, 1.0, 1.0), row(4.0, 1.0, 3.0)], "peak_rss_mb": 100.0},
         {"rows": [row(3.0, 1.0, 2.0)], "peak_rss_mb": 120.0},
     ]
-    out = ppo_vs_grpo.summary(runs)
+    out = common.run_summary(runs)
     assert out["median_step_s"] == 3.0 and out["median_train_s"] == 2.0
     assert out["peak_rss_mb"] == 120.0 and out["steps_timed"] == 3
 
