@@ -298,6 +298,12 @@ def test_a_producer_that_dies_stops_the_run_with_a_checkpoint(
     assert said.endswith("checkpoints/step-2 is complete"), said
     assert time.monotonic() - t0 < 120
     monkeypatch.undo()
+    # saving step 2 found the producer gone: said as it happened
+    said_then = capsys.readouterr().err
+    assert (
+        "exited with code -9: this checkpoint holds the rollouts made ahead up to step 2, not to 3"
+        in said_then
+    )
     # the checkpoint lacks step 3's rollouts: the resume samples them with its own weights
     run_dir = train(make(tree, "dies", resume="auto"))
     assert "no rollouts made ahead for steps 3-3" in capsys.readouterr().err

@@ -18,7 +18,6 @@ so.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import pickle
@@ -326,9 +325,17 @@ class ProducerProcess:
         to ``consumed + k`` unless the producer is lost)."""
         if self.process is not None and self.lost is None:
             last = min(self.consumed_step + self.staleness, self.config.train.steps)
-            with contextlib.suppress(ProducerLost):  # saved without them; the next step says so
+            try:
                 while any(s not in self.ready for s in range(self.consumed_step + 1, last + 1)):
                     self._receive()
+            except ProducerLost as lost:  # the checkpoint is still whole: a resume regenerates
+                made = max(self.ready, default=self.consumed_step)
+                print(
+                    f"grpo: {lost}: this checkpoint holds the rollouts made ahead up to step "
+                    f"{made}, not to {last}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self.state is None:
             raise ProducerLost("the producer made no step yet: no state to save")
         return {
