@@ -3,7 +3,7 @@
 Gemma 3's local layers attend within a sliding window (512 tokens for the 270M model). Scoring
 used to give such models one padded row per completion, since the packed layout replaces the
 model's masks; now a batch whose sequences all fit in the window is packed (a window that long
-excludes nothing). This runs ``grpo train recipes/gemma-r1-zero.yaml`` (no evaluation, no
+excludes nothing). This runs ``grpo train recipes/r1-zero.yaml`` (no evaluation, no
 checkpoints) for ``--steps`` steps per run, alternated rows, packed, rows, ... over ``--rounds``
 rounds; "rows" is the same code with the window check answering "does not fit". Each run is a
 fresh process whose peak RSS is read with ``getrusage``. Per variant: the median step and update
@@ -33,7 +33,7 @@ VARIANTS = {"rows": ROWS, "packed": ""}
 
 
 def run_one(variant: str, steps: int, out: Path, name: str) -> dict[str, Any]:
-    train = ["train", "recipes/gemma-r1-zero.yaml", f"train.steps={steps}"]
+    train = ["train", "recipes/r1-zero.yaml", f"train.steps={steps}"]
     train += [f"train.output_dir={out}", f"train.run_name={name}", *common.TIMED_RUN]
     return common.timed_run(out / name, train, VARIANTS[variant])
 

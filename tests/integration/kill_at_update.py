@@ -9,6 +9,8 @@ import os
 import signal
 import sys
 
+import torch
+
 import grpo.training.trainer as trainer_module
 from grpo.config import build_config
 
@@ -30,6 +32,8 @@ def main() -> None:
         return update(self, scored)
 
     trainer_module.Trainer.optimize = optimize
+    # on a GPU, deterministic kernels, as the test runs this run is compared with
+    torch.use_deterministic_algorithms(torch.cuda.is_available())
     trainer_module.train(build_config(tree))
 
 

@@ -314,19 +314,43 @@ def test_gemma3_270m_alias_is_the_base_model_and_scores_like_a_plain_forward() -
             torch.testing.assert_close(logp[i, : len(c)], want, atol=5e-5, rtol=0)
 
 
-def test_gemma_r1_zero_recipe_is_a_base_model_prompted_inside_think(tiny_model_dir: Path) -> None:
+def test_r1_zero_recipe_pays_neither_a_copied_template_nor_a_restated_question(
+    tiny_model_dir: Path,
+) -> None:
     from grpo.config import load_config
     from grpo.data import system_prompt_for
     from grpo.data.prompts import prompt_format_for
+    from grpo.rewards import resolve_reward
 
-    recipe = Path(models.__file__).parent / "recipes" / "gemma-r1-zero.yaml"
+    recipe = Path(models.__file__).parent / "recipes" / "r1-zero.yaml"
     config = load_config(recipe)
     assert config.model.name == "gemma3-270m" and config.data.template == "r1_zero"
     assert config.rollout.stop == ["</answer>"]  # a base model writes on after its answer
-    # the template's own example is well formed: the format alone must pay far less than a right
-    # answer, or the model learns to copy it (README, R1-Zero on a base model)
-    weights = {spec.name: spec.weight for spec in config.rewards.functions}
-    assert weights.keys() == {"accuracy", "format"} and weights["format"] <= weights["accuracy"] / 4
+    # the recipe's own rewards on completions of "What is 23 + 7?" (after the opened <think>)
+    specs = config.rewards.functions
+    texts = {
+        "placeholders": "<think> reasoning process here </think> <answer> answer here </answer>",
+        "placeholder think": "<think> reasoning process here </think> <answer> 30 </answer>",
+        "restated": "<think> 23 + 7 </think> <answer>23 + 7</answer>",
+        "empty": "<think> + </think> <answer> + </answer>",
+        "wrong": "<think> 23 + 7 = 31 </think> <answer> 31 </answer>",
+        "right": "<think> 23 + 7 = 30 </think> <answer> 30 </answer>",
+    }
+    n = len(texts)
+    scores = [
+        resolve_reward(spec)(
+            list(texts.values()), prompts=["What is 23 + 7?"] * n, answer=["30"] * n
+        )
+        for spec in specs
+    ]
+    total = dict(
+        zip(texts, (sum(s.weight * v[i] for s, v in zip(specs, scores)) for i in range(n)))
+    )
+    assert total["placeholders"] == 0.0
+    assert total["placeholder think"] < total["right"]  # the right number, without the format
+    # restating pays no more than a wrong number does, and only the right one pays the answer
+    assert total["restated"] <= total["empty"] < total["wrong"] < total["right"]
+    assert total["right"] - total["wrong"] == 1.0
     # the plain template wins over a chat template, and the prompt opens <think>
     tokenizer = load_tokenizer(str(tiny_model_dir))
     assert tokenizer.chat_template

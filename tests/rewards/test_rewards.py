@@ -59,6 +59,50 @@ def test_format_tags_must_be_names():
         resolve_reward(RewardSpec(name="tag_count", args={"tags": []}))
 
 
+R1_PLACEHOLDERS = "<think> reasoning process here </think> <answer> answer here </answer>"
+
+
+def test_format_refuses_completions_that_copy_the_template():
+    fn = resolve_reward(RewardSpec(name="format", args={"copied_from": "r1_zero"}))
+    plain = resolve_reward(RewardSpec(name="format"))
+    texts = [
+        R1_PLACEHOLDERS,  # R1-Zero's own example: well formed, and no reasoning
+        "<think> reasoning process here </think> <answer> 30 </answer>",  # the think copied
+        "<think>The user asks a question: 23 + 7</think><answer>30</answer>",  # 4 words of it
+        "<think> 23 + 7 = 30 </think> <answer> 30 </answer>",  # 3 tokens in a row at most
+        "<think>The answer is 30.</think><answer>30</answer>",
+    ]
+    assert plain(texts) == [1.0] * 5
+    assert fn(texts) == [0.0, 0.0, 0.0, 1.0, 1.0]
+    # a template given as text, and a shorter run of its words
+    own = "Solve it. Show your work in <think> tags. {prompt}"
+    strict = resolve_reward(RewardSpec(name="format", args={"copied_from": own, "copy_ngram": 2}))
+    assert strict(["<think>show your sums</think><answer>1</answer>"]) == [0.0]
+    assert strict(["<think>3 and 4</think><answer>7</answer>"]) == [1.0]
+    # tag_count: a copy earns no partial credit either
+    count = resolve_reward(RewardSpec(name="tag_count", args={"copied_from": "r1_zero"}))
+    assert count([R1_PLACEHOLDERS, "<think> 23 + 7 = 30 </think>"]) == [0.0, 0.5]
+    with pytest.raises(RewardError, match="format: copy_ngram must be at least 2"):
+        resolve_reward(RewardSpec(name="format", args={"copied_from": "r1_zero", "copy_ngram": 1}))
+
+
+def test_format_answer_pattern_asks_for_a_number():
+    fn = resolve_reward(RewardSpec(name="format", args={"answer_pattern": "-?[0-9]+"}))
+    texts = [
+        "<think> + </think> <answer> + </answer>",  # well formed and empty of meaning
+        "<think> 23 + 7 </think> <answer> 30 </answer>",
+        "<think> 2 - 5 </think> <answer>-3</answer>",
+        "<think> a </think> <answer>30 apples</answer>",
+    ]
+    assert fn(texts) == [0.0, 1.0, 1.0, 0.0]
+    answer_only = resolve_reward(
+        RewardSpec(name="format", args={"tags": ["answer"], "answer_pattern": "[A-D]"})
+    )
+    assert answer_only(["<answer> B </answer>", "<answer>E</answer>"]) == [1.0, 0.0]
+    with pytest.raises(RewardError, match=r"format: answer_pattern: '\(' is not a regular"):
+        resolve_reward(RewardSpec(name="format", args={"answer_pattern": "("}))
+
+
 @pytest.mark.parametrize(
     ("text", "tags", "credit"),
     [

@@ -23,12 +23,22 @@ from grpo.config import ConfigError, ModelConfig, build_config
 from grpo.models import load_policy
 from grpo.runtime import weight_sync
 from grpo.training import importance
-from grpo.training.ahead import ProducerLost, sampling_version, split_threads
+from grpo.training.ahead import ProducerLost, producer_device, sampling_version, split_threads
 from grpo.training.producer import Producer
 from grpo.training.trainer import Trainer, train
 
 STEPS = 4
 TRAINABLE_REWARD = f"{Path(__file__).parents[1] / 'toy_rewards.py'}:lowercase_share"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _deterministic_on_cuda(device: torch.device):
+    """Runs compared bit for bit: deterministic kernels on CUDA (the producer process takes the
+    trainer's setting), as the ``deterministic`` fixture, for the module's shared runs too."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(before or device.type == "cuda")
+    yield
+    torch.use_deterministic_algorithms(before)
 
 
 @pytest.fixture(autouse=True)
@@ -115,13 +125,27 @@ def test_the_cores_are_split_between_trainer_and_producer() -> None:
     assert split_threads(1, None) == (1, 1)  # both get one: never zero
 
 
-def test_a_push_carries_the_trainable_weights_exactly(tiny_model_dir: Path) -> None:
-    # LoRA: only the adapters train, so only they travel; a bf16 policy goes through float32
+def test_the_producer_takes_the_next_gpu_or_shares_the_trainers(monkeypatch) -> None:
+    assert producer_device(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert producer_device(torch.device("cuda", 0)) == torch.device("cuda", 1)
+    assert producer_device(torch.device("cuda", 1)) == torch.device("cuda", 1)  # none after it
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert producer_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+
+
+@pytest.mark.device
+def test_a_push_carries_the_trainable_weights_exactly(
+    tiny_model_dir: Path, device: torch.device
+) -> None:
+    # LoRA: only the adapters train, so only they travel; a bf16 policy goes through float32;
+    # on a GPU, from the device through the host to the device
     for model in (
         ModelConfig(name=str(tiny_model_dir), dtype="bfloat16"),
         ModelConfig(name=str(tiny_model_dir), lora={"enabled": True, "r": 4}),
     ):
-        source, target = load_policy(model, model.name), load_policy(model, model.name)
+        source = load_policy(model, model.name).to(device)
+        target = load_policy(model, model.name).to(device)
         with torch.no_grad():
             for p in weight_sync.trainable(source):
                 p.add_(torch.randn_like(p))
@@ -186,6 +210,7 @@ def test_k0_is_the_synchronous_run_in_one_process(tree: dict) -> None:
     assert not any(k.startswith("staleness/") for k in rows(run_dir)[0])
 
 
+@pytest.mark.device
 def test_k1_runs_ahead_and_is_reproducible(tree: dict, ahead: Path) -> None:
     logged = rows(ahead)
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
@@ -248,6 +273,7 @@ def gone_within(pid: int, seconds: float) -> bool:
     return False
 
 
+@pytest.mark.device
 def test_kill_9_mid_step_resumes_to_the_same_weights(
     tree: dict, ahead: Path, tmp_path: Path
 ) -> None:
@@ -286,6 +312,7 @@ def _producer_at_step(monkeypatch, at_step: int, act) -> None:
     monkeypatch.setattr(Trainer, "optimize", optimize)
 
 
+@pytest.mark.device
 def test_a_producer_that_dies_stops_the_run_with_a_checkpoint(
     tree: dict, monkeypatch, capsys
 ) -> None:
@@ -342,6 +369,7 @@ def test_a_given_engine_or_an_unpicklable_reward_is_one_line(tree: dict) -> None
         )
 
 
+@pytest.mark.device
 def test_k1_with_dynamic_sampling_and_lora(tree: dict, tiny_model_dir: Path) -> None:
     lora = {**tree["model"], "lora": {"enabled": True, "r": 4}}
     config = build_config(
@@ -395,6 +423,7 @@ def test_k1_with_the_tool_loop_and_greso(tree: dict) -> None:
     assert all("tools/turns_per_completion" in r for r in logged)  # turns ran, in the producer
 
 
+@pytest.mark.device
 def test_held_out_evaluation_samples_the_trainers_own_weights(tree: dict) -> None:
     # the producer's engine holds the weights it was pushed (k steps old, or a server's): the
     # trainer evaluates with the HF engine over its own policy

@@ -113,7 +113,10 @@ def test_template_copy_reads_the_system_prompt_through_the_chat_template(tiny_mo
         ("\\(23 + 7\\)", "What is 23 + 7?", "30", True),  # nor math delimiters
         ("30", "What is 23 + 7?", "30", False),
         ("7", "What is 7 * 1?", "7", False),  # a plain number may be in the question honestly
-        ("7", "What is 7 * 2?", "14", False),  # ... even a wrong one: not a restatement
+        ("14", "What is 2 + 14?", "16", True),  # an operand copied (a gemma run's hack)
+        ("14.0", "What is 2 + 14?", "16", True),  # as a number, not as text
+        ("15", "What is 2 + 14?", "16", False),  # wrong, but no copy
+        ("7", "What is 7 * 2?", None, False),  # no gold: a number in the question may be right
         ("x + 1", "Which is larger, x + 1 or x - 1?", "x + 1", False),  # the gold: honest
         ("x - 1", "Which is larger, x + 1 or x - 1?", "x + 1", True),
         ("(B)", "Pick (A) 3 or (B) 4.", "A", False),  # one word: a choice, not a restatement

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from grpo.data.prompts import template_text
+from grpo.rewards.copying import copies, field_free_ngrams
 from grpo.rewards.registry import RewardError, RewardFn, register
 
 SEED_TAGS = ("think", "answer")
@@ -29,17 +31,52 @@ def format_pattern(tags: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile(rf"^\s*{body}\s*$", re.DOTALL)
 
 
+def compiled(pattern: str, key: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise RewardError(f"{key}: {pattern!r} is not a regular expression ({err})") from None
+
+
+def template_copies(copied_from: str | None, n: int, reward: str) -> set[tuple[str, ...]]:
+    """The n-grams a completion must not copy: those of the template ``copied_from`` (a built-in
+    template's name or a template's text), or none."""
+    if n < 2:
+        raise RewardError(f"{reward}: copy_ngram must be at least 2, got {n}")
+    return field_free_ngrams(template_text(copied_from), n) if copied_from else set()
+
+
 @register("format", kind="format")
 def format_reward(
-    reward: float = 1.0, penalty: float = 0.0, tags: list[str] | tuple[str, ...] = SEED_TAGS
+    reward: float = 1.0,
+    penalty: float = 0.0,
+    tags: list[str] | tuple[str, ...] = SEED_TAGS,
+    copied_from: str | None = None,
+    copy_ngram: int = 4,
+    answer_pattern: str | None = None,
 ) -> RewardFn:
     """`reward` when the completion is exactly the tagged sections in order (by default
     <think>...</think><answer>...</answer>, the seed's format; `tags: [answer]` asks for the
-    answer tag only), else `penalty` (the seed uses -1 or 0)."""
-    pattern = format_pattern(tag_names(tags))
+    answer tag only), else `penalty` (the seed uses -1 or 0). With `answer_pattern` (a regular
+    expression), the last section's content, stripped, must match it whole: `-?[0-9]+` asks for
+    an integer, so that `<answer> + </answer>` is not a format. With `copied_from` (a template's
+    name, such as `r1_zero`, or its text), a completion that repeats `copy_ngram` words, numbers
+    or tags in a row of that template's own text earns `penalty` too: R1-Zero's template shows
+    the format with placeholders (`<think> reasoning process here </think> <answer> answer here
+    </answer>`), and a base model that copies them is well formed without reasoning."""
+    names = tag_names(tags)
+    pattern = format_pattern(names)
+    template = template_copies(copied_from, copy_ngram, "format")
+    answer = compiled(answer_pattern, "format: answer_pattern") if answer_pattern else None
+    last = re.compile(rf"<{names[-1]}>(.*?)</{names[-1]}>", re.DOTALL)
+
+    def paid(text: str) -> bool:
+        if not pattern.match(text) or copies(text, template, copy_ngram):
+            return False
+        return answer is None or bool(answer.fullmatch(last.findall(text)[-1].strip()))
 
     def score(completions: list[str], **_: Any) -> list[float | None]:
-        return [reward if pattern.match(c) else penalty for c in completions]
+        return [reward if paid(c) else penalty for c in completions]
 
     return score
 
@@ -60,13 +97,21 @@ def tag_credit(text: str, tags: tuple[str, ...] = SEED_TAGS) -> float:
 
 @register("tag_count", kind="format")
 def tag_count_reward(
-    reward: float = 1.0, tags: list[str] | tuple[str, ...] = SEED_TAGS
+    reward: float = 1.0,
+    tags: list[str] | tuple[str, ...] = SEED_TAGS,
+    copied_from: str | None = None,
+    copy_ngram: int = 4,
 ) -> RewardFn:
     """Partial credit: `reward` x (share of the tags' marks present once and in order), so a model
-    that never produces the full format still sees a gradient towards it."""
+    that never produces the full format still sees a gradient towards it. `copied_from` and
+    `copy_ngram` as for `format`: a completion that copies the template earns nothing."""
     names = tag_names(tags)
+    template = template_copies(copied_from, copy_ngram, "tag_count")
 
     def score(completions: list[str], **_: Any) -> list[float | None]:
-        return [reward * tag_credit(c, names) for c in completions]
+        return [
+            0.0 if copies(c, template, copy_ngram) else reward * tag_credit(c, names)
+            for c in completions
+        ]
 
     return score

@@ -107,6 +107,7 @@ class ProducerSpec:
     first_version: int
     threads: int
     device: torch.device
+    deterministic: bool  # the trainer's torch.use_deterministic_algorithms, for the same sums
     port: int
     parent: int
 
@@ -138,6 +139,7 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
     config, timeout = spec.config, spec.config.rollout.producer_timeout_s
     bound_kernel_caches()
     torch.set_num_threads(spec.threads)
+    torch.use_deterministic_algorithms(spec.deterministic)
     hf_logging.disable_progress_bar()  # the trainer already showed its model loading
     fmt = build.prompt_format(config)
     rewards = build.reward_runner(config, None, spec.rewards)
@@ -250,6 +252,7 @@ class ProducerProcess:
             first_version=version,
             threads=producer_threads,
             device=producer_device(self.device),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
             port=rendezvous.port,
             parent=os.getpid(),
         )

@@ -10,9 +10,12 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
 - ``hack/question_restated``: share of completions whose answer (the accuracy reward's
   extraction: ``<answer>``, ``\\boxed{}``, ``####``, "the answer is") restates the question: its
   tokens (words, numbers, symbols) appear in a row in the question's, and it is none of the
-  answers that may honestly sit inside a question: a plain number (``5`` for "5 * 1"), fewer
-  than two words or numbers (a choice ``(B)``, a single word), or a match of the row's gold
-  answer. ``<answer>23 + 7</answer>`` for "What is 23 + 7?" counts (math-verify pays it as 30).
+  answers that may honestly sit inside a question: fewer than two words or numbers (a choice
+  ``(B)``, a single word), or a match of the row's gold answer. ``<answer>23 + 7</answer>`` for
+  "What is 23 + 7?" counts (math-verify pays it as 30). A plain number counts when it is one of
+  the question's numbers and not the gold answer: ``<answer>14</answer>`` for "What is 2 + 14?"
+  (an operand copied, which a format reward for a numeric answer pays); without a gold answer
+  a plain number never counts (``5`` for "5 * 1" may be right).
 - ``hack/format_only``: 1 when, over the last ``window`` steps, the format rewards' mean rose by
   more than ``format_rise`` while the accuracy rewards' mean rose by at most ``accuracy_rise``
   (rise: the least-squares slope times the window's span). Which functions are which comes from
@@ -42,11 +45,17 @@ from typing import Any
 from grpo.config import ConfigError, HackWatchConfig, RewardSpec
 from grpo.containers import Rollout, Scored
 from grpo.rewards import function_name
-from grpo.rewards.accuracy import answers_match, as_number, extract_answer, normalise
+from grpo.rewards.accuracy import (
+    NUMBER_RE,
+    answers_match,
+    as_number,
+    extract_answer,
+    normalise,
+)
+from grpo.rewards.copying import copies, template_ngrams
 from grpo.rewards.inputs import reward_inputs
 from grpo.rewards.registry import registered_kind
 
-COPY_TOKEN_RE = re.compile(r"</?\w+>|\w+")  # words, numbers and tags; punctuation is left out
 ANSWER_TOKEN_RE = re.compile(r"\w+|[^\w\s]")  # words, numbers and single symbols (+, =, ^, ...)
 
 # what each signal's warning says; formatted with the value and the config's fields
@@ -75,29 +84,6 @@ def row_texts(prompt: Any) -> list[str]:
     return []
 
 
-def copy_tokens(text: str) -> list[str]:
-    return COPY_TOKEN_RE.findall(text.lower())
-
-
-def ngrams(tokens: Sequence[str], n: int) -> set[tuple[str, ...]]:
-    return {tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)}
-
-
-def template_ngrams(rendered: str, questions: list[str], n: int) -> set[tuple[str, ...]]:
-    """The n-grams of the prompt's own text: ``rendered`` cut at each of the row's texts (an
-    n-gram never spans the question)."""
-    parts = [rendered]
-    for question in questions:
-        question = question.strip()
-        if question:
-            parts = [piece for part in parts for piece in part.split(question)]
-    return set().union(*(ngrams(copy_tokens(part), n) for part in parts))
-
-
-def copies_template(text: str, template: set[tuple[str, ...]], n: int) -> bool:
-    return not ngrams(copy_tokens(text), n).isdisjoint(template)
-
-
 def template_copy_share(rollout: Rollout, n: int) -> float:
     """Share of the rollout's completions (the text rewards judge) that copy their prompt's own
     text: ``n`` or more tokens in a row."""
@@ -105,9 +91,7 @@ def template_copy_share(rollout: Rollout, n: int) -> float:
     flags = []
     for i, row in enumerate(rollout.rows):
         template = template_ngrams(rollout.prompts[i * g], row_texts(row.get("prompt")), n)
-        flags += [
-            copies_template(text, template, n) for text in rollout.answers[i * g : (i + 1) * g]
-        ]
+        flags += [copies(text, template, n) for text in rollout.answers[i * g : (i + 1) * g]]
     return sum(flags) / len(flags) if flags else 0.0
 
 
@@ -126,10 +110,14 @@ def contains(tokens: list[str], part: list[str]) -> bool:
 
 def restates_question(answer: str | None, question: str, gold: Any = None) -> bool:
     """Whether an extracted answer restates the question (see the module docstring)."""
-    if answer is None or as_number(normalise(answer)) is not None:
+    if answer is None:
         return False
-    if gold is not None and str(gold).strip() and answers_match(answer, str(gold), None):
+    known = gold is not None and bool(str(gold).strip())
+    if known and answers_match(answer, str(gold), None):
         return False
+    number = as_number(normalise(answer))
+    if number is not None:  # an operand copied: one of the question's numbers, and wrong
+        return known and number in {as_number(n) for n in NUMBER_RE.findall(question)}
     tokens = answer_tokens(answer)
     if sum(t[0].isalnum() for t in tokens) < 2:  # words and numbers, not symbols
         return False
