@@ -327,7 +327,6 @@ def test_r1_zero_recipe_pays_neither_a_copied_template_nor_a_restated_question(
     assert config.model.name == "gemma3-270m" and config.data.template == "r1_zero"
     assert config.rollout.stop == ["</answer>"]  # a base model writes on after its answer
     # the recipe's own rewards on completions of "What is 23 + 7?" (after the opened <think>)
-    specs = config.rewards.functions
     texts = {
         "placeholders": "<think> reasoning process here </think> <answer> answer here </answer>",
         "placeholder think": "<think> reasoning process here </think> <answer> 30 </answer>",
@@ -337,15 +336,12 @@ def test_r1_zero_recipe_pays_neither_a_copied_template_nor_a_restated_question(
         "right": "<think> 23 + 7 = 30 </think> <answer> 30 </answer>",
     }
     n = len(texts)
-    scores = [
-        resolve_reward(spec)(
-            list(texts.values()), prompts=["What is 23 + 7?"] * n, answer=["30"] * n
-        )
-        for spec in specs
+    question = {"prompts": ["What is 23 + 7?"] * n, "answer": ["30"] * n}
+    weighted = [
+        [spec.weight * v for v in resolve_reward(spec)(list(texts.values()), **question)]
+        for spec in config.rewards.functions
     ]
-    total = dict(
-        zip(texts, (sum(s.weight * v[i] for s, v in zip(specs, scores)) for i in range(n)))
-    )
+    total = dict(zip(texts, map(sum, zip(*weighted, strict=True)), strict=True))
     assert total["placeholders"] == 0.0
     assert total["placeholder think"] < total["right"]  # the right number, without the format
     # restating pays no more than a wrong number does, and only the right one pays the answer
