@@ -3,9 +3,15 @@ before and after, the per-step rewards, the signals of reward hacking, the refle
 completions at the first and last step, and the wall time. The numbers behind README's R1-Zero
 table and docs/results/r1-zero.md (each lever a run).
 
-    .venv/bin/python -m benchmarks.quality.r1_zero runs/r1/a runs/r1/b [--out F]
+    .venv/bin/python -m benchmarks.quality.r1_zero runs runs/r1/a runs/r1/b [--out F]
 
 The JSON goes to benchmarks/results/r1_zero.json unless --out says otherwise.
+
+And the base model's own addition, apart from the format: the share of held-out problems for
+which its greedy continuation of the rendered prompt followed by `` a + b =`` starts with the
+sum (what an answer could copy from the reasoning, if the model wrote it there):
+
+    .venv/bin/python -m benchmarks.quality.r1_zero addition --examples 100 [overrides]
 
 Wall time: from the run's start (its ``config_history.jsonl``, written once the model is loaded)
 to the last write of its ``metrics.jsonl``.
@@ -16,12 +22,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from benchmarks import common
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "r1-zero.yaml"
+NUMBER_RE = re.compile(r"\d+")
 
 PER_STEP = (
     "reward/accuracy/mean",
@@ -81,11 +91,47 @@ def summary(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def addition_rate(overrides: list[str], examples: int) -> float:
+    """Share of held-out "What is a + b?" rows whose greedy continuation of the prompt and
+    `` a + b =`` starts with the sum."""
+    import torch
+
+    from grpo import build
+    from grpo.config import load_config
+    from grpo.data import heldout_rows
+
+    config = load_config(RECIPE, overrides)
+    rows = list(heldout_rows(config.data, config.train.seed, examples))
+    parts = build.build_for_sampling(config, rows)
+    right = 0
+    try:
+        for row in rows:
+            a, b = NUMBER_RE.findall(row["prompt"])[:2]
+            text = parts.prompt_format.render(parts.tokenizer, row) + f" {a} + {b} ="
+            ids = parts.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+            with torch.no_grad():
+                out = parts.policy.generate(ids, max_new_tokens=4, do_sample=False)
+            said = NUMBER_RE.findall(parts.tokenizer.decode(out[0, ids.shape[1] :]))
+            right += bool(said) and said[0] == str(row["answer"])
+    finally:
+        parts.rewards.close()
+    return right / len(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories, one per lever")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    commands = parser.add_subparsers(dest="command", required=True)
+    runs_cmd = commands.add_parser("runs", help="summarise run directories, one per lever")
+    runs_cmd.add_argument("runs", nargs="+", type=Path)
+    runs_cmd.add_argument("--out", type=Path, default=RESULTS)
+    add_cmd = commands.add_parser("addition", help="the base model's own addition")
+    add_cmd.add_argument("--examples", type=int, default=100)
+    add_cmd.add_argument("overrides", nargs="*", help="dotted overrides of recipes/r1-zero.yaml")
     args = parser.parse_args()
+    if args.command == "addition":
+        rate = addition_rate(args.overrides, args.examples)
+        print(json.dumps({"machine": common.machine(), "overrides": args.overrides, "rate": rate}))
+        return
     runs = [summary(run) for run in args.runs]
     args.out.write_text(json.dumps({"machine": common.machine(), "runs": runs}, indent=1) + "\n")
     for run in runs:  # one line per lever; the whole in the JSON

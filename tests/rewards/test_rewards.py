@@ -45,6 +45,18 @@ def test_format_sections_may_span_lines():
     assert fn(["<think>step 1\nstep 2</think>\n<answer>\n3\n</answer>"]) == [1.0]
 
 
+def test_format_sections_hold_no_tag_marks():
+    # a gemma run's completion: a second </think> inside the think section is no format
+    fn = resolve_reward(RewardSpec(name="format"))
+    texts = [
+        "<think> 19 </think> 17 </think> <answer> 19 </answer>",
+        "<think> a <answer> b </answer> c </think> <answer> 1 </answer>",
+        "<think> x </think> <answer> 1 <answer> 2 </answer>",
+        "<think> <thinking> is fine </think> <answer> 1 </answer>",  # another tag's name
+    ]
+    assert fn(texts) == [0.0, 0.0, 0.0, 1.0]
+
+
 def test_format_tags_keep_every_letter_of_their_names():
     # only brackets, slashes and spaces around a name are dropped; an X in a name stays
     assert tag_names(["<think>", "</answer>", " XML "]) == ("think", "answer", "XML")

@@ -26,8 +26,11 @@ def tag_names(tags: list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def format_pattern(tags: tuple[str, ...]) -> re.Pattern[str]:
-    """The whole completion is the tags' sections in order, with only whitespace around them."""
-    body = r"\s*".join(rf"<{t}>.*?</{t}>" for t in tags)
+    """The whole completion is the tags' sections in order, with only whitespace around them; a
+    section holds none of the tags' marks (``<think> a </think> b </think>`` is no format)."""
+    names = "|".join(tags)
+    inside = rf"(?:(?!</?(?:{names})>).)*"
+    body = r"\s*".join(rf"<{t}>{inside}</{t}>" for t in tags)
     return re.compile(rf"^\s*{body}\s*$", re.DOTALL)
 
 
