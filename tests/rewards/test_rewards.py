@@ -9,6 +9,7 @@ import pytest
 from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards import REGISTRY, RewardError, RewardRunner, resolve_reward
 from grpo.rewards.builtin import tag_credit, tag_names
+from grpo.rewards.copying import copy_tokens, ngrams, template_ngrams
 from grpo.rewards.countdown import InvalidExpression, countdown_correct, evaluate_expression
 from grpo.rewards.length import repeated_fraction, soft_overlong
 
@@ -96,6 +97,16 @@ def test_format_refuses_completions_that_copy_the_template():
     assert count([R1_PLACEHOLDERS, "<think> 23 + 7 = 30 </think>"]) == [0.0, 0.5]
     with pytest.raises(RewardError, match="format: copy_ngram must be at least 2"):
         resolve_reward(RewardSpec(name="format", args={"copied_from": "r1_zero", "copy_ngram": 1}))
+
+
+def test_copy_ngrams_are_every_run_of_n_tokens_and_never_span_the_question():
+    assert ngrams(["a", "b", "c"], 2) == {("a", "b"), ("b", "c")}  # the last run too, none shorter
+    assert ngrams(["a"], 2) == set()
+    assert copy_tokens("See <think> 2+3 </THINK>!") == ["see", "<think>", "2", "3", "</think>"]
+    rendered = "Answer now. What is 2 + 3? Think first."
+    own = template_ngrams(rendered, ["  What is 2 + 3?  "], 2)  # the row's text, stripped
+    assert ("answer", "now") in own and ("think", "first") in own
+    assert not own & {("now", "what"), ("what", "is"), ("3", "think")}  # the question cut out
 
 
 def test_format_answer_pattern_asks_for_a_number():
