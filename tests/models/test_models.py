@@ -333,6 +333,9 @@ def test_r1_zero_recipe_pays_neither_a_copied_template_nor_a_restated_question(
         "restated": "<think> 23 + 7 </think> <answer>23 + 7</answer>",
         "empty": "<think> + </think> <answer> + </answer>",
         "wrong": "<think> 23 + 7 = 31 </think> <answer> 31 </answer>",
+        # what the recipe's run converged to: as well paid as any wrong number (the hack watch's
+        # hack/question_restated flags it; only accuracy tells it from a right answer)
+        "operand": "<think> 23 </think> <answer> 7 </answer>",
         "right": "<think> 23 + 7 = 30 </think> <answer> 30 </answer>",
     }
     n = len(texts)
@@ -347,6 +350,7 @@ def test_r1_zero_recipe_pays_neither_a_copied_template_nor_a_restated_question(
     # restating pays no more than a wrong number does, and only the right one pays the answer
     assert total["restated"] <= total["empty"] < total["wrong"] < total["right"]
     assert total["right"] - total["wrong"] == 1.0
+    assert total["operand"] == total["wrong"]
     # the plain template wins over a chat template, and the prompt opens <think>
     tokenizer = load_tokenizer(str(tiny_model_dir))
     assert tokenizer.chat_template

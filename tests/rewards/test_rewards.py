@@ -97,6 +97,18 @@ def test_format_refuses_completions_that_copy_the_template():
     assert count([R1_PLACEHOLDERS, "<think> 23 + 7 = 30 </think>"]) == [0.0, 0.5]
     with pytest.raises(RewardError, match="format: copy_ngram must be at least 2"):
         resolve_reward(RewardSpec(name="format", args={"copied_from": "r1_zero", "copy_ngram": 1}))
+    # a misspelt name, or a run longer than the template, would refuse nothing: said at once
+    for args in ({"copied_from": "r1zero"}, {"copied_from": "r1_zero", "copy_ngram": 500}):
+        with pytest.raises(RewardError, match="has no run of"):
+            resolve_reward(RewardSpec(name="tag_count", args=args))
+    # "{{" is a literal brace, as the template renders it: "{json}" is the template's own text
+    braces = resolve_reward(
+        RewardSpec(
+            name="format",
+            args={"copied_from": "Reply as {{json}} here. {prompt}", "copy_ngram": 2},
+        )
+    )
+    assert braces(["<think>json here</think><answer>1</answer>"]) == [0.0]
 
 
 def test_copy_ngrams_are_every_run_of_n_tokens_and_never_span_the_question():
@@ -124,6 +136,9 @@ def test_format_answer_pattern_asks_for_a_number():
     assert answer_only(["<answer> B </answer>", "<answer>E</answer>"]) == [1.0, 0.0]
     with pytest.raises(RewardError, match=r"format: answer_pattern: '\(' is not a regular"):
         resolve_reward(RewardSpec(name="format", args={"answer_pattern": "("}))
+    # a pattern an empty answer matches would pay <answer> </answer>, the hack it is there for
+    with pytest.raises(RewardError, match="matches an empty answer"):
+        resolve_reward(RewardSpec(name="format", args={"answer_pattern": "-?[0-9]*"}))
 
 
 @pytest.mark.parametrize(

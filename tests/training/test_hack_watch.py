@@ -116,6 +116,7 @@ def test_template_copy_reads_the_system_prompt_through_the_chat_template(tiny_mo
         ("14", "What is 2 + 14?", "16", True),  # an operand copied (a gemma run's hack)
         ("14.0", "What is 2 + 14?", "16", True),  # as a number, not as text
         ("15", "What is 2 + 14?", "16", False),  # wrong, but no copy
+        ("3", "What is 5-3?", "2", True),  # "-3" read as a number: its size is the operand
         ("7", "What is 7 * 2?", None, False),  # no gold: a number in the question may be right
         ("x + 1", "Which is larger, x + 1 or x - 1?", "x + 1", False),  # the gold: honest
         ("x - 1", "Which is larger, x + 1 or x - 1?", "x + 1", True),

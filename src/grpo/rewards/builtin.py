@@ -46,7 +46,15 @@ def template_copies(copied_from: str | None, n: int, reward: str) -> set[tuple[s
     template's name or a template's text), or none."""
     if n < 2:
         raise RewardError(f"{reward}: copy_ngram must be at least 2, got {n}")
-    return field_free_ngrams(template_text(copied_from), n) if copied_from else set()
+    if not copied_from:
+        return set()
+    found = field_free_ngrams(template_text(copied_from), n)
+    if not found:  # a misspelt template name is taken as a (short) text: nothing would be refused
+        raise RewardError(
+            f"{reward}: copied_from {copied_from!r} has no run of {n} words (copy_ngram) to refuse; "
+            "give a built-in template's name (r1_zero) or the template's text"
+        )
+    return found
 
 
 @register("format", kind="format")
@@ -71,6 +79,11 @@ def format_reward(
     pattern = format_pattern(names)
     template = template_copies(copied_from, copy_ngram, "format")
     answer = compiled(answer_pattern, "format: answer_pattern") if answer_pattern else None
+    if answer is not None and answer.fullmatch(""):
+        raise RewardError(
+            f"format: answer_pattern {answer_pattern!r} matches an empty answer, which it is "
+            "there to refuse"
+        )
     last = re.compile(rf"<{names[-1]}>(.*?)</{names[-1]}>", re.DOTALL)
 
     def paid(text: str) -> bool:

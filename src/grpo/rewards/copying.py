@@ -5,10 +5,10 @@ pay a copied template, and the reward-hacking watch, which counts the copies."""
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Sequence
 
 COPY_TOKEN_RE = re.compile(r"</?\w+>|\w+")
-FIELD_RE = re.compile(r"\{\w+\}")  # a template's fields: "{prompt}"
 
 
 def copy_tokens(text: str) -> list[str]:
@@ -36,8 +36,18 @@ def template_ngrams(rendered: str, questions: Sequence[str], n: int) -> set[tupl
 
 
 def field_free_ngrams(template: str, n: int) -> set[tuple[str, ...]]:
-    """The n-grams of a template's own text, cut at its fields (``{prompt}``)."""
-    return text_ngrams(FIELD_RE.split(template), n)
+    """The n-grams of a template's own text, cut at its fields (``{prompt}``; ``{{`` is a
+    literal brace, as when the template is rendered)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError:  # not a format string: all of it is the template's own text
+        return text_ngrams([template], n)
+    parts = [""]
+    for text, field, *_ in parsed:  # "{{" ends a piece of literal text, a field ends a part
+        parts[-1] += text
+        if field is not None:
+            parts.append("")
+    return text_ngrams(parts, n)
 
 
 def copies(text: str, source: set[tuple[str, ...]], n: int) -> bool:

@@ -15,7 +15,9 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
   "What is 23 + 7?" counts (math-verify pays it as 30). A plain number counts when it is one of
   the question's numbers and not the gold answer: ``<answer>14</answer>`` for "What is 2 + 14?"
   (an operand copied, which a format reward for a numeric answer pays); without a gold answer
-  a plain number never counts (``5`` for "5 * 1" may be right).
+  a plain number never counts (``5`` for "5 * 1" may be right). On word problems an honest
+  wrong answer that happens to be one of the question's numbers counts too: the signal is a
+  share, and warns only when many completions do it.
 - ``hack/format_only``: 1 when, over the last ``window`` steps, the format rewards' mean rose by
   more than ``format_rise`` while the accuracy rewards' mean rose by at most ``accuracy_rise``
   (rise: the least-squares slope times the window's span). Which functions are which comes from
@@ -117,7 +119,10 @@ def restates_question(answer: str | None, question: str, gold: Any = None) -> bo
         return False
     number = as_number(normalise(answer))
     if number is not None:  # an operand copied: one of the question's numbers, and wrong
-        return known and number in {as_number(n) for n in NUMBER_RE.findall(question)}
+        # by size: "5-3" reads as 5 and -3, and its operand is 3
+        return known and abs(number) in {
+            abs(as_number(n) or 0) for n in NUMBER_RE.findall(question)
+        }
     tokens = answer_tokens(answer)
     if sum(t[0].isalnum() for t in tokens) < 2:  # words and numbers, not symbols
         return False
