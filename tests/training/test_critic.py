@@ -18,6 +18,7 @@ from grpo import algorithm
 from grpo.config import ConfigError, build_config
 from grpo.models import load_policy
 from grpo.scoring.distribution import Sampling
+from grpo.scoring.packing import ScoringCost
 from grpo.training import advantages
 from grpo.training.critic import Critic, completion_values, value_metrics, value_model
 from grpo.training.micro_batches import MicroBatch
@@ -95,7 +96,9 @@ def test_ppo_advantages_fold_the_kl_and_whiten_over_the_tokens() -> None:
 
 
 @pytest.mark.parametrize("attention", ["prefix", "dense"])
-def test_packed_values_are_each_rows_own(tiny_model_dir: Path, attention: str) -> None:
+def test_packed_values_are_each_rows_own(
+    tiny_model_dir: Path, attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # two groups of two completions behind left-padded prompts: the packed values equal those
     # of each row alone (its prompt and completion, unpadded, plain causal attention)
     config = build_config(
@@ -129,6 +132,21 @@ def test_packed_values_are_each_rows_own(tiny_model_dir: Path, attention: str) -
             alone = model.head(model.body(input_ids=ids).last_hidden_state).squeeze(-1)[0]
             p = len(prompts[i // 2])
             assert torch.allclose(packed[i, : len(c)], alone[p - 1 : p - 1 + len(c)], atol=1e-5)
+        # groups whose packing costs more than their rows (as the policy's scoring decides) and
+        # a sliding window the sequences outgrow take one padded row per completion: same values
+        with monkeypatch.context() as m:
+            m.setattr(ScoringCost, "packing_pays", lambda *_: False)
+            padded = completion_values(model, mb)
+            assert torch.allclose(padded[completion_mask], packed[completion_mask], atol=1e-5)
+        if attention == "prefix":
+            # a body whose attention never reads the prefix layout would attend across the
+            # packed completions: an error, not wrong values
+            forward = model.body.forward
+            model.body.forward = lambda **kw: forward(
+                **{k: v for k, v in kw.items() if k != "prefix_layout"}
+            )
+            with pytest.raises(RuntimeError, match="does not pass keyword arguments"):
+                completion_values(model, mb)
 
 
 def test_ppo_refusals() -> None:

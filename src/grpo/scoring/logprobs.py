@@ -65,7 +65,8 @@ def completion_logprobs(
     (``group_rows_logprobs``). Models that cannot take the packed mask get one padded row per
     completion (``scoring_path`` says which and why).
     """
-    if scoring_path(model)[0] != "packed" or not fits_window(model, prompt_mask, completion_mask):
+    split = packing_groups(model, prompt_ids, prompt_mask, completion_mask)
+    if split is None:
         return full_sequence_logprobs(
             model,
             prompt_ids,
@@ -75,20 +76,8 @@ def completion_logprobs(
             sampling,
             with_entropy,
         )
-    distinct, prompt_of_row = torch.unique(
-        torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True
-    )
+    packed_rows, row_groups = split
     lengths = completion_mask.sum(dim=1)
-    cost = ScoringCost.of(_config(model))
-    packed_rows: list[Tensor] = []
-    row_groups: list[tuple[Tensor, Tensor]] = []
-    for u in range(len(distinct)):
-        rows = (prompt_of_row == u).nonzero()[:, 0]
-        prompt = distinct[u, : prompt_ids.shape[1]][distinct[u, prompt_ids.shape[1] :].bool()]
-        if cost.packing_pays(len(prompt), lengths[rows].tolist()):
-            packed_rows.append(rows)
-        else:
-            row_groups.append((rows, prompt))
     parts: list[tuple[Tensor, tuple[Tensor, Tensor | None]]] = []
     if packed_rows:
         rows = torch.cat(packed_rows)
@@ -108,6 +97,33 @@ def completion_logprobs(
         )
         parts.append((rows, result))
     return _merge(parts, completion_ids.shape[1], with_entropy)
+
+
+def packing_groups(
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_mask: Tensor
+) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]] | None:
+    """How a batch is scored: None for one padded row per completion (attention that takes no
+    custom mask, or a sliding window the sequences outgrow); else the row indices of the groups
+    packed by prompt, and (rows, unpadded prompt) of the groups whose packing costs more than
+    one row per completion (``ScoringCost.packing_pays``). Shared by the policy's scoring and
+    the critic's values."""
+    if scoring_path(model)[0] != "packed" or not fits_window(model, prompt_mask, completion_mask):
+        return None
+    distinct, prompt_of_row = torch.unique(
+        torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True
+    )
+    lengths = completion_mask.sum(dim=1)
+    cost = ScoringCost.of(_config(model))
+    packed_rows: list[Tensor] = []
+    row_groups: list[tuple[Tensor, Tensor]] = []
+    for u in range(len(distinct)):
+        rows = (prompt_of_row == u).nonzero()[:, 0]
+        prompt = distinct[u, : prompt_ids.shape[1]][distinct[u, prompt_ids.shape[1] :].bool()]
+        if cost.packing_pays(len(prompt), lengths[rows].tolist()):
+            packed_rows.append(rows)
+        else:
+            row_groups.append((rows, prompt))
+    return packed_rows, row_groups
 
 
 def _merge(

@@ -74,13 +74,19 @@ def packed_logprobs(
     history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
     scorer = Scorer.of(packed.at, completion_ids, sampling, with_entropy, history, packed.kept)
     result = _scores(model, scorer, **inputs, logits_to_keep=packed.keep)
+    check_layout_used(model, inputs)
+    return result
+
+
+def check_layout_used(model: nn.Module, inputs: dict) -> None:
+    """After a forward on ``packed_inputs``: a model whose attention never read the prefix
+    layout attended across the packed completions, so its outputs are wrong. Raise."""
     layout = inputs.get("prefix_layout")
     if layout is not None and not layout.uses[0]:
         raise RuntimeError(
             f"{type(model).__name__} does not pass keyword arguments to its attention, so "
             "packed scoring cannot use prefix attention: load it with attn_implementation='sdpa'"
         )
-    return result
 
 
 def packed_inputs(

@@ -23,8 +23,8 @@ from transformers import AutoModel
 from grpo import algorithm
 from grpo.config import Config
 from grpo.models import bf16_autocast, is_lora, resolve_model_path
-from grpo.scoring.logprobs import fits_window, scoring_path
-from grpo.scoring.packing import packed_inputs
+from grpo.scoring.logprobs import packing_groups, position_ids_from_mask
+from grpo.scoring.packing import check_layout_used, packed_inputs
 from grpo.scoring.prefix_attention import use_prefix_attention
 from grpo.training.micro_batches import MicroBatch, scatter_rows
 from grpo.training.optimizer import clip_and_step
@@ -60,16 +60,17 @@ def completion_values(model: ValueModel, mb: MicroBatch) -> Tensor:
     rows are packed by prompt as the policy's are scored (``grpo.scoring.packing``): a group's
     prompt once, under prefix attention where the body has it, else a dense mask."""
     body = model.body
-    if scoring_path(body)[0] != "packed" or not fits_window(
-        body, mb.prompt_mask, mb.completion_mask
-    ):
-        # attention that takes no custom mask, or a sliding window the sequences outgrow: the
-        # body's own masks, one padded row per completion (as the policy's scoring does)
+    split = packing_groups(body, mb.prompt_ids, mb.prompt_mask, mb.completion_mask)
+    if split is None or split[1]:
+        # attention that takes no custom mask, a sliding window the sequences outgrow, or a
+        # group whose packing costs more than its rows (long completions): the body's own
+        # masks, one padded row per completion
         return _padded_values(model, mb)
     packed, inputs = packed_inputs(
         body, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask
     )
     hidden = body(**inputs).last_hidden_state
+    check_layout_used(body, inputs)
     if isinstance(packed.keep, Tensor):  # end to end: these positions of the one sequence
         kept = hidden[0, packed.keep]  # [K, H]
     else:  # the last ``keep`` positions of every sequence
@@ -81,9 +82,8 @@ def _padded_values(model: ValueModel, mb: MicroBatch) -> Tensor:
     """``completion_values`` one padded row per completion, under the body's own masks."""
     ids = torch.cat([mb.prompt_ids, mb.completion_ids], dim=1)
     mask = torch.cat([mb.prompt_mask, mb.completion_mask], dim=1)
-    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # prompts are left padded
     hidden = model.body(
-        input_ids=ids, attention_mask=mask, position_ids=positions
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
     ).last_hidden_state
     s, t = mb.prompt_ids.shape[1], mb.completion_ids.shape[1]
     return model.head(hidden[:, s - 1 : s - 1 + t]).squeeze(-1).float()
