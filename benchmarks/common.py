@@ -24,6 +24,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,42 @@ def run_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
         "peak_rss_mb_per_run": [run["peak_rss_mb"] for run in runs],
     }
+
+
+def compare_two(
+    module: str, variants: dict[str, tuple[list[str], str]], rounds: int, steps: int, out: Path
+) -> dict[str, Any]:
+    """Whole ``grpo train`` runs of two variants (name -> (the run's arguments, a patch run
+    first; see ``timed_run``), alternated first, second, first, ... over ``rounds`` so that
+    other jobs on the machine slow both alike, ``steps`` steps each (no evaluation, no
+    checkpoints), each a fresh process. Per variant the ``run_summary``; then the second's
+    median step, update and peak RSS over the first's. Written to ``out`` and printed."""
+    first, second = variants
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for name, (args, patch) in variants.items():
+                run = f"{name}-{r}"
+                train = ["train", *args, f"train.steps={steps}", f"train.output_dir={tmp}"]
+                train += [f"train.run_name={run}", *TIMED_RUN]
+                runs[name].append(timed_run(Path(tmp) / run, train, patch))
+    a, b = run_summary(runs[first]), run_summary(runs[second])
+    report = {
+        "machine": machine(),
+        "command": " ".join([f"python -m {module}", *sys.argv[1:]]),
+        "rounds": rounds,
+        "steps_per_run": steps,
+        first: a,
+        second: b,
+        f"{second}_over_{first}": {
+            "step": b["median_step_s"] / a["median_step_s"],
+            "train": b["median_train_s"] / a["median_train_s"],
+            "peak_rss": b["peak_rss_mb"] / a["peak_rss_mb"],
+        },
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return report
 
 
 def machine() -> dict[str, Any]:

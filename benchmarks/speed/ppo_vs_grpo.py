@@ -14,23 +14,11 @@ ratios PPO / GRPO.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import tempfile
 from pathlib import Path
-from typing import Any
 
 from benchmarks import common
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-
-
-def run_one(estimator: str, steps: int, out: Path, name: str) -> dict[str, Any]:
-    train = ["train", "recipes/default.yaml", f"train.steps={steps}"]
-    train += [f"train.output_dir={out}", f"train.run_name={name}"]
-    return common.timed_run(
-        out / name, [*train, f"algorithm.estimator={estimator}", *common.TIMED_RUN]
-    )
 
 
 def main() -> None:
@@ -39,29 +27,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS / "ppo_vs_grpo_default_recipe.json")
     args = parser.parse_args()
-    runs: dict[str, list[dict[str, Any]]] = {"grpo": [], "ppo": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for estimator in runs:
-                runs[estimator].append(
-                    run_one(estimator, args.steps, Path(tmp), f"{estimator}-{r}")
-                )
-    grpo, ppo = common.run_summary(runs["grpo"]), common.run_summary(runs["ppo"])
-    report = {
-        "machine": common.machine(),
-        "command": " ".join(["python -m benchmarks.speed.ppo_vs_grpo", *sys.argv[1:]]),
-        "rounds": args.rounds,
-        "steps_per_run": args.steps,
-        "grpo": grpo,
-        "ppo": ppo,
-        "ppo_over_grpo": {
-            "step": ppo["median_step_s"] / grpo["median_step_s"],
-            "train": ppo["median_train_s"] / grpo["median_train_s"],
-            "peak_rss": ppo["peak_rss_mb"] / grpo["peak_rss_mb"],
-        },
+    variants = {
+        name: (["recipes/default.yaml", f"algorithm.estimator={name}"], "")
+        for name in ("grpo", "ppo")
     }
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+    common.compare_two("benchmarks.speed.ppo_vs_grpo", variants, args.rounds, args.steps, args.out)
 
 
 if __name__ == "__main__":

@@ -55,3 +55,24 @@ def test_the_machine_names_its_cpu_and_flags() -> None:
     machine = common.machine()
     assert machine["cpu"] and machine["cores"] >= 1
     assert set(machine["flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+def test_compare_two_alternates_fresh_runs_and_divides_the_second_by_the_first(
+    tmp_path: Path, capsys
+) -> None:
+    # benchmarks.speed.windowed and ppo_vs_grpo: two variants of the smoke recipe, the second
+    # with 2 completions per prompt instead of 8 (fewer tokens to generate and train on)
+    variants = {
+        "eight": (["recipes/smoke.yaml"], ""),
+        "two": (["recipes/smoke.yaml", "rollout.group_size=2"], ""),
+    }
+    out = tmp_path / "report.json"
+    report = common.compare_two("benchmarks.x", variants, rounds=2, steps=2, out=out)
+    assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == report
+    eight, two = report["eight"], report["two"]
+    assert eight["steps_timed"] == two["steps_timed"] == 2  # the first step of each run left out
+    assert len(eight["peak_rss_mb_per_run"]) == len(two["peak_rss_mb_per_run"]) == 2
+    ratio = report["two_over_eight"]
+    assert ratio["step"] == two["median_step_s"] / eight["median_step_s"]
+    assert ratio["peak_rss"] == two["peak_rss_mb"] / eight["peak_rss_mb"]
+    assert ratio["train"] < 1  # a quarter of the completions to score and train on
