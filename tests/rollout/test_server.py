@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -58,7 +60,7 @@ def _keep_torch_threads():
     torch.set_num_threads(threads)
 
 
-def test_a_rollout_travels_whole(tiny_model_dir: Path) -> None:
+def test_a_rollout_travels_whole() -> None:
     from grpo.containers import Rollout
     from grpo.scoring.distribution import Sampling
 
@@ -156,6 +158,13 @@ def test_a_producer_process_generates_on_the_server(tiny_config, server: str) ->
     )
     logged = rows(train(config))
     assert [r["staleness/max"] for r in logged] == [0, 1, 1]
+    # every push reached the server: the same run on the producer's own HF engine
+    own = tiny_config(
+        rollout={**ROLLOUT, "max_staleness": 1},
+        algorithm={"tis_cap": 2.0},
+        train={"steps": 3, "threads": 2, "run_name": "ahead-own"},
+    )
+    assert rows(train(own)) == logged
 
 
 @pytest.mark.slow
@@ -209,3 +218,58 @@ def test_a_second_run_on_the_same_server_stops_the_first(server: str, tiny_model
         first.sync_weights(models[0])
     second.sync_weights(models[1])  # the run that took it goes on
     second.generate(prompts, rows_, 2, seeds=[1])
+
+
+def test_a_server_of_another_model_is_refused_at_once_with_its_reason(
+    tiny_config, tmp_path: Path
+) -> None:
+    # same sampling controls, other weights: the server refuses the weights group, and the
+    # client says why at once instead of waiting out the group's timeout
+    other = build_tiny_model(tmp_path / "other", num_layers=3)
+    process, url = start_server(other)
+    try:
+        config = tiny_config(
+            rollout={**ROLLOUT, "engine": "server", "server_url": url},
+            train={"steps": 1, "threads": 1},
+        )
+        t0 = time.monotonic()
+        with pytest.raises(
+            ServerLost, match=r"failed /weights/init: .* is not among the client's: another model"
+        ):
+            train(config)
+        assert time.monotonic() - t0 < 60  # server_timeout_s is 600
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize("body", [b"", b"not json", b"[1, 2]", b'{"status": "ok"}'])
+def test_a_server_that_is_not_grpo_serve_is_one_line(tiny_config, body: bytes) -> None:
+    # e.g. vLLM's own server on the same port: its /health answers 200 with an empty body
+    class Other(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    other = HTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        config = tiny_config(
+            rollout={
+                **ROLLOUT,
+                "engine": "server",
+                "server_url": f"http://127.0.0.1:{other.server_address[1]}",
+            },
+            train={"steps": 1, "threads": 1},
+        )
+        with pytest.raises(ServerLost, match=r"is rollout\.server_url a grpo serve"):
+            train(config)
+    finally:
+        other.shutdown()

@@ -140,6 +140,14 @@ class Served:
             if name not in own or list(own[name].shape) != shape:
                 raise ValueError(f"the client's weight {name} {shape} is not in the served model")
             params.append(own[name])
+        # a served model with more (another depth) would sample with weights never pushed
+        pushed = {name for name, _ in request["names"]}
+        missing = [name for name, _ in self.model.named_parameters() if name not in pushed]
+        if missing:
+            raise ValueError(
+                f"the served model's weight {missing[0]} (and {len(missing) - 1} more) is not "
+                "among the client's: another model"
+            )
         timeout = float(request["timeout_s"])
         rendezvous = weight_sync.store(request["host"], request["port"], False, timeout)
         pg = weight_sync.group(rendezvous, weight_sync.PRODUCER, timeout)
@@ -172,6 +180,10 @@ class Served:
 
 def handler_for(served: Served) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        # one request at a time: a client that connects and sends nothing may hold the server
+        # this long, not for ever
+        timeout = 30
+
         def _reply(self, status: int, body: bytes, kind: str) -> None:
             self.send_response(status)
             self.send_header("Content-Type", kind)
@@ -189,9 +201,11 @@ def handler_for(served: Served) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": f"no {self.path}"})
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length", 0))
-            request = json.loads(self.rfile.read(length) or b"{}")
             try:
+                length = int(self.headers.get("Content-Length", 0))
+                request = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(request, dict):
+                    raise ValueError("the request's body is not a JSON object")
                 if self.path == "/generate":
                     self._reply(200, served.generate(request), "application/octet-stream")
                 elif self.path == "/weights/init":
@@ -244,6 +258,7 @@ class ServerEngine:
         self.checked = False
         self.sender: tuple[Any, list[str]] | None = None
         self.weights_session, self.pushes = "", 0
+        self.rendezvous: Any = None
 
     def _call(self, path: str, body: dict[str, Any] | None = None) -> bytes:
         data = None if body is None else json.dumps(body).encode()
@@ -254,7 +269,10 @@ class ServerEngine:
             with urllib.request.urlopen(request, timeout=self.config.server_timeout_s) as reply:
                 return reply.read()
         except urllib.error.HTTPError as err:
-            said = json.loads(err.read() or b"{}").get("error", str(err))
+            try:
+                said = json.loads(err.read() or b"{}").get("error", str(err))
+            except (ValueError, AttributeError):  # not grpo serve's JSON error
+                said = str(err)
             raise ServerLost(f"the rollout server at {self.url} failed {path}: {said}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
@@ -263,11 +281,32 @@ class ServerEngine:
                 f"(rollout.server_timeout_s {self.config.server_timeout_s:g}): {reason}"
             ) from None
 
+    def _answer(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``path``'s JSON answer; one that is not grpo serve's (another server on that port)
+        is one line."""
+        try:
+            answer = json.loads(self._call(path, body))
+            if isinstance(answer, dict):
+                return answer
+        except ValueError:
+            pass
+        raise ServerLost(
+            f"the rollout server at {self.url} answered {path} with something other than "
+            "grpo serve's JSON: is rollout.server_url a grpo serve?"
+        )
+
+    def _field(self, answer: dict[str, Any], key: str, path: str) -> Any:
+        if key not in answer:
+            raise ServerLost(
+                f"the rollout server at {self.url} answered {path} without '{key}': is "
+                "rollout.server_url a grpo serve?"
+            )
+        return answer[key]
+
     def _check(self) -> None:
         """Before the first request: the server samples as this run would, or one line."""
-        health = json.loads(self._call("/health"))
         ours = {key: getattr(self.config, key) for key in SAMPLING_KEYS}
-        theirs = health["sampling"]
+        theirs = self._field(self._answer("/health"), "sampling", "/health")
         differ = [f"{k} {theirs.get(k)!r} -> {v!r}" for k, v in ours.items() if theirs.get(k) != v]
         if differ:
             raise ServerLost(
@@ -298,7 +337,14 @@ class ServerEngine:
             "temperature": temperature,
             "greedy": greedy,
         }
-        rollout = decode_rollout(self._call("/generate", body), rows)
+        data = self._call("/generate", body)
+        try:
+            rollout = decode_rollout(data, rows)
+        except Exception as err:  # torch.load of something else, or a state without a field
+            raise ServerLost(
+                f"the rollout server at {self.url} answered /generate with no rollout "
+                f"({type(err).__name__}): is rollout.server_url a grpo serve?"
+            ) from None
         if rollout.num_completions != len(prompts) * group_size:
             raise ServerLost(f"the rollout server at {self.url} answered another request")
         return rollout
@@ -315,28 +361,40 @@ class ServerEngine:
                 "timeout_s": timeout,
                 "names": names,
             }
-            # the server joins the group while answering; this process joins it meanwhile
-            replies: list[bytes | BaseException] = []
-            thread = threading.Thread(target=self._post_into, args=("/weights/init", init, replies))
+            # the server joins the group while answering; this process joins it meanwhile, on
+            # a thread, so that a server that refuses (another model) is said at once rather
+            # than after the group's timeout
+            joined: list[Any] = []
+            thread = threading.Thread(
+                target=self._join_into, args=(rendezvous, timeout, joined), daemon=True
+            )
             thread.start()
-            pg = weight_sync.group(rendezvous, weight_sync.TRAINER, timeout)
-            thread.join()
-            self._raise_from(replies)
-            self.weights_session = json.loads(replies[0])["session"]
-            self.sender = (pg, list(weights))
-            self.rendezvous = rendezvous
+            answer = self._answer("/weights/init", init)
+            thread.join(timeout)
+            if not joined or isinstance(joined[0], BaseException):
+                said = joined[0] if joined else "no answer"
+                raise ServerLost(
+                    f"the rollout server at {self.url} did not join the weights group at "
+                    f"{self.config.server_weights_host} (rollout.server_weights_host): {said}"
+                )
+            self.weights_session = str(self._field(answer, "session", "/weights/init"))
+            self.sender = (joined[0], list(weights))
+            self.rendezvous = rendezvous  # the store this process hosts: alive while it pushes
         else:  # refused here, before the broadcast would wait for a server that took another run
             self._still_ours()
         pg, names = self.sender
         flat = weight_sync.flatten([weights[name] for name in names])
         replies = []
         update = {"session": self.weights_session, "version": self.pushes}
-        thread = threading.Thread(target=self._post_into, args=("/weights/update", update, replies))
+        thread = threading.Thread(
+            target=self._post_into, args=("/weights/update", update, replies), daemon=True
+        )
         thread.start()
         try:
             weight_sync.broadcast(pg, flat)
         except Exception as err:
             thread.join(1)
+            self._raise_from(replies)  # the server's own reason, when it refused the push
             raise ServerLost(
                 f"the rollout server at {self.url} stopped taking weights: {err}"
             ) from None
@@ -345,12 +403,19 @@ class ServerEngine:
         self.pushes += 1
 
     def _still_ours(self) -> None:
-        health = json.loads(self._call("/health"))
-        if (health["session"], health["version"]) != (self.weights_session, self.pushes):
+        health = self._answer("/health")
+        if (health.get("session"), health.get("version")) != (self.weights_session, self.pushes):
             raise ServerLost(
                 f"the rollout server at {self.url} holds another run's weights now (session "
                 f"{health['session']}, not this run's {self.weights_session}): one server per run"
             )
+
+    @staticmethod
+    def _join_into(rendezvous: Any, timeout: float, out: list) -> None:
+        try:
+            out.append(weight_sync.group(rendezvous, weight_sync.TRAINER, timeout))
+        except BaseException as err:
+            out.append(err)
 
     def _post_into(self, path: str, body: dict[str, Any], out: list) -> None:
         try:
