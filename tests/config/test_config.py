@@ -160,6 +160,10 @@ def test_only_a_switch_to_another_task_drops_the_recipes_task_args(
             {"estimator": "rloo", "critic_lr": 1e-4},
             "algorithm.critic_lr is set but not used: it applies only with estimator ppo",
         ),
+        (
+            {"beta": 0.1, "ref_mix_alpha": 0.5},
+            "algorithm.ref_mix_alpha is set but not used: it applies only with ref_update_every",
+        ),
     ],
 )
 def test_a_knob_that_nothing_reads_is_one_line(algorithm: dict, said: str) -> None:

@@ -249,4 +249,4 @@ def test_a_non_finite_critic_gradient_takes_no_step_and_says_so(
     assert stats["value/grad_norm"] != stats["value/grad_norm"]  # NaN
     after = critic.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert "step 7: the gradient's norm is nan (not finite)" in capsys.readouterr().err
+    assert "step 7: the critic's gradient norm is nan (not finite)" in capsys.readouterr().err

@@ -177,8 +177,8 @@ def test_a_gradient_that_is_not_finite_skips_the_step_and_says_so(capsys) -> Non
     assert math.isinf(norm)
     assert weights == [0.0, 0.0] and grad is None and position == 0  # no step, no schedule
     assert capsys.readouterr().err == (
-        "grpo: warning: step 7: the gradient's norm is inf (not finite); the optimizer step is "
-        "skipped, the weights are unchanged\n"
+        "grpo: warning: step 7: the policy's gradient norm is inf (not finite); the optimizer "
+        "step is skipped, the policy's weights are unchanged\n"
     )
     norm, weights, _, _ = _sgd_step([math.nan, 1.0], max_grad_norm=1.0, announce=False)
     assert math.isnan(norm) and weights == [0.0, 0.0]

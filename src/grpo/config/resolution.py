@@ -57,7 +57,8 @@ def resolve(config: Config) -> None:
             "set tis_cap (or tis_low with tis_mode=mask)"
         )
     for name, (applies, when) in USED_ONLY_WITH.items():
-        # off its default: a saved run's config spells out every default, and may
+        # off its default, not merely written down: a saved run's config spells out every
+        # default, and a resume of it must not be refused for that
         if getattr(algo, name) != type(algo).model_fields[name].default and not applies(algo):
             raise ValueError(f"algorithm.{name} is set but not used: it applies only {when}")
     if config.rollout.engine == "server" and config.rollout.tools:
@@ -95,6 +96,7 @@ USED_ONLY_WITH: dict[str, tuple[Callable[[AlgorithmConfig], bool], str]] = {
     "value_clip": (_is_ppo, "with estimator ppo"),
     "critic_lr": (_is_ppo, "with estimator ppo"),
     "critic_model": (_is_ppo, "with estimator ppo"),
+    "ref_mix_alpha": (lambda a: bool(a.ref_update_every), "with ref_update_every"),
 }
 
 

@@ -100,8 +100,6 @@ class Critic:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, weight_decay=config.optim.weight_decay
         )
-        # constant: clip_and_step steps a schedule with the optimizer
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
 
     def values(self, batches: list[MicroBatch], shape: tuple[int, int]) -> Tensor:
         """[N, T] values of every completion position of the step, before its update."""
@@ -147,10 +145,11 @@ class Critic:
         norm = clip_and_step(
             self.model,
             self.optimizer,
-            self.scheduler,
+            None,  # a constant rate
             self.config.optim.max_grad_norm,
             step,
             announce,
+            what="the critic",
         )
         return {"value/loss": total, "value/clip_frac": clipped / tokens, "value/grad_norm": norm}
 

@@ -121,15 +121,17 @@ def takes_step(grad_norm: float) -> bool:
 def clip_and_step(
     policy: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None,
     max_grad_norm: float | None,
     step: int,
     announce: bool,
+    what: str = "the policy",
 ) -> float:
     """Clip the gradient's global norm, step when ``takes_step`` (the schedule too, as a
     dynamic-sampling step with nothing to learn takes none), free the gradients; returns the
     norm before clipping. Under torchrun the norm is of the all-reduced gradient: every rank
-    decides alike."""
+    decides alike. ``scheduler`` None: a constant rate; ``what`` names the model in the
+    warning line (the policy, the critic)."""
     masters = master_weights(policy, optimizer)
     for weight, master in masters.values():
         master.grad = None if weight.grad is None else weight.grad.float()
@@ -145,14 +147,14 @@ def clip_and_step(
     elif announce and not math.isfinite(norm):
         # the weights stay as they are, as mixed precision's loss scaling skips such a step
         print(
-            f"grpo: warning: step {step}: the gradient's norm is {norm} (not finite); "
-            "the optimizer step is skipped, the weights are unchanged",
+            f"grpo: warning: step {step}: {what}'s gradient norm is {norm} (not finite); "
+            f"the optimizer step is skipped, {what}'s weights are unchanged",
             file=sys.stderr,
             flush=True,
         )
     # free the gradients now, not at the next update: the rollout and the frozen log-probs
     # between the two then reuse their memory instead of growing the process (as TRL does)
     optimizer.zero_grad(set_to_none=True)
-    if stepping:
+    if stepping and scheduler is not None:
         scheduler.step()
     return norm

@@ -153,10 +153,8 @@ class Trainer:
             self.critic,
         )
         self.step = 0
-        self.saved_step = -1
-        self.lost: RolloutLost | None = (
-            None  # generation elsewhere failed after an update  # the step of the newest checkpoint on disk
-        )
+        self.saved_step = -1  # the step of the newest checkpoint on disk
+        self.lost: RolloutLost | None = None  # generation elsewhere failed after an update
 
     def _critic(self) -> Critic | None:
         """PPO's value model (``estimator: ppo``), on this process's device."""
