@@ -197,24 +197,28 @@ def timed_steps(run_dir: Path) -> list[dict[str, Any]]:
 
 
 # one `grpo` command in a fresh interpreter, after PATCH (Python, may be empty); prints the
-# interpreter's peak RSS in KiB last
+# interpreter's peak RSS and its largest child's (a producer process, reward workers) in KiB last
 FRESH_RUN = """
 import resource, sys
 exec(sys.argv[1])
 from grpo.cli import main
 code = main(sys.argv[2:])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+      resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 sys.exit(code)
 """
 
 
 def timed_run(run_dir: Path, args: list[str], patch: str = "") -> dict[str, Any]:
     """``grpo ARGS`` (a training into ``run_dir``) in a fresh process: its timed steps
-    (``timed_steps``) and its peak RSS in MiB."""
+    (``timed_steps``), its peak RSS in MiB, and apart the largest peak of its child processes
+    (a producer process with ``rollout.max_staleness``, reward workers), which the first does
+    not count."""
     done = subprocess.run(
         [sys.executable, "-c", FRESH_RUN, patch, *args], check=True, capture_output=True, text=True
     )
-    return {"rows": timed_steps(run_dir), "peak_rss_mb": int(done.stdout.split()[-1]) / 1024}
+    own, children = (int(kib) / 1024 for kib in done.stdout.split()[-2:])
+    return {"rows": timed_steps(run_dir), "peak_rss_mb": own, "children_peak_rss_mb": children}
 
 
 def run_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -228,6 +232,7 @@ def run_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "median_completion_len": median([r["completion_len/mean"] for r in rows]),
         "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
         "peak_rss_mb_per_run": [run["peak_rss_mb"] for run in runs],
+        "children_peak_rss_mb": max(run["children_peak_rss_mb"] for run in runs),
     }
 
 

@@ -40,9 +40,12 @@ def test_a_summary_takes_medians_and_the_largest_peak() -> None:
         {"rows": [row(2.0, 1.0, 1.0), row(4.0, 1.0, 3.0)], "peak_rss_mb": 100.0},
         {"rows": [row(3.0, 1.0, 2.0)], "peak_rss_mb": 120.0},
     ]
+    for run, children in zip(runs, (30.0, 20.0), strict=True):
+        run["children_peak_rss_mb"] = children
     out = common.run_summary(runs)
     assert out["median_step_s"] == 3.0 and out["median_train_s"] == 2.0
     assert out["peak_rss_mb"] == 120.0 and out["steps_timed"] == 3
+    assert out["children_peak_rss_mb"] == 30.0  # apart: a producer's memory is its own
 
 
 def test_timed_steps_leave_out_the_first_and_the_evaluations(tmp_path: Path) -> None:
@@ -76,3 +79,4 @@ def test_compare_two_alternates_fresh_runs_and_divides_the_second_by_the_first(
     assert ratio["step"] == two["median_step_s"] / eight["median_step_s"]
     assert ratio["peak_rss"] == two["peak_rss_mb"] / eight["peak_rss_mb"]
     assert ratio["train"] < 1  # a quarter of the completions to score and train on
+    assert eight["children_peak_rss_mb"] > 0  # the math-verify worker, at least
