@@ -118,8 +118,8 @@ def test_the_reference_follows_beta_its_refreshes_and_autocast() -> None:
         return grpo.build.reference_of(config, policy)
 
     assert reference(beta=0.0) is None  # nothing loaded at all
-    # never refreshed: a mix would never happen, so it is a copy (alpha 1) held in bf16
-    frozen = reference(beta=0.04, ref_mix_alpha=0.5)
+    # never refreshed: a copy (alpha 1) held in bf16; a mix without refreshes is refused
+    frozen = reference(beta=0.04)
     assert frozen.alpha == 1.0 and frozen.copy.weight.dtype == torch.bfloat16
     assert frozen.copy is not policy and torch.equal(
         frozen.copy.weight.float(), policy.weight.bfloat16().float()

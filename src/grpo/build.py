@@ -201,8 +201,8 @@ def reference_of(config: Config, policy: nn.Module) -> Reference | None:
     if algo.beta == 0:
         return None
     products = torch.bfloat16 if config.model.autocast else None
-    alpha = algo.ref_mix_alpha if algo.ref_update_every > 0 else 1.0
-    return Reference(policy, products, alpha)
+    # a mix without refreshes is refused by the config (USED_ONLY_WITH): alpha is 1 then
+    return Reference(policy, products, algo.ref_mix_alpha)
 
 
 def engine_of(
