@@ -38,10 +38,10 @@ from grpo.rollout.hf import (
     Chooser,
     HFEngine,
     SeededGroupSampler,
-    packed_linears,
     processor_choice,
     sample_groups,
 )
+from grpo.rollout.packed_weights import packed_linears
 from grpo.runtime.host_memory import set_malloc_policy
 from grpo.scoring import chunked_head
 from grpo.scoring.distribution import Sampling, process_logits

@@ -171,6 +171,12 @@ def test_a_knob_that_nothing_reads_is_one_line(algorithm: dict, said: str) -> No
         build_config({"algorithm": algorithm})
 
 
+def test_float32_packing_is_an_hf_engine_knob() -> None:
+    assert build_config({"rollout": {"pack_float32": True}}).rollout.pack_float32
+    with pytest.raises(ConfigError, match=r"rollout.pack_float32 is set but not used.*engine hf"):
+        build_config({"rollout": {"pack_float32": True, "engine": "vllm"}})
+
+
 def test_a_knob_with_its_setting_is_taken() -> None:
     algo = build_config(
         {"algorithm": {"estimator": "ppo", "lam": 0.9, "loss_type": "sapo", "sapo_tau_pos": 2.0}}

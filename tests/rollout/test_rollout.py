@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-
 import pytest
 import torch
 
 from grpo.config import RolloutConfig
 from grpo.models import load_tokenizer
-from grpo.rollout import completion_mask_and_truncation, hf, render_prompt
+from grpo.rollout import completion_mask_and_truncation, render_prompt
 from grpo.rollout.hf import HFEngine
 
 
@@ -176,121 +173,6 @@ def test_reward_inputs_of_no_prompts_are_empty() -> None:
     from grpo.training.gather import empty_rollout
 
     assert reward_inputs(empty_rollout(2)) == ([], [], {}, [])
-
-
-@pytest.mark.parametrize("bf16", [True, False])
-def test_bf16_sampling_packs_the_linear_layers_and_samples_the_same(
-    tiny_model_dir, monkeypatch, bf16
-) -> None:
-    # under bf16 autocast on the CPU every nn.Linear multiplies by its weight packed once: the
-    # same bf16 products, so the same tokens and log-probs; afterwards the layers are as they
-    # were. In float32 nothing is packed
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)), RolloutConfig(max_new_tokens=8))
-    prompts = ["a", "a much longer prompt"]
-    calls = []
-    packed = hf._packed_linear
-    monkeypatch.setattr(hf, "_packed_linear", lambda *a: calls.append(1) or packed(*a))
-
-    def sample(pack: bool):
-        with monkeypatch.context() as patch:
-            if not pack:
-                patch.setattr(hf, "packed_linears", lambda model: contextlib.nullcontext())
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                return engine.generate(prompts, [{}, {}], group_size=3, seeds=[1, 2])
-
-    got, want = sample(pack=True), sample(pack=False)
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    assert bool(calls) == bf16 and len(calls) % len(linears) == 0
-    assert not any("forward" in vars(m) for m in linears)  # each layer's own forward again
-    assert torch.equal(got.completion_ids, want.completion_ids)
-    assert torch.equal(got.sampler_logp, want.sampler_logp)
-
-
-def test_packing_leaves_a_replaced_forward_alone_and_nests(tiny_model_dir) -> None:
-    # a forward already set on the instance (accelerate's hooks do this) is neither packed nor
-    # removed; a packing inside another packs nothing more and both undo cleanly
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    hooked = model.lm_head
-    hooked.forward = hooked_forward = lambda x: torch.nn.Linear.forward(hooked, x)
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    with torch.autocast("cpu", dtype=torch.bfloat16), hf.packed_linears(model):
-        assert hooked.forward is hooked_forward
-        packed = {m: m.forward for m in linears if m is not hooked}
-        assert all(isinstance(f, functools.partial) for f in packed.values())
-        with hf.packed_linears(model):
-            assert all(m.forward is f for m, f in packed.items())
-        assert all(m.forward is f for m, f in packed.items())
-    assert hooked.forward is hooked_forward
-    assert not any("forward" in vars(m) for m in linears if m is not hooked)
-
-
-bf16_kernels = pytest.mark.skipif(
-    not hf._packs(torch.nn.Linear(1, 1).bfloat16()), reason="no oneDNN bf16 kernels on this CPU"
-)
-
-
-@bf16_kernels
-@pytest.mark.parametrize("bias", [False, True])
-def test_a_packed_layer_gives_f_linears_bits_at_real_widths(bias: bool) -> None:
-    # SmolLM2's widths and a decode step's to a prefill's rows, with a bias as Qwen2's q/k/v
-    gen = torch.Generator().manual_seed(0)
-    for k, n in [(576, 576), (576, 192), (576, 1536), (1536, 576)]:
-        layer = torch.nn.Linear(k, n, bias=bias).bfloat16()
-        with hf.packed_linears(layer):
-            assert isinstance(layer.forward, functools.partial)
-            for m in (1, 5, 64, 300):
-                x = torch.randn(2, m, k, generator=gen).bfloat16()
-                assert torch.equal(
-                    layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
-                )
-
-
-class _Mixed(torch.nn.Module):
-    """A bf16 layer and a float32 one after it, as a LoRA adapter PEFT keeps in float32."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.low, self.high = torch.nn.Linear(8, 8).bfloat16(), torch.nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.high(self.low(x).float())
-
-
-@bf16_kernels
-def test_a_float32_layer_of_a_bf16_model_runs_in_float32() -> None:
-    model = _Mixed()
-    x = torch.randn(4, 8).bfloat16()
-    want = model(x)
-    with hf.packed_linears(model):
-        assert "forward" in vars(model.low) and "forward" not in vars(model.high)
-        got = model(x)
-    assert got.dtype == torch.float32 and torch.equal(got, want)
-
-
-@bf16_kernels
-def test_a_failure_while_packing_leaves_no_layer_patched(tiny_model_dir, monkeypatch) -> None:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    reorder, calls = torch.ops.mkldnn._reorder_linear_weight, []
-
-    def failing(weight):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("out of memory")
-        return reorder(weight)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", failing)
-    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="out of memory"), bf16, hf.packed_linears(model):
-        pass
-    assert len(calls) == 3
-    assert not any("forward" in vars(m) for m in model.modules())
 
 
 def test_greedy_takes_the_most_likely_token_as_transformers_does(tiny_model_dir) -> None:

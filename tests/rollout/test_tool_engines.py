@@ -39,11 +39,11 @@ def test_hf_engine_replays_the_scripted_exchange(scripted_model_dir: Path) -> No
 def test_a_tool_rollout_packs_the_weights_once_for_all_its_turns(scripted_model_dir, monkeypatch):
     # under bf16 the HF engine packs its linear layers per session; the turn loop holds one
     # session around its turns, so a two-turn rollout packs each layer once, not twice
-    from grpo.rollout import hf
+    from grpo.rollout import packed_weights
 
     tokenizer = load_tokenizer(scripted_model_dir)
     model = load_policy(ModelConfig(name=str(scripted_model_dir)), str(scripted_model_dir))
-    if not hf._packs(torch.nn.Linear(1, 1).bfloat16()):
+    if not packed_weights._kernels(torch.bfloat16):
         pytest.skip("no oneDNN bf16 kernels on this CPU")
     config = rollout_config()
     engine = MultiTurnEngine(HFEngine(model, tokenizer, config), tokenizer, config)

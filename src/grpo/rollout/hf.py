@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -23,6 +22,7 @@ from grpo.config import ConfigError, RolloutConfig
 from grpo.containers import Rollout
 from grpo.rollout import grouped_rollout, sampling_of
 from grpo.rollout.decode import CACHE_ARG, decode_step
+from grpo.rollout.packed_weights import packed_linears
 from grpo.rollout.turns import TurnRequest, TurnSample
 from grpo.scoring.distribution import Sampling, process_logits, token_set
 from grpo.scoring.logprobs import position_ids_from_mask
@@ -170,74 +170,6 @@ class StopStrings:
         """[b, t] completion tokens so far -> [b] True where a stop string appeared."""
         texts = self.tokenizer.batch_decode(tokens[:, -self.window :])
         return torch.tensor([any(s in text for s in self.strings) for text in texts])
-
-
-def _bf16_autocast() -> bool:
-    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-
-
-def _packed_linear(
-    module: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
-) -> torch.Tensor:
-    # what F.linear would multiply in, decided at each call: a float32 layer (a LoRA adapter
-    # on a bf16 model, a router run with autocast turned off) runs as it is
-    if not (_bf16_autocast() or module.weight.dtype == torch.bfloat16):
-        return nn.Linear.forward(module, x)
-    return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "")
-
-
-def _packs(model: nn.Module) -> bool:
-    """Whether sampling ``model`` can use packed weights: its products run in bf16 on a CPU
-    with oneDNN's bf16 kernels, and torch has the ops (``torch.ops.mkldnn``, as inductor's)."""
-    weight = next(model.parameters())
-    ops = torch.ops.mkldnn
-    return (
-        weight.device.type == "cpu"
-        and (_bf16_autocast() or weight.dtype == torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
-        and all(hasattr(ops, n) for n in ("_reorder_linear_weight", "_linear_pointwise"))
-        and bool(ops._is_mkldnn_bf16_supported())
-    )
-
-
-@contextlib.contextmanager
-def packed_linears(model: nn.Module) -> Iterator[None]:
-    """While sampling in bf16 on the CPU, every plain ``nn.Linear`` of ``model`` multiplies by
-    its weight packed once into oneDNN's blocked layout, not by the weight as it is.
-
-    ``F.linear`` takes the weight as it is at every call; a decode step's products have few
-    rows, where the packed weight pays most (0.6-0.8x the time at 5-64 rows on SmolLM2's
-    shapes, about the same at 240-480, in a one-off probe; whole rollouts: README). The
-    products are the same bf16 products: bit for bit on this CPU at SmolLM2's widths, with and
-    without bias (tested), so the same tokens and log-probs. Packing costs one reorder of each
-    weight per rollout (48 ms on SmolLM2) and holds a bf16 copy while sampling (autocast's
-    weight cache holds the same; a bf16 model has it twice). Layers run as they are where
-    torch or the CPU lacks the kernels, in float32 (a float32 layer without autocast), and
-    where the forward is already replaced on the instance (accelerate's hooks, a nested call).
-    """
-    if not _packs(model):
-        yield
-        return
-    patched = []
-    try:
-        for module in model.modules():
-            weight = getattr(module, "weight", None)
-            # a subclass (quantised layers, PEFT's LoRA wrapper, whose inner layers are plain),
-            # a sharded weight or a hooked forward runs as it is
-            own = type(module) is nn.Linear and "forward" not in vars(module)
-            if not own or type(weight.data) is not torch.Tensor:
-                continue
-            if not (_bf16_autocast() or weight.dtype == torch.bfloat16):
-                continue  # float32 without autocast: F.linear stays float32
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16))
-            bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
-            module.forward = functools.partial(_packed_linear, module, packed, bias)
-            patched.append(module)
-        yield
-    finally:
-        for module in patched:
-            del module.forward
 
 
 # completion positions a rollout's KV cache holds from the start (beyond: it doubles), so a large
@@ -460,7 +392,7 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with packed_linears(self.model):
+            with packed_linears(self.model, float32=self.config.pack_float32):
                 yield
         finally:
             self.model.train(was_training)

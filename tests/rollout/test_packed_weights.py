@@ -1,0 +1,262 @@
+"""Sampling's linear layers on packed weights (``grpo.rollout.packed_weights``)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+
+from grpo.config import RolloutConfig
+from grpo.models import load_tokenizer
+from grpo.rollout import hf, packed_weights
+from grpo.rollout.hf import HFEngine
+from grpo.rollout.packed_weights import packed_linears
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bf16_sampling_packs_the_linear_layers_and_samples_the_same(
+    tiny_model_dir, monkeypatch, bf16
+) -> None:
+    # under bf16 autocast on the CPU every nn.Linear multiplies by its weight packed once: the
+    # same bf16 products, so the same tokens and log-probs; afterwards the layers are as they
+    # were. In float32 a tiny model is never packed (``MIN_FLOAT32_ELEMENTS``)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)), RolloutConfig(max_new_tokens=8))
+    prompts = ["a", "a much longer prompt"]
+    calls = []
+    packed = packed_weights._packed_linear
+    monkeypatch.setattr(packed_weights, "_packed_linear", lambda *a: calls.append(1) or packed(*a))
+
+    def sample(pack: bool):
+        with monkeypatch.context() as patch:
+            if not pack:
+                patch.setattr(
+                    hf, "packed_linears", lambda model, float32=False: contextlib.nullcontext()
+                )
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return engine.generate(prompts, [{}, {}], group_size=3, seeds=[1, 2])
+
+    got, want = sample(pack=True), sample(pack=False)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert bool(calls) == bf16 and len(calls) % len(linears) == 0
+    assert not any("forward" in vars(m) for m in linears)  # each layer's own forward again
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.sampler_logp, want.sampler_logp)
+
+
+def test_packing_leaves_a_replaced_forward_alone_and_nests(tiny_model_dir) -> None:
+    # a forward already set on the instance (accelerate's hooks do this) is neither packed nor
+    # removed; a packing inside another packs nothing more and both undo cleanly
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    hooked = model.lm_head
+    hooked.forward = hooked_forward = lambda x: torch.nn.Linear.forward(hooked, x)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with torch.autocast("cpu", dtype=torch.bfloat16), packed_linears(model):
+        assert hooked.forward is hooked_forward
+        packed = {m: m.forward for m in linears if m is not hooked}
+        assert all(isinstance(f, functools.partial) for f in packed.values())
+        with packed_linears(model):
+            assert all(m.forward is f for m, f in packed.items())
+        assert all(m.forward is f for m, f in packed.items())
+    assert hooked.forward is hooked_forward
+    assert not any("forward" in vars(m) for m in linears if m is not hooked)
+
+
+bf16_kernels = pytest.mark.skipif(
+    not packed_weights._kernels(torch.bfloat16), reason="no oneDNN bf16 kernels on this CPU"
+)
+
+
+@bf16_kernels
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_layer_gives_f_linears_bits_at_real_widths(bias: bool) -> None:
+    # SmolLM2's widths and a decode step's to a prefill's rows, with a bias as Qwen2's q/k/v
+    gen = torch.Generator().manual_seed(0)
+    for k, n in [(576, 576), (576, 192), (576, 1536), (1536, 576)]:
+        layer = torch.nn.Linear(k, n, bias=bias).bfloat16()
+        with packed_linears(layer):
+            assert isinstance(layer.forward, functools.partial)
+            for m in (1, 5, 64, 300):
+                x = torch.randn(2, m, k, generator=gen).bfloat16()
+                assert torch.equal(
+                    layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+                )
+
+
+class _Mixed(torch.nn.Module):
+    """A bf16 layer and a float32 one after it, as a LoRA adapter PEFT keeps in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low, self.high = torch.nn.Linear(8, 8).bfloat16(), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.high(self.low(x).float())
+
+
+@bf16_kernels
+def test_a_float32_layer_of_a_bf16_model_runs_in_float32() -> None:
+    model = _Mixed()
+    x = torch.randn(4, 8).bfloat16()
+    want = model(x)
+    with packed_linears(model):
+        assert "forward" in vars(model.low) and "forward" not in vars(model.high)
+        got = model(x)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+@bf16_kernels
+def test_a_failure_while_packing_leaves_no_layer_patched(tiny_model_dir, monkeypatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    reorder, calls = torch.ops.mkldnn._reorder_linear_weight, []
+
+    def failing(weight):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return reorder(weight)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", failing)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out of memory"), bf16, packed_linears(model):
+        pass
+    assert len(calls) == 3
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+float32_kernels = pytest.mark.skipif(
+    not packed_weights._kernels(torch.float32), reason="no oneDNN float32 kernels in this torch"
+)
+
+
+@pytest.fixture
+def float32_packing(monkeypatch):
+    """Float32 products packed whatever the timing says (the tiny model is below the size
+    that is ever timed)."""
+    monkeypatch.setattr(packed_weights, "float32_packing_pays", lambda layers: True)
+
+
+@float32_kernels
+def test_float32_sampling_on_packed_weights_samples_the_same_tokens(
+    tiny_model_dir, monkeypatch, float32_packing
+) -> None:
+    # asked for and where packing pays, float32 products run on packed weights: oneDNN sums in
+    # another order than MKL, so log-probs differ by rounding only (on this tiny model the
+    # tokens drawn are the same; on SmolLM2 a few completions take another token)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    config = RolloutConfig(max_new_tokens=12, pack_float32=True)
+    engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)), config)
+    calls = []
+    packed = packed_weights._packed_linear
+    monkeypatch.setattr(packed_weights, "_packed_linear", lambda *a: calls.append(1) or packed(*a))
+    prompts, rows = ["a", "a much longer prompt", "b c"], [{}, {}, {}]
+    got = engine.generate(prompts, rows, group_size=4, seeds=[1, 2, 3])
+    assert calls
+    with monkeypatch.context() as patch:
+        patch.setattr(hf, "packed_linears", lambda model, float32=False: contextlib.nullcontext())
+        want = engine.generate(prompts, rows, group_size=4, seeds=[1, 2, 3])
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    torch.testing.assert_close(got.sampler_logp, want.sampler_logp, rtol=0, atol=1e-5)
+    assert not any("forward" in vars(m) for m in model.modules())
+    calls.clear()  # unasked, float32 sampling keeps F.linear's products even where packing pays
+    plain = HFEngine(model, engine.tokenizer, RolloutConfig(max_new_tokens=12))
+    assert torch.equal(
+        plain.generate(prompts, rows, 4, seeds=[1, 2, 3]).sampler_logp, want.sampler_logp
+    )
+    assert not calls
+
+
+@float32_kernels
+def test_a_packed_float32_layer_rounds_as_f_linear_does_at_real_widths(float32_packing) -> None:
+    # SmolLM2's widths from a decode step's rows to a prefill's: the same products to float32
+    # rounding of their size (oneDNN's order of summation is not MKL's)
+    gen = torch.Generator().manual_seed(0)
+    for k, n in [(576, 576), (576, 192), (576, 1536), (1536, 576)]:
+        layer = torch.nn.Linear(k, n)
+        with packed_linears(layer, float32=True):
+            assert isinstance(layer.forward, functools.partial)
+            for m in (1, 5, 64, 300):
+                x = torch.randn(m, k, generator=gen)
+                want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+                torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def _layers(*shapes: tuple[int, int]) -> list[torch.nn.Linear]:
+    return [torch.nn.Linear(k, n, bias=False) for k, n in shapes]
+
+
+@float32_kernels
+@pytest.mark.parametrize(("plain", "packed", "pays"), [(2.0, 1.0, True), (1.05, 1.0, False)])
+def test_float32_packing_is_chosen_by_timing_once_and_said(
+    monkeypatch, capsys, plain, packed, pays
+) -> None:
+    # F.linear's time against the packed products' on the layers' own weights: packed only
+    # for at least MIN_GAIN; measured once per set of shapes and said in one line
+    monkeypatch.setattr(packed_weights, "_FLOAT32_PAYS", {})
+    monkeypatch.setattr(packed_weights, "MIN_FLOAT32_ELEMENTS", 0)
+    timed = []
+
+    def time_products(layers, weights, inputs):
+        timed.append((len(layers), weights is None, {k: tuple(x.shape) for k, x in inputs.items()}))
+        return plain if weights is None else packed
+
+    monkeypatch.setattr(packed_weights, "_time_products", time_products)
+    layers = _layers((16, 32), (32, 16))
+    assert packed_weights.float32_packing_pays(layers) is pays
+    assert packed_weights.float32_packing_pays(layers) is pays  # not timed again
+    rows = packed_weights.PROBE_ROWS
+    assert (
+        sorted(timed)
+        == [(2, False, {16: (rows, 16), 32: (rows, 32)})] * 2
+        + [(2, True, {16: (rows, 16), 32: (rows, 32)})] * 2
+    )
+    line = capsys.readouterr().err.strip()
+    assert line.count("\n") == 0 and ("on packed weights" in line) == pays, line
+    with packed_linears(torch.nn.Sequential(*layers), float32=True):
+        assert all(("forward" in vars(m)) == pays for m in layers)
+    with packed_linears(torch.nn.Sequential(*layers)):  # not asked: never packed
+        assert not any("forward" in vars(m) for m in layers)
+
+
+@float32_kernels
+def test_float32_timing_reads_a_capped_share_of_a_large_model(monkeypatch) -> None:
+    # the probe stops once it holds PROBE_ELEMENTS weights; a model under
+    # MIN_FLOAT32_ELEMENTS is never timed (its products are too small to time)
+    monkeypatch.setattr(packed_weights, "_FLOAT32_PAYS", {})
+    monkeypatch.setattr(packed_weights, "MIN_FLOAT32_ELEMENTS", 1000)
+    monkeypatch.setattr(packed_weights, "PROBE_ELEMENTS", 600)
+    timed = []
+    monkeypatch.setattr(
+        packed_weights, "_time_products", lambda layers, w, x: timed.append(len(layers)) or 1.0
+    )
+    assert not packed_weights.float32_packing_pays(_layers((10, 30)))  # 300 elements
+    assert timed == []
+    packed_weights.float32_packing_pays(_layers(*[(10, 30)] * 5))  # 1500 elements
+    assert timed == [2, 2, 2, 2]
+
+
+def test_a_bf16_model_with_float32_adapters_packs_in_bf16(monkeypatch) -> None:
+    # the session's dtype is that of most weight elements, not of the first layer met: a
+    # float32 adapter first does not make a bf16 model's session a float32 one
+    measured = []
+    monkeypatch.setattr(
+        packed_weights, "float32_packing_pays", lambda layers: measured.append(1) or True
+    )
+    adapter, base = torch.nn.Linear(8, 2), torch.nn.Linear(64, 64).bfloat16()
+    model = torch.nn.Sequential(adapter, base)
+    assert packed_weights._packing_dtype([adapter, base], float32=True) == (
+        torch.bfloat16 if packed_weights._kernels(torch.bfloat16) else None
+    )
+    assert measured == []
+    with packed_linears(model, float32=True):
+        assert "forward" not in vars(adapter)
