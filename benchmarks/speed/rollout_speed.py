@@ -1,32 +1,52 @@
-"""Rollout speed: the HF engine against vLLM (its CPU build) on SmolLM2, against the decode limit.
+"""Rollout speed: the HF engine in each precision, and vLLM's CPU build where installed, against
+the decode limit of this machine.
 
-Both engines sample the default recipe's shape (P prompts x G completions, ``max_new_tokens``,
-temperature 1) from the same float32 weights, alternated round by round in one process so that
-the other jobs on the machine slow both alike. vLLM's time includes a weight push
-(``sync_weights``) before each rollout, as in training. The decode limit is measured in the same
-process at the same time: a decode step streams every weight once for the whole batch (memory
-bandwidth) and does ``2 x params`` FLOPs per active row (matmul peak); tokens/s can be no more
-than ``rows / max(bytes / bandwidth, flops / peak)``.
+Every variant samples the default recipe's shape (P prompts x G completions, ``max_new_tokens``,
+temperature 1) from the same SmolLM2 weights, alternated round by round in one process so that
+other jobs on the machine slow them alike:
 
-    .venv/bin/python -m benchmarks.speed.rollout_speed --rounds 3
+- ``hf_float32``: float32, ``F.linear``'s products (float32 sampling by default);
+- ``hf_float32_packed``: float32 with ``rollout.pack_float32`` (oneDNN's packed products where
+  timed faster: its first round includes that timing);
+- ``hf_bf16``: bf16 autocast (packed bf16 products), as the default recipe samples where
+  ``model.precision: auto`` picks bf16;
+- ``vllm``: float32, a weight push (``sync_weights``) before each rollout as in training; only
+  where vLLM is installed (``make vllm``).
+
+A variant's limit is measured in the same process at the same time: a decode step streams every
+weight once for the whole batch (memory bandwidth, at its precision's bytes) and does
+``2 x params`` FLOPs per row (the matrix-product peak in its precision); tokens/s can be no more
+than ``rows / max(bytes / bandwidth, flops / peak)``. The packed float32 completions are compared
+with the float32 ones of the same seeds: how many differ, and the largest log-prob difference of
+those that do not. ``--profile``: one more rollout of each HF variant under torch's profiler,
+its wall time split into matrix products, attention, dtype casts, other tensor ops and the
+Python around them, and the model's matrix products alone (all of a decode step's, on its own
+weights, at 1 to 128 rows): ``F.linear`` against oneDNN's packed products.
+
+    .venv/bin/python -m benchmarks.speed.rollout_speed --rounds 4
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from benchmarks import common
 from grpo.build import build_engine
 from grpo.config import RolloutConfig, load_config
+from grpo.containers import Rollout
 from grpo.data import load_dataset_rows, system_prompt_for
-from grpo.models import load_tokenizer, resolve_model_path
+from grpo.models import bf16_autocast, load_tokenizer, resolve_model_path
 from grpo.rollout import render_prompt
 
 
@@ -41,9 +61,11 @@ def memory_bandwidth(gib: float = 0.5, seconds: float = 1.0) -> float:
     return best
 
 
-def decode_limit(params: int, rows: int, bandwidth: float, peak: float) -> dict[str, float]:
+def decode_limit(
+    params: int, rows: int, bandwidth: float, peak: float, bytes_per_weight: int = 4
+) -> dict[str, float]:
     """Tokens/s bound for ``rows`` active rows: weights read once per step, 2 FLOPs per weight."""
-    stream_s = params * 4 / bandwidth
+    stream_s = params * bytes_per_weight / bandwidth
     compute_s = 2 * params * rows / peak
     return {
         "stream_s": stream_s,
@@ -52,31 +74,147 @@ def decode_limit(params: int, rows: int, bandwidth: float, peak: float) -> dict[
     }
 
 
+class Variant:
+    """One way of sampling: its engine, the precision it multiplies in, the autocast around it."""
+
+    def __init__(self, engine: Any, precision: str, autocast: bool) -> None:
+        self.engine, self.precision, self.autocast = engine, precision, autocast
+
+    def sample(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[Rollout, float]:
+        """(rollout, seconds), a weight push included (nothing to do for the HF engine)."""
+        with bf16_autocast(torch.device("cpu"), self.autocast):
+            start = time.perf_counter()
+            self.engine.sync_weights(model)
+            return self.engine.generate(*args, **kwargs), time.perf_counter() - start
+
+
+def variants(model: torch.nn.Module, tokenizer: Any, rollout: RolloutConfig) -> dict[str, Variant]:
+    def hf(**update: Any) -> Any:
+        return build_engine(
+            "hf", model=model, tokenizer=tokenizer, config=rollout.model_copy(update=update)
+        )
+
+    built: dict[str, Callable[[], Variant]] = {
+        "hf_float32": lambda: Variant(hf(), "float32", False),
+        "hf_float32_packed": lambda: Variant(hf(pack_float32=True), "float32", False),
+        "hf_bf16": lambda: Variant(hf(), "bfloat16", True),
+    }
+    if importlib.util.find_spec("vllm") is not None:
+        built["vllm"] = lambda: Variant(
+            build_engine(
+                "vllm",
+                model=model,
+                tokenizer=tokenizer,
+                config=rollout.model_copy(update={"engine": "vllm"}),
+            ),
+            "float32",
+            False,
+        )
+    return {name: make() for name, make in built.items()}
+
+
+def differences(got: Rollout, want: Rollout) -> dict[str, Any]:
+    """How many completions of ``got`` differ from ``want``'s (same seeds), and the largest
+    sampled log-prob difference over the completions that are the same."""
+    differing, largest = 0, 0.0
+    for i in range(len(got.completion_ids)):
+        ours, theirs = got.completion_mask[i], want.completion_mask[i]
+        if not torch.equal(got.completion_ids[i][ours], want.completion_ids[i][theirs]):
+            differing += 1
+            continue
+        delta = (got.sampler_logp[i][ours] - want.sampler_logp[i][theirs]).abs()
+        largest = max(largest, float(delta.max()) if len(delta) else 0.0)
+    return {
+        "completions": len(got.completion_ids),
+        "differing": differing,
+        "max_logp_diff_where_same": largest,
+    }
+
+
+# profiler op name -> where its time goes (anything else: "other ops")
+OP_KINDS = {
+    "aten::mm": "products",
+    "aten::addmm": "products",
+    "mkldnn::_linear_pointwise": "products",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    "aten::copy_": "casts and copies",
+}
+
+
+def profile(
+    variant: Variant, model: torch.nn.Module, *args: Any, **kwargs: Any
+) -> dict[str, float]:
+    """One rollout under torch's profiler: seconds by kind of op (self time), and the rest of
+    the wall time as "python" (the loop, dispatch, the profiler's own cost)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    with profiler(activities=[ProfilerActivity.CPU]) as prof:
+        _, seconds = variant.sample(model, *args, **kwargs)
+    kinds = dict.fromkeys(["products", "attention", "casts and copies", "other ops"], 0.0)
+    for event in prof.key_averages():
+        kinds[OP_KINDS.get(event.key, "other ops")] += event.self_cpu_time_total / 1e6
+    return {"wall_s": seconds, **kinds, "python": seconds - sum(kinds.values())}
+
+
+def _plain_pass(layers: list, inputs: dict) -> list[torch.Tensor]:
+    return [F.linear(inputs[m.in_features], m.weight) for m in layers]
+
+
+def _packed_pass(layers: list, packed: list, inputs: dict) -> list[torch.Tensor]:
+    return [
+        torch.ops.mkldnn._linear_pointwise(inputs[m.in_features], w, None, "none", [], "")
+        for m, w in zip(layers, packed, strict=True)
+    ]
+
+
+@torch.no_grad()
+def product_times(model: torch.nn.Module, rows: tuple[int, ...] = (1, 8, 32, 128)) -> dict:
+    """Seconds of one pass over every linear layer of ``model`` at each row count, float32
+    through ``F.linear`` and on oneDNN's packed weights (best of 3, alternated), with GFLOP/s."""
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()) for m in layers]
+    out = {}
+    for n in rows:
+        inputs = {k: torch.randn(n, k) for k in {m.in_features for m in layers}}
+        ways: dict[str, Callable[[], list[torch.Tensor]]] = {
+            "f_linear": functools.partial(_plain_pass, layers, inputs),
+            "packed": functools.partial(_packed_pass, layers, packed, inputs),
+        }
+        best = dict.fromkeys(ways, float("inf"))
+        for _ in range(3):
+            for name, run in ways.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - start)
+        flops = 2 * n * sum(m.weight.numel() for m in layers)
+        out[n] = {
+            **{f"{name}_s": s for name, s in best.items()},
+            **{f"{name}_gflops": flops / s / 1e9 for name, s in best.items()},
+            "packed_over_f_linear": best["packed"] / best["f_linear"],
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default="benchmarks/results/rollout_speed_smollm2.json")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
     recipe = load_config()  # the default recipe
-    rollout: RolloutConfig = recipe.rollout
+    rollout = recipe.rollout
     path = resolve_model_path(recipe.model.name)
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rows = load_dataset_rows(recipe.data, recipe.train.seed)
     system = system_prompt_for(recipe.data)
     p, g = rollout.prompts_per_step, rollout.group_size
-    engines = {
-        "hf": build_engine("hf", model=model, tokenizer=tokenizer, config=rollout),
-        "vllm": build_engine(
-            "vllm",
-            model=model,
-            tokenizer=tokenizer,
-            config=rollout.model_copy(update={"engine": "vllm"}),
-        ),
-    }
+    sampling = variants(model, tokenizer, rollout)
     params = sum(t.numel() for t in model.parameters())
     result: dict[str, Any] = {
+        "machine": common.machine(),
         "shape": {"prompts": p, "group_size": g, "max_new_tokens": rollout.max_new_tokens},
         "rounds": [],
     }
@@ -84,37 +222,57 @@ def main() -> None:
         batch = rows[r * p : (r + 1) * p]
         prompts = [render_prompt(tokenizer, row["prompt"], system) for row in batch]
         seeds = list(range(r * p, (r + 1) * p))
-        entry: dict[str, Any] = {
-            "matmul_peak_flops": common.matmul_peak_flops(),
-            "bandwidth_bytes_per_s": memory_bandwidth(),
+        bandwidth = memory_bandwidth()
+        peaks = {
+            name: common.matmul_peak_flops(dtype=dtype) for name, dtype in common.DTYPES.items()
         }
-        for name, engine in engines.items():
-            t0 = time.perf_counter()
-            engine.sync_weights(model)
-            t1 = time.perf_counter()
-            out = engine.generate(prompts, batch, g, seeds=seeds)
-            t2 = time.perf_counter()
+        entry: dict[str, Any] = {"bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops": peaks}
+        rollouts = {}
+        for name, variant in sampling.items():
+            out, seconds = variant.sample(model, prompts, batch, g, seeds=seeds)
+            rollouts[name] = out
             tokens = int(out.completion_mask.sum())
+            size = 2 if variant.precision == "bfloat16" else 4
+            limit = decode_limit(params, p * g, bandwidth, peaks[variant.precision], size)
             entry[name] = {
-                "push_s": t1 - t0,
-                "generate_s": t2 - t1,
+                "seconds": seconds,
                 "tokens": tokens,
-                "tokens_per_s": tokens / (t2 - t1),
-                "tokens_per_s_with_push": tokens / (t2 - t0),
+                "tokens_per_s": tokens / seconds,
+                "limit_tokens_per_s": limit["tokens_per_s"],
+                "share_of_limit": tokens / seconds / limit["tokens_per_s"],
             }
-        entry["limit"] = decode_limit(
-            params, p * g, entry["bandwidth_bytes_per_s"], entry["matmul_peak_flops"]
+        entry["float32_packed_against_float32"] = differences(
+            rollouts["hf_float32_packed"], rollouts["hf_float32"]
         )
         result["rounds"].append(entry)
         print(json.dumps(entry), flush=True)
-    later = result["rounds"][1:] or result["rounds"]  # round 1 includes vLLM's warm-up
-    summary = {
-        name: common.median([e[name]["tokens_per_s_with_push"] for e in later]) for name in engines
+    later = result["rounds"][1:] or result["rounds"]  # round 1: vLLM's warm-up, the float32 timing
+    result["median_after_round_1"] = {
+        name: {
+            key: common.median([e[name][key] for e in later])
+            for key in ("tokens_per_s", "limit_tokens_per_s", "share_of_limit")
+        }
+        for name in sampling
     }
-    summary["limit"] = common.median([e["limit"]["tokens_per_s"] for e in later])
-    summary["vllm_over_hf"] = common.ratio(summary["vllm"], summary["hf"])
-    result["median_tokens_per_s_after_round_1"] = summary
-    print(json.dumps(summary))
+    result["float32_packed_against_float32"] = {
+        "completions": sum(
+            e["float32_packed_against_float32"]["completions"] for e in result["rounds"]
+        ),
+        "differing": sum(
+            e["float32_packed_against_float32"]["differing"] for e in result["rounds"]
+        ),
+    }
+    print(json.dumps(result["median_after_round_1"]))
+    if args.profile:
+        batch = rows[:p]
+        prompts = [render_prompt(tokenizer, row["prompt"], system) for row in batch]
+        result["profile"] = {
+            name: profile(variant, model, prompts, batch, g, seeds=list(range(p)))
+            for name, variant in sampling.items()
+            if name.startswith("hf")
+        }
+        result["float32_products"] = product_times(model)
+        print(json.dumps(result["profile"]), json.dumps(result["float32_products"]))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -3,7 +3,7 @@
 ``F.linear`` takes a weight as it is at every call, and the CPU library behind it lays panels of
 it out afresh for each product. A decode step's products have few rows, so that re-layout is a
 large part of each one: on SmolLM2's shapes at 32 rows a packed bf16 weight takes 0.6-0.8x the
-time, and on an AMD EPYC a packed float32 one 0.58x MKL's (docs/results/rollout-speed.md).
+time, and on an AMD EPYC a packed float32 one 0.61x MKL's (docs/results/rollout-speed.md).
 Packing costs one reorder of each weight per sampling session (a rollout, or evaluation's
 batches) and holds the packed copy while sampling.
 
@@ -12,7 +12,7 @@ for bit at SmolLM2's widths, with and without bias (tested). Float32 products ar
 asked (``rollout.pack_float32``) and where timed faster on this CPU (``float32_packing_pays``):
 oneDNN's kernels sum in another order than MKL's, so a packed float32 product differs from
 ``F.linear``'s by rounding; through SmolLM2's 30 layers that moves sampled log-probs by up to
-6e-5, and a few completions take another token where two were close (counted in the
+5e-5, and a few completions take another token where two were close (counted in the
 rollout-speed benchmark). Unasked, float32 sampling keeps ``F.linear``'s products bit for bit.
 """
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 # the rows a decode step's products have in the default recipe (4 prompts x 8), where float32
-# packing is timed; oneDNN's packed float32 products were 0.35-0.78x MKL's from 1 to 256 rows
+# packing is timed; on an AMD EPYC oneDNN's took 0.45-0.74x MKL's time from 1 to 128 rows
 PROBE_ROWS = 32
 # float32 is packed only for a clear gain: packing costs a reorder per session and a copy held
 MIN_GAIN = 1.1
