@@ -8,6 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
+from tiny_gemma3 import tiny_gemma3
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
 
 from grpo.config import RolloutConfig
@@ -202,22 +203,7 @@ def test_a_model_with_sliding_window_layers_samples_what_generate_samples() -> N
     # reserved, the windowed layers keep transformers' own (it holds the window only; the mask
     # is what keeps the window, so the tokens would not tell); 12 tokens run past the window
     # and rows finish apart, and every token must equal what generate() draws
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        attn_implementation="sdpa",
-    )
-    model = Gemma3ForCausalLM(config).eval()
+    model = tiny_gemma3(window=4, layers=4)
     kinds = [type(layer).__name__ for layer in hf.reserved_cache(model, 8).layers]
     assert kinds == ["DynamicSlidingWindowLayer", "ReservedLayer"] * 2
     ids = torch.randint(1, 63, (2, 7))

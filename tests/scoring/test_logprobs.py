@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from tiny_gemma3 import tiny_gemma3
 from torch_calls import RowsOf
 from transformers import AutoModelForCausalLM
 
@@ -243,24 +244,9 @@ def test_scoring_path_says_why() -> None:
 
 
 def _tiny_gemma3(window: int):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     from grpo.scoring.prefix_attention import use_prefix_attention
 
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"],
-        attn_implementation="sdpa",
-    )
-    model = Gemma3ForCausalLM(config).eval()
+    model = tiny_gemma3(window)
     assert use_prefix_attention(model)
     return model
 
