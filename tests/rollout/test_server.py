@@ -114,6 +114,32 @@ def test_a_server_that_samples_otherwise_is_one_line(tiny_config, server: str) -
         train(config)
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda t: t.add_tokens(["<extra>"]), r"vocab_size \d+ -> \d+; vocab_sha256"),
+        (lambda t: setattr(t, "eos_token", t.convert_ids_to_tokens(5)), r"eos_token_id \d+ -> 5"),
+    ],
+    ids=["vocabulary", "eos"],
+)
+def test_a_server_that_tokenizes_otherwise_is_one_line(
+    server: str, tiny_model_dir: Path, change, said: str
+) -> None:
+    # the server returns token ids that the trainer reads with its own vocabulary: a tokenizer
+    # with another token, or another end token, is refused before anything is sampled
+    from grpo.config import RolloutConfig
+    from grpo.models import ModelConfig, load_policy, load_tokenizer
+    from grpo.rollout.server import ServerEngine
+
+    config = RolloutConfig(**ROLLOUT, engine="server", server_url=server, server_timeout_s=20)
+    model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    ServerEngine(model, tokenizer, config)._check()  # the same tokenizer passes
+    change(tokenizer)
+    with pytest.raises(ServerLost, match=r"tokenizes otherwise than this run \(" + said):
+        ServerEngine(model, tokenizer, config).generate(["1+1="], [{}], 2, seeds=[1])
+
+
 def test_tools_are_refused_on_the_server_engine(tiny_config) -> None:
     with pytest.raises(ConfigError, match=r"rollout\.tools runs its turn loop"):
         tiny_config(rollout={"engine": "server", "tools": ["python"]})

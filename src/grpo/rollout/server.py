@@ -4,9 +4,11 @@ holds an engine (``hf``, or ``vllm`` on its own GPUs) behind HTTP; a run with
 
 - ``POST /generate``: prompts, group size, seeds, temperature, greedy (JSON) -> the engine's
   ``Rollout`` without its rows (``torch.save`` bytes; the client puts its rows back).
-- ``GET /health``: the model, the engine, the weights' version and the sampling controls the
-  server was started with. The client compares them with its own before the first request and
-  refuses a difference in one line: the trainer scores under the controls it asked for.
+- ``GET /health``: the model, the engine, the weights' version, the sampling controls the
+  server was started with and its tokenizer's fingerprint. The client compares controls and
+  fingerprint with its own before the first request and refuses a difference in one line: the
+  trainer scores under the controls it asked for, and reads the server's token ids with its own
+  vocabulary.
 - Weights: ``POST /weights/init`` makes the server join a two-process gloo group on the
   client's ``TCPStore`` (``grpo.runtime.weight_sync``) and check the names and shapes the
   client will send (the policy's merged weights: full, or a LoRA policy's base plus its
@@ -19,6 +21,7 @@ A server that stops answering fails the request after ``rollout.server_timeout_s
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import secrets
@@ -89,6 +92,18 @@ def decode_rollout(data: bytes, rows: list[dict[str, Any]]) -> Rollout:
     )
 
 
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """What must agree for a server's token ids to be the client's tokens: the vocabulary
+    (every token and its id, hashed) and the end and padding ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return {
+        "vocab_size": len(vocab),
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16],
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def pushed_weights(model: nn.Module) -> dict[str, Tensor]:
     """What a push carries: the weights the engine samples from, under plain HF names."""
     from grpo.rollout.vllm import merged_weights  # no vllm import: only the merge
@@ -107,6 +122,7 @@ class Served:
         self.version = 0  # pushes since the client's /weights/init
         self.session = ""  # the client whose weights it holds ("" : its own, as loaded)
         self.receiver: tuple[Any, list[Tensor]] | None = None
+        self.tokenizer = tokenizer_fingerprint(engine.tokenizer)
 
     def health(self) -> dict[str, Any]:
         rollout = self.config.rollout
@@ -116,6 +132,7 @@ class Served:
             "version": self.version,
             "session": self.session,
             "sampling": {key: getattr(rollout, key) for key in SAMPLING_KEYS},
+            "tokenizer": self.tokenizer,
         }
 
     def generate(self, request: dict[str, Any]) -> bytes:
@@ -245,6 +262,12 @@ def serve(
 # ------------------------------------------------------------------------- the client
 
 
+def _differences(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    return "; ".join(
+        f"{k} {theirs.get(k)!r} -> {v!r}" for k, v in ours.items() if theirs.get(k) != v
+    )
+
+
 class ServerEngine:
     """``rollout.engine: server``: generation by a ``grpo serve`` process at
     ``rollout.server_url``; weights pushed to it after every optimizer step."""
@@ -304,14 +327,22 @@ class ServerEngine:
         return answer[key]
 
     def _check(self) -> None:
-        """Before the first request: the server samples as this run would, or one line."""
+        """Before the first request: the server samples and tokenizes as this run would, or
+        one line."""
+        health = self._answer("/health")
         ours = {key: getattr(self.config, key) for key in SAMPLING_KEYS}
-        theirs = self._field(self._answer("/health"), "sampling", "/health")
-        differ = [f"{k} {theirs.get(k)!r} -> {v!r}" for k, v in ours.items() if theirs.get(k) != v]
-        if differ:
+        theirs = self._field(health, "sampling", "/health")
+        if differ := _differences(theirs, ours):
             raise ServerLost(
                 f"the rollout server at {self.url} samples otherwise than this run "
-                f"({'; '.join(differ)}): start it with the same rollout.* settings"
+                f"({differ}): start it with the same rollout.* settings"
+            )
+        theirs = self._field(health, "tokenizer", "/health")
+        if differ := _differences(theirs, tokenizer_fingerprint(self.tokenizer)):
+            raise ServerLost(
+                f"the rollout server at {self.url} tokenizes otherwise than this run "
+                f"({differ}): its token ids would be read as other tokens; serve the run's "
+                "model with its tokenizer"
             )
         self.checked = True
 
