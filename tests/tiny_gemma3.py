@@ -21,7 +21,7 @@ def tiny_gemma3(window: int, layers: int = 2) -> nn.Module:
         num_key_value_heads=1,
         head_dim=16,
         sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
         attn_implementation="sdpa",
     )
     return Gemma3ForCausalLM(config).eval()

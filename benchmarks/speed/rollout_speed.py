@@ -23,7 +23,7 @@ its wall time split into matrix products, attention, dtype casts, other tensor o
 Python around them, and the model's matrix products alone (all of a decode step's, on its own
 weights, at 1 to 128 rows): ``F.linear`` against oneDNN's packed products.
 
-    .venv/bin/python -m benchmarks.speed.rollout_speed --rounds 4
+    .venv/bin/python -m benchmarks.speed.rollout_speed --rounds 5 --profile
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from grpo.config import RolloutConfig, load_config
 from grpo.containers import Rollout
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import bf16_autocast, load_tokenizer, resolve_model_path
-from grpo.rollout import render_prompt
+from grpo.rollout import packed_weights, render_prompt
 
 
 def memory_bandwidth(gib: float = 0.5, seconds: float = 1.0) -> float:
@@ -199,7 +199,7 @@ def product_times(model: torch.nn.Module, rows: tuple[int, ...] = (1, 8, 32, 128
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", default="benchmarks/results/rollout_speed_smollm2.json")
+    parser.add_argument("--out", default="benchmarks/results/rollout_speed_precisions.json")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
@@ -215,6 +215,7 @@ def main() -> None:
     params = sum(t.numel() for t in model.parameters())
     result: dict[str, Any] = {
         "machine": common.machine(),
+        "float32_packed": packed_weights._kernels(torch.float32),  # else the same as hf_float32
         "shape": {"prompts": p, "group_size": g, "max_new_tokens": rollout.max_new_tokens},
         "rounds": [],
     }

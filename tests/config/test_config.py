@@ -173,6 +173,8 @@ def test_a_knob_that_nothing_reads_is_one_line(algorithm: dict, said: str) -> No
 
 def test_float32_packing_is_an_hf_engine_knob() -> None:
     assert build_config({"rollout": {"pack_float32": True}}).rollout.pack_float32
+    server = {"pack_float32": True, "engine": "server"}  # its server's engine must say the same
+    assert build_config({"rollout": server}).rollout.pack_float32
     with pytest.raises(ConfigError, match=r"rollout.pack_float32 is set but not used.*engine hf"):
         build_config({"rollout": {"pack_float32": True, "engine": "vllm"}})
 

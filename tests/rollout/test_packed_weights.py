@@ -137,28 +137,29 @@ float32_kernels = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def float32_packing(monkeypatch):
-    """Float32 products packed whatever the timing says (the tiny model is below the size
-    that is ever timed)."""
-    monkeypatch.setattr(packed_weights, "float32_packing_pays", lambda layers: True)
+def _count_packed_products(monkeypatch) -> list[int]:
+    """Calls of oneDNN's packed product (not of the wrapper, which may fall back to F.linear)."""
+    calls: list[int] = []
+    product = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or product(*a)
+    )
+    return calls
 
 
 @float32_kernels
 def test_float32_sampling_on_packed_weights_samples_the_same_tokens(
-    tiny_model_dir, monkeypatch, float32_packing
+    tiny_model_dir, monkeypatch
 ) -> None:
-    # asked for and where packing pays, float32 products run on packed weights: oneDNN sums in
-    # another order than MKL, so log-probs differ by rounding only (on this tiny model the
-    # tokens drawn are the same; on SmolLM2 a few completions take another token)
+    # asked for, float32 products run on packed weights: oneDNN sums in another order than MKL,
+    # so log-probs differ by rounding only (on this tiny model the tokens drawn are the same;
+    # on SmolLM2 a few completions take another token)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     config = RolloutConfig(max_new_tokens=12, pack_float32=True)
     engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)), config)
-    calls = []
-    packed = packed_weights._packed_linear
-    monkeypatch.setattr(packed_weights, "_packed_linear", lambda *a: calls.append(1) or packed(*a))
+    calls = _count_packed_products(monkeypatch)
     prompts, rows = ["a", "a much longer prompt", "b c"], [{}, {}, {}]
     got = engine.generate(prompts, rows, group_size=4, seeds=[1, 2, 3])
     assert calls
@@ -168,7 +169,7 @@ def test_float32_sampling_on_packed_weights_samples_the_same_tokens(
     assert torch.equal(got.completion_ids, want.completion_ids)
     torch.testing.assert_close(got.sampler_logp, want.sampler_logp, rtol=0, atol=1e-5)
     assert not any("forward" in vars(m) for m in model.modules())
-    calls.clear()  # unasked, float32 sampling keeps F.linear's products even where packing pays
+    calls.clear()  # unasked, float32 sampling keeps F.linear's products bit for bit
     plain = HFEngine(model, engine.tokenizer, RolloutConfig(max_new_tokens=12))
     assert torch.equal(
         plain.generate(prompts, rows, 4, seeds=[1, 2, 3]).sampler_logp, want.sampler_logp
@@ -177,86 +178,53 @@ def test_float32_sampling_on_packed_weights_samples_the_same_tokens(
 
 
 @float32_kernels
-def test_a_packed_float32_layer_rounds_as_f_linear_does_at_real_widths(float32_packing) -> None:
+def test_a_packed_float32_layer_rounds_as_f_linear_does_at_real_widths(monkeypatch) -> None:
     # SmolLM2's widths from a decode step's rows to a prefill's: the same products to float32
     # rounding of their size (oneDNN's order of summation is not MKL's)
     gen = torch.Generator().manual_seed(0)
+    calls = _count_packed_products(monkeypatch)
     for k, n in [(576, 576), (576, 192), (576, 1536), (1536, 576)]:
         layer = torch.nn.Linear(k, n)
         with packed_linears(layer, float32=True):
-            assert isinstance(layer.forward, functools.partial)
             for m in (1, 5, 64, 300):
                 x = torch.randn(m, k, generator=gen)
                 want = torch.nn.functional.linear(x, layer.weight, layer.bias)
                 torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        with packed_linears(layer):  # not asked: F.linear itself
+            layer(x)
+    assert len(calls) == 4 * 4
 
 
-def _layers(*shapes: tuple[int, int]) -> list[torch.nn.Linear]:
-    return [torch.nn.Linear(k, n, bias=False) for k, n in shapes]
-
-
-@float32_kernels
-@pytest.mark.parametrize(("plain", "packed", "pays"), [(2.0, 1.0, True), (1.05, 1.0, False)])
-def test_float32_packing_is_chosen_by_timing_once_and_said(
-    monkeypatch, capsys, plain, packed, pays
+def test_asked_for_float32_packing_that_cannot_happen_is_one_line(
+    tiny_model_dir, monkeypatch, capsys
 ) -> None:
-    # F.linear's time against the packed products' on the layers' own weights: packed only
-    # for at least MIN_GAIN; measured once per set of shapes and said in one line
-    monkeypatch.setattr(packed_weights, "_FLOAT32_PAYS", {})
-    monkeypatch.setattr(packed_weights, "MIN_FLOAT32_ELEMENTS", 0)
-    timed = []
+    # no oneDNN ops in this torch (or a model off the CPU): the knob would change nothing, so
+    # the engine says so when it is built
+    from transformers import AutoModelForCausalLM
 
-    def time_products(layers, weights, inputs):
-        timed.append((len(layers), weights is None, {k: tuple(x.shape) for k, x in inputs.items()}))
-        return plain if weights is None else packed
-
-    monkeypatch.setattr(packed_weights, "_time_products", time_products)
-    layers = _layers((16, 32), (32, 16))
-    assert packed_weights.float32_packing_pays(layers) is pays
-    assert packed_weights.float32_packing_pays(layers) is pays  # not timed again
-    rows = packed_weights.PROBE_ROWS
-    assert (
-        sorted(timed)
-        == [(2, False, {16: (rows, 16), 32: (rows, 32)})] * 2
-        + [(2, True, {16: (rows, 16), 32: (rows, 32)})] * 2
-    )
-    line = capsys.readouterr().err.strip()
-    assert line.count("\n") == 0 and ("on packed weights" in line) == pays, line
-    with packed_linears(torch.nn.Sequential(*layers), float32=True):
-        assert all(("forward" in vars(m)) == pays for m in layers)
-    with packed_linears(torch.nn.Sequential(*layers)):  # not asked: never packed
-        assert not any("forward" in vars(m) for m in layers)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    monkeypatch.setattr(packed_weights, "_kernels", lambda dtype: False)
+    capsys.readouterr()  # the model's loading bar
+    HFEngine(model, tokenizer, RolloutConfig(pack_float32=True))
+    HFEngine(model, tokenizer, RolloutConfig())
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [
+        "rollout.pack_float32: nothing is packed (this torch build has no oneDNN packed-weight ops)"
+    ]
+    model.to("meta")
+    assert "samples on meta" in packed_weights.why_float32_unpacked(model)
 
 
-@float32_kernels
-def test_float32_timing_reads_a_capped_share_of_a_large_model(monkeypatch) -> None:
-    # the probe stops once it holds PROBE_ELEMENTS weights; a model under
-    # MIN_FLOAT32_ELEMENTS is never timed (its products are too small to time)
-    monkeypatch.setattr(packed_weights, "_FLOAT32_PAYS", {})
-    monkeypatch.setattr(packed_weights, "MIN_FLOAT32_ELEMENTS", 1000)
-    monkeypatch.setattr(packed_weights, "PROBE_ELEMENTS", 600)
-    timed = []
-    monkeypatch.setattr(
-        packed_weights, "_time_products", lambda layers, w, x: timed.append(len(layers)) or 1.0
-    )
-    assert not packed_weights.float32_packing_pays(_layers((10, 30)))  # 300 elements
-    assert timed == []
-    packed_weights.float32_packing_pays(_layers(*[(10, 30)] * 5))  # 1500 elements
-    assert timed == [2, 2, 2, 2]
-
-
-def test_a_bf16_model_with_float32_adapters_packs_in_bf16(monkeypatch) -> None:
+def test_a_bf16_model_with_float32_adapters_packs_in_bf16() -> None:
     # the session's dtype is that of most weight elements, not of the first layer met: a
     # float32 adapter first does not make a bf16 model's session a float32 one
-    measured = []
-    monkeypatch.setattr(
-        packed_weights, "float32_packing_pays", lambda layers: measured.append(1) or True
-    )
     adapter, base = torch.nn.Linear(8, 2), torch.nn.Linear(64, 64).bfloat16()
     model = torch.nn.Sequential(adapter, base)
+    bf16 = packed_weights._kernels(torch.bfloat16)
     assert packed_weights._packing_dtype([adapter, base], float32=True) == (
-        torch.bfloat16 if packed_weights._kernels(torch.bfloat16) else None
+        torch.bfloat16 if bf16 else None
     )
-    assert measured == []
     with packed_linears(model, float32=True):
         assert "forward" not in vars(adapter)
+        assert ("forward" in vars(base)) == bf16

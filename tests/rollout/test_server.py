@@ -5,6 +5,8 @@ that dies stops the run with a checkpoint and one line."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -122,7 +124,7 @@ def test_a_server_that_samples_otherwise_is_one_line(tiny_config, server: str) -
     ],
     ids=["vocabulary", "eos"],
 )
-def test_a_server_that_tokenizes_otherwise_is_one_line(
+def test_a_server_with_another_tokenizer_is_one_line(
     server: str, tiny_model_dir: Path, change, said: str
 ) -> None:
     # the server returns token ids that the trainer reads with its own vocabulary: a tokenizer
@@ -136,7 +138,7 @@ def test_a_server_that_tokenizes_otherwise_is_one_line(
     tokenizer = load_tokenizer(str(tiny_model_dir))
     ServerEngine(model, tokenizer, config)._check()  # the same tokenizer passes
     change(tokenizer)
-    with pytest.raises(ServerLost, match=r"tokenizes otherwise than this run \(" + said):
+    with pytest.raises(ServerLost, match=r"has another tokenizer than this run.s \(" + said):
         ServerEngine(model, tokenizer, config).generate(["1+1="], [{}], 2, seeds=[1])
 
 
@@ -269,9 +271,10 @@ def test_a_server_of_another_model_is_refused_at_once_with_its_reason(
         process.wait()
 
 
-@pytest.mark.parametrize("body", [b"", b"not json", b"[1, 2]", b'{"status": "ok"}'])
-def test_a_server_that_is_not_grpo_serve_is_one_line(tiny_config, body: bytes) -> None:
-    # e.g. vLLM's own server on the same port: its /health answers 200 with an empty body
+@contextlib.contextmanager
+def answering(body: bytes) -> Iterator[str]:
+    """A server that is not grpo serve's, answering every request with ``body``; its URL."""
+
     class Other(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self.send_response(200)
@@ -287,15 +290,47 @@ def test_a_server_that_is_not_grpo_serve_is_one_line(tiny_config, body: bytes) -
     other = HTTPServer(("127.0.0.1", 0), Other)
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
+        yield f"http://127.0.0.1:{other.server_address[1]}"
+    finally:
+        other.shutdown()
+
+
+@pytest.mark.parametrize("body", [b"", b"not json", b"[1, 2]", b'{"status": "ok"}'])
+def test_a_server_that_is_not_grpo_serve_is_one_line(tiny_config, body: bytes) -> None:
+    # e.g. vLLM's own server on the same port: its /health answers 200 with an empty body
+    with answering(body) as url:
         config = tiny_config(
-            rollout={
-                **ROLLOUT,
-                "engine": "server",
-                "server_url": f"http://127.0.0.1:{other.server_address[1]}",
-            },
+            rollout={**ROLLOUT, "engine": "server", "server_url": url},
             train={"steps": 1, "threads": 1},
         )
         with pytest.raises(ServerLost, match=r"is rollout\.server_url a grpo serve"):
             train(config)
-    finally:
-        other.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ({"pack_float32": True}, r"samples otherwise than this run \(pack_float32 True -> False\)"),
+        ({}, "does not say which tokenizer it holds: a grpo serve older than this run's"),
+    ],
+    ids=["packed-float32", "older-server"],
+)
+def test_a_server_is_checked_for_float32_packing_and_its_tokenizer(
+    tiny_model_dir: Path, answer: dict, said: str
+) -> None:
+    # a server whose float32 products round otherwise samples other tokens; one from before
+    # the tokenizer's fingerprint cannot be checked: both are one line
+    from grpo.config import RolloutConfig
+    from grpo.models import ModelConfig, load_policy, load_tokenizer
+    from grpo.rollout.server import SAMPLING_KEYS, ServerEngine
+
+    config = RolloutConfig(**ROLLOUT, engine="server", server_timeout_s=20)
+    sampling = {key: getattr(config, key) for key in SAMPLING_KEYS} | answer
+    with answering(json.dumps({"sampling": sampling}).encode()) as url:
+        engine = ServerEngine(
+            load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir)),
+            load_tokenizer(str(tiny_model_dir)),
+            config.model_copy(update={"server_url": url}),
+        )
+        with pytest.raises(ServerLost, match=said):
+            engine.generate(["1+1="], [{}], 2, seeds=[1])

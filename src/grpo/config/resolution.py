@@ -61,9 +61,10 @@ def resolve(config: Config) -> None:
         # default, and a resume of it must not be refused for that
         if getattr(algo, name) != type(algo).model_fields[name].default and not applies(algo):
             raise ValueError(f"algorithm.{name} is set but not used: it applies only {when}")
-    if config.rollout.pack_float32 and config.rollout.engine != "hf":
+    if config.rollout.pack_float32 and config.rollout.engine == "vllm":
         raise ValueError(
-            "rollout.pack_float32 is set but not used: it applies only with rollout.engine hf"
+            "rollout.pack_float32 is set but not used: it applies only with rollout.engine hf "
+            "(or server, whose HF engine must say the same)"
         )
     if config.rollout.engine == "server" and config.rollout.tools:
         raise ValueError(

@@ -165,7 +165,7 @@ class RolloutConfig(Section):
     generation_kwargs: dict[str, Any] = {}
     """Further arguments passed as they are to the engine: vLLM `SamplingParams` fields, or transformers `GenerationConfig` fields (their logits processors) for hf. See docs/scaling.md, Generation controls."""
     pack_float32: bool = False
-    """HF engine, float32 sampling on a CPU: multiply on weights packed once per rollout for oneDNN, where that is timed faster when the run starts (once a process, said in one line; 1.5x the tokens/s on an AMD EPYC, docs/results/rollout-speed.md). oneDNN sums in another order than `F.linear`, so sampled log-probs differ by rounding (up to 5e-5 on SmolLM2) and a few completions take another token where two were close (8 of 160); off, float32 sampling multiplies as `F.linear` does, bit for bit. bf16 sampling is always packed (the same products)."""
+    """HF engine (or a `grpo serve` one, which must say the same), float32 sampling on a CPU: multiply on weights packed once per rollout for oneDNN, which holds a second copy of every linear weight while sampling (540 MB for SmolLM2). On an AMD EPYC 1.5x the tokens/s; measure yours with `python -m benchmarks.speed.rollout_speed` (docs/results/rollout-speed.md). oneDNN sums in another order than `F.linear`, so sampled log-probs differ by rounding (up to 5e-5 on SmolLM2) and a few completions take another token where two were close (8 of 160); off, float32 sampling multiplies as `F.linear` does, bit for bit. bf16 sampling is always packed (the same products)."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Share of GPU memory the colocated vLLM engine may take (unused when vllm_kv_cache_gb is set)."""
     vllm_kv_cache_gb: float | None = Field(None, gt=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -22,7 +23,7 @@ from grpo.config import ConfigError, RolloutConfig
 from grpo.containers import Rollout
 from grpo.rollout import grouped_rollout, sampling_of
 from grpo.rollout.decode import CACHE_ARG, decode_step
-from grpo.rollout.packed_weights import packed_linears
+from grpo.rollout.packed_weights import packed_linears, why_float32_unpacked
 from grpo.rollout.turns import TurnRequest, TurnSample
 from grpo.scoring.distribution import Sampling, process_logits, token_set
 from grpo.scoring.logprobs import position_ids_from_mask
@@ -379,6 +380,8 @@ class HFEngine:
         self.eos = eos_ids(tokenizer, model)
         self.extra = extra_processors(model, config.generation_kwargs, self.eos)
         self.stop = StopStrings(tokenizer, config.stop) if config.stop else None
+        if config.pack_float32 and (why := why_float32_unpacked(model)):
+            print(f"rollout.pack_float32: nothing is packed ({why})", file=sys.stderr, flush=True)
 
     def sync_weights(self, model: nn.Module) -> None:
         """Nothing to do: this engine samples from the policy object itself."""

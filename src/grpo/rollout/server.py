@@ -54,6 +54,7 @@ SAMPLING_KEYS = (
     "repetition_penalty",
     "stop",
     "generation_kwargs",
+    "pack_float32",  # float32 products' rounding: the same tokens only under the same choice
 )
 TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
 OPTIONAL_TENSORS = ("sampler_logp", "sampled_mask")
@@ -95,7 +96,8 @@ def decode_rollout(data: bytes, rows: list[dict[str, Any]]) -> Rollout:
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """What must agree for a server's token ids to be the client's tokens: the vocabulary
     (every token and its id, hashed) and the end and padding ids."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    # by id, then token: get_vocab's order differs from process to process
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
     return {
         "vocab_size": len(vocab),
         "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16],
@@ -327,8 +329,8 @@ class ServerEngine:
         return answer[key]
 
     def _check(self) -> None:
-        """Before the first request: the server samples and tokenizes as this run would, or
-        one line."""
+        """Before the first request: the server samples as this run would and its token ids
+        are this run's tokens, or one line."""
         health = self._answer("/health")
         ours = {key: getattr(self.config, key) for key in SAMPLING_KEYS}
         theirs = self._field(health, "sampling", "/health")
@@ -337,10 +339,15 @@ class ServerEngine:
                 f"the rollout server at {self.url} samples otherwise than this run "
                 f"({differ}): start it with the same rollout.* settings"
             )
-        theirs = self._field(health, "tokenizer", "/health")
+        if "tokenizer" not in health:
+            raise ServerLost(
+                f"the rollout server at {self.url} does not say which tokenizer it holds: a "
+                "grpo serve older than this run's grpo? start it from the same version"
+            )
+        theirs = health["tokenizer"]
         if differ := _differences(theirs, tokenizer_fingerprint(self.tokenizer)):
             raise ServerLost(
-                f"the rollout server at {self.url} tokenizes otherwise than this run "
+                f"the rollout server at {self.url} has another tokenizer than this run's "
                 f"({differ}): its token ids would be read as other tokens; serve the run's "
                 "model with its tokenizer"
             )
