@@ -121,7 +121,8 @@ def patterns() -> dict[str, list[str]]:
     }
 
 
-STATUS = {1: "killed", 3: "killed", 0: "survived", None: "not checked", 33: "no tests"}
+NO_TESTS = 33  # mutmut's exit code for a mutant whose function no selected test reaches
+STATUS = {1: "killed", 3: "killed", 0: "survived", None: "not checked", NO_TESTS: "no tests"}
 
 
 def recorded(path: str) -> dict[str, int | None]:
@@ -374,7 +375,11 @@ def main() -> None:
     parser.add_argument(
         "--table", action="store_true", help="the results file's table and survivors, no run"
     )
-    parser.add_argument("--resume", action="store_true", help="only the unchecked mutants")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="only the unchecked mutants (and those no test reached)",
+    )
     parser.add_argument("--survivors", action="store_true", help="only the surviving mutants")
     parser.add_argument("--sample", type=int, help="with --resume: this many, drawn at random")
     parser.add_argument(
@@ -430,8 +435,10 @@ def main() -> None:
             # survivors as recorded before the refresh, so a refresh cannot empty the list;
             # names mutmut no longer makes (the source changed) are left out
             records = before if args.survivors else after
-            wanted = 0 if args.survivors else None
-            names = [k for k, v in records.items() if v == wanted and k in after]
+            # unchecked: no result, or no test reached the function when mutmut last measured
+            # (a test added to the selection since reaches it now)
+            wanted = {0} if args.survivors else {None, NO_TESTS}
+            names = [k for k, v in records.items() if v in wanted and k in after]
             if args.survivors:
                 # files mutants/ holds no result for (a fresh clone or machine): the survivors
                 # the results file lists; a function changed since that run makes other

@@ -86,6 +86,16 @@ def test_resume_runs_only_the_unchecked(tmp_path: Path, monkeypatch: pytest.Monk
     assert calls[1] == [UNCHECKED]
 
 
+def test_resume_runs_the_mutants_no_test_reached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "no tests" (33) when mutmut measured: a test added to the selection since may reach them
+    untested = "grpo.rewards.length.x_soft_overlong__mutmut_9"
+    first = {KILLED: 1, SURVIVOR: 0, UNCHECKED: None, untested: 33}
+    calls = run_main(tmp_path, monkeypatch, ["--resume"], forget=False, first=first)
+    assert sorted(calls[1]) == sorted([UNCHECKED, untested])
+
+
 def test_functions_narrow_a_recheck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     other = "grpo.rewards.length.x_other__mutmut_2"
     first = {KILLED: 1, SURVIVOR: 0, other: 0}
