@@ -22,6 +22,9 @@ Run: .venv/bin/python -m tools.mutation [--max-children N]   (the whole run)
                                                          only, e.g. after a test for them)
      .venv/bin/python -m tools.mutation --table      (the results file's table and its
                                                          survivors; writes nothing)
+     .venv/bin/python -m tools.mutation --compare REF  (mutants/'s kill rate against the
+                                                         results file at a git ref, same
+                                                         functions; writes nothing)
 """
 
 from __future__ import annotations
@@ -257,6 +260,49 @@ def rechecked(row: dict, now: dict[str, int | None], commit: str, changed: Chang
     }
 
 
+def _git_show(ref: str, path: str) -> str:
+    show = ["git", "show", f"{ref}:{path}"]
+    return subprocess.run(show, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def compare(ref: str, rows: list[dict]) -> dict[str, dict[str, int]]:
+    """The results file at git ``ref`` against ``rows`` (this table), over the functions both
+    measured with the same source: a function moved to another file keeps its mutants (mutmut
+    numbers them within the function), so a move or a rename of its file changes nothing.
+    Only ``ref``'s rows of whole files count (a narrowed row does not say which functions were
+    in scope); every mutant of such a row was checked, all killed but its survivors.
+    -> {"before": {"checked", "killed"}, "now": {"checked", "killed"}, "functions": n}."""
+    old_rows = json.loads(_git_show(ref, str(RESULT.relative_to(ROOT))))["rows"]
+    before: dict[str, tuple[str, int, int]] = {}  # function -> (source hash, mutants, survived)
+    for row in old_rows:
+        if row["in_scope"] != row["mutants"]:
+            continue
+        path = f"src/grpo/{row['module']}"
+        mutated = mutate_file_contents(path, _git_show(row["commit"], path))
+        survivors = [function_of(k) for k in row["survivors"]]
+        for function, digest in mutated.hash_by_function_name.items():
+            total = sum(function_of(f"m.{n}") == function for n in mutated.mutant_names)
+            before[function] = (digest, total, survivors.count(function))
+    now: dict[str, tuple[str, int, int]] = {}  # function -> (source hash, checked, killed)
+    for path in files():
+        digests = mutate_file_contents(path, (ROOT / path).read_text()).hash_by_function_name
+        for k, code in results(path).items():
+            function = function_of(k)
+            if code in (None, NO_TESTS) or function not in digests:
+                continue
+            _, checked, killed = now.get(function, (digests[function], 0, 0))
+            now[function] = (digests[function], checked + 1, killed + (code != 0))
+    same = [f for f in before if f in now and before[f][0] == now[f][0]]
+    return {
+        "before": {
+            "checked": sum(before[f][1] for f in same),
+            "killed": sum(before[f][1] - before[f][2] for f in same),
+        },
+        "now": {"checked": sum(now[f][1] for f in same), "killed": sum(now[f][2] for f in same)},
+        "functions": len(same),
+    }
+
+
 # README's list of the survivors and why each is equivalent: a function name in backticks, then
 # mutmut's numbers and ranges ("`pack` 39, 42-44 (and 110, 112)"); other parentheses are prose
 EXPLAINED_FROM = "**Why each remaining survivor is equivalent.**"
@@ -394,7 +440,18 @@ def main() -> None:
         nargs="+",
         help="with --resume or --survivors: only these functions' mutants (f, Class.method, *)",
     )
+    parser.add_argument(
+        "--compare",
+        metavar="REF",
+        help="the kill rate of mutants/'s results against the results file at git REF, over "
+        "the functions both measured with the same source; no run",
+    )
     args = parser.parse_args()
+    if args.compare:
+        both = compare(args.compare, table(commit=head_commit()))
+        rates = {k: both[k]["killed"] / max(both[k]["checked"], 1) for k in ("before", "now")}
+        print(json.dumps({**both, "kill_rate": rates}))
+        return
     if args.sample is not None and not args.resume:
         parser.error("--sample draws from the unchecked mutants: use it with --resume")
     if args.functions and not (args.resume or args.survivors):

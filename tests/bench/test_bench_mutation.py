@@ -308,3 +308,46 @@ def test_a_resume_measures_the_suite_again_over_a_stale_test_map(
     run_main(tmp_path, monkeypatch, ["--resume"], forget=False)
     assert not stats.exists()
     assert "measured again" in capsys.readouterr().out
+
+
+def test_compare_counts_only_functions_of_the_same_source_in_whole_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: a whole-file row of an older path (the file moved since); f kept its source, g
+    # changed, h is gone. f had 1 survivor of its mutants then, and has 2 now
+    f_src = "def f(a, b):\n    return a + b if a > 1 else a - b\n"
+    old_src = f_src + "def g(x):\n    return x * 2\n" + "def h(y):\n    return y - 1\n"
+    new_src = f_src + "def g(x):\n    return x * 3 + 1\n"
+    path = "src/grpo/rewards/length.py"
+    (tmp_path / path).parent.mkdir(parents=True)
+    (tmp_path / path).write_text(new_src)
+    f_mutants = [
+        n for n in mutation.mutate_file_contents(path, f_src).mutant_names if n.startswith("x_f_")
+    ]
+    old_row = {
+        "module": "old/place.py",
+        "commit": "abc",
+        "mutants": 10,
+        "in_scope": 10,
+        "survivors": [f"grpo.old.place.{f_mutants[0]}"],
+    }
+    narrowed = {**old_row, "module": "other.py", "in_scope": 3, "survivors": []}
+    shown = {
+        ("ref", "benchmarks/results/mutation.json"): json.dumps({"rows": [old_row, narrowed]}),
+        ("abc", "src/grpo/old/place.py"): old_src,
+    }
+    monkeypatch.setattr(mutation, "ROOT", tmp_path)
+    monkeypatch.setattr(mutation, "RESULT", tmp_path / "benchmarks" / "results" / "mutation.json")
+    monkeypatch.setattr(mutation, "_git_show", lambda ref, p: shown[(ref, p)])
+    monkeypatch.setattr(mutation, "files", lambda: [path])
+    codes = {f"grpo.rewards.length.{n}": 1 for n in f_mutants}
+    codes[f"grpo.rewards.length.{f_mutants[0]}"] = 0
+    codes[f"grpo.rewards.length.{f_mutants[1]}"] = 0
+    codes["grpo.rewards.length.x_g__mutmut_1"] = 0
+    write_meta(tmp_path, codes)
+    n = len(f_mutants)
+    assert mutation.compare("ref", []) == {
+        "before": {"checked": n, "killed": n - 1},
+        "now": {"checked": n, "killed": n - 2},
+        "functions": 1,
+    }
