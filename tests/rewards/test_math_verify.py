@@ -96,6 +96,9 @@ PAIRS = [
     # a numeral in another base (math-verify drops the base)
     ("52_8", "52_9", False),
     ("52_8", "42", False),
+    # a base on one side only: math-verify would drop it and call these equal
+    ("52_8", "52", False),
+    ("52", "52_8", False),
 ]
 
 

@@ -9,7 +9,7 @@ import pytest
 from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards import REGISTRY, RewardError, RewardRunner, resolve_reward
 from grpo.rewards.builtin import tag_credit, tag_names
-from grpo.rewards.copying import copy_tokens, ngrams, template_ngrams
+from grpo.rewards.copying import copy_tokens, field_free_ngrams, ngrams, template_ngrams
 from grpo.rewards.countdown import InvalidExpression, countdown_correct, evaluate_expression
 from grpo.rewards.length import repeated_fraction, soft_overlong
 
@@ -99,7 +99,9 @@ def test_format_refuses_completions_that_copy_the_template():
         resolve_reward(RewardSpec(name="format", args={"copied_from": "r1_zero", "copy_ngram": 1}))
     # a misspelt name, or a run longer than the template, would refuse nothing: said at once
     for args in ({"copied_from": "r1zero"}, {"copied_from": "r1_zero", "copy_ngram": 500}):
-        with pytest.raises(RewardError, match="has no run of"):
+        # the message says what to give instead
+        fix = "give a built-in template's name \\(r1_zero\\) or the template's text"
+        with pytest.raises(RewardError, match=f"has no run of .*; {fix}"):
             resolve_reward(RewardSpec(name="tag_count", args=args))
     # "{{" is a literal brace, as the template renders it: "{json}" is the template's own text
     braces = resolve_reward(
@@ -119,6 +121,23 @@ def test_copy_ngrams_are_every_run_of_n_tokens_and_never_span_the_question():
     own = template_ngrams(rendered, ["  What is 2 + 3?  "], 2)  # the row's text, stripped
     assert ("answer", "now") in own and ("think", "first") in own
     assert not own & {("now", "what"), ("what", "is"), ("3", "think")}  # the question cut out
+
+
+def test_a_templates_own_ngrams_are_cut_at_its_fields():
+    # "Solve it now. " | {prompt} | " Then show work.": no run spans the field ("now then")
+    assert field_free_ngrams("Solve it now. {prompt} Then show work.", 2) == {
+        ("solve", "it"),
+        ("it", "now"),
+        ("then", "show"),
+        ("show", "work"),
+    }
+    # not a format string (a lone "{"): the whole text is the template's own, braces dropped
+    assert field_free_ngrams("Reply as JSON {like this", 2) == {
+        ("reply", "as"),
+        ("as", "json"),
+        ("json", "like"),
+        ("like", "this"),
+    }
 
 
 def test_format_answer_pattern_asks_for_a_number():

@@ -104,6 +104,22 @@ def test_tool_output_as_mistrals_template_shows_it(tiny_model_dir) -> None:
     )
 
 
+def test_a_template_that_drops_tool_output_is_refused_when_the_engine_is_built(
+    tiny_model_dir,
+) -> None:
+    # its generation prompt writes an "x": the start-up probe must not take that for the tool's
+    # output, or the run would fail at its first tool call instead
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = (
+        CHAT_TEMPLATE.replace(
+            "{% for m in messages %}", "{% for m in messages if m['role'] != 'tool' %}"
+        )
+        + "{% if add_generation_prompt %}<|next|>{% endif %}"
+    )
+    with pytest.raises(ConfigError, match="does not render a 'tool' message"):
+        MultiTurnEngine(ScriptedEngine(tokenizer), tokenizer, rollout_config())
+
+
 def test_tool_output_as_chatmls_template_shows_it(tiny_model_dir) -> None:
     # ChatML joins each message's fields with "+": the probe conversation gives every message
     # its content

@@ -730,6 +730,30 @@ def test_the_entropys_gradient_is_the_formulas(sampling: Sampling) -> None:
         assert torch.equal(grad[removed], torch.zeros(int(removed.sum())))
 
 
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.7)], ids=str)
+def test_a_token_of_probability_zero_gets_no_entropy_gradient(sampling: Sampling) -> None:
+    # a logit at -inf (a token the model bans) and one 300 below the rest, whose probability
+    # underflows to 0 in float32 (exp(-300)): dH/dx = -p (log p + H) is 0 at both, and the
+    # rows' other tokens take the formula's gradient (against autograd through -sum p log p)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 9, generator=gen)
+    logits[:, 0] = -float("inf")
+    logits[:, 1] = -300.0
+    logits.requires_grad_()
+    at, targets = torch.arange(4).view(2, 2), torch.full((2, 2), 5)
+    weights = torch.tensor([[1.0, -2.0], [0.5, 3.0]])
+    _, entropy = token_logprobs(logits, at, targets, sampling, with_entropy=True, chunk=2)
+    (grad,) = torch.autograd.grad((entropy * weights).sum(), logits)
+    log_p = torch.log_softmax(process_logits(logits, sampling), dim=-1)
+    never = log_p.exp() == 0  # the two low tokens of every row
+    want_entropy = -(log_p.exp() * log_p.masked_fill(never, 0.0)).sum(dim=-1)[at]
+    (want,) = torch.autograd.grad((want_entropy * weights).sum(), logits)
+    assert bool(never[:, :2].all()) and not bool(never[:, 2:].any())
+    torch.testing.assert_close(entropy, want_entropy)
+    torch.testing.assert_close(grad, want)
+    assert torch.equal(grad[:, :2], torch.zeros(4, 2)) and grad[:, 2:].abs().min() > 0
+
+
 @pytest.mark.parametrize("head", ["chunked", "kept"])
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 def test_the_chunked_heads_entropy_gradient_equals_the_plain_heads(

@@ -171,6 +171,9 @@ def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
 # ------------------------------------------------------------------------------ observations
 
 MARK = "\x00grpo-turn\x00"
+# the tool output the start-up check renders: text no template writes of its own (a probe of
+# "x" passed a template that drops tool messages but writes an "x" in its generation prompt)
+TOOL_PROBE = "grpo-tool-probe-7f3a"
 
 
 def template_observation(tokenizer: PreTrainedTokenizerBase, content: str) -> str:
@@ -244,7 +247,7 @@ class MultiTurnEngine:
         )
         self.use_template = bool(tokenizer.chat_template)
         if self.use_template:  # a template that cannot show tool output fails now, not mid-run
-            template_observation(tokenizer, "x")
+            template_observation(tokenizer, TOOL_PROBE)
         # the template must show the tool list (its call syntax comes with it in Hermes/Qwen)
         template_calls = config.tool_call_format == "template"
         if template_calls and not (self.use_template and renders_tools(tokenizer)):
