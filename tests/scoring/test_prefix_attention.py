@@ -159,13 +159,27 @@ def test_only_attention_dropout_keeps_packed_scoring_off_the_layout() -> None:
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=32, attn_pdrop=0.0)
     config.resid_pdrop = config.embd_pdrop = 0.5
     assert not attention_dropout_on(GPT2LMHeadModel(config).train())
-    # Falcon keeps its attention dropout as a module named attention_dropout
+    # Falcon keeps its attention dropout as a float on its attention (transformers 5.25; a
+    # module named attention_dropout before)
     config = FalconConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=32)
     config.attention_dropout, config.hidden_dropout = 0.5, 0.0
     model = FalconForCausalLM(config).train()
     assert attention_dropout_on(model) and not attention_dropout_on(model.eval())
     disable_dropout(model.train())
     assert not attention_dropout_on(model)
+
+
+def test_a_dropout_module_named_for_attention_counts_as_attention_dropout() -> None:
+    # "attention_dropout" or "attn_drop" as a module name (the names HF layers have used), not
+    # an MLP's dropout; a module holding one is not itself read as a rate
+    class Attention(torch.nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.add_module(name, torch.nn.Dropout(0.5))
+
+    for name, counts in [("attention_dropout", True), ("attn_drop", True), ("mlp_drop", False)]:
+        model = torch.nn.Sequential(Attention(name)).train()
+        assert attention_dropout_on(model) is counts, name
 
 
 def test_the_layout_forward_builds_no_mask(tiny_model_dir, monkeypatch) -> None:
