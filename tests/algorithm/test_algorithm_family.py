@@ -13,6 +13,7 @@ from grpo.algorithm import (
     group_advantages,
     importance_weights,
     logprob_mismatch,
+    offpolicy_sequence_mask,
     policy_loss,
     soft_update_,
     top_entropy_mask,
@@ -301,3 +302,98 @@ def test_soft_update() -> None:
     assert counter.tolist() == [7]
     soft_update_([target], [source], alpha=1.0)
     assert torch.equal(target, source)
+
+
+# ----------------------------------------------------------------------------- bounds and edges
+
+
+def test_cispo_weight_on_its_bound_is_not_clipped() -> None:
+    # cispo_clip_low 0.5, cispo_clip_high 1: weights in [0.5, 2]. Four one-token completions, old
+    # log-prob 0, A = +1, -1, +1, -1; ratios 2 and 0.5 sit on the bounds (exact in float32), 4
+    # and 0.25 lie outside: weights w = 2, 0.5, 2, 0.5.
+    # Loss -w * A * logp: -2 ln 2 = -1.386294; 0.5 ln 0.5 = -0.346574; -2 ln 4 = -2.772589;
+    # 0.5 ln 0.25 = -0.693147. Token mean over the step's 4 tokens: -5.198604 / 4 = -1.299651
+    logp = torch.log(torch.tensor([[2.0], [0.5], [4.0], [0.25]])).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, stats = policy_loss(
+        logp, torch.zeros(4, 1), adv, torch.ones(4, 1, dtype=torch.bool),
+        loss_type="cispo", cispo_clip_low=0.5, cispo_clip_high=1.0,
+    )  # fmt: skip
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-1.299651, abs=1e-6)
+    # d/dlogp = -w * A / 4: the clipped tokens keep a gradient, of the bound's weight
+    assert torch.allclose(logp.grad.flatten(), torch.tensor([-0.5, 0.125, -0.5, 0.125]), atol=1e-6)
+    # a ratio on a bound keeps its own weight, so only the 4 and the 0.25 count as clipped
+    assert float(stats["clip_frac/high"]) == pytest.approx(0.25, abs=1e-6)
+    assert float(stats["clip_frac/low"]) == pytest.approx(0.25, abs=1e-6)
+    # cispo_clip_low unset is no lower bound (the paper's choice): the 0.25 keeps its own weight,
+    # 0.25 ln 0.25 = -0.346574 for -0.693147, so the mean is -4.852030 / 4 = -1.213008
+    loss, stats = policy_loss(
+        logp, torch.zeros(4, 1), adv, torch.ones(4, 1, dtype=torch.bool),
+        loss_type="cispo", cispo_clip_high=1.0,
+    )  # fmt: skip
+    assert float(loss.detach()) == pytest.approx(-1.213008, abs=1e-6)
+    assert float(stats["clip_frac/low"]) == 0
+
+
+def test_importance_weight_bounds_are_inclusive_and_none_is_no_bound() -> None:
+    # pi_old / pi_sampler: 0.5 / 0.25 = 2, 0.25 / 0.5 = 0.5 (exact in float32), 1, 0.8 / 0.1 = 8
+    old = torch.log(torch.tensor([[0.5, 0.25, 0.9, 0.8]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.5, 0.9, 0.1]]))
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    # mask mode keeps low <= w <= cap: with [0.5, 2] the 2 and the 0.5 stay, only the 8 drops
+    w, stats = importance_weights(old, sampler, mask, cap=2.0, low=0.5, mode="mask")
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.0, 0.0]]), atol=1e-6)
+    assert float(stats["masked_frac"]) == pytest.approx(0.25, abs=1e-6)
+    # truncation at 2 cuts the 8 and counts it; the 2 already on the cap is not truncated
+    w, stats = importance_weights(old, sampler, mask, cap=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.0, 2.0]]), atol=1e-6)
+    assert float(stats["truncated_frac"]) == pytest.approx(0.25, abs=1e-6)
+    # no cap: the weights as they are, nothing truncated or masked
+    w, stats = importance_weights(old, sampler, mask, cap=None)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.0, 8.0]]), atol=1e-5)
+    assert (float(stats["truncated_frac"]), float(stats["masked_frac"])) == (0.0, 0.0)
+
+
+def test_importance_weights_say_what_they_refuse() -> None:
+    logp, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(
+        ValueError, match=r"^importance_weights: a lower bound only masks \(mode='mask'\)$"
+    ):
+        importance_weights(logp, logp, mask, cap=2.0, low=0.5)
+    with pytest.raises(ValueError, match=r"^mode must be 'truncate' or 'mask', got 'clip'$"):
+        importance_weights(logp, logp, mask, cap=2.0, mode="clip")
+
+
+def test_offpolicy_divergence_is_each_completions_own_token_mean() -> None:
+    # delta 0.5. log pi_behaviour - log pi_current on counted tokens (masked slots hold 9):
+    #   A = -1, one token 0.8         -> mean 0.8 > 0.5: dropped
+    #   A = -1, tokens 0.8, 0, 0      -> mean 0.8 / 3 = 0.267: kept
+    #   A = -1, tokens 1, 0           -> mean 0.5, not above 0.5: kept
+    #   A =  0, tokens 2, 2           -> mean 2, but only A < 0 drops: kept
+    #   A = -1, no counted token      -> nothing diverged: kept
+    current = torch.zeros(5, 3)
+    behaviour = torch.tensor(
+        [[0.8, 9, 9], [0.8, 0.0, 0.0], [1.0, 0.0, 9], [2.0, 2.0, 9], [9, 9, 9]]
+    )
+    mask = torch.tensor(
+        [[True, False, False], [True, True, True], [True, True, False], [True, True, False],
+         [False, False, False]]
+    )  # fmt: skip
+    adv = torch.tensor([-1.0, -1.0, -1.0, 0.0, -1.0])
+    keep = offpolicy_sequence_mask(current, behaviour, adv, mask, delta=0.5)
+    assert keep.tolist() == [False, True, True, True, True]
+
+
+def test_offpolicy_mask_signs_per_token_advantages_by_their_mean() -> None:
+    # every counted gap is 1 > delta 0.5, so each completion's mean advantage over its own
+    # counted tokens decides; the masked third slot's +-9 is ignored:
+    #   -1, -1 (| +9)  mean -1:   dropped (with the 9 the mean would be +7/3)
+    #   +1, -1 (| -9)  mean 0:    kept
+    #   +2, -1 (| -9)  mean +0.5: kept (the batch's sum, -2 + 0 + 1 = -1, would drop it)
+    current = torch.zeros(3, 3)
+    behaviour = torch.ones(3, 3)
+    adv = torch.tensor([[-1.0, -1.0, 9.0], [1.0, -1.0, -9.0], [2.0, -1.0, -9.0]])
+    mask = torch.tensor([[True, True, False]] * 3)
+    keep = offpolicy_sequence_mask(current, behaviour, adv, mask, delta=0.5)
+    assert keep.tolist() == [False, True, True]
