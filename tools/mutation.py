@@ -30,6 +30,7 @@ Run: .venv/bin/python -m tools.mutation [--max-children N]   (the whole run)
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import fnmatch
 import json
@@ -265,8 +266,8 @@ def _git_show(ref: str, path: str) -> str:
     return subprocess.run(show, cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
-def compare(ref: str, rows: list[dict]) -> dict[str, dict[str, int]]:
-    """The results file at git ``ref`` against ``rows`` (this table), over the functions both
+def compare(ref: str) -> dict[str, dict[str, int]]:
+    """The results file at git ``ref`` against mutants/'s results, over the functions both
     measured with the same source: a function moved to another file keeps its mutants (mutmut
     numbers them within the function), so a move or a rename of its file changes nothing.
     Only ``ref``'s rows of whole files count (a narrowed row does not say which functions were
@@ -279,10 +280,10 @@ def compare(ref: str, rows: list[dict]) -> dict[str, dict[str, int]]:
             continue
         path = f"src/grpo/{row['module']}"
         mutated = mutate_file_contents(path, _git_show(row["commit"], path))
-        survivors = [function_of(k) for k in row["survivors"]]
+        survivors = collections.Counter(function_of(k) for k in row["survivors"])
+        totals = collections.Counter(function_of(f"m.{n}") for n in mutated.mutant_names)
         for function, digest in mutated.hash_by_function_name.items():
-            total = sum(function_of(f"m.{n}") == function for n in mutated.mutant_names)
-            before[function] = (digest, total, survivors.count(function))
+            before[function] = (digest, totals[function], survivors[function])
     now: dict[str, tuple[str, int, int]] = {}  # function -> (source hash, checked, killed)
     for path in files():
         digests = mutate_file_contents(path, (ROOT / path).read_text()).hash_by_function_name
@@ -448,7 +449,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.compare:
-        both = compare(args.compare, table(commit=head_commit()))
+        both = compare(args.compare)
         rates = {k: both[k]["killed"] / max(both[k]["checked"], 1) for k in ("before", "now")}
         print(json.dumps({**both, "kill_rate": rates}))
         return

@@ -346,7 +346,7 @@ def test_compare_counts_only_functions_of_the_same_source_in_whole_rows(
     codes["grpo.rewards.length.x_g__mutmut_1"] = 0
     write_meta(tmp_path, codes)
     n = len(f_mutants)
-    assert mutation.compare("ref", []) == {
+    assert mutation.compare("ref") == {
         "before": {"checked": n, "killed": n - 1},
         "now": {"checked": n, "killed": n - 2},
         "functions": 1,

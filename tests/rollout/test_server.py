@@ -308,28 +308,42 @@ def test_a_server_that_is_not_grpo_serve_is_one_line(tiny_config, body: bytes) -
 
 
 @pytest.mark.parametrize(
-    ("answer", "said"),
+    ("change", "said"),
     [
-        ({"pack_float32": True}, r"samples otherwise than this run \(pack_float32 True -> False\)"),
-        ({}, "does not say which tokenizer it holds: a grpo serve older than this run's"),
+        (
+            lambda h: h["sampling"].update(pack_float32=True),
+            r"samples otherwise than this run \(pack_float32 True -> False\)",
+        ),
+        (  # a grpo serve from before the fingerprint and pack_float32
+            lambda h: (h.pop("tokenizer"), h["sampling"].pop("pack_float32")),
+            "does not say which tokenizer it holds: a grpo serve older than this run's",
+        ),
+        (lambda h: h.update(sampling=[1]), "fields that are not grpo serve's"),
+        (lambda h: h.update(tokenizer="x"), "fields that are not grpo serve's"),
     ],
-    ids=["packed-float32", "older-server"],
+    ids=["packed-float32", "older-server", "sampling-not-a-dict", "tokenizer-not-a-dict"],
 )
 def test_a_server_is_checked_for_float32_packing_and_its_tokenizer(
-    tiny_model_dir: Path, answer: dict, said: str
+    tiny_model_dir: Path, change, said: str
 ) -> None:
     # a server whose float32 products round otherwise samples other tokens; one from before
-    # the tokenizer's fingerprint cannot be checked: both are one line
+    # the tokenizer's fingerprint cannot be checked; fields of another shape are not grpo
+    # serve's: each is one line, never a traceback
     from grpo.config import RolloutConfig
     from grpo.models import ModelConfig, load_policy, load_tokenizer
-    from grpo.rollout.server import SAMPLING_KEYS, ServerEngine
+    from grpo.rollout.server import SAMPLING_KEYS, ServerEngine, tokenizer_fingerprint
 
     config = RolloutConfig(**ROLLOUT, engine="server", server_timeout_s=20)
-    sampling = {key: getattr(config, key) for key in SAMPLING_KEYS} | answer
-    with answering(json.dumps({"sampling": sampling}).encode()) as url:
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    health = {
+        "sampling": {key: getattr(config, key) for key in SAMPLING_KEYS},
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+    change(health)
+    with answering(json.dumps(health).encode()) as url:
         engine = ServerEngine(
             load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir)),
-            load_tokenizer(str(tiny_model_dir)),
+            tokenizer,
             config.model_copy(update={"server_url": url}),
         )
         with pytest.raises(ServerLost, match=said):

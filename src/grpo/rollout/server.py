@@ -332,17 +332,24 @@ class ServerEngine:
         """Before the first request: the server samples as this run would and its token ids
         are this run's tokens, or one line."""
         health = self._answer("/health")
-        ours = {key: getattr(self.config, key) for key in SAMPLING_KEYS}
         theirs = self._field(health, "sampling", "/health")
-        if differ := _differences(theirs, ours):
-            raise ServerLost(
-                f"the rollout server at {self.url} samples otherwise than this run "
-                f"({differ}): start it with the same rollout.* settings"
-            )
+        # first: an older grpo serve also lacks sampling keys added since, which would read as
+        # a server started with other settings
         if "tokenizer" not in health:
             raise ServerLost(
                 f"the rollout server at {self.url} does not say which tokenizer it holds: a "
                 "grpo serve older than this run's grpo? start it from the same version"
+            )
+        if not isinstance(theirs, dict) or not isinstance(health["tokenizer"], dict):
+            raise ServerLost(
+                f"the rollout server at {self.url} answered /health with fields that are not "
+                "grpo serve's: is rollout.server_url a grpo serve?"
+            )
+        ours = {key: getattr(self.config, key) for key in SAMPLING_KEYS}
+        if differ := _differences(theirs, ours):
+            raise ServerLost(
+                f"the rollout server at {self.url} samples otherwise than this run "
+                f"({differ}): start it with the same rollout.* settings"
             )
         theirs = health["tokenizer"]
         if differ := _differences(theirs, tokenizer_fingerprint(self.tokenizer)):
