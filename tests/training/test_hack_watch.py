@@ -446,3 +446,12 @@ def test_length_collapse_is_seen_across_a_resume(tiny_config, tiny_model_dir, ca
     assert run_metrics(resumed, "hack/length_collapse") == expected
     said = warnings(capfd.readouterr().err)
     assert len(said) == 1 and "step 5:" in said[0] and "hack/length_collapse" in said[0], said
+
+
+def test_a_number_the_question_holds_unparsed_is_no_operand() -> None:
+    # "3/0" does not read as a number: it is not a 0 in the question, so a wrong 0 restates
+    # nothing, while a copied 5 does
+    from grpo.training.hack_watch import restates_question
+
+    assert not restates_question("0", "Compute 3/0 + 5", gold="7")
+    assert restates_question("5", "Compute 3/0 + 5", gold="7")

@@ -388,8 +388,9 @@ class ServerEngine:
         except Exception as err:  # torch.load of something else, or a state without a field
             raise ServerLost(
                 f"the rollout server at {self.url} answered /generate with no rollout "
-                f"({type(err).__name__}): is rollout.server_url a grpo serve?"
-            ) from None
+                f"({type(err).__name__}: {' '.join(str(err).split())[:200]}): is "
+                "rollout.server_url a grpo serve of this grpo version?"
+            ) from err
         if rollout.num_completions != len(prompts) * group_size:
             raise ServerLost(f"the rollout server at {self.url} answered another request")
         return rollout
@@ -452,7 +453,7 @@ class ServerEngine:
         if (health.get("session"), health.get("version")) != (self.weights_session, self.pushes):
             raise ServerLost(
                 f"the rollout server at {self.url} holds another run's weights now (session "
-                f"{health['session']}, not this run's {self.weights_session}): one server per run"
+                f"{health.get('session')}, not this run's {self.weights_session}): one server per run"
             )
 
     @staticmethod

@@ -120,9 +120,8 @@ def restates_question(answer: str | None, question: str, gold: Any = None) -> bo
     number = as_number(normalise(answer))
     if number is not None:  # an operand copied: one of the question's numbers, and wrong
         # by size: "5-3" reads as 5 and -3, and its operand is 3
-        return known and abs(number) in {
-            abs(as_number(n) or 0) for n in NUMBER_RE.findall(question)
-        }
+        operands = (as_number(n) for n in NUMBER_RE.findall(question))
+        return known and abs(number) in {abs(x) for x in operands if x is not None}
     tokens = answer_tokens(answer)
     if sum(t[0].isalnum() for t in tokens) < 2:  # words and numbers, not symbols
         return False
