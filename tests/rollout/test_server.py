@@ -348,3 +348,21 @@ def test_a_server_is_checked_for_float32_packing_and_its_tokenizer(
         )
         with pytest.raises(ServerLost, match=said):
             engine.generate(["1+1="], [{}], 2, seeds=[1])
+
+
+def test_a_server_that_forgot_its_session_is_one_line(tiny_model_dir: Path) -> None:
+    # before each later push the client asks whose weights the server holds; an answer with
+    # no session (a restarted or other server) is another run's, said in one line
+    from grpo.config import RolloutConfig
+    from grpo.models import ModelConfig, load_policy
+    from grpo.rollout.server import ServerEngine
+
+    config = RolloutConfig(**ROLLOUT, engine="server", server_timeout_s=20)
+    model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
+    with answering(json.dumps({"status": "ok"}).encode()) as url:
+        engine = ServerEngine(model, None, config.model_copy(update={"server_url": url}))
+        engine.sender, engine.weights_session = (None, []), "abc"  # after a first push
+        with pytest.raises(
+            ServerLost, match=r"another run's weights now \(session None, not .*abc"
+        ):
+            engine.sync_weights(model)
