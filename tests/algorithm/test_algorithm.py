@@ -408,3 +408,13 @@ def test_float64_in_float64_out_and_ratio_stats_of_an_empty_mask() -> None:
     for key in ("ratio/min", "ratio/mean", "ratio/max"):
         assert empty[key].dtype == torch.float64 and float(empty[key]) == 1.0, key
     assert float(empty["clip_frac/low"]) == 0.0 and float(empty["clip_frac/high"]) == 0.0
+
+
+def test_entropy_coef_without_entropy_names_the_function_and_the_argument() -> None:
+    logp = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(
+        ValueError,
+        match=r"^policy_loss: entropy_coef needs the tokens' entropy \(entropy=\.\.\.\)$",
+    ):
+        policy_loss(logp, logp, torch.tensor([1.0]), mask, entropy_coef=0.01)

@@ -397,3 +397,30 @@ def test_offpolicy_mask_signs_per_token_advantages_by_their_mean() -> None:
     mask = torch.tensor([[True, True, False]] * 3)
     keep = offpolicy_sequence_mask(current, behaviour, adv, mask, delta=0.5)
     assert keep.tolist() == [False, True, True]
+
+
+def test_policy_loss_defaults_are_the_configs_cispo_and_sapo_knobs() -> None:
+    # a direct call without the knobs runs CISPO and SAPO as a default config does:
+    # cispo_clip_high 4 and the paper's SAPO temperatures 1 (A > 0) and 1.05 (A <= 0)
+    cfg = AlgorithmConfig()
+    assert (cfg.cispo_clip_high, cfg.sapo_tau_pos, cfg.sapo_tau_neg) == (4.0, 1.0, 1.05)
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    # CISPO, A = +1, +1, ratios 6 and 2: weights 5 (clipped at 1 + 4) and 2; token mean over 2,
+    # so d loss / d logp = -w * A / 2 = -2.5, -1
+    logp = torch.log(torch.tensor([[6.0], [2.0]])).requires_grad_(True)
+    loss, stats = policy_loss(
+        logp, torch.zeros(2, 1), torch.tensor([1.0, 1.0]), mask, loss_type="cispo"
+    )
+    loss.backward()
+    assert torch.allclose(logp.grad.flatten(), torch.tensor([-2.5, -1.0]), atol=1e-6)
+    assert float(stats["clip_frac/high"]) == pytest.approx(0.5)
+    # SAPO, ratio 2 for A = +1 and A = -1: gate sigmoid(tau) * 4 / tau = 2.924234 (tau 1) and
+    # 2.822000 (tau 1.05); mean over 2 one-token completions: (-2.924234 + 2.822000) / 2
+    logp = torch.log(torch.tensor([[2.0], [2.0]])).requires_grad_(True)
+    loss, _ = policy_loss(
+        logp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), mask, loss_type="sapo"
+    )
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-0.051117, abs=1e-5)
+    # d/dlogp = -A * 4 s (1 - s) * rho / 2 with s = sigmoid(tau): -0.786448 and +0.768110
+    assert torch.allclose(logp.grad.flatten(), torch.tensor([-0.786448, 0.768110]), atol=1e-5)

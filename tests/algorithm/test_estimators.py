@@ -122,11 +122,47 @@ def test_reinforce_pp_against_a_slow_loop() -> None:
     assert torch.equal(got[2], torch.zeros(t))
 
 
+def test_reinforce_pp_folds_the_kl_only_with_both_a_kl_and_a_beta() -> None:
+    # beta defaults to 0: a kl alone is not folded in; a beta with no kl has nothing to fold.
+    # Either way: the length-weighted batch-normalised rewards of the beta-0 case
+    rewards = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[True, True], [True, False]])
+    plain = reinforce_pp_advantages(rewards, mask)
+    assert torch.allclose(plain, torch.tensor([[0.707107, 0.707107], [-1.414214, 0.0]]), atol=1e-6)
+    assert torch.equal(reinforce_pp_advantages(rewards, mask, torch.full((2, 2), 3.0)), plain)
+    assert torch.equal(reinforce_pp_advantages(rewards, mask, None, beta=0.5), plain)
+
+
+def test_reinforce_pp_normalises_with_the_eps_given() -> None:
+    # rewards 1 and 0 over one token each: mean 0.5, var 0.25; eps 1 -> +-0.5 / sqrt(1.25)
+    adv = reinforce_pp_advantages(
+        torch.tensor([1.0, 0.0]), torch.ones(2, 1, dtype=torch.bool), eps=1.0
+    )
+    assert torch.allclose(adv, torch.tensor([[0.447214], [-0.447214]]), atol=1e-6)
+
+
 def test_batch_normalize_weights_and_the_empty_batch() -> None:
     # values 1, 3 weighted 3, 1: mean 1.5, var (3 * 0.25 + 2.25) / 4 = 0.75
     got = batch_normalize(torch.tensor([1.0, 3.0]), torch.tensor([3.0, 1.0]), eps=0.0)
     assert torch.allclose(got, torch.tensor([-0.5, 1.5]) / math.sqrt(0.75), atol=1e-6)
     assert torch.equal(batch_normalize(torch.ones(2), torch.zeros(2)), torch.zeros(2))
+
+
+def test_batch_normalize_weights_are_relative() -> None:
+    # the weights 3, 1 of the test above scaled to a total of 1 and of 0.4: the same mean and
+    # variance, the same result (only a total of 0 leaves nothing to normalise by)
+    values = torch.tensor([1.0, 3.0])
+    want = torch.tensor([-0.5, 1.5]) / math.sqrt(0.75)
+    for weights in ([0.75, 0.25], [0.3, 0.1]):
+        got = batch_normalize(values, torch.tensor(weights), eps=0.0)
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_batch_normalize_of_equal_values_is_zero() -> None:
+    # no spread: every value is its mean, and eps inside the root keeps 0 / 0 away -> zeros
+    assert torch.equal(batch_normalize(torch.full((4,), 0.7)), torch.zeros(4))
+    flat = batch_normalize(torch.full((2, 3), -2.0), torch.tensor([[1.0, 1.0, 0.0]] * 2))
+    assert torch.equal(flat, torch.zeros(2, 3))
 
 
 # --------------------------------------------------------------------------------------- GDPO
@@ -170,6 +206,17 @@ def test_gdpo_against_a_slow_loop_with_weights_and_none() -> None:
         [leave_one_out_advantages(scores[:, k].nan_to_num(0.0), 4) for k in range(3)], dim=1
     )
     assert torch.allclose(loo, batch_normalize((parts * weights).sum(dim=1)), atol=1e-5)
+
+
+def test_gdpo_uses_the_eps_given_in_both_normalisations() -> None:
+    # the example above with eps 1: each group's [1, 0] normalises to +-0.5 / sqrt(0.25 + 1) =
+    # +-1/sqrt(5), so the weighted sums are [1, -1, 2, -2] / sqrt(5), of variance 0.5; over the
+    # batch / sqrt(0.5 + 1): [1, -1, 2, -2] / sqrt(7.5). (eps 1e-8 in either place gives
+    # [1, -1, 2, -2] / sqrt(3.5) or / sqrt(2.5) instead)
+    scores = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    gdpo = decoupled_advantages(scores, torch.tensor([1.0, 1.0]), 2, eps=1.0)
+    want = torch.tensor([1.0, -1.0, 2.0, -2.0]) / math.sqrt(7.5)
+    assert torch.allclose(gdpo, want, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------- loss

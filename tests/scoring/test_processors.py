@@ -13,7 +13,7 @@ from transformers import LogitsProcessorList
 from grpo.config import dump_config
 from grpo.rollout.hf import Chooser, SeededGroupSampler
 from grpo.scoring.chunked_head import History
-from grpo.scoring.distribution import Sampling, process_logits, seen_tokens
+from grpo.scoring.distribution import Sampling, process_logits, seen_tokens, token_set
 from grpo.scoring.logprobs import token_logprobs
 from grpo.training.resume import open_run
 
@@ -59,6 +59,18 @@ def test_a_temperature_above_one_flattens_before_truncation() -> None:
     logits = torch.tensor([[0.64, 0.16, 0.16, 0.04]]).log()
     got = torch.softmax(process_logits(logits, Sampling(temperature=2.0, top_k=3)), dim=-1)
     assert torch.allclose(got, torch.tensor([[0.5, 0.25, 0.25, 0.0]]), atol=1e-6)
+
+
+def test_the_seen_tokens_are_built_on_the_device_of_their_inputs() -> None:
+    # the scorer's history lives on the accelerator with the logits it penalises; "meta"
+    # (shapes and dtypes, no data) stands in for one on a CPU-only machine
+    meta = torch.device("meta")
+    prompt, mask = torch.tensor([[0, 3]], device=meta), torch.tensor([[False, True]], device=meta)
+    completion, upto = torch.tensor([[1, 2]], device=meta), torch.tensor([1], device=meta)
+    seen = seen_tokens(prompt, mask, completion, upto, 5)
+    assert (seen.device, seen.shape, seen.dtype) == (meta, (1, 5), torch.bool)
+    drawn = token_set(prompt, mask, 5)
+    assert (drawn.device, drawn.shape, drawn.dtype) == (meta, (1, 5), torch.bool)
 
 
 def test_a_penalty_without_the_seen_tokens_is_an_error() -> None:

@@ -3,11 +3,14 @@ of every completion, padded where the layout says (prompts left, completions rig
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from grpo.containers import Rollout, concat_rollouts
 from grpo.scoring.distribution import Sampling
+from grpo.training.micro_batches import MicroBatch
 
 
 def rollout(
@@ -151,3 +154,26 @@ def test_selecting_no_group_gives_an_empty_rollout() -> None:
     assert empty.prompt_ids.shape == (0, 2) and empty.completion_ids.shape == (0, 3)
     assert empty.prompt_ids.dtype == torch.long
     assert empty.sampler_logp is not None and empty.sampler_logp.shape == (0, 3)
+
+
+def test_a_micro_batch_moves_every_tensor_to_the_device_and_keeps_its_controls() -> None:
+    # the update moves each micro-batch to the rank's device; "meta" (shapes and dtypes, no
+    # data) stands in for an accelerator on a CPU-only machine
+    hot = Sampling(temperature=0.7, top_k=5)
+    mb = MicroBatch(
+        index=torch.tensor([0, 1]),
+        prompt_ids=A.prompt_ids,
+        prompt_mask=A.prompt_mask,
+        completion_ids=A.completion_ids,
+        completion_mask=A.completion_mask,
+        loss_mask=A.completion_mask,
+        advantages=torch.tensor([0.5, -0.5]),
+        sampling=hot,
+    )
+    moved = mb.to(torch.device("meta"))
+    tensors = [f.name for f in dataclasses.fields(MicroBatch) if f.name != "sampling"]
+    for name in tensors:
+        before, after = getattr(mb, name), getattr(moved, name)
+        assert after.device.type == "meta", name
+        assert (after.shape, after.dtype) == (before.shape, before.dtype), name
+    assert moved.sampling == hot

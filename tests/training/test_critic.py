@@ -50,6 +50,16 @@ def test_gae_by_hand() -> None:
     assert torch.allclose(adv, torch.tensor([[0.1345, 0.21, 0.2]], dtype=torch.float64))
 
 
+def test_per_token_rewards_keep_float64_rewards_exact() -> None:
+    # float64 out, as documented: a float64 reward reaches its completion's last counted token
+    # as it was (0.1 and 1/3 are not float32 values), with or without shaped token rewards
+    rewards = torch.tensor([0.1, 1 / 3], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    r = algorithm.per_token_rewards(rewards, mask, None)
+    assert r.tolist() == [[0.0, 0.1, 0.0], [1 / 3, 0.0, 0.0]]
+    assert r.dtype == torch.float64
+
+
 def test_gae_skips_what_the_policy_did_not_sample() -> None:
     # a tool's output (position 1) between two sampled tokens: the sampled ones chain directly,
     # as if it were not there (lam 0: A_0 = V_2 - V_0 = 0.3, A_2 = 1 - 0.8); a padded position
@@ -75,6 +85,22 @@ def test_clipped_value_loss_by_hand() -> None:
     # the clipped term has no gradient (its value is held at the bound); the other's is
     # (0.4 - 1) / 2 tokens = -0.3
     assert torch.allclose(values.grad, torch.tensor([[0.0, -0.3]]))
+
+
+def test_clipped_value_loss_bounds_a_move_down_too() -> None:
+    # returns 0; old value 0.5; the new value 0.1 moved -0.4 past clip 0.2: clipped value 0.3.
+    # max((0.1 - 0)^2, (0.3 - 0)^2) = 0.09: the clipped term wins, loss 0.5 * 0.09 / 1 token =
+    # 0.045, the one counted token clipped, and no gradient (the value is held at the bound).
+    # Position 1 is not counted: its far-off value (moved 5, error 25) adds nothing to the loss
+    # or the clip share
+    values = torch.tensor([[0.1, 5.0]], requires_grad=True)
+    old, ret = torch.tensor([[0.5, 0.0]]), torch.zeros(1, 2)
+    mask = torch.tensor([[True, False]])
+    loss, stats = algorithm.value_loss(values, old, ret, mask, 0.2, 1)
+    assert float(loss.detach()) == pytest.approx(0.045)
+    assert float(stats["clip_frac"]) == pytest.approx(1.0)
+    loss.backward()
+    assert torch.equal(values.grad, torch.zeros(1, 2))
 
 
 def test_ppo_advantages_fold_the_kl_and_whiten_over_the_tokens() -> None:

@@ -13,7 +13,14 @@ from torch import nn
 
 from grpo.config import ModelConfig, OptimConfig
 from grpo.models import load_policy
-from grpo.training.optimizer import apply_optim_config, build_optimizer, clip_and_step, lr_lambda
+from grpo.training.optimizer import (
+    apply_optim_config,
+    build_optimizer,
+    clip_and_step,
+    load_master_state,
+    lr_lambda,
+    master_state,
+)
 
 LR = 5e-6
 
@@ -183,3 +190,66 @@ def test_a_gradient_that_is_not_finite_skips_the_step_and_says_so(capsys) -> Non
     norm, weights, _, _ = _sgd_step([math.nan, 1.0], max_grad_norm=1.0, announce=False)
     assert math.isnan(norm) and weights == [0.0, 0.0]
     assert capsys.readouterr().err == ""  # ranks other than 0 stay quiet
+
+
+def test_a_bf16_weight_without_a_gradient_stays_and_the_others_step() -> None:
+    # a trainable bf16 weight that took no part in this step's forward has no gradient: its
+    # master gets none either, so AdamW leaves it (no weight decay, no state) and the step
+    # goes on for the weights that have one
+    policy = nn.Sequential(nn.Linear(2, 1, bias=False), nn.Linear(2, 1, bias=False))
+    policy.to(torch.bfloat16)
+    start = [w.detach().clone() for w in policy.parameters()]
+    cfg = OptimConfig(lr=0.25, weight_decay=0.1)
+    optimizer, scheduler = build_optimizer(policy, cfg, 10, fused=False)
+    policy[0](torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward()  # policy[1] unused
+    assert policy[1].weight.grad is None
+    norm = clip_and_step(policy, optimizer, scheduler, None, 1, announce=False)
+    assert norm == pytest.approx(math.sqrt(2))  # the used weight's gradient (1, 1)
+    used, unused = stepped(optimizer)
+    # Adam's first step: lr x sign(gradient) = -0.25 each, after decay by 1 - lr x 0.1
+    expected = start[0].float() * (1 - 0.25 * 0.1) - 0.25
+    assert torch.allclose(used.detach(), expected, atol=1e-6)
+    assert torch.equal(policy[0].weight.detach(), used.detach().bfloat16())
+    assert torch.equal(policy[1].weight.detach(), start[1]) and optimizer.state[unused] == {}
+    assert all(p.grad is None for p in policy.parameters())
+
+
+def test_the_cosine_schedule_runs_over_the_steps_given_after_the_warmup() -> None:
+    policy = _policy()
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine")
+    optimizer, scheduler = build_optimizer(policy, cfg, total_steps=6, fused=True)
+    (group,) = optimizer.param_groups
+    assert group["fused"] is True  # asked for: no parameter-sized temporaries
+    rates = []
+    for _ in range(6):
+        rates.append(group["lr"])
+        optimizer.step()
+        scheduler.step()
+    # warm-up 1/3, 2/3; then the cosine over the remaining 4 steps: progress 0, 1/4, 1/2, 3/4
+    cosine = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
+    assert rates == pytest.approx([1e-3 * f for f in [1 / 3, 2 / 3, *cosine]], rel=1e-9)
+
+
+def test_a_checkpoint_restores_the_float32_masters_not_the_rounded_weights() -> None:
+    def bf16_layer() -> nn.Module:
+        layer = nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.copy_(torch.tensor([[0.02, -0.03, 0.05, 0.01]]))
+        return layer
+
+    policy = bf16_layer()
+    optimizer, _ = build_optimizer(policy, OptimConfig(lr=LR), 10, fused=False)
+    policy.weight.grad = torch.ones_like(policy.weight)
+    clip_and_step(policy, optimizer, None, None, 1, announce=False)
+    saved = master_state(policy, optimizer)["weight"].clone()
+    # Adam's 5e-6 is below half a bf16 ulp here: the weights stay, only the masters moved
+    assert torch.equal(policy.weight.detach(), bf16_layer().weight.detach())
+    assert torch.allclose(saved, policy.weight.detach().float() - LR, rtol=0, atol=1e-8)
+    resumed = bf16_layer()  # the checkpoint's bf16 weights, loaded
+    optimizer, _ = build_optimizer(resumed, OptimConfig(lr=LR), 10, fused=False)
+    load_master_state(resumed, optimizer, {"weight": saved})
+    (master,) = stepped(optimizer)
+    assert master.dtype == torch.float32 and torch.equal(master.detach(), saved)
+    # a checkpoint without masters starts them from the loaded weights, as a fresh run does
+    load_master_state(resumed, optimizer, None)
+    assert torch.equal(master.detach(), resumed.weight.detach().float())
