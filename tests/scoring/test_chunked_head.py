@@ -191,6 +191,26 @@ def test_add_product_adds_every_row_of_the_product(dtype, monkeypatch) -> None:
         assert torch.equal(out, before)
 
 
+@pytest.mark.parametrize(("budget", "blocks"), [(5, [5] * 7 + [2]), (1, [1] * 37)])
+def test_add_products_bf16_blocks_keep_to_their_byte_budget(budget, blocks, monkeypatch):
+    # each bf16 block's result and float32 accumulator (6 bytes a value) stay within
+    # PRODUCT_BLOCK_BYTES: as many rows as fit, one row when only one does
+    gen = torch.Generator().manual_seed(3)
+    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", budget * 6 * 8)
+    a = torch.randn(37, 9, generator=gen).bfloat16()
+    b = torch.randn(9, 8, generator=gen).bfloat16()
+    rows: list[int] = []
+    matmul = torch.Tensor.__matmul__
+
+    def spy(self, other):
+        rows.append(self.shape[0])
+        return matmul(self, other)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
+    chunked_head.add_product_(torch.zeros(37, 8), a, b)
+    assert rows == blocks
+
+
 @pytest.mark.parametrize(
     ("sampling", "keep"),
     [(Sampling(0.5), False), (Sampling(0.5), True), (Sampling(0.5, top_k=5), False)],
@@ -240,6 +260,96 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     torch.testing.assert_close(hidden.grad, grads[0])
 
 
+@pytest.mark.parametrize(
+    ("sampling", "keep"),
+    [(Sampling(0.7), False), (Sampling(0.7), True), (Sampling(0.7, top_k=5), False)],
+    ids=["plain", "plain-kept", "top-k"],
+)
+@pytest.mark.parametrize("used", ["picked", "lse"])
+def test_a_loss_on_one_output_alone_gets_that_outputs_gradient(sampling, keep, used) -> None:
+    # the autograd function on its own, with a loss that reads only the picked logits or only
+    # the log-normaliser: the output it leaves out reaches backward as None (grads are not
+    # materialised) and adds nothing. A bf16 head, as a model loaded in bf16 has (the zeros
+    # that stand in must meet the float32 logit gradients), more positions than hidden units
+    gen = torch.Generator().manual_seed(4)
+    m, h, v = 11, 6, 17
+    weight = torch.randn(v, h, generator=gen).bfloat16().requires_grad_()
+    hidden = torch.randn(m, h, generator=gen).bfloat16().requires_grad_()
+    at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])
+    targets = torch.randint(0, v, (3, 3), generator=gen)
+    scorer = Scorer.of(at, targets, sampling, False, None, m)
+    picked, lse, _ = chunked_head._ChunkedHead.apply(
+        hidden, weight, None, scorer, 4, [], False, keep, True
+    )
+    out = picked if used == "picked" else lse
+    coefficients = torch.linspace(-1.0, 2.0, out.numel())
+    (out * coefficients).sum().backward()
+    got = [hidden.grad.clone(), weight.grad.clone()]
+    hidden.grad = weight.grad = None
+    # the same terms of the full logits, through autograd
+    picked, lse, _, _ = scorer.terms(F.linear(hidden, weight), 0, (0, targets.numel()))
+    ((picked if used == "picked" else lse) * coefficients).sum().backward()
+    for g, want in zip(got, (hidden.grad, weight.grad), strict=True):
+        torch.testing.assert_close(g, want, atol=2e-2, rtol=2e-2)
+        assert want.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_plain_sampling_in_place_divides_by_any_temperature(temperature, keep) -> None:
+    # the in-place path divides the logits by the temperature (in forward, again in backward,
+    # and the logits' gradient by it) unless it is 1: at 1 and at 2, log-probs, entropies and
+    # the gradients of a loss on both equal the full logits' through autograd
+    gen = torch.Generator().manual_seed(6)
+    m, h, v = 11, 6, 17
+    weight = torch.randn(v, h, generator=gen, requires_grad=True)
+    hidden = torch.randn(m, h, generator=gen, requires_grad=True)
+    at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])
+    targets = torch.randint(0, v, (3, 3), generator=gen)
+    scorer = Scorer.of(at, targets, Sampling(temperature), True, None, m)
+    extras: list = []
+    picked, lse, entropy = chunked_head._ChunkedHead.apply(
+        hidden, weight, None, scorer, 4, extras, False, keep, True
+    )
+    got = scorer.logprobs(picked, lse, *extras, entropy)
+    (got[0].sum() + 3.0 * got[1].sum()).backward()
+    grads = [hidden.grad.clone(), weight.grad.clone()]
+    hidden.grad = weight.grad = None
+    want = scorer.of_logits(hidden @ weight.T, chunk=4)
+    (want[0].sum() + 3.0 * want[1].sum()).backward()
+    scaled = torch.log_softmax((hidden @ weight.T).detach() / temperature, dim=-1)
+    torch.testing.assert_close(want[0], scaled[at, targets])  # the reference divides
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    for g, w in zip(grads, (hidden.grad, weight.grad), strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_bias_gradient_is_summed_in_float32_under_autocast(keep) -> None:
+    # under bf16 autocast the logits' gradient is bf16, but the float32 bias adds it up over
+    # the positions in float32: with every logit equal (a zero weight), each position's
+    # gradient (3/4 at its target, -1/4 elsewhere, times its weight of 1 or 2^-8) is exact in
+    # bf16, and their sums (1 + 2^-8 times those) are exact in float32 but not in bf16
+    v = 4
+    head = nn.Linear(6, v)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    hidden = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
+    at, targets = torch.tensor([[0, 1]]), torch.zeros(1, 2, dtype=torch.long)
+    scorer = Scorer.of(at, targets, Sampling(), False, None, 2)
+    extras: list = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        picked, lse, entropy = chunked_head._ChunkedHead.apply(
+            hidden, head.weight, head.bias, scorer, 4, extras, False, keep, True
+        )
+    logp = scorer.logprobs(picked, lse, *extras, entropy)[0]
+    (logp * torch.tensor([[1.0, 2.0**-8]])).sum().backward()
+    want = torch.tensor([0.75, -0.25, -0.25, -0.25]) * (1 + 2.0**-8)
+    assert torch.equal(head.bias.grad, want)
+    assert not torch.equal(want.bfloat16().float(), want)  # bf16 would round the sums
+
+
 def test_a_models_head_with_a_bias_equals_the_plain_head(tiny_model_dir, monkeypatch) -> None:
     # the scoring head that stands in for the model's own passes its bias on: values and every
     # gradient, the bias's included, are the plain head's
@@ -269,6 +379,62 @@ def test_chunks_of_any_size_score_every_position(positions: int, chunk: int) -> 
     plain = torch.log_softmax(logits, dim=-1)
     torch.testing.assert_close(logp, plain[at, targets])
     torch.testing.assert_close(entropy, -(plain.exp() * plain).sum(dim=-1)[at])
+
+
+@pytest.mark.parametrize(
+    ("keep", "positions"), [(0, 10), (3, 6), (5, 10), (7, 10), (torch.tensor([1, 4]), 4)]
+)
+def test_kept_positions_are_those_a_forward_computes(keep, positions: int) -> None:
+    # as transformers keeps them: 0 (its default) every position, a count the last ones up to
+    # the whole sequence (5 and more: all 5), a tensor those positions of every sequence
+    assert chunked_head.kept_positions(torch.zeros(2, 5, dtype=torch.long), keep) == positions
+
+
+class _Policy(nn.Module):
+    pass
+
+
+class _Wrapped(nn.Module):
+    """As DDP holds a model: on ``.module``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = _Policy()
+
+
+def test_a_forward_that_computed_other_positions_is_refused_by_the_models_name() -> None:
+    # a forward given no logits_to_keep computes every position, one given 3 the last 3 of
+    # each row; any other count is refused, with the whole message, naming the model (under a
+    # wrapper, the wrapped one)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    chunked_head._check_positions(_Policy(), 10, {"input_ids": ids})
+    chunked_head._check_positions(_Wrapped(), 6, {"input_ids": ids, "logits_to_keep": 3})
+    tail = ": its forward does not honour logits_to_keep, so it cannot be scored packed$"
+    for model, inputs, got, want in [
+        (_Policy(), {"input_ids": ids}, 4, 10),
+        (_Wrapped(), {"input_ids": ids, "logits_to_keep": 3}, 10, 6),
+    ]:
+        message = f"^_Policy computed {got} positions' logits where logits_to_keep asked for {want}"
+        with pytest.raises(RuntimeError, match=message + tail):
+            chunked_head._check_positions(model, got, inputs)
+
+
+@pytest.mark.parametrize("own_head", [False, True])
+def test_a_model_that_ignores_logits_to_keep_is_refused_by_name(model, monkeypatch, own_head):
+    # scored at every position instead of the ones asked for, on the scoring head's path or
+    # from the model's own logits: refused, naming the model's class
+    forward = model.forward
+
+    def ignores(*args, **kwargs):
+        kwargs["logits_to_keep"] = 0
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", ignores)
+    if own_head:
+        monkeypatch.setattr(chunked_head, "head_slot", lambda model: None)
+    name = type(model).__name__
+    with pytest.raises(RuntimeError, match=rf"^{name} computed \d+ positions' logits where"):
+        completion_logprobs(model, *_batch(g=2, n=4))
 
 
 def test_a_penalty_without_the_history_it_reads_is_refused() -> None:
@@ -511,19 +677,50 @@ def test_plain_sampling_spreads_positions_evenly_over_chunks_of_the_buffer(posit
     assert top_k.head_chunk(positions, 49152) == chunked_head.CHUNK
 
 
+@pytest.mark.parametrize(("rows", "chunk"), [(1, 1), (2, 2), (3, 3)])
+def test_plain_sampling_chunks_keep_to_the_buffers_budget(rows: int, chunk: int, monkeypatch):
+    # a budget of ``rows`` rows of float32 logits takes at most that many positions a chunk,
+    # one when only one row fits (5 positions: chunks of 1; of 2, 2, 1; of 3, 2)
+    monkeypatch.setattr(chunked_head, "PLAIN_CHUNK_BYTES", rows * 4 * 40)
+    at = torch.zeros(1, 1, dtype=torch.long)
+    assert Scorer.of(at, at, Sampling(0.7), False, None, 5).head_chunk(5, 40) == chunk
+
+
+def test_the_scoring_head_chunks_its_forwards_positions(monkeypatch) -> None:
+    # the stand-in head spreads the forward's positions (23, from a [1, 23, 6] hidden) over
+    # chunks of the buffer's 8 rows: 8, 8, 7, whatever the hidden size
+    monkeypatch.setattr(chunked_head, "PLAIN_CHUNK_BYTES", 8 * 4 * 40)
+    gen = torch.Generator().manual_seed(0)
+    at = torch.randint(0, 23, (3, 3), generator=gen)
+    scorer = Scorer.of(
+        at, torch.randint(0, 40, (3, 3), generator=gen), Sampling(0.7), False, None, 23
+    )
+    chunks: list[int] = []
+    terms = Scorer.plain_terms_
+
+    def spy(self, logits, start, span, keep=False):
+        chunks.append(logits.shape[0])
+        return terms(self, logits, start, span, keep=keep)
+
+    monkeypatch.setattr(Scorer, "plain_terms_", spy)
+    head = chunked_head._ScoringHead(nn.Linear(6, 40), scorer, in_place=False, keep=False)
+    head(torch.randn(1, 23, 6, generator=gen))
+    assert chunks == [8, 8, 7]
+
+
 def _logits_made(
-    keep: bool, m: int, v: int, monkeypatch, entropy: bool = True
+    keep: bool, m: int, v: int, monkeypatch, entropy: bool = True, entropy_rows: int = 3
 ) -> tuple[list, list, list, Scorer]:
     """The plain head's forward and backward on random numbers (``m`` positions, vocabulary
-    ``v``, buffer chunks of 8 and entropy blocks of 3 rows): the rows of each new tensor of V
-    columns an op made (no view) in forward and in backward, the products it ran (op name,
-    rows) and the scorer; asserts the log-probs are the full logits'."""
+    ``v``, buffer chunks of 8 and entropy blocks of ``entropy_rows`` rows): the rows of each
+    new tensor of V columns an op made (no view) in forward and in backward, the products it
+    ran (op name, rows) and the scorer; asserts the log-probs are the full logits'."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     gen = torch.Generator().manual_seed(0)
     h = 6
     monkeypatch.setattr(chunked_head, "PLAIN_CHUNK_BYTES", 8 * 4 * v)
-    monkeypatch.setattr(chunked_head, "ENTROPY_BLOCK_BYTES", 3 * 4 * v)
+    monkeypatch.setattr(chunked_head, "ENTROPY_BLOCK_BYTES", entropy_rows * 4 * v)
     weight = torch.randn(v, h, generator=gen, requires_grad=True)
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.randint(0, m, (4, 5), generator=gen)
@@ -578,6 +775,13 @@ def test_the_plain_head_computes_in_one_logits_buffer_per_pass(monkeypatch) -> N
     assert products == [("mm", 8), ("mm", 8), ("mm", 7), *backward_products]
 
 
+def test_an_entropy_block_of_one_row_takes_one_row_at_a_time(monkeypatch) -> None:
+    # a budget that holds one row of the entropy's exp (ENTROPY_BLOCK_BYTES, 4 MiB, is one row
+    # of a vocabulary of a million) takes one at a time, not more than the budget
+    forward, _, _, _ = _logits_made(False, 23, 40, monkeypatch, entropy_rows=1)
+    assert forward == [8] + [1] * 23
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_without_entropy_a_pass_makes_the_buffer_alone(monkeypatch, keep) -> None:
     # no entropy asked for: the chunked forward exponentiates in the buffer, no row blocks;
@@ -596,6 +800,21 @@ def test_logits_go_into_the_buffer_with_and_without_a_bias() -> None:
         got = chunked_head._logits_into(buffer, h, w, bias)
         assert got.data_ptr() == buffer.data_ptr() and got.shape == (5, 9)
         torch.testing.assert_close(got, F.linear(h, w, bias))
+
+
+@pytest.mark.parametrize(
+    ("states", "head"), [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+)
+def test_logits_of_states_in_another_dtype_are_the_heads_products(states, head) -> None:
+    # the product runs in the head's dtype whatever the hidden states' (bf16 states under a
+    # float32 head, float32 states under a bf16 head, no autocast): their logits are those of
+    # the states cast to the head's dtype
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 6, generator=gen).to(states)
+    w = torch.randn(9, 6, generator=gen).to(head)
+    got = chunked_head._logits_into(torch.empty(8, 9), h, w, None)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(h.to(head), w).float())
 
 
 @pytest.mark.parametrize(
@@ -698,7 +917,7 @@ def test_kept_logits_refuse_a_sampling_that_shapes_them() -> None:
     at = torch.zeros(1, 1, dtype=torch.long)
     scorer = Scorer.of(at, at, Sampling(0.7, top_k=5), False, None, 1)
     hidden, weight = torch.randn(1, 6), torch.randn(17, 6)
-    with pytest.raises(ValueError, match="plain sampling"):
+    with pytest.raises(ValueError, match=r"^kept logits take plain sampling \(temperature only\)$"):
         chunked_head._ChunkedHead.apply(hidden, weight, None, scorer, 1, [], False, True, True)
 
 

@@ -20,6 +20,7 @@ from grpo.scoring.logprobs import (
     token_logprobs,
 )
 from grpo.scoring.packing import pack
+from grpo.scoring.prefix_attention import SHARED
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +283,32 @@ def test_a_sliding_window_model_is_packed_while_its_sequences_fit(window: int, m
             torch.testing.assert_close(logp[i, : len(c)], want, atol=1e-5, rtol=0)
     # 4 + 5 = 9 positions: packed under a window of 32, one row each under a window of 6
     assert bool(rows_path) is (window == 6)
+
+
+def test_packed_scoring_takes_a_window_as_long_as_its_longest_sequence() -> None:
+    # the packed layout replaces the model's masks, its sliding window included. The longest
+    # packed sequence here is a 4-token prompt and 4 of its completion's 5 tokens (the last
+    # predicts nothing): 8 positions. A window of 8 excludes no key, so the packed log-probs are
+    # the plain forward's; a window of 7 would hide position 0 from position 7, which the layout
+    # lets it read, so the forward refuses instead of returning log-probs that ignore the window
+    from grpo.scoring.packing import packed_logprobs
+
+    prompts = [[1, 5, 6, 7], [1, 8]]
+    completions = [[10, 11, 12, 13, 14], [15, 16], [17, 18, 19], [20]]
+    rows = [(prompts[i // 2], c) for i, c in enumerate(completions)]
+    prompt_ids = torch.tensor([[0] * (4 - len(p)) + p for p, _ in rows])
+    completion_ids = torch.tensor([c + [0] * (5 - len(c)) for _, c in rows])
+    completion_mask = torch.tensor([[j < len(c) for j in range(5)] for _, c in rows])
+    batch = (prompt_ids, prompt_ids != 0, completion_ids, completion_mask)
+    model = _tiny_gemma3(8)
+    with torch.no_grad():
+        logp, _ = packed_logprobs(model, *batch)
+        for i, (p, c) in enumerate(rows):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
+            torch.testing.assert_close(logp[i, : len(c)], want, atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match="sliding window shorter than the sequences"):
+            packed_logprobs(_tiny_gemma3(7), *batch)
 
 
 def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:
@@ -598,6 +625,24 @@ def test_the_shared_start_leaves_every_prompt_a_token_of_its_own() -> None:
     assert shared([t([5, 6, 7])]) == 0  # one prompt: nothing to share
 
 
+def test_the_shared_start_ends_where_any_prompt_first_differs() -> None:
+    # the start is shared up to the first position where some prompt differs: [5, 9] and
+    # [5, 6] share one token; and a prompt that differs at its first token shares none, even
+    # where the others agree further on
+    shared = packing._shared_start
+    t = torch.tensor
+    assert shared([t([5, 9, 7, 1]), t([5, 6, 7, 2])]) == 1
+    assert shared([t([5, 6, 7, 1]), t([5, 6, 7, 2]), t([9, 6, 7, 3])]) == 0
+    # end to end, every group's prompt reads back whole: the shared start, then its own tokens
+    prompts = [[5, 6, 7, 1], [5, 6, 7, 2], [9, 6, 7, 3]]
+    prompt_ids, completion_ids = torch.tensor(prompts), torch.tensor([[11, 12], [13, 14], [15, 16]])
+    packed = pack(prompt_ids, prompt_ids != 0, completion_ids, completion_ids != 0, end_to_end=True)
+    ids, group, segment = packed.input_ids[0], packed.group[0], packed.segment[0]
+    read = [ids[((group == u) | (group == SHARED)) & (segment == 0)].tolist() for u in range(3)]
+    assert sorted(read) == sorted(prompts)
+    assert packed.input_ids.shape == (1, 3 * 4 + 3)  # nothing shared: each prompt, each body
+
+
 def test_packed_attention_mask_by_hand() -> None:
     packed, _ = _worked_pack()
     # a token sees earlier tokens of its own segment and the whole prompt; padding sees padding
@@ -612,3 +657,33 @@ def test_packed_attention_mask_by_hand() -> None:
     additive = packed.attention_mask(torch.float16)
     assert additive.dtype == torch.float16
     assert torch.equal(additive, torch.zeros(2, 1, 5, 5).masked_fill(~allowed, -65504.0).half())
+
+
+@pytest.mark.parametrize(("window", "packed"), [(9, True), (8, False)], ids=["equal", "one-short"])
+def test_a_sequence_exactly_as_long_as_the_window_is_packed(window, packed, monkeypatch) -> None:
+    # "fits" is per sequence: the longest prompt (4) plus the longest completion (5) is 9
+    # positions, so a window of 9 packs and a window of 8 scores one row per completion, though
+    # the batch holds 12 prompt and 11 completion tokens in all. Both give the plain forward's
+    import grpo.scoring.logprobs as logprobs
+
+    model = _tiny_gemma3(window)
+    rows_path = []
+    full = logprobs.full_sequence_logprobs
+    monkeypatch.setattr(
+        logprobs, "full_sequence_logprobs", lambda *a, **k: rows_path.append(1) or full(*a, **k)
+    )
+    prompts = [[1, 5, 6, 7], [1, 8]]
+    completions = [[10, 11, 12, 13, 14], [15, 16], [17, 18, 19], [20]]
+    rows = [(prompts[i // 2], c) for i, c in enumerate(completions)]
+    prompt_ids = torch.tensor([[0] * (4 - len(p)) + p for p, _ in rows])
+    completion_ids = torch.tensor([c + [0] * (5 - len(c)) for _, c in rows])
+    completion_mask = torch.tensor([[j < len(c) for j in range(5)] for _, c in rows])
+    with torch.no_grad():
+        logp, _ = logprobs.completion_logprobs(
+            model, prompt_ids, prompt_ids != 0, completion_ids, completion_mask
+        )
+        for i, (p, c) in enumerate(rows):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
+            torch.testing.assert_close(logp[i, : len(c)], want, atol=1e-5, rtol=0)
+    assert bool(rows_path) is not packed
