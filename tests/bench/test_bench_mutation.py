@@ -44,6 +44,7 @@ def run_main(
     monkeypatch.setattr(mutation, "RESULT", tmp_path / "mutation.json")
     monkeypatch.setattr(mutation, "files", lambda: paths or [FILE])
     monkeypatch.setattr(mutation, "head_commit", lambda: "def5678")
+    monkeypatch.setattr(mutation, "unmatched_scope", list)  # a fake tree: no sources to read
     write_meta(tmp_path, first or {KILLED: 1, SURVIVOR: 0, UNCHECKED: None})
     calls: list[list[str]] = []
 
@@ -351,3 +352,17 @@ def test_compare_counts_only_functions_of_the_same_source_in_whole_rows(
         "now": {"checked": n, "killed": n - 2},
         "functions": 1,
     }
+
+
+def test_every_scope_name_is_a_function_of_a_mutated_file() -> None:
+    # a function moved or renamed leaves its old name in SCOPE matching nothing: its mutants
+    # would leave the run without a word
+    assert mutation.unmatched_scope() == []
+
+
+def test_a_scope_name_that_matches_nothing_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    scope = {**mutation.SCOPE, "src/grpo/training/trainer.py": ["Trainer.gone", "Trainer.optimize"]}
+    monkeypatch.setattr(mutation, "SCOPE", scope)
+    assert mutation.unmatched_scope() == ["src/grpo/training/trainer.py: Trainer.gone"]
+    monkeypatch.setattr(mutation, "SCOPE", {"src/grpo/training/critic.py": ["value_model"]})
+    assert mutation.unmatched_scope() == ["src/grpo/training/critic.py: not in only_mutate"]

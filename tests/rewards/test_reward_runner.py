@@ -567,3 +567,17 @@ def test_a_batched_user_function_scores_the_whole_batch_in_one_call(user_module:
         runner.close()
     assert out.per_function[:, 0].tolist() == [-2.0, 0.0, 2.0]  # one call saw all three
     assert out.errors == {"group_relative": 0, "pid": 0}
+
+
+def test_per_function_metrics_leave_out_the_completions_a_function_did_not_apply_to():
+    # a function that returned None (stored as NaN) for one completion: its mean and population
+    # std are over the other three (1, 0, 0.5: mean 0.5, std sqrt(1/6), not the sample std 0.5);
+    # a function that applied to none has NaN for both
+    from grpo.rewards.inputs import per_function_metrics
+
+    nan = math.nan
+    per_function = torch.tensor([[1.0, nan], [nan, nan], [0.0, nan], [0.5, nan]])
+    out = per_function_metrics(per_function, ["acc", "judge"])
+    assert out["reward/acc/mean"] == pytest.approx(0.5)
+    assert out["reward/acc/std"] == pytest.approx(math.sqrt(1 / 6))
+    assert math.isnan(out["reward/judge/mean"]) and math.isnan(out["reward/judge/std"])

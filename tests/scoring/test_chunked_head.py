@@ -419,24 +419,6 @@ def test_a_forward_that_computed_other_positions_is_refused_by_the_models_name()
             chunked_head._check_positions(model, got, inputs)
 
 
-@pytest.mark.parametrize("own_head", [False, True])
-def test_a_model_that_ignores_logits_to_keep_is_refused_by_name(model, monkeypatch, own_head):
-    # scored at every position instead of the ones asked for, on the scoring head's path or
-    # from the model's own logits: refused, naming the model's class
-    forward = model.forward
-
-    def ignores(*args, **kwargs):
-        kwargs["logits_to_keep"] = 0
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", ignores)
-    if own_head:
-        monkeypatch.setattr(chunked_head, "head_slot", lambda model: None)
-    name = type(model).__name__
-    with pytest.raises(RuntimeError, match=rf"^{name} computed \d+ positions' logits where"):
-        completion_logprobs(model, *_batch(g=2, n=4))
-
-
 def test_a_penalty_without_the_history_it_reads_is_refused() -> None:
     # the whole message, since it is all a caller is told of what to pass
     at, targets = torch.tensor([[0, 1]]), torch.tensor([[3, 4]])

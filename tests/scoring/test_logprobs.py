@@ -252,8 +252,14 @@ def _tiny_gemma3(window: int):
     return model
 
 
-@pytest.mark.parametrize("window", [32, 6], ids=["fits", "outgrown"])
-def test_a_sliding_window_model_is_packed_while_its_sequences_fit(window: int, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("window", "packed"),
+    [(32, True), (9, True), (8, False), (6, False)],
+    ids=["fits", "equal", "one-short", "outgrown"],
+)
+def test_a_sliding_window_model_is_packed_while_its_sequences_fit(
+    window: int, packed: bool, monkeypatch
+) -> None:
     # Gemma 3's local layers: a window at least as long as every sequence excludes no key, so
     # the packed layout (which replaces the model's masks) is exact; a longer sequence falls
     # back to one padded row per completion under the model's own masks. Either way the
@@ -281,8 +287,10 @@ def test_a_sliding_window_model_is_packed_while_its_sequences_fit(window: int, m
             logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
             want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
             torch.testing.assert_close(logp[i, : len(c)], want, atol=1e-5, rtol=0)
-    # 4 + 5 = 9 positions: packed under a window of 32, one row each under a window of 6
-    assert bool(rows_path) is (window == 6)
+    # "fits" is per sequence: the longest prompt (4) plus the longest completion (5) is 9
+    # positions, packed under a window of 32 or exactly 9, one row each under 8 or 6, though
+    # the batch holds 12 prompt and 11 completion tokens in all
+    assert bool(rows_path) is not packed
 
 
 def test_packed_scoring_takes_a_window_as_long_as_its_longest_sequence() -> None:
@@ -657,33 +665,3 @@ def test_packed_attention_mask_by_hand() -> None:
     additive = packed.attention_mask(torch.float16)
     assert additive.dtype == torch.float16
     assert torch.equal(additive, torch.zeros(2, 1, 5, 5).masked_fill(~allowed, -65504.0).half())
-
-
-@pytest.mark.parametrize(("window", "packed"), [(9, True), (8, False)], ids=["equal", "one-short"])
-def test_a_sequence_exactly_as_long_as_the_window_is_packed(window, packed, monkeypatch) -> None:
-    # "fits" is per sequence: the longest prompt (4) plus the longest completion (5) is 9
-    # positions, so a window of 9 packs and a window of 8 scores one row per completion, though
-    # the batch holds 12 prompt and 11 completion tokens in all. Both give the plain forward's
-    import grpo.scoring.logprobs as logprobs
-
-    model = _tiny_gemma3(window)
-    rows_path = []
-    full = logprobs.full_sequence_logprobs
-    monkeypatch.setattr(
-        logprobs, "full_sequence_logprobs", lambda *a, **k: rows_path.append(1) or full(*a, **k)
-    )
-    prompts = [[1, 5, 6, 7], [1, 8]]
-    completions = [[10, 11, 12, 13, 14], [15, 16], [17, 18, 19], [20]]
-    rows = [(prompts[i // 2], c) for i, c in enumerate(completions)]
-    prompt_ids = torch.tensor([[0] * (4 - len(p)) + p for p, _ in rows])
-    completion_ids = torch.tensor([c + [0] * (5 - len(c)) for _, c in rows])
-    completion_mask = torch.tensor([[j < len(c) for j in range(5)] for _, c in rows])
-    with torch.no_grad():
-        logp, _ = logprobs.completion_logprobs(
-            model, prompt_ids, prompt_ids != 0, completion_ids, completion_mask
-        )
-        for i, (p, c) in enumerate(rows):
-            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
-            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
-            torch.testing.assert_close(logp[i, : len(c)], want, atol=1e-5, rtol=0)
-    assert bool(rows_path) is not packed

@@ -324,7 +324,11 @@ def test_a_model_that_ignores_logits_to_keep_is_refused(
     monkeypatch.setattr(prefix, "forward", ignores)
     if own_head:
         monkeypatch.setattr(chunked_head, "head_slot", lambda model: None)
-    with pytest.raises(RuntimeError, match="does not honour logits_to_keep"):
+    said = (
+        rf"^{type(prefix).__name__} computed \d+ positions' logits where logits_to_keep asked "
+        r"for \d+: its forward does not honour logits_to_keep, so it cannot be scored packed$"
+    )
+    with pytest.raises(RuntimeError, match=said):
         completion_logprobs(prefix, *_shared_batch())
 
 

@@ -93,6 +93,24 @@ def test_scored_advantages_are_the_estimators(make, rollout, algo: dict) -> None
         assert float((scored.advantages - grpo).abs().max()) > 1e-3
 
 
+@pytest.mark.parametrize(
+    "algo",
+    [{}, {"reward_aggregation": "gdpo"}, {"estimator": "reinforce_pp"}],
+    ids=["grpo", "gdpo", "reinforce_pp"],
+)
+def test_recomputed_advantages_are_the_scored_ones(make, rollout, algo: dict) -> None:
+    # dynamic sampling recomputes the advantages of the groups it keeps: from the same rewards,
+    # per-function scores, weights and token counts as scoring, so the same values (GDPO reads
+    # the per-function scores and weights, REINFORCE++ the completions' lengths)
+    trainer = Trainer(make(**algo))
+    scored = trainer.producer.score(rollout)
+    again = trainer.producer.recomputed_advantages(scored)
+    assert torch.allclose(again, scored.advantages, atol=1e-6)
+    if algo:
+        grpo = algorithm.group_advantages(scored.rewards, 4)
+        assert float((again - grpo).abs().max()) > 1e-3
+
+
 def test_reinforce_pp_trains_on_per_token_advantages_with_no_kl_in_the_loss(
     make, rollout, monkeypatch
 ) -> None:
@@ -166,3 +184,14 @@ def test_each_estimator_moves_the_weights_and_changes_the_update(
     after = update(make, rollout, algo)
     weights.assert_moved(weights.of(start), after)
     weights.assert_moved(baseline, after, atol=1e-6)
+
+
+def test_gdpo_advantages_use_the_configs_eps(make, rollout) -> None:
+    # adv_eps reaches GDPO's normalisations too: a large one shrinks every advantage
+    trainer = Trainer(make(reward_aggregation="gdpo", adv_eps=1.0))
+    scored = trainer.producer.score(rollout)
+    weights = torch.tensor([1.0, 0.5])
+    want = algorithm.decoupled_advantages(scored.per_function, weights, 4, eps=1.0)
+    assert torch.allclose(scored.advantages, want, atol=1e-6)
+    default = algorithm.decoupled_advantages(scored.per_function, weights, 4)
+    assert float((want - default).abs().max()) > 1e-3

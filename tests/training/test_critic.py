@@ -121,6 +121,24 @@ def test_ppo_advantages_fold_the_kl_and_whiten_over_the_tokens() -> None:
     assert stats["value/mean"] == 0 and stats["value/explained_var"] == pytest.approx(0.0)
 
 
+def test_ppo_advantages_with_beta_0_read_no_log_probs() -> None:
+    # beta 0: no KL in the token rewards, whatever log-probs are given, even ones far enough
+    # apart that k3's exp(ref - old) overflows float32 (0 * inf would be NaN): the advantages and
+    # targets are those with no log-probs at all
+    algo = build_config(
+        {"algorithm": {"estimator": "ppo", "beta": 0.0, "kl_estimator": "k3", "lam": 1.0}}
+    ).algorithm
+    counted = torch.ones(2, 2, dtype=torch.bool)
+    rewards, values = torch.tensor([1.0, 0.0]), torch.tensor([[0.2, 0.4], [0.1, 0.3]])
+    old, ref = torch.full((2, 2), -100.0), torch.zeros(2, 2)
+    adv, ret = advantages.critic_advantages(algo, rewards, counted, old, ref, values)
+    plain_adv, plain_ret = advantages.critic_advantages(algo, rewards, counted, None, None, values)
+    assert torch.isfinite(adv).all() and torch.equal(adv, plain_adv)
+    assert torch.equal(ret, plain_ret)
+    # gamma 1, lam 1: returns are the reward, 1 and 0, at every token
+    assert torch.allclose(ret, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+
+
 @pytest.mark.parametrize("attention", ["prefix", "dense"])
 def test_packed_values_are_each_rows_own(
     tiny_model_dir: Path, attention: str, monkeypatch: pytest.MonkeyPatch

@@ -167,6 +167,73 @@ def test_quantile_one_filters_no_token_and_the_engine_gets_the_update(
     assert len(synced) == 1
 
 
+def test_the_entropy_bonus_is_in_every_passs_loss_and_only_it_asks_entropy_after_the_first(
+    knob_config, rollout, monkeypatch
+) -> None:
+    # dapo averages the counted tokens, as the logged entropy does: the first pass's loss loses
+    # exactly coef x entropy. Entropy is asked of the old log-probs' forward never, of the first
+    # pass always (it is logged), of the second only when a bonus needs it
+    logprobs = spy_on(monkeypatch, grpo.training.update, "completion_logprobs")
+    runs = {}
+    for coef in (0.0, 0.3):
+        algo = {"loss_type": "dapo", "num_iterations": 2, "entropy_coef": coef}
+        trainer = Trainer(knob_config(algorithm=algo))
+        scored = scored_by(trainer, rollout)
+        logprobs.clear()
+        runs[coef] = trainer.optimize(scored)
+        assert [c["with_entropy"] for c in logprobs] == [False, True, coef > 0]
+    plain, bonus = runs[0.0], runs[0.3]
+    assert plain["entropy"] > 1.0  # the random model is far from deterministic
+    assert bonus["loss"] == pytest.approx(plain["loss"] - 0.3 * plain["entropy"], abs=1e-5)
+
+
+def test_ppo_folds_a_moved_policys_kl_into_the_critics_targets(knob_config, rollout) -> None:
+    # a policy moved off its reference (the same noise in both runs): with beta > 0 the token
+    # rewards lose beta x KL(old || ref), so the critic's value loss against its targets differs
+    # from beta 0's, from the same critic start (the same values)
+    runs = {}
+    for beta in (0.0, 0.5):
+        trainer = Trainer(knob_config(algorithm={"estimator": "ppo", "beta": beta}))
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in trainer.policy.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        runs[beta] = trainer.optimize(trainer.producer.score(rollout))
+    plain, folded = runs[0.0], runs[0.5]
+    assert folded["value/mean"] == plain["value/mean"]
+    assert abs(folded["value/loss"] - plain["value/loss"]) > 0.1 * plain["value/loss"]
+
+
+def test_max_grad_norm_clips_the_gradient_the_optimizer_steps_on(knob_config, rollout) -> None:
+    # AdamW's first step is near scale-free, but its first moment is (1 - beta1) x the gradient
+    # it was given: after one step its global norm is (1 - beta1) x max_grad_norm when the
+    # logged (unclipped) norm is above it
+    trainer = Trainer(knob_config(optim={"max_grad_norm": 0.05}))
+    metrics = trainer.optimize(scored_by(trainer, rollout))
+    assert metrics["grad_norm"] > 0.5
+    beta1 = trainer.optimizer.param_groups[0]["betas"][0]
+    moments = [state["exp_avg"] for state in trainer.optimizer.state.values()]
+    norm = math.sqrt(sum(float(m.double().pow(2).sum()) for m in moments))
+    assert norm == pytest.approx((1 - beta1) * 0.05, rel=1e-4)
+
+
+def test_a_non_finite_critic_gradient_is_announced_with_its_step(
+    knob_config, rollout, capsys
+) -> None:
+    # a critic whose values are NaN has a NaN gradient: it takes no step, and the warning line
+    # names the step the trainer is at, as the policy's does
+    trainer = Trainer(knob_config(algorithm={"estimator": "ppo"}))
+    scored = trainer.producer.score(rollout)
+    with torch.no_grad():
+        trainer.critic.model.head.bias.fill_(math.nan)
+    trainer.step = 3
+    capsys.readouterr()
+    metrics = trainer.optimize(scored)
+    assert not math.isfinite(metrics["value/grad_norm"])
+    err = capsys.readouterr().err
+    assert "grpo: warning: step 3: the critic's gradient norm is nan" in err
+
+
 def test_dynamic_sampling_recomputes_advantages_with_the_configured_eps(
     knob_config, monkeypatch
 ) -> None:

@@ -159,3 +159,18 @@ def test_sequence_masking_and_offpolicy_masking_reach_the_loss(tiny_config, monk
     assert metrics["tis/masked_frac"] == pytest.approx(masked_tokens / total, abs=1e-6)
     assert metrics["tis/offpolicy_masked_frac"] == pytest.approx(dropped / len(rows), abs=1e-6)
     assert "tis/truncated_frac" not in metrics  # mask mode truncates nothing
+
+
+def test_the_off_policy_mask_without_sampler_log_probs_measures_against_the_old_policy() -> None:
+    # a rollout without the sampler's log-probs: the behaviour policy is the one the old
+    # log-probs came from, so a completion whose log-probs moved away from them is masked
+    from grpo.config import AlgorithmConfig
+    from grpo.training import importance
+
+    cfg = AlgorithmConfig(offpolicy_mask_delta=0.1)
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[-0.5, -0.5, -0.5], [0.0, 0.0, 0.0]])  # row 0 moved: KL 0.5 > 0.1
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    weights, shares = importance.correction(cfg, logp, old, None, torch.tensor([-1.0, -1.0]), mask)
+    assert weights.tolist() == [[0.0] * 3, [1.0] * 3]
+    assert shares["tis/offpolicy_masked_frac"] == (1.0, 2.0)
