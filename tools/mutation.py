@@ -291,7 +291,8 @@ def compare(ref: str) -> dict[str, dict[str, int]]:
     in scope); every mutant of such a row was checked, all killed but its survivors.
     -> {"before": {"checked", "killed"}, "now": {"checked", "killed"}, "functions": n}."""
     old_rows = json.loads(_git_show(ref, str(RESULT.relative_to(ROOT))))["rows"]
-    before: dict[str, tuple[str, int, int]] = {}  # function -> (source hash, mutants, survived)
+    # keyed by (function, source hash): the same name in two files is two functions
+    before: dict[tuple[str, str], tuple[int, int]] = {}  # -> (mutants, survived)
     for row in old_rows:
         if row["in_scope"] != row["mutants"]:
             continue
@@ -300,23 +301,28 @@ def compare(ref: str) -> dict[str, dict[str, int]]:
         survivors = collections.Counter(function_of(k) for k in row["survivors"])
         totals = collections.Counter(function_of(f"m.{n}") for n in mutated.mutant_names)
         for function, digest in mutated.hash_by_function_name.items():
-            before[function] = (digest, totals[function], survivors[function])
-    now: dict[str, tuple[str, int, int]] = {}  # function -> (source hash, checked, killed)
+            before[function, digest] = (totals[function], survivors[function])
+    now: dict[tuple[str, str], list[int]] = collections.defaultdict(
+        lambda: [0, 0]
+    )  # checked, killed
     for path in files():
         digests = mutate_file_contents(path, (ROOT / path).read_text()).hash_by_function_name
         for k, code in results(path).items():
             function = function_of(k)
-            if code in (None, NO_TESTS) or function not in digests:
-                continue
-            _, checked, killed = now.get(function, (digests[function], 0, 0))
-            now[function] = (digests[function], checked + 1, killed + (code != 0))
-    same = [f for f in before if f in now and before[f][0] == now[f][0]]
+            if code not in (None, NO_TESTS) and function in digests:
+                counts = now[function, digests[function]]
+                counts[0] += 1
+                counts[1] += code != 0
+    same = [key for key in before if key in now]
     return {
         "before": {
-            "checked": sum(before[f][1] for f in same),
-            "killed": sum(before[f][1] - before[f][2] for f in same),
+            "checked": sum(before[key][0] for key in same),
+            "killed": sum(before[key][0] - before[key][1] for key in same),
         },
-        "now": {"checked": sum(now[f][1] for f in same), "killed": sum(now[f][2] for f in same)},
+        "now": {
+            "checked": sum(now[key][0] for key in same),
+            "killed": sum(now[key][1] for key in same),
+        },
         "functions": len(same),
     }
 
