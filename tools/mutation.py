@@ -108,6 +108,9 @@ def unmatched_scope() -> list[str]:
     657 mutants in scope to 14."""
     missing = [f"{path}: not in only_mutate" for path in SCOPE if path not in files()]
     for path, names in SCOPE.items():
+        if not (ROOT / path).is_file():
+            missing.append(f"{path}: no such file")
+            continue
         functions = mutate_file_contents(path, (ROOT / path).read_text()).hash_by_function_name
         for name in names:
             pattern = mangled("", name).removeprefix(".").removesuffix("__mutmut_*")

@@ -366,3 +366,7 @@ def test_a_scope_name_that_matches_nothing_is_named(monkeypatch: pytest.MonkeyPa
     assert mutation.unmatched_scope() == ["src/grpo/training/trainer.py: Trainer.gone"]
     monkeypatch.setattr(mutation, "SCOPE", {"src/grpo/training/critic.py": ["value_model"]})
     assert mutation.unmatched_scope() == ["src/grpo/training/critic.py: not in only_mutate"]
+    # a file moved away altogether is named too, not a traceback
+    monkeypatch.setattr(mutation, "files", lambda: ["src/grpo/gone.py"])
+    monkeypatch.setattr(mutation, "SCOPE", {"src/grpo/gone.py": ["f"]})
+    assert mutation.unmatched_scope() == ["src/grpo/gone.py: no such file"]
