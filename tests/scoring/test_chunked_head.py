@@ -773,6 +773,80 @@ def test_without_entropy_a_pass_makes_the_buffer_alone(monkeypatch, keep) -> Non
     assert backward == ([] if keep else [8])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 23])
+def test_a_buffer_narrows_to_bf16_in_its_own_memory(rows, monkeypatch) -> None:
+    # every value as .to(bf16) gives it, in the buffer's own bytes, for blocks of any rows (1:
+    # the first block's output overlaps its own input; 23: one block)
+    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", rows * 4 * 40)
+    buffer = torch.randn(23, 40, generator=torch.Generator().manual_seed(0)) * 100
+    want = buffer.to(torch.bfloat16)
+    got = chunked_head._narrowed_(buffer, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (23, 40)
+    assert got.data_ptr() == buffer.data_ptr()
+    assert torch.equal(got, want)
+
+
+def test_a_buffer_narrows_only_to_half_its_size() -> None:
+    with pytest.raises(
+        ValueError, match=r"^torch\.float32 does not narrow to torch\.float32 in place$"
+    ):
+        chunked_head._narrowed_(torch.zeros(2, 3), torch.float32)
+
+
+def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -> None:
+    # under bf16 autocast the kept head's products run a block of rows at a time into the
+    # float32 buffer, and backward narrows the buffer to bf16 in its own memory: beside the
+    # buffer no tensor of every position's logits is made, and the blocks change no value
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    m, v, h = 23, 40, 6
+    gen = torch.Generator().manual_seed(0)
+    weight0 = torch.randn(v, h, generator=gen)
+    hidden0 = torch.randn(m, h, generator=gen)
+    at = torch.randint(0, m, (4, 5), generator=gen)
+    targets = torch.randint(0, v, (4, 5), generator=gen)
+
+    # the log-normaliser's exp 3 rows at a time (``ENTROPY_BLOCK_BYTES``)
+    monkeypatch.setattr(chunked_head, "ENTROPY_BLOCK_BYTES", 3 * 4 * v)
+
+    def run(block_rows: int) -> tuple[list[int], list[torch.Tensor]]:
+        monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", block_rows * 2 * v)
+        weight = weight0.clone().requires_grad_()
+        hidden = hidden0.clone().requires_grad_()
+        scorer = Scorer.of(at, targets, Sampling(0.7), False, None, m)
+        made: list[int] = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                inputs = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+                seen = {a.untyped_storage().data_ptr() for a in inputs}
+                out = func(*args, **kwargs)
+                for t in out if isinstance(out, tuple | list) else [out]:
+                    new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
+                    if new and t.dim() == 2 and t.shape[1] == v:
+                        made.append(t.shape[0])
+                return out
+
+        with Record(), torch.autocast("cpu", dtype=torch.bfloat16):
+            picked, lse, _ = chunked_head._ChunkedHead.apply(
+                hidden, weight, None, scorer, m, [], False, True, True
+            )
+            logp = scorer.logprobs(picked, lse, None, None)[0]
+        with Record():
+            logp.sum().backward()
+        return made, [logp.detach(), hidden.grad, weight.grad]
+
+    made, got = run(block_rows=5)
+    # the float32 buffer of every position, then blocks: the products' 5 bf16 rows, the exp's
+    # 3 float32 rows, and in backward 2 rows cast to bf16 at a time (5 bf16 rows' bytes)
+    assert made[0] == m and max(made[1:]) == 5
+    assert made[-10:] == [2] * 9 + [1]
+    _, want = run(block_rows=m)  # one block: the whole product, as before blocks
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 def test_logits_go_into_the_buffer_with_and_without_a_bias() -> None:
     # float32 products write the chunk's logits into the buffer itself, a bias too
     gen = torch.Generator().manual_seed(0)
