@@ -811,6 +811,7 @@ def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -
 
     def run(block_rows: int) -> tuple[list[int], list[torch.Tensor]]:
         monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", block_rows * 2 * v)
+        monkeypatch.setattr(chunked_head, "HEAD_BLOCK_ROWS", 1)
         weight = weight0.clone().requires_grad_()
         hidden = hidden0.clone().requires_grad_()
         scorer = Scorer.of(at, targets, Sampling(0.7), False, None, m)
@@ -845,6 +846,26 @@ def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -
     _, want = run(block_rows=m)  # one block: the whole product, as before blocks
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def test_bf16_head_products_take_at_least_the_block_rows(monkeypatch) -> None:
+    # a budget of fewer rows than HEAD_BLOCK_ROWS still multiplies that many at a time (each
+    # block reads the whole head weight); the logits are the one product's
+    rows: list[int] = []
+    linear = F.linear
+
+    def spy(x, *args):
+        rows.append(x.shape[0])
+        return linear(x, *args)
+
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(11, 6, generator=gen), torch.randn(9, 6, generator=gen).bfloat16()
+    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 1)
+    monkeypatch.setattr(chunked_head, "HEAD_BLOCK_ROWS", 4)
+    monkeypatch.setattr(F, "linear", spy)
+    got = chunked_head._logits_into(torch.empty(12, 9), h, w, None)
+    assert rows == [4, 4, 3]
+    assert torch.equal(got, linear(h.bfloat16(), w).float())
 
 
 def test_logits_go_into_the_buffer_with_and_without_a_bias() -> None:
