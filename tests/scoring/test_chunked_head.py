@@ -780,17 +780,20 @@ def test_a_buffer_narrows_to_bf16_in_its_own_memory(rows, monkeypatch) -> None:
     monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", rows * 4 * 40)
     buffer = torch.randn(23, 40, generator=torch.Generator().manual_seed(0)) * 100
     want = buffer.to(torch.bfloat16)
-    got = chunked_head._narrowed_(buffer, torch.bfloat16)
+    got = chunked_head._narrowed(buffer, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (23, 40)
     assert got.data_ptr() == buffer.data_ptr()
     assert torch.equal(got, want)
 
 
-def test_a_buffer_narrows_only_to_half_its_size() -> None:
-    with pytest.raises(
-        ValueError, match=r"^torch\.float32 does not narrow to torch\.float32 in place$"
-    ):
-        chunked_head._narrowed_(torch.zeros(2, 3), torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_buffer_in_another_dtype_is_a_copy_or_itself(dtype) -> None:
+    # only a dtype of half the size fits the buffer's memory: its own dtype is the buffer
+    # itself, a wider one a copy (a float64 model's head), never an error
+    buffer = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    got = chunked_head._narrowed(buffer, dtype)
+    assert got.dtype == dtype and torch.equal(got, buffer.to(dtype))
+    assert (got.data_ptr() == buffer.data_ptr()) == (dtype == torch.float32)
 
 
 def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -> None:

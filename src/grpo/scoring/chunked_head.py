@@ -95,15 +95,15 @@ def _logits_into(buffer: Tensor, h: Tensor, w: Tensor, b: Tensor | None) -> Tens
     return out
 
 
-def _narrowed_(buffer: Tensor, dtype: torch.dtype) -> Tensor:
-    """``buffer`` ([c, V] float32, contiguous) in ``dtype`` of half its size, written into the
-    front half of ``buffer``'s own memory a block of rows at a time; ``buffer`` is spent.
-
-    Rows r of the result take the bytes of float32 rows r/2 onwards, which the blocks up to r
-    have already read, so no row is overwritten before it is read, and no second [c, V] tensor
-    is made (``buffer.to(dtype)``'s fresh pages: 141 MiB for kept SmolLM2 logits)."""
-    if buffer.element_size() != 2 * torch.empty(0, dtype=dtype).element_size():
-        raise ValueError(f"{buffer.dtype} does not narrow to {dtype} in place")
+def _narrowed(buffer: Tensor, dtype: torch.dtype) -> Tensor:
+    """``buffer`` ([c, V] float32, contiguous, spent) in ``dtype``. A dtype of half its size (a
+    bf16 product's operand) is written into the front half of ``buffer``'s own memory a block
+    of rows at a time: rows r of the result take the bytes of float32 rows r/2 onwards, which
+    the blocks up to r have already read, so no row is overwritten before it is read, and no
+    second [c, V] tensor is made (``.to``'s fresh pages: 141 MiB for kept SmolLM2 logits).
+    Any other dtype is ``.to``'s (``buffer`` itself for its own)."""
+    if buffer.element_size() != 2 * dtype.itemsize:
+        return buffer.to(dtype)
     out = buffer.view(-1).view(dtype)[: buffer.numel()].view(buffer.shape)
     rows = max(1, PRODUCT_BLOCK_BYTES // (buffer.element_size() * buffer.shape[1]))
     for lo in range(0, buffer.shape[0], rows):
@@ -510,8 +510,7 @@ class _ChunkedHead(torch.autograd.Function):
                     grad_lse[start:stop],
                     entropy(start, stop),
                 )
-            if grad.dtype != w.dtype:  # a bf16 product's operand, in the buffer's memory
-                grad = _narrowed_(grad, w.dtype)
+            grad = _narrowed(grad, w.dtype)  # a bf16 product's operand; float32's: the buffer
             yield 0, hidden.to(w.dtype), grad
             return
         buffer = None if ctx.lse is None else _logits_buffer(hidden, w, chunk)
