@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from grpo.scoring import chunked_head, logprobs, packing
@@ -690,6 +691,31 @@ def test_the_scoring_head_chunks_its_forwards_positions(monkeypatch) -> None:
     assert chunks == [8, 8, 7]
 
 
+class _Made(TorchDispatchMode):
+    """Records, while on, the rows of each new tensor (no view) of ``width`` columns an op makes
+    (``made``) and each product's left operand rows (``products``: op name, rows)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.made: list[int] = []
+        self.products: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+        seen = {a.untyped_storage().data_ptr() for a in inputs}
+        out = func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        if name in ("mm", "addmm", "addmm_"):  # the left operand's rows
+            self.products.append((name, args[0 if name == "mm" else 1].shape[0]))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
+            if new and t.dim() == 2 and t.shape[1] == self.width:
+                self.made.append(t.shape[0])
+        return out
+
+
 def _logits_made(
     keep: bool, m: int, v: int, monkeypatch, entropy: bool = True, entropy_rows: int = 3
 ) -> tuple[list, list, list, Scorer]:
@@ -697,8 +723,6 @@ def _logits_made(
     ``v``, buffer chunks of 8 and entropy blocks of ``entropy_rows`` rows): the rows of each
     new tensor of V columns an op made (no view) in forward and in backward, the products it
     ran (op name, rows) and the scorer; asserts the log-probs are the full logits'."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     gen = torch.Generator().manual_seed(0)
     h = 6
     monkeypatch.setattr(chunked_head, "PLAIN_CHUNK_BYTES", 8 * 4 * v)
@@ -709,38 +733,18 @@ def _logits_made(
     targets = torch.randint(0, v, (4, 5), generator=gen)
     scorer = Scorer.of(at, targets, Sampling(0.7), entropy, None, m)
     chunk = scorer.head_chunk(m, v)
-    made: list[int] = []
-    products: list[tuple[str, int]] = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            inputs = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
-            seen = {a.untyped_storage().data_ptr() for a in inputs}
-            out = func(*args, **kwargs)
-            name = func.__name__.split(".")[0]
-            if name in ("mm", "addmm", "addmm_"):  # the left operand's rows
-                products.append((name, args[0 if name == "mm" else 1].shape[0]))
-            for t in out if isinstance(out, tuple | list) else [out]:
-                new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
-                if new and t.dim() == 2 and t.shape[1] == v:
-                    made.append(t.shape[0])
-            return out
-
     extras: list = []
-    with Record():
+    with _Made(v) as forward:
         picked, lse, entropy = chunked_head._ChunkedHead.apply(
             hidden, weight, None, scorer, chunk, extras, False, keep, True
         )
-    forward = list(made)
-    made.clear()
-    with Record():
+    with _Made(v) as backward:
         scorer.logprobs(picked, lse, *extras, entropy)[0].sum().backward()
     want = scorer.of_logits(hidden.detach() @ weight.detach().T, chunk=chunk)
     got = scorer.logprobs(picked.detach(), lse.detach(), *extras, entropy)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
-    return forward, made, products, scorer
+    return forward.made, backward.made, forward.products + backward.products, scorer
 
 
 def test_the_plain_head_computes_in_one_logits_buffer_per_pass(monkeypatch) -> None:
@@ -800,8 +804,6 @@ def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -
     # under bf16 autocast the kept head's products run a block of rows at a time into the
     # float32 buffer, and backward narrows the buffer to bf16 in its own memory: beside the
     # buffer no tensor of every position's logits is made, and the blocks change no value
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     m, v, h = 23, 40, 6
     gen = torch.Generator().manual_seed(0)
     weight0 = torch.randn(v, h, generator=gen)
@@ -818,28 +820,14 @@ def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -
         weight = weight0.clone().requires_grad_()
         hidden = hidden0.clone().requires_grad_()
         scorer = Scorer.of(at, targets, Sampling(0.7), False, None, m)
-        made: list[int] = []
-
-        class Record(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                inputs = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
-                seen = {a.untyped_storage().data_ptr() for a in inputs}
-                out = func(*args, **kwargs)
-                for t in out if isinstance(out, tuple | list) else [out]:
-                    new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
-                    if new and t.dim() == 2 and t.shape[1] == v:
-                        made.append(t.shape[0])
-                return out
-
-        with Record(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with _Made(v) as forward, torch.autocast("cpu", dtype=torch.bfloat16):
             picked, lse, _ = chunked_head._ChunkedHead.apply(
                 hidden, weight, None, scorer, m, [], False, True, True
             )
             logp = scorer.logprobs(picked, lse, None, None)[0]
-        with Record():
+        with _Made(v) as backward:
             logp.sum().backward()
-        return made, [logp.detach(), hidden.grad, weight.grad]
+        return forward.made + backward.made, [logp.detach(), hidden.grad, weight.grad]
 
     made, got = run(block_rows=5)
     # the float32 buffer of every position, then blocks: the products' 5 bf16 rows, the exp's
