@@ -839,9 +839,9 @@ def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -
         assert torch.equal(g, w)
 
 
-def test_bf16_head_products_take_at_least_the_block_rows(monkeypatch) -> None:
-    # a budget of fewer rows than HEAD_BLOCK_ROWS still multiplies that many at a time (each
-    # block reads the whole head weight); the logits are the one product's
+def test_kept_bf16_head_products_take_at_least_the_block_rows(monkeypatch) -> None:
+    # kept logits under a budget of fewer rows than HEAD_BLOCK_ROWS still multiply that many at
+    # a time (each block reads the whole head weight); the logits are the one product's
     rows: list[int] = []
     linear = F.linear
 
@@ -854,9 +854,13 @@ def test_bf16_head_products_take_at_least_the_block_rows(monkeypatch) -> None:
     monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 1)
     monkeypatch.setattr(chunked_head, "HEAD_BLOCK_ROWS", 4)
     monkeypatch.setattr(F, "linear", spy)
-    got = chunked_head._logits_into(torch.empty(12, 9), h, w, None)
+    got = chunked_head._kept_logits(h, w, None)
     assert rows == [4, 4, 3]
-    assert torch.equal(got, linear(h.bfloat16(), w).float())
+    assert got.dtype == torch.float32 and torch.equal(got, linear(h.bfloat16(), w).float())
+    # a chunk's logits (the chunked head's buffer holds one chunk) in one product
+    rows.clear()
+    chunked_head._logits_into(torch.empty(11, 9), h, w, None)
+    assert rows == [11]
 
 
 def test_logits_go_into_the_buffer_with_and_without_a_bias() -> None:

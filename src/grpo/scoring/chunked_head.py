@@ -81,18 +81,26 @@ def _logits_buffer(hidden: Tensor, weight: Tensor, chunk: int) -> Tensor:
 
 def _logits_into(buffer: Tensor, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """The logits of hidden states ``h`` [c, H] under head ``w``, ``b``, in ``buffer[:c]``: the
-    product writes there when it runs in float32, else its result is copied in a block of
-    ``PRODUCT_BLOCK_BYTES`` (at least ``HEAD_BLOCK_ROWS`` rows) at a time, so that kept logits
-    (every position's) never have a second [c, V] tensor beside the buffer (141 MiB in bf16
-    for a 32-completion SmolLM2 step)."""
+    product writes there when it runs in float32, else its result is copied in."""
     out = buffer[: h.shape[0]]
-    if w.dtype == out.dtype:
-        h = h.to(w.dtype)
-        return torch.mm(h, w.T, out=out) if b is None else torch.addmm(b, h, w.T, out=out)
+    if w.dtype != out.dtype:
+        return out.copy_(F.linear(h.to(w.dtype), w, b))
+    h = h.to(w.dtype)
+    return torch.mm(h, w.T, out=out) if b is None else torch.addmm(b, h, w.T, out=out)
+
+
+def _kept_logits(hidden: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """Every position's logits ([M, V] float32) in one buffer: a float32 head's one product
+    writes there; a bf16 head's products are copied in a block of ``PRODUCT_BLOCK_BYTES`` (at
+    least ``HEAD_BLOCK_ROWS`` rows) at a time, so no second [M, V] tensor is made (141 MiB in
+    bf16 for a 32-completion SmolLM2 step)."""
+    buffer = _logits_buffer(hidden, w, hidden.shape[0])
+    if w.dtype == buffer.dtype:
+        return _logits_into(buffer, hidden, w, b)
     rows = max(HEAD_BLOCK_ROWS, PRODUCT_BLOCK_BYTES // (w.element_size() * w.shape[0]))
-    for lo in range(0, h.shape[0], rows):
-        out[lo : lo + rows] = F.linear(h[lo : lo + rows].to(w.dtype), w, b)
-    return out
+    for lo in range(0, hidden.shape[0], rows):
+        _logits_into(buffer[lo : lo + rows], hidden[lo : lo + rows], w, b)
+    return buffer
 
 
 def _narrowed(buffer: Tensor, dtype: torch.dtype) -> Tensor:
@@ -422,7 +430,7 @@ class _ChunkedHead(torch.autograd.Function):
         if keep and not scorer.sampling.plain:  # its terms would be a temperature's alone
             raise ValueError("kept logits take plain sampling (temperature only)")
         if keep:  # one product, then each chunk's terms in place
-            logits = _logits_into(_logits_buffer(hidden, weight, hidden.shape[0]), hidden, w, b)
+            logits = _kept_logits(hidden, w, b)
             # grad: the caller's grad mode (under no_grad needs_input_grad still reads True
             # for a weight that takes gradients, and the buffer would be made ready for nothing)
             backward = grad and any(ctx.needs_input_grad[:3])
