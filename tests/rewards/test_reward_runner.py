@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import ClassVar
 
@@ -572,12 +573,15 @@ def test_a_batched_user_function_scores_the_whole_batch_in_one_call(user_module:
 def test_per_function_metrics_leave_out_the_completions_a_function_did_not_apply_to():
     # a function that returned None (stored as NaN) for one completion: its mean and population
     # std are over the other three (1, 0, 0.5: mean 0.5, std sqrt(1/6), not the sample std 0.5);
-    # a function that applied to none has NaN for both
+    # a function that applied to none has NaN for both, without torch's warning about the
+    # standard deviation of no values on the console
     from grpo.rewards.inputs import per_function_metrics
 
     nan = math.nan
     per_function = torch.tensor([[1.0, nan], [nan, nan], [0.0, nan], [0.5, nan]])
-    out = per_function_metrics(per_function, ["acc", "judge"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = per_function_metrics(per_function, ["acc", "judge"])
     assert out["reward/acc/mean"] == pytest.approx(0.5)
     assert out["reward/acc/std"] == pytest.approx(math.sqrt(1 / 6))
     assert math.isnan(out["reward/judge/mean"]) and math.isnan(out["reward/judge/std"])

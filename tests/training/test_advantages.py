@@ -195,3 +195,51 @@ def test_gdpo_advantages_use_the_configs_eps(make, rollout) -> None:
     assert torch.allclose(scored.advantages, want, atol=1e-6)
     default = algorithm.decoupled_advantages(scored.per_function, weights, 4)
     assert float((want - default).abs().max()) > 1e-3
+
+
+def test_per_token_advantages_need_both_sides_of_the_kl(make) -> None:
+    # reinforce_pp folds KL(old || ref) into the rewards: with either side missing (beta 0 and
+    # mu > 1 give the old log-probs alone) there is no KL, and the [N] advantages hold
+    algo = make(estimator="reinforce_pp").algorithm
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    logp = torch.zeros(2, 3)
+    assert advantages.token_advantages(algo, torch.ones(2), mask, logp, None) is None
+    assert advantages.token_advantages(algo, torch.ones(2), mask, None, logp) is None
+
+
+def test_every_batch_normalisation_takes_the_configs_eps(make) -> None:
+    # rewards 0.1 apart: a batch's variance is far under adv_eps 1.0, which shrinks every
+    # advantage against the default 1e-8: batch (reinforce_pp's [N]), per-token (its KL in
+    # the rewards) and the critic's GAE each normalise with the config's eps
+    rewards = torch.tensor([0.0, 0.1])
+    counted = torch.tensor([[True, True, False], [True, True, True]])
+    old, ref = torch.zeros(2, 3), torch.full((2, 3), -0.01)
+    values = torch.tensor([[0.03, 0.01, 0.0], [0.0, 0.02, 0.04]])
+    largest = {}
+    for eps in (1e-8, 1.0):
+        algo = make(estimator="reinforce_pp", adv_eps=eps).algorithm
+        batch = advantages.batch_advantages(
+            algo, 2, rewards, rewards[:, None], torch.ones(1), counted.sum(1)
+        )
+        per_token = advantages.token_advantages(algo, rewards, counted, old, ref)
+        want = algorithm.reinforce_pp_advantages(rewards, counted, -(ref - old), 0.1, eps)
+        assert torch.allclose(per_token, want, atol=1e-6)
+        ppo = make(estimator="ppo", adv_eps=eps, beta=0.0).algorithm
+        critic, _ = advantages.critic_advantages(ppo, rewards, counted, None, None, values)
+        largest[eps] = [float(a.abs().max()) for a in (batch, per_token, critic)]
+    assert all(big > 0.5 for big in largest[1e-8])
+    assert all(s < 0.2 * b for s, b in zip(largest[1.0], largest[1e-8], strict=True))
+
+
+def test_critic_advantages_are_whitened_over_counted_tokens_alone(make) -> None:
+    # the GAE advantages of the counted tokens have mean 0 and variance 1 after whitening;
+    # a position outside the loss (after a completion's end) neither counts nor gets one
+    ppo = make(estimator="ppo", beta=0.0).algorithm
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    counted = torch.tensor([[True, False, False], [True, True, False], [True, True, True]])
+    values = torch.tensor([[0.2, 0.0, 0.0], [0.1, 0.3, 0.0], [0.4, 0.2, 0.1]])
+    got, _ = advantages.critic_advantages(ppo, rewards, counted, None, None, values)
+    kept = got[counted].double()
+    assert float(kept.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(kept.var(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
+    assert torch.equal(got[~counted], torch.zeros(int((~counted).sum())))

@@ -174,3 +174,23 @@ def test_the_off_policy_mask_without_sampler_log_probs_measures_against_the_old_
     weights, shares = importance.correction(cfg, logp, old, None, torch.tensor([-1.0, -1.0]), mask)
     assert weights.tolist() == [[0.0] * 3, [1.0] * 3]
     assert shares["tis/offpolicy_masked_frac"] == (1.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("sampler", "cap", "low"),
+    [(True, None, None), (False, 2.0, None), (False, None, 0.5)],
+    ids=["no-bound", "cap-without-sampler", "low-without-sampler"],
+)
+def test_no_importance_weights_without_a_bound_and_the_samplers_log_probs(sampler, cap, low):
+    # the truncated correction needs both: a bound asked for, and the engine's own log-probs
+    # of what it sampled; without either (and no off-policy mask) the loss is unweighted
+    from grpo.config import AlgorithmConfig
+    from grpo.training import importance
+
+    mode = "mask" if low is not None else "truncate"
+    cfg = AlgorithmConfig(tis_cap=cap, tis_low=low, tis_mode=mode)
+    old = torch.zeros(2, 3)
+    behaviour = torch.full((2, 3), -1.0) if sampler else None
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    got = importance.correction(cfg, old, old, behaviour, torch.tensor([1.0, -1.0]), mask)
+    assert got == (None, {})

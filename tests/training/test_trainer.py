@@ -306,6 +306,37 @@ def test_a_step_whose_gradient_is_not_finite_leaves_the_weights_and_says_so(
     assert any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
 
 
+@pytest.mark.parametrize("nan_passes", [1, None], ids=["first-step", "both-steps"])
+def test_skipped_is_the_share_of_an_updates_optimizer_steps_not_taken(
+    tiny_config, nan_passes
+) -> None:
+    # mu = 2 optimizer steps on one batch: a non-finite gradient in the first backward pass
+    # skips the first step only (1 of 2), in every pass both
+    trainer = Trainer(tiny_config(algorithm={"num_iterations": 2}))
+    scored = trainer.producer.score(trainer.producer.rollout())
+    weight = next(p for p in trainer.policy.parameters() if p.requires_grad)
+    passes: list[int] = []
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        passes.append(1)
+        return grad * float("nan") if nan_passes is None or len(passes) <= nan_passes else grad
+
+    hook = weight.register_hook(poison)
+    out = trainer.optimize(scored)
+    hook.remove()
+    assert out["optim/skipped"] == (0.5 if nan_passes else 1.0)
+
+
+def test_an_entropy_target_adapts_the_coefficient_from_the_updates_entropy(tiny_config):
+    # the controller reads the mean token entropy the update measured: under a target no
+    # model reaches, the step used 0 and the next one takes a step up
+    algo = {"entropy_target": 50.0, "entropy_coef_step": 0.25, "beta": 0.0}
+    trainer = Trainer(tiny_config(algorithm=algo))
+    out = trainer.optimize(trainer.producer.score(trainer.producer.rollout()))
+    assert 0 < out["entropy"] < 50.0
+    assert out["entropy/coef"] == 0.0 and trainer.update.entropy_bonus.coef == 0.25
+
+
 INFORMATIVE_OR_EQUAL = """
 def share_or_half(completions, *, informative, **kwargs):
     \"\"\"Lowercase share (varies within a group) on informative rows, else 0.5 for all.\"\"\"
