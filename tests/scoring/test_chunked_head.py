@@ -784,10 +784,13 @@ def test_a_buffer_narrows_to_bf16_in_its_own_memory(rows, monkeypatch) -> None:
     monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", rows * 4 * 40)
     buffer = torch.randn(23, 40, generator=torch.Generator().manual_seed(0)) * 100
     want = buffer.to(torch.bfloat16)
-    got = chunked_head._narrowed(buffer, torch.bfloat16)
+    with _Made(40) as made:
+        got = chunked_head._narrowed(buffer, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (23, 40)
     assert got.data_ptr() == buffer.data_ptr()
     assert torch.equal(got, want)
+    # the only new tensors are the blocks' casts, each within the budget's rows
+    assert made.made == [rows] * (23 // rows) + ([23 % rows] if 23 % rows else [])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
