@@ -290,14 +290,15 @@ def compare(ref: str) -> dict[str, dict[str, int]]:
     """The results file at git ``ref`` against mutants/'s results, over the functions both
     measured with the same source: a function moved to another file keeps its mutants (mutmut
     numbers them within the function), so a move or a rename of its file changes nothing.
-    Only ``ref``'s rows of whole files count (a narrowed row does not say which functions were
-    in scope); every mutant of such a row was checked, all killed but its survivors.
+    Only ``ref``'s rows of whole files checked whole count (a narrowed row does not say which
+    functions were in scope, nor a partly checked one, a sample, which mutants were checked);
+    every mutant of such a row was checked, all killed but its survivors.
     -> {"before": {"checked", "killed"}, "now": {"checked", "killed"}, "functions": n}."""
     old_rows = json.loads(_git_show(ref, str(RESULT.relative_to(ROOT))))["rows"]
     # keyed by (function, source hash): the same name in two files is two functions
     before: dict[tuple[str, str], tuple[int, int]] = {}  # -> (mutants, survived)
     for row in old_rows:
-        if row["in_scope"] != row["mutants"]:
+        if not row["mutants"] == row["in_scope"] == row["checked"]:
             continue
         path = f"src/grpo/{row['module']}"
         mutated = mutate_file_contents(path, _git_show(row["commit"], path))

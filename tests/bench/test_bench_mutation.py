@@ -311,7 +311,7 @@ def test_a_resume_measures_the_suite_again_over_a_stale_test_map(
     assert "measured again" in capsys.readouterr().out
 
 
-def test_compare_counts_only_functions_of_the_same_source_in_whole_rows(
+def test_compare_counts_only_functions_of_the_same_source_in_rows_checked_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # before: a whole-file row of an older path (the file moved since); f kept its source, g
@@ -330,12 +330,18 @@ def test_compare_counts_only_functions_of_the_same_source_in_whole_rows(
         "commit": "abc",
         "mutants": 10,
         "in_scope": 10,
+        "checked": 10,
         "survivors": [f"grpo.old.place.{f_mutants[0]}"],
     }
-    narrowed = {**old_row, "module": "other.py", "in_scope": 3, "survivors": []}
+    narrowed = {**old_row, "module": "other.py", "in_scope": 3, "checked": 3, "survivors": []}
+    # a sample of a copy of f, none of its checked mutants surviving: which were checked is
+    # not recorded, so it must not count f as all killed
+    sampled = {**old_row, "module": "sampled.py", "checked": 4, "survivors": []}
+    rows = [old_row, narrowed, sampled]
     shown = {
-        ("ref", "benchmarks/results/mutation.json"): json.dumps({"rows": [old_row, narrowed]}),
+        ("ref", "benchmarks/results/mutation.json"): json.dumps({"rows": rows}),
         ("abc", "src/grpo/old/place.py"): old_src,
+        ("abc", "src/grpo/sampled.py"): f_src,
     }
     monkeypatch.setattr(mutation, "ROOT", tmp_path)
     monkeypatch.setattr(mutation, "RESULT", tmp_path / "benchmarks" / "results" / "mutation.json")
