@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import tomllib
 from mutmut.mutation.file_mutation import mutate_file_contents
@@ -286,19 +287,22 @@ def _git_show(ref: str, path: str) -> str:
     return subprocess.run(show, cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
-def compare(ref: str) -> dict[str, dict[str, int]]:
+def compare(ref: str) -> dict[str, Any]:
     """The results file at git ``ref`` against mutants/'s results, over the functions both
     measured with the same source: a function moved to another file keeps its mutants (mutmut
     numbers them within the function), so a move or a rename of its file changes nothing.
     Only ``ref``'s rows of whole files checked whole count (a narrowed row does not say which
     functions were in scope, nor a partly checked one, a sample, which mutants were checked);
     every mutant of such a row was checked, all killed but its survivors.
-    -> {"before": {"checked", "killed"}, "now": {"checked", "killed"}, "functions": n}."""
+    -> {"before": {"checked", "killed"}, "now": {"checked", "killed"}, "functions": n,
+    "left_out": the modules of the rows that do not count}."""
     old_rows = json.loads(_git_show(ref, str(RESULT.relative_to(ROOT))))["rows"]
     # keyed by (function, source hash): the same name in two files is two functions
     before: dict[tuple[str, str], tuple[int, int]] = {}  # -> (mutants, survived)
+    left_out = []
     for row in old_rows:
         if not row["mutants"] == row["in_scope"] == row["checked"]:
+            left_out.append(row["module"])
             continue
         path = f"src/grpo/{row['module']}"
         mutated = mutate_file_contents(path, _git_show(row["commit"], path))
@@ -328,6 +332,7 @@ def compare(ref: str) -> dict[str, dict[str, int]]:
             "killed": sum(now[key][1] for key in same),
         },
         "functions": len(same),
+        "left_out": left_out,
     }
 
 

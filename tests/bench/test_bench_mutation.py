@@ -315,10 +315,12 @@ def test_compare_counts_only_functions_of_the_same_source_in_rows_checked_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # before: a whole-file row of an older path (the file moved since); f kept its source, g
-    # changed, h is gone. f had 1 survivor of its mutants then, and has 2 now
+    # changed, h is gone. f had 1 survivor of its mutants then, and has 2 now. k kept its
+    # source too, but its row was a sample: which of its mutants were checked is not recorded
     f_src = "def f(a, b):\n    return a + b if a > 1 else a - b\n"
+    k_src = "def k(z):\n    return z * 5 - 2\n"
     old_src = f_src + "def g(x):\n    return x * 2\n" + "def h(y):\n    return y - 1\n"
-    new_src = f_src + "def g(x):\n    return x * 3 + 1\n"
+    new_src = f_src + "def g(x):\n    return x * 3 + 1\n" + k_src
     path = "src/grpo/rewards/length.py"
     (tmp_path / path).parent.mkdir(parents=True)
     (tmp_path / path).write_text(new_src)
@@ -334,14 +336,13 @@ def test_compare_counts_only_functions_of_the_same_source_in_rows_checked_whole(
         "survivors": [f"grpo.old.place.{f_mutants[0]}"],
     }
     narrowed = {**old_row, "module": "other.py", "in_scope": 3, "checked": 3, "survivors": []}
-    # a sample of a copy of f, none of its checked mutants surviving: which were checked is
-    # not recorded, so it must not count f as all killed
     sampled = {**old_row, "module": "sampled.py", "checked": 4, "survivors": []}
-    rows = [old_row, narrowed, sampled]
     shown = {
-        ("ref", "benchmarks/results/mutation.json"): json.dumps({"rows": rows}),
+        ("ref", "benchmarks/results/mutation.json"): json.dumps(
+            {"rows": [old_row, narrowed, sampled]}
+        ),
         ("abc", "src/grpo/old/place.py"): old_src,
-        ("abc", "src/grpo/sampled.py"): f_src,
+        ("abc", "src/grpo/sampled.py"): k_src,
     }
     monkeypatch.setattr(mutation, "ROOT", tmp_path)
     monkeypatch.setattr(mutation, "RESULT", tmp_path / "benchmarks" / "results" / "mutation.json")
@@ -351,12 +352,14 @@ def test_compare_counts_only_functions_of_the_same_source_in_rows_checked_whole(
     codes[f"grpo.rewards.length.{f_mutants[0]}"] = 0
     codes[f"grpo.rewards.length.{f_mutants[1]}"] = 0
     codes["grpo.rewards.length.x_g__mutmut_1"] = 0
+    codes["grpo.rewards.length.x_k__mutmut_1"] = 1
     write_meta(tmp_path, codes)
     n = len(f_mutants)
     assert mutation.compare("ref") == {
         "before": {"checked": n, "killed": n - 1},
         "now": {"checked": n, "killed": n - 2},
         "functions": 1,
+        "left_out": ["other.py", "sampled.py"],
     }
 
 

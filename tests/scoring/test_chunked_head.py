@@ -777,20 +777,22 @@ def test_without_entropy_a_pass_makes_the_buffer_alone(monkeypatch, keep) -> Non
     assert backward == ([] if keep else [8])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 23])
-def test_a_buffer_narrows_to_bf16_in_its_own_memory(rows, monkeypatch) -> None:
-    # every value as .to(bf16) gives it, in the buffer's own bytes, for blocks of any rows (1:
-    # the first block's output overlaps its own input; 23: one block)
-    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", rows * 4 * 40)
-    buffer = torch.randn(23, 40, generator=torch.Generator().manual_seed(0)) * 100
-    want = buffer.to(torch.bfloat16)
-    with _Made(40) as made:
-        got = chunked_head._narrowed(buffer, torch.bfloat16)
-    assert got.dtype == torch.bfloat16 and got.shape == (23, 40)
-    assert got.data_ptr() == buffer.data_ptr()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("count", "rows"), [(23, 1), (23, 2), (23, 3), (23, 23), (0, 2)])
+def test_a_buffer_narrows_in_its_own_memory(count, rows, dtype, monkeypatch) -> None:
+    # every value as .to() gives it, in the buffer's own bytes, for blocks of any rows (1: the
+    # first block's output overlaps its own input; 23: one block), an odd row width, no rows
+    v = 41
+    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", rows * 4 * v)
+    buffer = torch.randn(count, v, generator=torch.Generator().manual_seed(0)) * 100
+    want = buffer.to(dtype)
+    with _Made(v) as made:
+        got = chunked_head._narrowed(buffer, dtype)
+    assert got.dtype == dtype and got.shape == (count, v)
+    assert count == 0 or got.data_ptr() == buffer.data_ptr()
     assert torch.equal(got, want)
     # the only new tensors are the blocks' casts, each within the budget's rows
-    assert made.made == [rows] * (23 // rows) + ([23 % rows] if 23 % rows else [])
+    assert made.made == [rows] * (count // rows) + ([count % rows] if count % rows else [])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -818,8 +820,8 @@ def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -
     monkeypatch.setattr(chunked_head, "ENTROPY_BLOCK_BYTES", 3 * 4 * v)
 
     def run(block_rows: int) -> tuple[list[int], list[torch.Tensor]]:
-        monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", block_rows * 2 * v)
-        monkeypatch.setattr(chunked_head, "HEAD_BLOCK_ROWS", 1)
+        monkeypatch.setattr(chunked_head, "HEAD_BLOCK_ROWS", block_rows)
+        monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 5 * 2 * v)  # narrowing: 2 rows
         weight = weight0.clone().requires_grad_()
         hidden = hidden0.clone().requires_grad_()
         scorer = Scorer.of(at, targets, Sampling(0.7), False, None, m)
@@ -842,9 +844,9 @@ def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -
         assert torch.equal(g, w)
 
 
-def test_kept_bf16_head_products_take_at_least_the_block_rows(monkeypatch) -> None:
-    # kept logits under a budget of fewer rows than HEAD_BLOCK_ROWS still multiply that many at
-    # a time (each block reads the whole head weight); the logits are the one product's
+def test_kept_bf16_head_products_take_the_block_rows_at_a_time(monkeypatch) -> None:
+    # kept logits multiply HEAD_BLOCK_ROWS positions at a time, the last block ragged; the
+    # logits are the one product's
     rows: list[int] = []
     linear = F.linear
 
@@ -854,7 +856,6 @@ def test_kept_bf16_head_products_take_at_least_the_block_rows(monkeypatch) -> No
 
     gen = torch.Generator().manual_seed(0)
     h, w = torch.randn(11, 6, generator=gen), torch.randn(9, 6, generator=gen).bfloat16()
-    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 1)
     monkeypatch.setattr(chunked_head, "HEAD_BLOCK_ROWS", 4)
     monkeypatch.setattr(F, "linear", spy)
     got = chunked_head._kept_logits(h, w, None)

@@ -49,9 +49,10 @@ ENTROPY_BLOCK_BYTES = 4 << 20
 # keep``'s 16 MiB mmap threshold, so they reuse heap memory rather than come as fresh pages
 PRODUCT_BLOCK_BYTES = 8 << 20
 
-# the fewest positions of one head product made in blocks: each block reads the whole head
-# weight, so a 151,936 x 896 head (Qwen2.5-0.5B) over 1024 positions took 1.42x the one
-# product's time in blocks of 27 rows, 1.19x in 64, 1.07x in 128 (one-off probe, AMD EPYC)
+# positions of one product of kept logits under bf16 (``_kept_logits``): each block reads the
+# whole head weight, so a 151,936 x 896 head (Qwen2.5-0.5B) over 1024 positions took 1.42x the
+# one product's time in blocks of 27 rows, 1.19x in 64, 1.07x in 128 (one-off probe, AMD
+# EPYC); a block's bf16 result is then 12 MiB on SmolLM2's vocabulary, 37 MiB on Qwen's
 HEAD_BLOCK_ROWS = 128
 
 
@@ -91,25 +92,25 @@ def _logits_into(buffer: Tensor, h: Tensor, w: Tensor, b: Tensor | None) -> Tens
 
 def _kept_logits(hidden: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """Every position's logits ([M, V] float32) in one buffer: a float32 head's one product
-    writes there; a bf16 head's products are copied in a block of ``PRODUCT_BLOCK_BYTES`` (at
-    least ``HEAD_BLOCK_ROWS`` rows) at a time, so no second [M, V] tensor is made (141 MiB in
-    bf16 for a 32-completion SmolLM2 step)."""
+    writes there; a bf16 head's products are copied in ``HEAD_BLOCK_ROWS`` rows at a time, so
+    no second [M, V] tensor is made (141 MiB in bf16 for a 32-completion SmolLM2 step)."""
     buffer = _logits_buffer(hidden, w, hidden.shape[0])
     if w.dtype == buffer.dtype:
         return _logits_into(buffer, hidden, w, b)
-    rows = max(HEAD_BLOCK_ROWS, PRODUCT_BLOCK_BYTES // (w.element_size() * w.shape[0]))
-    for lo in range(0, hidden.shape[0], rows):
-        _logits_into(buffer[lo : lo + rows], hidden[lo : lo + rows], w, b)
+    for lo in range(0, hidden.shape[0], HEAD_BLOCK_ROWS):
+        hi = lo + HEAD_BLOCK_ROWS
+        _logits_into(buffer[lo:hi], hidden[lo:hi], w, b)
     return buffer
 
 
 def _narrowed(buffer: Tensor, dtype: torch.dtype) -> Tensor:
     """``buffer`` ([c, V] float32, contiguous, spent) in ``dtype``. A dtype of half its size (a
     bf16 product's operand) is written into the front half of ``buffer``'s own memory a block
-    of rows at a time: rows r of the result take the bytes of float32 rows r/2 onwards, which
-    the blocks up to r have already read, so no row is overwritten before it is read, and no
-    second [c, V] tensor is made (``.to``'s fresh pages: 141 MiB for kept SmolLM2 logits).
-    Any other dtype is ``.to``'s (``buffer`` itself for its own)."""
+    of rows at a time, with no second [c, V] tensor (``.to``'s fresh pages: 141 MiB for kept
+    SmolLM2 logits). Row r of the result takes half of float32 row r // 2's bytes, a row at or
+    before it; each block is cast into a temporary before it is written, so every row it
+    writes over, its own or an earlier block's, has been read. Any other dtype is ``.to``'s
+    (``buffer`` itself for its own)."""
     if buffer.element_size() != 2 * dtype.itemsize:
         return buffer.to(dtype)
     out = buffer.view(-1).view(dtype)[: buffer.numel()].view(buffer.shape)
