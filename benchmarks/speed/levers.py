@@ -43,7 +43,7 @@ from grpo.rollout.hf import (
 )
 from grpo.rollout.packed_weights import packed_linears
 from grpo.runtime.host_memory import set_malloc_policy
-from grpo.scoring import chunked_head
+from grpo.scoring import chunked_head, head_products
 from grpo.scoring.distribution import Sampling, process_logits
 from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs
 from grpo.scoring.packing import pack
@@ -326,7 +326,7 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     against the model's own head; the LM head a chunk at a time (``model.chunked_head``)
     against full logits, forward and forward + backward, at chunks of 64 to 512 rows, with
     the embedding lookup's gradient sparse or dense, and under plain sampling in place or
-    through autograd; and the head's weight gradient over 1024 positions, 64 at a time: ``chunked_head.add_product_`` (what the
+    through autograd; and the head's weight gradient over 1024 positions, 64 at a time: ``head_products.add_product_`` (what the
     chunked head does: products in the run's dtype a block of rows at a time, no [V, H]
     temporary) against float32 ``addmm_`` of the chunk's values (what it did at 432d0f6) and a
     whole product in the run's dtype, cast and added (what it did before that)."""
@@ -374,7 +374,7 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
         # what it replaced first, what it is last: the ratio is blocks / float32_addmm
         "float32_addmm": lambda g, h: acc.addmm_(g.T.float(), h.float()),
         "product_per_chunk": lambda g, h: acc.add_((g.T @ h).float()),
-        "blocks": lambda g, h: chunked_head.add_product_(acc, g.T, h),
+        "blocks": lambda g, h: head_products.add_product_(acc, g.T, h),
     }
 
     def accumulate(product: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[], None]:

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from grpo.scoring import chunked_head, logprobs, packing
+from grpo.scoring import chunked_head, head_products, logprobs, packing
 from grpo.scoring.chunked_head import History, Scorer, chunked_head_slot
 from grpo.scoring.distribution import Sampling, process_logits
 from grpo.scoring.logprobs import completion_logprobs, token_logprobs
@@ -111,7 +111,7 @@ def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, device, m
         chunked_head.full_logits(model)
     hidden = model.get_output_embeddings().weight.shape[1]
     # the head's weight gradient in blocks of 7 rows of the vocabulary, the last one ragged
-    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 7 * 6 * hidden)
+    monkeypatch.setattr(head_products, "PRODUCT_BLOCK_BYTES", 7 * 6 * hidden)
     assert model.get_output_embeddings().weight.shape[0] % 7
     model.to(device)
     batch = [t.to(device) for t in _batch(g=3, n=6)]
@@ -175,14 +175,14 @@ def test_add_product_adds_every_row_of_the_product(dtype, monkeypatch) -> None:
     # out += a @ b: in bf16 a block of 5 rows at a time (37 = 7 x 5 + 2), each block added
     # into the float32 out; in float32 one addmm_. Rounded to bf16 once per block at most
     gen = torch.Generator().manual_seed(3)
-    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 5 * 6 * 8)
+    monkeypatch.setattr(head_products, "PRODUCT_BLOCK_BYTES", 5 * 6 * 8)
     a = torch.randn(37, 9, generator=gen).to(dtype)
     b = torch.randn(9, 8, generator=gen).to(dtype)
     out = torch.randn(37, 8, generator=gen)
     want = out.double() + a.double() @ b.double()
     tol = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
     before = out.clone()
-    chunked_head.add_product_(out, a, b)
+    head_products.add_product_(out, a, b)
     torch.testing.assert_close(out.double(), want, **tol)
     if dtype == torch.bfloat16:
         # on the CPU, bf16 products of 5-row blocks, each widened exactly into float32: not a
@@ -197,7 +197,7 @@ def test_add_products_bf16_blocks_keep_to_their_byte_budget(budget, blocks, monk
     # each bf16 block's result and float32 accumulator (6 bytes a value) stay within
     # PRODUCT_BLOCK_BYTES: as many rows as fit, one row when only one does
     gen = torch.Generator().manual_seed(3)
-    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", budget * 6 * 8)
+    monkeypatch.setattr(head_products, "PRODUCT_BLOCK_BYTES", budget * 6 * 8)
     a = torch.randn(37, 9, generator=gen).bfloat16()
     b = torch.randn(9, 8, generator=gen).bfloat16()
     rows: list[int] = []
@@ -208,7 +208,7 @@ def test_add_products_bf16_blocks_keep_to_their_byte_budget(budget, blocks, monk
         return matmul(self, other)
 
     monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
-    chunked_head.add_product_(torch.zeros(37, 8), a, b)
+    head_products.add_product_(torch.zeros(37, 8), a, b)
     assert rows == blocks
 
 
@@ -225,7 +225,9 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     # must cast its bias too to run in the forward's dtype (the kept logits are its products')
     gen = torch.Generator().manual_seed(0)
     m, h, v = 11, 6, 17
-    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 5 * 6 * h)  # blocks of 5, 5, 5, 2 rows
+    monkeypatch.setattr(
+        head_products, "PRODUCT_BLOCK_BYTES", 5 * 6 * h
+    )  # blocks of 5, 5, 5, 2 rows
     head = nn.Linear(h, v)
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])  # positions shared by targets
@@ -783,11 +785,11 @@ def test_a_buffer_narrows_in_its_own_memory(count, rows, dtype, monkeypatch) -> 
     # every value as .to() gives it, in the buffer's own bytes, for blocks of any rows (1: the
     # first block's output overlaps its own input; 23: one block), an odd row width, no rows
     v = 41
-    monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", rows * 4 * v)
+    monkeypatch.setattr(head_products, "PRODUCT_BLOCK_BYTES", rows * 4 * v)
     buffer = torch.randn(count, v, generator=torch.Generator().manual_seed(0)) * 100
     want = buffer.to(dtype)
     with _Made(v) as made:
-        got = chunked_head._narrowed(buffer, dtype)
+        got = head_products.narrowed(buffer, dtype)
     assert got.dtype == dtype and got.shape == (count, v)
     assert count == 0 or got.data_ptr() == buffer.data_ptr()
     assert torch.equal(got, want)
@@ -800,7 +802,7 @@ def test_a_buffer_in_another_dtype_is_a_copy_or_itself(dtype) -> None:
     # only a dtype of half the size fits the buffer's memory: its own dtype is the buffer
     # itself, a wider one a copy (a float64 model's head), never an error
     buffer = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
-    got = chunked_head._narrowed(buffer, dtype)
+    got = head_products.narrowed(buffer, dtype)
     assert got.dtype == dtype and torch.equal(got, buffer.to(dtype))
     assert (got.data_ptr() == buffer.data_ptr()) == (dtype == torch.float32)
 
@@ -820,8 +822,8 @@ def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -
     monkeypatch.setattr(chunked_head, "ENTROPY_BLOCK_BYTES", 3 * 4 * v)
 
     def run(block_rows: int) -> tuple[list[int], list[torch.Tensor]]:
-        monkeypatch.setattr(chunked_head, "HEAD_BLOCK_ROWS", block_rows)
-        monkeypatch.setattr(chunked_head, "PRODUCT_BLOCK_BYTES", 5 * 2 * v)  # narrowing: 2 rows
+        monkeypatch.setattr(head_products, "HEAD_BLOCK_ROWS", block_rows)
+        monkeypatch.setattr(head_products, "PRODUCT_BLOCK_BYTES", 5 * 2 * v)  # narrowing: 2 rows
         weight = weight0.clone().requires_grad_()
         hidden = hidden0.clone().requires_grad_()
         scorer = Scorer.of(at, targets, Sampling(0.7), False, None, m)
@@ -856,14 +858,14 @@ def test_kept_bf16_head_products_take_the_block_rows_at_a_time(monkeypatch) -> N
 
     gen = torch.Generator().manual_seed(0)
     h, w = torch.randn(11, 6, generator=gen), torch.randn(9, 6, generator=gen).bfloat16()
-    monkeypatch.setattr(chunked_head, "HEAD_BLOCK_ROWS", 4)
+    monkeypatch.setattr(head_products, "HEAD_BLOCK_ROWS", 4)
     monkeypatch.setattr(F, "linear", spy)
-    got = chunked_head._kept_logits(h, w, None)
+    got = head_products.kept_logits(h, w, None)
     assert rows == [4, 4, 3]
     assert got.dtype == torch.float32 and torch.equal(got, linear(h.bfloat16(), w).float())
     # a chunk's logits (the chunked head's buffer holds one chunk) in one product
     rows.clear()
-    chunked_head._logits_into(torch.empty(11, 9), h, w, None)
+    head_products.logits_into(torch.empty(11, 9), h, w, None)
     assert rows == [11]
 
 
@@ -873,7 +875,7 @@ def test_logits_go_into_the_buffer_with_and_without_a_bias() -> None:
     h, w, b = torch.randn(5, 6, generator=gen), torch.randn(9, 6, generator=gen), torch.randn(9)
     buffer = torch.empty(8, 9)
     for bias in (None, b):
-        got = chunked_head._logits_into(buffer, h, w, bias)
+        got = head_products.logits_into(buffer, h, w, bias)
         assert got.data_ptr() == buffer.data_ptr() and got.shape == (5, 9)
         torch.testing.assert_close(got, F.linear(h, w, bias))
 
@@ -888,7 +890,7 @@ def test_logits_of_states_in_another_dtype_are_the_heads_products(states, head) 
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(5, 6, generator=gen).to(states)
     w = torch.randn(9, 6, generator=gen).to(head)
-    got = chunked_head._logits_into(torch.empty(8, 9), h, w, None)
+    got = head_products.logits_into(torch.empty(8, 9), h, w, None)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, F.linear(h.to(head), w).float())
 
