@@ -310,9 +310,8 @@ def compare(ref: str) -> dict[str, Any]:
         totals = collections.Counter(function_of(f"m.{n}") for n in mutated.mutant_names)
         for function, digest in mutated.hash_by_function_name.items():
             before[function, digest] = (totals[function], survivors[function])
-    now: dict[tuple[str, str], list[int]] = collections.defaultdict(
-        lambda: [0, 0]
-    )  # checked, killed
+    # (function, source hash) -> [checked, killed]
+    now: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
     for path in files():
         digests = mutate_file_contents(path, (ROOT / path).read_text()).hash_by_function_name
         for k, code in results(path).items():

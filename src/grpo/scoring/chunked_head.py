@@ -12,8 +12,8 @@ time. Logits go through the sampling controls the engine used (``Scorer``, by
 Holds the ``Scorer`` (what a micro-batch's log-probs need from each chunk of logits), the head's
 autograd function, the module that stands in for a model's head during a forward (``head_slot``,
 ``full_logits``), the input embedding's gradient added in place (``lookup_into_grad``), and the
-one forward every scoring path runs (``_scores``). The head's products in bounded memory are
-``grpo.scoring.head_products``'.
+one forward every scoring path runs (``_scores``). The head's products in bounded memory are in
+``grpo.scoring.head_products``.
 """
 
 from __future__ import annotations
