@@ -114,13 +114,13 @@ class DataConfig(Section):
     system_prompt: str | None = None
     """System message put before string prompts (overrides the task's own)."""
     template: str | None = None
-    """Prompt template: a built-in name (`r1_zero`) or text with `{column}` fields filled from each row (`{prompt}`, `{system}`, any data column). See docs/rewards.md, Prompt templates."""
+    """Prompt template: a built-in name (`r1_zero`) or text with `{column}` fields filled from each row (`{prompt}`, `{system}`, any data column). See docs/rewards.md, "Prompt templates"."""
     chat_template: bool | None = None
     """Wrap prompts in the tokenizer's chat template: null = when it has one and `template` is unset; true = always (the filled template is the user message); false = never (plain text)."""
     chat_template_kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the chat template (e.g. `enable_thinking: false`)."""
     few_shot: list[ChatMessage] = []
-    """Example turns ({role, content}: user, assistant, tool) put after the system prompt and before every prompt, as real chat turns (or plain text without a chat template). See docs/rewards.md, Prompt templates."""
+    """Example turns ({role, content}: user, assistant, tool) put after the system prompt and before every prompt, as real chat turns (or plain text without a chat template). See docs/rewards.md, "Prompt templates"."""
     response_prefix: str = ""
     """Text appended after the rendered prompt, where the answer starts (e.g. `<answer>`); a tag it opens counts as part of the completion for rewards and eval."""
     num_examples: int | None = Field(None, ge=1)
@@ -163,7 +163,7 @@ class RolloutConfig(Section):
     stop: list[str] = []
     """Stop strings: a completion ends with the token that completes one (kept in the text and the loss)."""
     generation_kwargs: dict[str, Any] = {}
-    """Further arguments passed as they are to the engine: vLLM `SamplingParams` fields, or transformers `GenerationConfig` fields (their logits processors) for hf. See docs/scaling.md, Generation controls."""
+    """Further arguments passed as they are to the engine: vLLM `SamplingParams` fields, or transformers `GenerationConfig` fields (their logits processors) for hf. See docs/scaling.md, "Generation controls"."""
     pack_float32: bool = False
     """HF engine (or a `grpo serve` one, which must say the same), float32 sampling on a CPU: multiply on weights packed once per rollout for oneDNN, which holds a second copy of every linear weight while sampling (540 MB for SmolLM2). On an AMD EPYC 1.6x the tokens/s; measure yours with `python -m benchmarks.speed.rollout_speed` (docs/results/rollout-speed.md). oneDNN sums in another order than `F.linear`, so sampled log-probs differ by rounding (up to 5e-5 on SmolLM2) and a few completions take another token where two were close (8 of 160); off, float32 sampling multiplies as `F.linear` does, bit for bit. bf16 sampling is always packed (the same products)."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
@@ -211,7 +211,7 @@ class RewardsConfig(Section):
 
 class AlgorithmConfig(Section):
     estimator: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
-    """Advantage estimator: group-relative (grpo), leave-one-out baseline (rloo), REINFORCE++ (reinforce_pp: KL folded into per-token rewards, returns normalised over the batch's tokens), or PPO with a learned critic (ppo: GAE over per-token rewards with the KL folded in, a value model trained every step); docs/algorithm.md, Advantage estimators."""
+    """Advantage estimator: group-relative (grpo), leave-one-out baseline (rloo), REINFORCE++ (reinforce_pp: KL folded into per-token rewards, returns normalised over the batch's tokens), or PPO with a learned critic (ppo: GAE over per-token rewards with the KL folded in, a value model trained every step); docs/algorithm.md, "Advantage estimators"."""
     reward_aggregation: Literal["sum", "gdpo"] = "sum"
     """How reward functions combine: their weighted sum, then the estimator (sum), or the estimator on each function in its groups, the weighted sum of those, normalised over the batch (gdpo; GDPO)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -295,7 +295,7 @@ class SamplingConfig(Section):
 
 class TemperatureConfig(Section):
     schedule: Literal["constant", "linear", "cosine", "adaptive"] = "constant"
-    """Rollout temperature over the steps: constant (`rollout.temperature`), linear or cosine from `rollout.temperature` to `end`, or adaptive (docs/algorithm.md, Temperatures)."""
+    """Rollout temperature over the steps: constant (`rollout.temperature`), linear or cosine from `rollout.temperature` to `end`, or adaptive (docs/algorithm.md, "Temperatures")."""
     end: float = Field(1.0, gt=0)
     """linear/cosine: the temperature at the last step."""
     min: float = Field(0.5, gt=0)
@@ -339,7 +339,7 @@ class OptimConfig(Section):
 
 class HackWatchConfig(Section):
     enabled: bool = True
-    """Log the reward-hacking signals (`hack/*`, docs/metrics.md) every step and print one warning line when one crosses its threshold (docs/rewards.md, Reward hacking); false: neither."""
+    """Log the reward-hacking signals (`hack/*`, docs/metrics.md) every step and print one warning line when one crosses its threshold (docs/rewards.md, "Reward hacking"); false: neither."""
     window: int = Field(5, ge=2)
     """Steps per window: `hack/format_only` fits the rewards' rise over the last `window` steps; the collapse signals compare the mean of the last `window` steps with that of the first `window`."""
     copy_ngram: int = Field(8, ge=2)
