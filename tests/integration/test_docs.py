@@ -1,4 +1,4 @@
-"""Docs that cannot point at nothing: every relative link in README.md and docs/ resolves, every
+"""Docs that cannot point at nothing: every relative link in the READMEs and docs/ resolves, every
 docs/ path and every section named in code, recipes, docs and the Makefile exists, and the
 generated parts of docs/ are current (``make docs``)."""
 
@@ -12,7 +12,11 @@ import pytest
 from tools import docs
 
 ROOT = docs.ROOT
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "benchmarks" / "README.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
+]
 # where pointers are written: the pages, the package (recipes included), benchmarks, tools,
 # tests, the Makefile and pyproject.toml
 SOURCES = [
