@@ -392,7 +392,7 @@ class TrainConfig(Section):
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads (default: torch's choice)."""
     malloc: Literal["keep", "return", "default"] = "keep"
-    """glibc malloc policy for freed tensor memory: keep it for reuse (fastest), return it to the OS at once (lowest peak RSS, slower), or glibc's default. See docs/performance.md."""
+    """glibc malloc policy for freed tensor memory: keep it for reuse (fastest), return it to the OS at once (lowest peak RSS, slower), or glibc's default (measured: docs/results/memory-options.md; docs/performance.md)."""
     distributed: Literal["ddp", "fsdp"] = "ddp"
     """Under torchrun: DDP (a full copy per rank) or FSDP2 `fully_shard` (weights, gradients and optimizer state sharded)."""
     hack_watch: HackWatchConfig = HackWatchConfig()
