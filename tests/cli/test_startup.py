@@ -20,7 +20,8 @@ SRC = str(Path(grpo.__file__).parents[1])  # the grpo under test, not an install
 
 def _fresh(code: str) -> dict:
     """Run `code` in a new interpreter; it prints one JSON object as its last line."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    path = [SRC, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
