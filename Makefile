@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # the recipe's HF engine, vLLM installed or not: which engine is faster depends on the CPU
-# (whole steps 0.82x the HF engine's on an AMD EPYC, 1.40x on an AMX Xeon: README, "Rollout
-# engine"); `make train ARGS=rollout.engine=vllm` after measuring yours
+# (whole steps 0.82x the HF engine's on an AMD EPYC, 1.40x on an AMX Xeon:
+# README, "Rollout engine"); `make train ARGS=rollout.engine=vllm` after measuring yours
 train: $(STAMP)
 	.venv/bin/grpo train $(ARGS)
 
@@ -44,9 +44,11 @@ format: $(STAMP)
 	.venv/bin/ruff check --fix src tests benchmarks tools
 	.venv/bin/ruff format src tests benchmarks tools
 
-# regenerate docs/config-reference.md from the field docstrings in src/grpo/config.py
+# regenerate what docs/ holds generated from the code (tools/docs.py): the config reference
+# from the settings' docstrings (src/grpo/config/schema.py), the module table of
+# docs/architecture.md from the modules' docstrings
 docs: $(STAMP)
-	$(PY) -c "import pathlib; from grpo.config import reference_markdown as r; p = pathlib.Path('docs/config-reference.md'); s = p.read_text(); a, b = '<!-- config-reference:start -->\n', '<!-- config-reference:end -->'; p.write_text(s.split(a)[0] + a + r() + b + s.split(b)[1])"
+	$(PY) -m tools.docs
 
 # mutation testing (docs/testing.md); not part of `make test`: hours on 2 cores
 mutate: $(STAMP)

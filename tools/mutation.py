@@ -1,5 +1,5 @@
 """``make mutate``: mutation testing with mutmut over the math, the log-probs, the rollout and
-reward logic and the trainer's wiring, then the table README shows ("Mutation testing").
+reward logic and the trainer's wiring, then the table docs/results/mutation.md shows.
 
 The files are ``only_mutate`` in ``[tool.mutmut]`` (pyproject.toml); ``SCOPE`` below narrows a
 file to the functions that are in scope, and says why the rest is not. mutmut runs each mutant
@@ -335,14 +335,14 @@ def compare(ref: str) -> dict[str, Any]:
     }
 
 
-# README's list of the survivors and why each is equivalent: a function name in backticks, then
+# docs/testing.md's list of the survivors and why each is equivalent: a function name in backticks, then
 # mutmut's numbers and ranges ("`pack` 39, 42-44 (and 110, 112)"); other parentheses are prose
 EXPLAINED_FROM = "**Why each remaining survivor is equivalent.**"
 TOKEN = re.compile(r"\s+|,|and\b|\(and[^)]*\)|\([^)]*\)|\d+(?:-\d+)?")
 
 
 def explained(readme: str, functions: set[str]) -> set[str]:
-    """(mangled function)__mutmut_N of every mutant README's survivor list names. A bare method
+    """(mangled function)__mutmut_N of every mutant docs/testing.md's survivor list names. A bare method
     name (`run_calls`) is matched to the one class of ``functions`` that has it."""
     if EXPLAINED_FROM not in readme:
         return set()  # no list: every survivor is reported unexplained
@@ -364,21 +364,21 @@ def explained(readme: str, functions: set[str]) -> set[str]:
 
 
 def unexplained(rows: list[dict], readme: str) -> tuple[list[str], list[str]]:
-    """Survivors README does not list, and mutants it lists that do not survive."""
+    """Survivors docs/testing.md does not list, and mutants it lists that do not survive."""
     survivors = {k.rpartition(".")[2] for r in rows for k in r["survivors"]}
     listed = explained(readme, {function_of(k) for r in rows for k in r["survivors"]})
     return sorted(survivors - listed), sorted(listed - survivors)
 
 
 def report_unexplained(rows: list[dict]) -> None:
-    """One line each for survivors README does not explain and listed ones that died."""
+    """One line each for survivors docs/testing.md does not explain and listed ones that died."""
     readme = ROOT / "docs" / "testing.md"
     missing, stale = unexplained(rows, readme.read_text()) if readme.exists() else ([], [])
     # tests/bench/test_bench_mutation.py holds the two equal: explain the new ones, drop the dead
     if missing:
-        print(f"README: {len(missing)} survivors not explained: {' '.join(missing)}")
+        print(f"docs/testing.md: {len(missing)} survivors not explained: {' '.join(missing)}")
     if stale:
-        print(f"README: {len(stale)} listed as survivors were killed: {' '.join(stale)}")
+        print(f"docs/testing.md: {len(stale)} listed as survivors were killed: {' '.join(stale)}")
 
 
 def table(
@@ -638,7 +638,7 @@ def main() -> None:
         "rows": rows,
     }
     RESULT.write_text(json.dumps(out, indent=1) + "\n")
-    report_unexplained(rows)  # after the write: a run's results never wait on README
+    report_unexplained(rows)  # after the write: a run's results never wait on docs/testing.md
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ and short runs of the same recipe (on the original prompts, then on kept ones).
 Per run: ``frac_zero_std`` and ``reward/mean`` at each step and their means over the steps
 (the share of groups whose rewards were all equal, which carry no gradient), and the median
 step time. The JSON goes to benchmarks/results/curation_default.json unless --output says
-otherwise (README, "Prompt curation").
+otherwise (docs/evaluation.md, "Prompt curation").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """R1-Zero runs side by side, from their run directories: the held-out accuracy and format rate
 before and after, the per-step rewards, the signals of reward hacking, the reflection rate,
-completions at the first and last step, and the wall time. The numbers behind README's R1-Zero
-table and docs/results/r1-zero.md (each lever a run).
+completions at the first and last step, and the wall time. The numbers behind
+README, "R1-Zero on a base model", and docs/results/r1-zero.md (each lever a run).
 
     .venv/bin/python -m benchmarks.quality.r1_zero runs runs/r1/a runs/r1/b [--out F]
 

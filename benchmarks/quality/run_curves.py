@@ -1,6 +1,6 @@
 """Summaries of finished training runs, side by side, from their metrics.jsonl: means over windows
 of 10 steps, held-out eval rows, median timings and the temperatures used. The numbers behind
-README's run tables (default recipe, engines, temperatures).
+the run tables of docs/results/ (default-recipe.md, vllm.md, temperature.md).
 
     .venv/bin/python -m benchmarks.quality.run_curves runs/a runs/b --out benchmarks/results/x.json
 """

@@ -1,4 +1,4 @@
-"""The README's with/without-tool table, read from two finished runs of ``recipes/tools.yaml``.
+"""The with/without-tool table of docs/results/tools-multiplication.md, read from two finished runs of ``recipes/tools.yaml``.
 
     python -m benchmarks.quality.tools_table runs/tools-with runs/tools-without
 

@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 from grpo.config import Config, ConfigError, DataConfig, load_config
 
@@ -272,13 +273,14 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "tasks": cmd_tasks,
 }
 
+# commands that load no model skip importing transformers, most of a command's start-up
+WITHOUT_MODELS = frozenset({"config", "report", "tasks"})
 
-def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import version
 
-    parser = argparse.ArgumentParser(prog="grpo", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"grpo {version('grpo')}")
-    sub = parser.add_subparsers(dest="command", required=True)
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _train_parser(sub: Subparsers) -> None:
     train = sub.add_parser(
         "train",
         help="train with a recipe (default: the built-in one)",
@@ -288,10 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("recipe", nargs="?", help="YAML recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=16")
+
+
+def _config_parser(sub: Subparsers) -> None:
     config = sub.add_parser("config", help="print the resolved config")
     config.add_argument("--reference", action="store_true", help="print the config reference")
     config.add_argument("recipe", nargs="?")
     config.add_argument("overrides", nargs="*")
+
+
+def _eval_parser(sub: Subparsers) -> None:
     evaluate = sub.add_parser(
         "eval", help="held-out accuracy, pass@k and maj@k of a model, checkpoint or run directory"
     )
@@ -314,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipe", help="recipe for task settings (default: the run's, else the default recipe)"
     )
     evaluate.add_argument("--output", help="also write the JSON result to this file")
+
+
+def _curate_parser(sub: Subparsers) -> None:
     cur = sub.add_parser(
         "curate",
         help="keep the training prompts whose sampled pass rate lies in a band",
@@ -354,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="completions per generation call (prompts per call: this / K; default 64)",
     )
+
+
+def _serve_parser(sub: Subparsers) -> None:
     srv = sub.add_parser(
         "serve",
         help="serve a model's rollouts over HTTP for runs with rollout.engine=server",
@@ -368,10 +382,42 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="default: hf")
     srv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="default: 8000")
+
+
+def _report_parser(sub: Subparsers) -> None:
     report = sub.add_parser("report", help="write report.html for a run directory")
     report.add_argument("run_dir")
+
+
+def _models_parser(sub: Subparsers) -> None:
     sub.add_parser("models", help="list model aliases and whether each is cached")
+
+
+def _tasks_parser(sub: Subparsers) -> None:
     sub.add_parser("tasks", help="list built-in tasks")
+
+
+# in the order `grpo --help` lists them
+PARSERS: dict[str, Callable[[Subparsers], None]] = {
+    "train": _train_parser,
+    "config": _config_parser,
+    "eval": _eval_parser,
+    "curate": _curate_parser,
+    "serve": _serve_parser,
+    "report": _report_parser,
+    "models": _models_parser,
+    "tasks": _tasks_parser,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
+    parser = argparse.ArgumentParser(prog="grpo", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"grpo {version('grpo')}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in PARSERS.values():
+        add(sub)
     return parser
 
 
@@ -388,9 +434,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
-    from transformers.utils import logging as hf_logging
+    if args.command not in WITHOUT_MODELS:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()
     try:
         return COMMANDS[args.command](args)
     except _user_errors() as err:

@@ -251,7 +251,7 @@ def test_micro_batches_sum_to_the_full_batch(loss_type: str) -> None:
 
 # ------------------------------------------------------------------------------ edge cases
 # boundaries, single tokens, empty masks and messages: each kills a mutant `make mutate` found
-# alive (README, "Mutation testing")
+# alive (docs/testing.md, "Mutation testing")
 
 
 def test_group_std_is_the_population_std() -> None:

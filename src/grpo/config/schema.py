@@ -48,11 +48,11 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weight dtype. bfloat16: bf16 weights, which the optimizer steps through float32 master copies (bf16 alone would round most updates away; docs/scaling.md); not with train.distributed: fsdp. For bf16 speed prefer `precision` (docs/performance.md)."""
     precision: Literal["auto", "float32", "bf16_autocast"] = "float32"
-    """What forwards compute in. `bf16_autocast`: bf16 autocast over float32 weights (mixed precision, TRL's bf16=True) for sampling and scoring; log-probs stay float32. Pays on GPUs and CPUs with bf16 units (AVX512-BF16, AMX: steps 0.53x); without them bf16 is slower. `auto`: measured when the run starts (bf16 and float32 products of the model's MLP shape on its device and threads, well under a second): bf16_autocast where bf16 is at least 1.3x as fast, else float32, said in one console line; the run's config.yaml records the choice, and a resume measures again (a change is said, not refused). `model.autocast: true/false` (older recipes) means bf16_autocast/float32 (docs/performance.md)."""
+    """What forwards compute in. `bf16_autocast`: bf16 autocast over float32 weights (mixed precision, TRL's bf16=True) for sampling and scoring; log-probs stay float32. Pays on GPUs and CPUs with bf16 units (AVX512-BF16, AMX); without them bf16 is slower (measured: docs/results/precision.md). `auto`: measured when the run starts (bf16 and float32 products of the model's MLP shape on its device and threads): bf16_autocast where bf16 is at least 1.3x as fast, else float32, said in one console line; the run's config.yaml records the choice, and a resume measures again (a change is said, not refused). `model.autocast: true/false` (older recipes) means bf16_autocast/float32 (docs/performance.md)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more compute (docs/performance.md)."""
     chunked_head: bool = True
-    """Scoring forwards run the LM head and its log-normaliser a chunk of positions at a time (up to 32 MiB of float32 logits, computed in place, under temperature-only sampling; else 64), recomputed in backward: no [positions, vocab] logits or gradient is ever whole (the update's peak about 100 MiB lower on SmolLM2, measured). Its cost in time depends on the machine: from 1.08-1.20x the update on an AVX512-BF16 EPYC to 0.96x (faster) on an Intel Xeon in float32 (docs/results/levers.md). Off: every position's logits at once, with no recomputation: under temperature-only sampling in one float32 buffer kept for backward, which becomes their gradient in place, with no second [positions, vocab] tensor under bf16 autocast on a CPU either (about the model's own head's time and 250 MiB below its peak RSS on SmolLM2 with one micro-batch of 32, measured; bf16's blocks another 90-380 MiB on an AMD EPYC); else from the model's own head."""
+    """Scoring forwards run the LM head and its log-normaliser a chunk of positions at a time (up to 32 MiB of float32 logits, computed in place, under temperature-only sampling; else 64), recomputed in backward: no [positions, vocab] logits or gradient is ever whole, so the update's peak is lower. Its cost in time depends on the machine: slower on some, faster on others (measured: docs/results/memory-options.md, docs/results/levers.md). Off: every position's logits at once, with no recomputation: under temperature-only sampling in one float32 buffer kept for backward, which becomes their gradient in place, with no second [positions, vocab] tensor under bf16 autocast on a CPU either (about the model's own head's time, at a lower peak RSS; measured: docs/results/levers.md); else from the model's own head."""
     disable_dropout: bool = True
     """Zero every dropout of the policy (as TRL does), so current, old and reference log-probs come from one deterministic network."""
     lora: LoraConfig = LoraConfig()
@@ -114,13 +114,13 @@ class DataConfig(Section):
     system_prompt: str | None = None
     """System message put before string prompts (overrides the task's own)."""
     template: str | None = None
-    """Prompt template: a built-in name (`r1_zero`) or text with `{column}` fields filled from each row (`{prompt}`, `{system}`, any data column). See docs/rewards.md, Prompt templates."""
+    """Prompt template: a built-in name (`r1_zero`) or text with `{column}` fields filled from each row (`{prompt}`, `{system}`, any data column). See docs/rewards.md, "Prompt templates"."""
     chat_template: bool | None = None
     """Wrap prompts in the tokenizer's chat template: null = when it has one and `template` is unset; true = always (the filled template is the user message); false = never (plain text)."""
     chat_template_kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the chat template (e.g. `enable_thinking: false`)."""
     few_shot: list[ChatMessage] = []
-    """Example turns ({role, content}: user, assistant, tool) put after the system prompt and before every prompt, as real chat turns (or plain text without a chat template). See docs/rewards.md, Prompt templates."""
+    """Example turns ({role, content}: user, assistant, tool) put after the system prompt and before every prompt, as real chat turns (or plain text without a chat template). See docs/rewards.md, "Prompt templates"."""
     response_prefix: str = ""
     """Text appended after the rendered prompt, where the answer starts (e.g. `<answer>`); a tag it opens counts as part of the completion for rewards and eval."""
     num_examples: int | None = Field(None, ge=1)
@@ -163,9 +163,9 @@ class RolloutConfig(Section):
     stop: list[str] = []
     """Stop strings: a completion ends with the token that completes one (kept in the text and the loss)."""
     generation_kwargs: dict[str, Any] = {}
-    """Further arguments passed as they are to the engine: vLLM `SamplingParams` fields, or transformers `GenerationConfig` fields (their logits processors) for hf. See docs/scaling.md, Generation controls."""
+    """Further arguments passed as they are to the engine: vLLM `SamplingParams` fields, or transformers `GenerationConfig` fields (their logits processors) for hf. See docs/scaling.md, "Generation controls"."""
     pack_float32: bool = False
-    """HF engine (or a `grpo serve` one, which must say the same), float32 sampling on a CPU: multiply on weights packed once per rollout for oneDNN, which holds a second copy of every linear weight while sampling (540 MB for SmolLM2). On an AMD EPYC 1.6x the tokens/s; measure yours with `python -m benchmarks.speed.rollout_speed` (docs/results/rollout-speed.md). oneDNN sums in another order than `F.linear`, so sampled log-probs differ by rounding (up to 5e-5 on SmolLM2) and a few completions take another token where two were close (8 of 160); off, float32 sampling multiplies as `F.linear` does, bit for bit. bf16 sampling is always packed (the same products)."""
+    """HF engine (or a `grpo serve` one, which must say the same), float32 sampling on a CPU: multiply on weights packed once per rollout for oneDNN, which holds a second copy of every linear weight while sampling. Faster on some CPUs: measure yours with `python -m benchmarks.speed.rollout_speed` (measured: docs/results/rollout-speed.md). oneDNN sums in another order than `F.linear`, so sampled log-probs differ by rounding and a few completions take another token where two were close; off, float32 sampling multiplies as `F.linear` does, bit for bit. bf16 sampling is always packed (the same products)."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Share of GPU memory the colocated vLLM engine may take (unused when vllm_kv_cache_gb is set)."""
     vllm_kv_cache_gb: float | None = Field(None, gt=0)
@@ -211,7 +211,7 @@ class RewardsConfig(Section):
 
 class AlgorithmConfig(Section):
     estimator: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
-    """Advantage estimator: group-relative (grpo), leave-one-out baseline (rloo), REINFORCE++ (reinforce_pp: KL folded into per-token rewards, returns normalised over the batch's tokens), or PPO with a learned critic (ppo: GAE over per-token rewards with the KL folded in, a value model trained every step); docs/algorithm.md, Advantage estimators."""
+    """Advantage estimator: group-relative (grpo), leave-one-out baseline (rloo), REINFORCE++ (reinforce_pp: KL folded into per-token rewards, returns normalised over the batch's tokens), or PPO with a learned critic (ppo: GAE over per-token rewards with the KL folded in, a value model trained every step); docs/algorithm.md, "Advantage estimators"."""
     reward_aggregation: Literal["sum", "gdpo"] = "sum"
     """How reward functions combine: their weighted sum, then the estimator (sum), or the estimator on each function in its groups, the weighted sum of those, normalised over the batch (gdpo; GDPO)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -295,7 +295,7 @@ class SamplingConfig(Section):
 
 class TemperatureConfig(Section):
     schedule: Literal["constant", "linear", "cosine", "adaptive"] = "constant"
-    """Rollout temperature over the steps: constant (`rollout.temperature`), linear or cosine from `rollout.temperature` to `end`, or adaptive (docs/algorithm.md, Temperatures)."""
+    """Rollout temperature over the steps: constant (`rollout.temperature`), linear or cosine from `rollout.temperature` to `end`, or adaptive (docs/algorithm.md, "Temperatures")."""
     end: float = Field(1.0, gt=0)
     """linear/cosine: the temperature at the last step."""
     min: float = Field(0.5, gt=0)
@@ -339,7 +339,7 @@ class OptimConfig(Section):
 
 class HackWatchConfig(Section):
     enabled: bool = True
-    """Log the reward-hacking signals (`hack/*`, docs/metrics.md) every step and print one warning line when one crosses its threshold (docs/rewards.md, Reward hacking); false: neither."""
+    """Log the reward-hacking signals (`hack/*`, docs/metrics.md) every step and print one warning line when one crosses its threshold (docs/rewards.md, "Reward hacking"); false: neither."""
     window: int = Field(5, ge=2)
     """Steps per window: `hack/format_only` fits the rewards' rise over the last `window` steps; the collapse signals compare the mean of the last `window` steps with that of the first `window`."""
     copy_ngram: int = Field(8, ge=2)
@@ -392,7 +392,7 @@ class TrainConfig(Section):
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads (default: torch's choice)."""
     malloc: Literal["keep", "return", "default"] = "keep"
-    """glibc malloc policy for freed tensor memory: keep it for reuse (fastest), return it to the OS at once (lowest peak RSS, slower), or glibc's default. See docs/performance.md."""
+    """glibc malloc policy for freed tensor memory: keep it for reuse (fastest), return it to the OS at once (lowest peak RSS, slower), or glibc's default (measured: docs/results/memory-options.md; docs/performance.md)."""
     distributed: Literal["ddp", "fsdp"] = "ddp"
     """Under torchrun: DDP (a full copy per rank) or FSDP2 `fully_shard` (weights, gradients and optimizer state sharded)."""
     hack_watch: HackWatchConfig = HackWatchConfig()

@@ -3,7 +3,7 @@
 A rollout's decode step runs the whole model for one token per row: on SmolLM2-135M, 30 layers
 whose products are small, where the Python around them (the decorators and keyword plumbing of
 every layer and attention call, the interface look-ups, the output containers) costs a tenth or
-more of the step (README, Performance). ``lean_step`` runs the same computation as the model's
+more of the step (docs/results/levers.md). ``lean_step`` runs the same computation as the model's
 own forward, in the same order, through the model's own modules (projections, norms, MLP, rotary
 embedding), mask function, rotary function and attention interface, and so gives the same logits
 bit for bit (tested). It only replaces the glue between them.

@@ -428,7 +428,7 @@ class MultiTurnEngine:
 
 
 def tool_metrics(turns: list[list[dict[str, Any]]]) -> dict[str, float]:
-    """``tools/*`` metrics of a batch of multi-turn completions (README, metric glossary)."""
+    """``tools/*`` metrics of a batch of multi-turn completions (docs/metrics.md)."""
     ran = [[t for t in path if t["time_s"] is not None] for path in turns]
     calls = sum(len(r) for r in ran)
     errors = sum(t["error"] is not None for r in ran for t in r)

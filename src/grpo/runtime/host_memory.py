@@ -4,7 +4,7 @@ glibc hands large freed blocks back to the operating system: blocks above its mm
 are unmapped, and free memory at the top of the heap above its trim threshold is released.
 Training frees and reallocates the same activation-, gradient- and logits-sized blocks every
 micro-batch, so each comes back as fresh pages that the kernel must fault in and zero. Three
-policies (measured on SmolLM2-135M in README, Performance):
+policies (measured on SmolLM2-135M: docs/results/memory-options.md):
 
 - ``keep`` (default): blocks under 16 MiB (activations, gradients, attention and logits
   chunks) stay in the heap and are reused; larger ones (a micro-batch's full logits, the
@@ -55,7 +55,7 @@ def set_malloc_policy(policy: MallocPolicy) -> bool:
 
 
 # what oneDNN's primitive cache and ideep's computation cache read, each at its first use; 64
-# holds every shape of one micro-batch's forward and backward (README, Memory options)
+# holds every shape of one micro-batch's forward and backward (docs/results/memory-options.md)
 KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 KERNEL_CACHE_CAPACITY = 64
 

@@ -20,7 +20,7 @@ memfds, RLIMIT_NOFILE). When a run returns, every process it started is gone: th
 the first process of its PID namespace (the kernel then kills the rest) and waits until the
 keeper outside the namespace has reaped it. A fork server, started once per trainer process,
 forks each run's keeper.
-README ("Code sandbox") states the threat model.
+docs/rewards.md, "Code sandbox (code)", states the threat model.
 """
 
 from __future__ import annotations

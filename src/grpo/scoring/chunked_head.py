@@ -46,7 +46,7 @@ CHUNK = 64
 # float32 [rows, V] buffer per forward and per backward, overwritten in place, so it takes
 # more positions at a time: each chunk reads the whole head weight once per product, and at
 # 64 rows SmolLM2's head products ran at 204-268 GFLOP/s against 259-339 at 128-384 rows on
-# the Xeon of README's Performance (one-off probe)
+# the Xeon of docs/results/levers.md (one-off probe)
 PLAIN_CHUNK_BYTES = 32 << 20
 
 # rows of a [rows, V] float32 temporary per step of the in-place entropy (4 MiB)

@@ -123,8 +123,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor, scale: float) -> T
     Hq, D]; query heads share their key head in groups (GQA).
 
     Explicit scores with a float32 softmax (before this kernel took every row) were as fast in
-    the reference forward and 1.08x slower in the update on a memory-bound Xeon (README,
-    Performance), and backward kept them."""
+    the reference forward and 1.08x slower in the update on a memory-bound Xeon
+    (docs/results/levers.md), and backward kept them."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, n or m, D]
     hq, hkv = q.shape[1], k.shape[1]
     out = F.scaled_dot_product_attention(

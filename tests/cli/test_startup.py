@@ -1,0 +1,64 @@
+"""Start-up: `import grpo`, `grpo --help` and `grpo config` load neither torch nor transformers,
+and importing grpo leaves the environment as it found it. Each check runs in a fresh interpreter,
+since this one has long imported both."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import grpo
+
+HEAVY = ("torch", "transformers")
+SRC = str(Path(grpo.__file__).parents[1])  # the grpo under test, not an installed one
+
+
+def _fresh(code: str) -> dict:
+    """Run `code` in a new interpreter; it prints one JSON object as its last line."""
+    path = [SRC, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _loaded_after(statements: str) -> dict:
+    return _fresh(
+        "import json, os, sys\n"
+        "before = dict(os.environ)\n"
+        f"{statements}\n"
+        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
+        "changed = sorted(k for k in set(before) | set(os.environ)"
+        " if before.get(k) != os.environ.get(k))\n"
+        "print(json.dumps({'heavy': heavy, 'changed': changed}))"
+    )
+
+
+def test_import_grpo_loads_no_torch_and_keeps_the_environment() -> None:
+    seen = _loaded_after("import grpo; grpo.Config; grpo.load_config")
+    assert seen == {"heavy": [], "changed": []}
+
+
+def test_the_trainer_still_comes_from_the_package() -> None:
+    from grpo.training import Trainer, train
+
+    assert grpo.Trainer is Trainer and grpo.train is train
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        grpo.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["config"]])
+def test_help_and_config_load_no_torch(argv: list[str]) -> None:
+    seen = _loaded_after(
+        "import contextlib, io\n"
+        "from grpo.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        f"    main({argv!r})"
+    )
+    assert seen["heavy"] == []
