@@ -28,14 +28,17 @@ from grpo.rollout.server import ServerLost, decode_rollout, encode_rollout
 from grpo.training.trainer import Trainer, train
 
 ROLLOUT = {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12}
+TOKEN = "a-test-token-0123456789"  # every server here holds it; every client sends it
 
 
 def start_server(model: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
-    """``grpo serve`` on a free port; returns the process and its URL (from its first line)."""
+    """``grpo serve`` on a free port, with ``TOKEN``; returns the process and its URL (from its
+    first line)."""
     command = [sys.executable, "-m", "grpo.cli", "serve", str(model), "--port", "0"]
     command += [f"rollout.{k}={v}" for k, v in ROLLOUT.items()]
     command += ["train.threads=1", *overrides]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "GRPO_SERVE_TOKEN": TOKEN}
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = server.stderr.readline()
@@ -53,6 +56,12 @@ def server(tiny_model_dir: Path) -> Iterator[str]:
     yield url
     process.kill()
     process.wait()
+
+
+@pytest.fixture(autouse=True)
+def _client_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the run's side, and its producer process's (which inherits the environment)
+    monkeypatch.setenv("GRPO_SERVE_TOKEN", TOKEN)
 
 
 @pytest.fixture(autouse=True)
