@@ -10,10 +10,11 @@
   of ``--weights-hosts``, and the join ends within its timeout even against a port that accepts
   and never answers (torch's store waits for an answer without one: it runs on a thread this
   server abandons).
-- **Bounded**: requests are read on up to ``HANDLERS`` threads at once (more connections are
-  closed at once), each read within ``REQUEST_S`` with pauses of at most ``READ_S``; a body needs
-  its ``Content-Length``, at most ``MAX_BODY`` bytes (413 past it, before reading). The engine's
-  work (a rollout, a weight push) runs one request at a time on the thread that built it.
+- **Bounded**: connections are served on up to ``HANDLERS`` threads at once (past that, the
+  one that has been arriving longest is cut), each request read within ``REQUEST_S`` with
+  pauses of at most ``READ_S``; a body needs its ``Content-Length``, at most ``MAX_BODY`` bytes
+  (413 past it, before reading). The engine's work (a rollout, a weight push) runs one request at
+  a time on the thread that built it.
 - **One line per failure**: at start (exit 2, ``ConfigError``), and per request on the console.
 """
 
@@ -31,6 +32,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -45,7 +47,7 @@ from grpo.models import bf16_autocast
 from grpo.rollout.server import SAMPLING_KEYS, TOKEN_ENV, encode_rollout, tokenizer_fingerprint
 from grpo.runtime import weight_sync
 
-HANDLERS = 32  # connections read at once: idle ones take a thread each, never the run's
+HANDLERS = 64  # connections served at once, each on a thread
 READ_S = 10.0  # the longest pause while a request arrives
 REQUEST_S = 60.0  # the longest a whole request (headers and body) may take to arrive
 MAX_BODY = 64 << 20  # a step's prompts and a model's weight names fit many times over
@@ -272,17 +274,10 @@ def handler_for(
 
         def setup(self) -> None:
             super().setup()
-            # the whole request within REQUEST_S: a sender that trickles a byte at a time
-            # keeps every read under READ_S
-            self.arrival = threading.Timer(REQUEST_S, self._cut)
-            self.arrival.start()
-
-        def _cut(self) -> None:
-            with contextlib.suppress(OSError):  # already closed
-                self.connection.shutdown(socket.SHUT_RD)
+            self.server.arriving(self.connection)
 
         def finish(self) -> None:
-            self.arrival.cancel()
+            self.server.arrived(self.connection)
             with contextlib.suppress(OSError):  # the client hung up
                 super().finish()
 
@@ -323,10 +318,12 @@ def handler_for(
                 data = self.rfile.read(int(length))
             except OSError:  # a pause past READ_S
                 data = b""
-            self.arrival.cancel()
+            self.server.arrived(self.connection)
             if len(data) < int(length):
                 raise Refused(
-                    408, f"the request's body did not arrive in full within {REQUEST_S:g} s"
+                    408,
+                    f"the request's body did not arrive in full (a pause over {READ_S:g} s, or "
+                    f"over {REQUEST_S:g} s in all)",
                 )
             try:
                 request = json.loads(data or b"{}")
@@ -342,8 +339,19 @@ def handler_for(
             except Refused as refused:
                 self.close_connection = True  # an unread body must not be read as a request
                 self._fail(refused.status, str(refused))
+                self._discard()
             except Exception as err:  # one line here, and the client stops with it
                 self._fail(500, one_line(err))
+
+        def _discard(self) -> None:
+            """Read (and drop) what a refused client still sends, for a second at most: closing
+            on unread bytes resets the connection, and the client could lose the answer."""
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_WR)  # the answer is whole
+                self.connection.settimeout(1.0)
+                for _ in range(16):  # 1 MiB at most
+                    if not self.connection.recv(1 << 16):
+                        break
 
         def _fail(self, status: int, said: str) -> None:
             print(
@@ -361,7 +369,7 @@ def handler_for(
                 self._answer(self._get)
 
         def _get(self) -> None:
-            self.arrival.cancel()
+            self.server.arrived(self.connection)
             self._authorized()
             if self.path != "/info":
                 raise Refused(404, f"no {self.path}")
@@ -397,8 +405,10 @@ def handler_for(
 
 
 class Listener(ThreadingHTTPServer):
-    """A thread per connection, at most ``HANDLERS``: past that a connection is closed at once
-    (a crowd of idle connections costs their owner, never the run a wait)."""
+    """A thread per connection, at most ``HANDLERS``. A request must arrive within
+    ``REQUEST_S`` (a sender that trickles a byte at a time keeps each read under ``READ_S``),
+    and when every thread is taken the connection that has been arriving longest is cut for
+    the new one: idle connections, however many, cost the run no wait."""
 
     daemon_threads = True
 
@@ -408,11 +418,37 @@ class Listener(ThreadingHTTPServer):
         super().__init__(address, BaseHTTPRequestHandler, bind_and_activate=False)
         self.token, self.allowed, self.generated = token, allowed, False
         self.slots = threading.BoundedSemaphore(HANDLERS)
+        self.lock = threading.Lock()
+        self.reading: dict[socket.socket, float] = {}  # connections still arriving: since when
+
+    def arriving(self, connection: socket.socket) -> None:
+        with self.lock:
+            self.reading[connection] = time.monotonic()
+
+    def arrived(self, connection: socket.socket) -> None:
+        with self.lock:
+            self.reading.pop(connection, None)
+
+    def _cut(self, connections: list[socket.socket]) -> None:
+        for connection in connections:
+            self.arrived(connection)
+            with contextlib.suppress(OSError):  # closed meanwhile
+                connection.shutdown(socket.SHUT_RD)  # its handler reads the end and stops
+
+    def service_actions(self) -> None:  # between accepts, twice a second
+        now = time.monotonic()
+        with self.lock:
+            late = [c for c, since in self.reading.items() if now - since > REQUEST_S]
+        self._cut(late)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+            with self.lock:
+                oldest = min(self.reading, key=self.reading.__getitem__, default=None)
+            self._cut([] if oldest is None else [oldest])
+            if not self.slots.acquire(timeout=1.0):  # every thread busy with the engine
+                self.shutdown_request(request)
+                return
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
