@@ -250,7 +250,7 @@ def test_a_second_client_cannot_stall_or_stop_a_run(
 
 
 @pytest.fixture
-def small_listener(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def small_listener(monkeypatch: pytest.MonkeyPatch) -> Iterator[server_http.Listener]:
     """The server's HTTP side in this process, with 4 threads and requests due in 1 s; an
     engine that only answers ``/info``."""
     monkeypatch.setattr(server_http, "HANDLERS", 4)
@@ -265,24 +265,32 @@ def small_listener(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         Info(), server_http.EngineThread(), TOKEN, set()
     )
     threading.Thread(target=listener.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{listener.server_address[1]}"
+    listener.url = f"http://127.0.0.1:{listener.server_address[1]}"
+    yield listener
+    # every handler done (their lines said) before the next test
+    deadline = time.monotonic() + 10
+    while listener.reading and time.monotonic() < deadline:
+        time.sleep(0.05)
     listener.shutdown()
     listener.server_close()
 
 
-def test_more_idle_connections_than_threads_cost_no_wait(small_listener: str) -> None:
-    held = [raw(small_listener, b"GET /info HTTP/1.1\r\n") for _ in range(12)]
+def test_more_idle_connections_than_threads_cost_no_wait(
+    small_listener: server_http.Listener,
+) -> None:
+    url = small_listener.url
+    held = [raw(url, b"GET /info HTTP/1.1\r\n") for _ in range(12)]
     try:
         for _ in range(3):
-            health_within(small_listener)
-            assert ask(small_listener, "GET", "/info") == (200, {"session": ""})
+            health_within(url)
+            assert ask(url, "GET", "/info") == (200, {"session": ""})
     finally:
         for sock in held:
             sock.close()
 
 
-def test_a_trickling_request_is_cut_when_due(small_listener: str) -> None:
-    with raw(small_listener, b"P") as sock:
+def test_a_trickling_request_is_cut_when_due(small_listener: server_http.Listener) -> None:
+    with raw(small_listener.url, b"P") as sock:
         t0 = time.monotonic()
         with contextlib.suppress(OSError):  # the cut ends the connection
             for byte in b"OST /generate HTTP/1.1\r\nHost: x\r\n" * 100:
@@ -382,34 +390,50 @@ def test_a_client_that_hangs_up_early_leaves_no_traceback(running: Running) -> N
 # ------------------------------------------------------------------------- start-up
 
 
-def test_start_up_errors_are_one_line_and_exit_2(tiny_model_dir: Path) -> None:
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        yield taken.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--port", "99999"], "grpo serve --port 99999: a port is 0-65535"),
+        (["--port", "{taken}"], "cannot listen at 127.0.0.1:{taken}: Address already in use"),
+        (
+            ["--host", "203.0.113.7", "--token", TOKEN],
+            "cannot listen at 203.0.113.7:8000: Cannot assign requested address",
+        ),
+        (["--host", "0.0.0.0"], "grpo serve --host 0.0.0.0 answers beyond this machine: give"),
+        (["--token", "short"], "a token of at least 16 characters"),
+        (["--weights-hosts", "nohost.invalid"], "--weights-hosts nohost.invalid: no address"),
+    ],
+    ids=["port-range", "port-in-use", "not-this-machine", "no-token", "short-token", "hosts"],
+)
+def test_start_up_errors_are_one_line_and_exit_2(
+    tiny_model_dir: Path,
+    taken_port: int,
+    args: list[str],
+    said: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from grpo.cli import main
+
+    monkeypatch.delenv("GRPO_SERVE_TOKEN", raising=False)
+    args = [arg.format(taken=taken_port) for arg in args]
+    assert main(serve_command(tiny_model_dir, *args)[3:]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("grpo: error: "), err
+    assert said.format(taken=taken_port) in err
+
+
+def test_a_start_up_error_of_the_command_is_one_line(tiny_model_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "GRPO_SERVE_TOKEN"}
-    taken = socket.create_server(("127.0.0.1", 0))
-    port = taken.getsockname()[1]
-    cases = {
-        ("--port", "99999"): "grpo serve --port 99999: a port is 0-65535",
-        ("--port", str(port)): f"cannot listen at 127.0.0.1:{port}: Address already in use",
-        ("--host", "203.0.113.7", "--token", TOKEN): "cannot listen at 203.0.113.7:8000: Cannot "
-        "assign requested address",
-        ("--host", "0.0.0.0"): "grpo serve --host 0.0.0.0 answers beyond this machine: give it",
-        ("--token", "short"): "a token of at least 16 characters",
-        ("--weights-hosts", "nohost.invalid"): "--weights-hosts nohost.invalid: no address",
-    }
-    try:
-        processes = {
-            args: subprocess.Popen(
-                serve_command(tiny_model_dir, *args),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            for args in cases
-        }
-        for args, said in cases.items():
-            err = processes[args].communicate(timeout=120)[1]
-            assert processes[args].returncode == 2, (args, err)
-            assert err.count("\n") == 1 and err.startswith("grpo: error: "), (args, err)
-            assert said in err, (args, err)
-    finally:
-        taken.close()
+    command = serve_command(tiny_model_dir, "--port", "99999")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert (
+        done.stderr == "grpo: error: grpo serve --port 99999: a port is 0-65535 (0: any free one)\n"
+    )
