@@ -22,7 +22,7 @@ import torch
 from run_logs import step_rows as rows
 from served import ROLLOUT, TOKEN, Running, serve_command, start_server
 
-from grpo.config import RolloutConfig
+from grpo.config import ConfigError, RolloutConfig
 from grpo.models import ModelConfig, load_policy, load_tokenizer
 from grpo.rollout import server_http
 from grpo.rollout.server import ServerEngine, ServerLost, pushed_weights
@@ -156,6 +156,11 @@ def test_without_the_token_or_with_a_wrong_one_nothing_changes(
     engine(tiny_model_dir, url, TOKEN)._check()
 
 
+def test_a_server_url_that_is_not_an_address_is_one_line(tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"rollout.server_url 'not-a-url' is not a server's add"):
+        engine(tiny_model_dir, "not-a-url", TOKEN)
+
+
 def test_health_names_no_session_to_replay(running: Running, tiny_model_dir: Path) -> None:
     client = engine(tiny_model_dir, running.url, TOKEN)
     client.generate(["1+1="], [{}], 2, seeds=[1])  # a weights session, one push
@@ -267,11 +272,10 @@ def small_listener(monkeypatch: pytest.MonkeyPatch) -> Iterator[server_http.List
     threading.Thread(target=listener.serve_forever, daemon=True).start()
     listener.url = f"http://127.0.0.1:{listener.server_address[1]}"
     yield listener
-    # every handler done (their lines said) before the next test
-    deadline = time.monotonic() + 10
-    while listener.reading and time.monotonic() < deadline:
-        time.sleep(0.05)
     listener.shutdown()
+    for thread in threading.enumerate():  # every handler done, its line said, in this test
+        if "process_request_thread" in thread.name:
+            thread.join(10)
     listener.server_close()
 
 

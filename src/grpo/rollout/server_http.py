@@ -265,7 +265,7 @@ class Refused(Exception):
 
 
 def handler_for(
-    served: Served, engine: EngineThread, token: str, allowed: set[Address]
+    served: Served, worker: EngineThread, token: str, allowed: set[Address]
 ) -> type[BaseHTTPRequestHandler]:
     expected = token.encode()
 
@@ -382,7 +382,7 @@ def handler_for(
             self._authorized()
             request = self._body()
             if self.path == "/generate":
-                rollout = engine.call(lambda: served.generate(request))
+                rollout = worker.call(lambda: served.generate(request))
                 self._reply(200, rollout, "application/octet-stream")
             elif self.path == "/weights/init":
                 client = canonical(self.client_address[0])
@@ -392,9 +392,9 @@ def handler_for(
                     raise Refused(403, str(err)) from None
                 except ValueError as err:
                     raise Refused(400, str(err)) from None
-                self._json(200, engine.call(lambda: served.init_weights(request, address)))
+                self._json(200, worker.call(lambda: served.init_weights(request, address)))
             elif self.path == "/weights/update":
-                self._json(200, engine.call(lambda: served.update_weights(request)))
+                self._json(200, worker.call(lambda: served.update_weights(request)))
             else:
                 raise Refused(404, f"no {self.path}")
 
