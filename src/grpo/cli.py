@@ -242,11 +242,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from grpo import build
     from grpo.config import LoraConfig
     from grpo.models import resolve_model_path
-    from grpo.rollout.server import serve
+    from grpo.rollout.server_http import listen, serve
     from grpo.runtime.distributed import init_from_env
 
     overrides = [f"model.name={args.model}", f"rollout.engine={args.engine}", *args.overrides]
     config = load_config(args.recipe, overrides)
+    listener = listen(args.host, args.port, args.token, args.weights_hosts)
     build.prepare_process(config)
     path = resolve_model_path(config.model.name)
     device = init_from_env().device
@@ -258,7 +259,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = build.build_engine(
         config.rollout.engine, model=model, tokenizer=tokenizer, config=config.rollout
     )
-    serve(config, engine, model, device, args.host, args.port)
+    serve(config, engine, model, device, listener)
     return 0
 
 
@@ -382,6 +383,18 @@ def _serve_parser(sub: Subparsers) -> None:
     srv.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="default: hf")
     srv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="default: 8000")
+    srv.add_argument(
+        "--token",
+        help="the token every request must carry (default: GRPO_SERVE_TOKEN, else one generated "
+        "and printed); needed with a --host beyond this machine",
+    )
+    srv.add_argument(
+        "--weights-hosts",
+        type=lambda text: [host for host in text.split(",") if host],
+        default=[],
+        help="comma-separated hosts whose weights groups it may join besides the client's own "
+        "address (rollout.server_weights_host)",
+    )
 
 
 def _report_parser(sub: Subparsers) -> None:

@@ -9,8 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from run_logs import step_rows as rows
+from served import ROLLOUT, TOKEN, start_server
 
 from grpo.config import ConfigError
 from grpo.models import build_tiny_model
@@ -27,32 +26,18 @@ from grpo.rollout import RolloutLost
 from grpo.rollout.server import ServerLost, decode_rollout, encode_rollout
 from grpo.training.trainer import Trainer, train
 
-ROLLOUT = {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12}
-
-
-def start_server(model: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
-    """``grpo serve`` on a free port; returns the process and its URL (from its first line)."""
-    command = [sys.executable, "-m", "grpo.cli", "serve", str(model), "--port", "0"]
-    command += [f"rollout.{k}={v}" for k, v in ROLLOUT.items()]
-    command += ["train.threads=1", *overrides]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = server.stderr.readline()
-        if "grpo serve:" in line:
-            return server, line.rsplit(" at ", 1)[1].strip()
-        if not line and server.poll() is not None:
-            break
-    server.kill()
-    raise AssertionError(f"grpo serve did not start: {server.stderr.read()[-2000:]}")
-
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[str]:
-    process, url = start_server(tiny_model_dir)
-    yield url
-    process.kill()
-    process.wait()
+    running = start_server(tiny_model_dir)
+    yield running.url
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def _client_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the run's side, and its producer process's (which inherits the environment)
+    monkeypatch.setenv("GRPO_SERVE_TOKEN", TOKEN)
 
 
 @pytest.fixture(autouse=True)
@@ -150,7 +135,8 @@ def test_tools_are_refused_on_the_server_engine(tiny_config) -> None:
 def test_a_server_that_dies_stops_the_run_with_a_checkpoint(
     tiny_config, tiny_model_dir: Path, monkeypatch
 ) -> None:
-    process, url = start_server(tiny_model_dir)
+    running = start_server(tiny_model_dir)
+    process, url = running.process, running.url
     update = Trainer.optimize
 
     def optimize(self: Trainer, scored):
@@ -205,7 +191,8 @@ def test_a_vllm_server_samples_with_the_pushed_weights(
     pytest.importorskip("vllm")
     # vLLM's CPU attention refuses the tiny model's head size (16): a wider one
     wide = build_tiny_model(tmp_path_factory.mktemp("wide") / "model", hidden_size=256)
-    process, url = start_server(wide, "--engine", "vllm")
+    running = start_server(wide, "--engine", "vllm")
+    process, url = running.process, running.url
     try:
         config = tiny_config(
             model={"name": str(wide)},
@@ -254,7 +241,8 @@ def test_a_server_of_another_model_is_refused_at_once_with_its_reason(
     # same sampling controls, other weights: the server refuses the weights group, and the
     # client says why at once instead of waiting out the group's timeout
     other = build_tiny_model(tmp_path / "other", num_layers=3)
-    process, url = start_server(other)
+    running = start_server(other)
+    process, url = running.process, running.url
     try:
         config = tiny_config(
             rollout={**ROLLOUT, "engine": "server", "server_url": url},

@@ -140,6 +140,8 @@ class RolloutConfig(Section):
     """Generation engine: Hugging Face `generate`, vLLM (extra `vllm`; `make vllm` installs its CPU build), or a `grpo serve` process at rollout.server_url (docs/ahead.md)."""
     server_url: str = "http://127.0.0.1:8000"
     """engine server: where `grpo serve` answers."""
+    server_token: str = Field("", repr=False)
+    """engine server: the token `grpo serve` was given or printed, sent with every request; empty: the GRPO_SERVE_TOKEN environment variable. The run's config.yaml records it like every key: prefer the variable."""
     server_timeout_s: float = Field(600.0, gt=0)
     """engine server: how long one request (a step's rollout, a weight push) may take before the run stops with a checkpoint."""
     server_weights_host: str = "127.0.0.1"

@@ -4,19 +4,22 @@ holds an engine (``hf``, or ``vllm`` on its own GPUs) behind HTTP; a run with
 
 - ``POST /generate``: prompts, group size, seeds, temperature, greedy (JSON) -> the engine's
   ``Rollout`` without its rows (``torch.save`` bytes; the client puts its rows back).
-- ``GET /health``: the model, the engine, the weights' version, the sampling controls the
-  server was started with and its tokenizer's fingerprint. The client compares controls and
-  fingerprint with its own before the first request and refuses a difference in one line: the
-  trainer scores under the controls it asked for, and reads the server's token ids with its own
-  vocabulary.
+- ``GET /info``: the model, the engine, the weights' session and version, the sampling
+  controls the server was started with and its tokenizer's fingerprint. The client compares
+  controls and fingerprint with its own before the first request and refuses a difference in one
+  line: the trainer scores under the controls it asked for, and reads the server's token ids with
+  its own vocabulary. (``GET /health`` answers liveness only, to anyone.)
 - Weights: ``POST /weights/init`` makes the server join a two-process gloo group on the
   client's ``TCPStore`` (``grpo.runtime.weight_sync``) and check the names and shapes the
   client will send (the policy's merged weights: full, or a LoRA policy's base plus its
   deltas); each ``POST /weights/update`` then receives one flat float32 buffer over that group,
   loads it and hands it to the engine (vLLM reloads its weights and drops its prefix cache).
 
-A server that stops answering fails the request after ``rollout.server_timeout_s``
-(``ServerLost``): the run stops with a checkpoint and one line, never a hang.
+Every request but ``/health`` carries the server's token (``Authorization: Bearer``:
+``rollout.server_token``, else ``GRPO_SERVE_TOKEN``). The server's side is
+``grpo.rollout.server_http``. A server that stops answering fails the request after
+``rollout.server_timeout_s`` (``ServerLost``): the run stops with a checkpoint and one line,
+never a hang.
 """
 
 from __future__ import annotations
@@ -24,22 +27,20 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import secrets
-import sys
+import os
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from grpo.config import Config, RolloutConfig
+from grpo.config import ConfigError, RolloutConfig
 from grpo.containers import Rollout
-from grpo.models import bf16_autocast
 from grpo.rollout import RolloutLost
 from grpo.runtime import weight_sync
 from grpo.scoring.distribution import Sampling
@@ -56,6 +57,7 @@ SAMPLING_KEYS = (
     "generation_kwargs",
     "pack_float32",  # float32 products' rounding: the same tokens only under the same choice
 )
+TOKEN_ENV = "GRPO_SERVE_TOKEN"  # the token, for both sides, where no flag or key gives it
 TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
 OPTIONAL_TENSORS = ("sampler_logp", "sampled_mask")
 
@@ -113,154 +115,6 @@ def pushed_weights(model: nn.Module) -> dict[str, Tensor]:
     return merged_weights(model)
 
 
-# ------------------------------------------------------------------------- the server
-
-
-class Served:
-    """The server's state: its engine, model and the weights group (once a client joined)."""
-
-    def __init__(self, config: Config, engine: Any, model: nn.Module, device: torch.device) -> None:
-        self.config, self.engine, self.model, self.device = config, engine, model, device
-        self.version = 0  # pushes since the client's /weights/init
-        self.session = ""  # the client whose weights it holds ("" : its own, as loaded)
-        self.receiver: tuple[Any, list[Tensor]] | None = None
-        self.tokenizer = tokenizer_fingerprint(engine.tokenizer)
-
-    def health(self) -> dict[str, Any]:
-        rollout = self.config.rollout
-        return {
-            "model": self.config.model.name,
-            "engine": rollout.engine,
-            "version": self.version,
-            "session": self.session,
-            "sampling": {key: getattr(rollout, key) for key in SAMPLING_KEYS},
-            "tokenizer": self.tokenizer,
-        }
-
-    def generate(self, request: dict[str, Any]) -> bytes:
-        self._holds(request)
-        prompts = request["prompts"]
-        autocast = bf16_autocast(self.device, self.config.model.autocast)
-        with torch.no_grad(), autocast:  # the precision a run's own engine samples in
-            rollout = self.engine.generate(
-                prompts,
-                [{} for _ in prompts],
-                request["group_size"],
-                seeds=request.get("seeds"),
-                temperature=request.get("temperature"),
-                greedy=request.get("greedy", False),
-            )
-        return encode_rollout(rollout)
-
-    def init_weights(self, request: dict[str, Any]) -> dict[str, Any]:
-        own = dict(self.model.state_dict())
-        params = []
-        for name, shape in request["names"]:
-            if name not in own or list(own[name].shape) != shape:
-                raise ValueError(f"the client's weight {name} {shape} is not in the served model")
-            params.append(own[name])
-        # a served model with more (another depth) would sample with weights never pushed
-        pushed = {name for name, _ in request["names"]}
-        missing = [name for name, _ in self.model.named_parameters() if name not in pushed]
-        if missing:
-            raise ValueError(
-                f"the served model's weight {missing[0]} (and {len(missing) - 1} more) is not "
-                "among the client's: another model"
-            )
-        timeout = float(request["timeout_s"])
-        rendezvous = weight_sync.store(request["host"], request["port"], False, timeout)
-        pg = weight_sync.group(rendezvous, weight_sync.PRODUCER, timeout)
-        self.receiver = (pg, params)
-        self.session, self.version = secrets.token_hex(8), 0
-        return {"session": self.session}
-
-    def _holds(self, request: dict[str, Any]) -> None:
-        """The weights a request was made for are the ones held: the same client's, after as
-        many pushes as it made (another run may have taken this server since)."""
-        held = (self.session, self.version)
-        if (request.get("session"), request.get("version")) != held:
-            raise ValueError(
-                f"this server holds other weights (session {self.session or 'none'}, push "
-                f"{self.version}) than the request's: another run pushes its weights here"
-            )
-
-    def update_weights(self, request: dict[str, Any]) -> dict[str, Any]:
-        if self.receiver is None:
-            raise ValueError("no weights group: POST /weights/init first")
-        self._holds(request)
-        pg, params = self.receiver
-        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-        weight_sync.broadcast(pg, flat)
-        weight_sync.unflatten_into(flat, params)
-        self.engine.sync_weights(self.model)
-        self.version += 1
-        return {"version": self.version}
-
-
-def handler_for(served: Served) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        # one request at a time: a client that connects and sends nothing may hold the server
-        # this long, not for ever
-        timeout = 30
-
-        def _reply(self, status: int, body: bytes, kind: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _json(self, status: int, value: Any) -> None:
-            self._reply(status, json.dumps(value).encode(), "application/json")
-
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._json(200, served.health())
-            else:
-                self._json(404, {"error": f"no {self.path}"})
-
-        def do_POST(self) -> None:
-            try:
-                length = int(self.headers.get("Content-Length", 0))
-                request = json.loads(self.rfile.read(length) or b"{}")
-                if not isinstance(request, dict):
-                    raise ValueError("the request's body is not a JSON object")
-                if self.path == "/generate":
-                    self._reply(200, served.generate(request), "application/octet-stream")
-                elif self.path == "/weights/init":
-                    self._json(200, served.init_weights(request))
-                elif self.path == "/weights/update":
-                    self._json(200, served.update_weights(request))
-                else:
-                    self._json(404, {"error": f"no {self.path}"})
-            except Exception as err:  # one line here, and the client stops with it
-                said = f"{type(err).__name__}: {' '.join(str(err).split())}"
-                print(f"grpo serve: {self.path} failed: {said}", file=sys.stderr, flush=True)
-                self._json(500, {"error": said})
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # one line per request would bury the server's own lines
-
-    return Handler
-
-
-def serve(
-    config: Config, engine: Any, model: nn.Module, device: torch.device, host: str, port: int
-) -> None:
-    """Answer for ``engine`` (over ``model``, built by ``grpo serve``) until killed."""
-    served = Served(config, engine, model, device)
-    # one request at a time, on this thread: the engine runs where it was built (vLLM's CPU
-    # attention checks its thread count against the building thread's)
-    server = HTTPServer((host, port), handler_for(served))
-    print(
-        f"grpo serve: {config.model.name} on the {config.rollout.engine} engine at "
-        f"http://{host}:{server.server_address[1]}",
-        file=sys.stderr,
-        flush=True,
-    )
-    server.serve_forever()
-
-
 # ------------------------------------------------------------------------- the client
 
 
@@ -279,6 +133,13 @@ class ServerEngine:
     ) -> None:
         self.tokenizer, self.config = tokenizer, config
         self.url = config.server_url.rstrip("/")
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"rollout.server_url {config.server_url!r} is not a server's address "
+                "(http://HOST:PORT, where grpo serve answers)"
+            )
+        self.token = config.server_token or os.environ.get(TOKEN_ENV, "")
         self.model = model  # pushed before the first request: the server holds no other's
         self.checked = False
         self.sender: tuple[Any, list[str]] | None = None
@@ -287,9 +148,10 @@ class ServerEngine:
 
     def _call(self, path: str, body: dict[str, Any] | None = None) -> bytes:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.config.server_timeout_s) as reply:
                 return reply.read()
@@ -298,6 +160,8 @@ class ServerEngine:
                 said = json.loads(err.read() or b"{}").get("error", str(err))
             except (ValueError, AttributeError):  # not grpo serve's JSON error
                 said = str(err)
+            if err.code == 404 and path == "/info":
+                said += ": a grpo serve older than this run's grpo? start it from the same version"
             raise ServerLost(f"the rollout server at {self.url} failed {path}: {said}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
@@ -331,18 +195,18 @@ class ServerEngine:
     def _check(self) -> None:
         """Before the first request: the server samples as this run would and its token ids
         are this run's tokens, or one line."""
-        health = self._answer("/health")
-        theirs = self._field(health, "sampling", "/health")
+        info = self._answer("/info")
+        theirs = self._field(info, "sampling", "/info")
         # first: an older grpo serve also lacks sampling keys added since, which would read as
         # a server started with other settings
-        if "tokenizer" not in health:
+        if "tokenizer" not in info:
             raise ServerLost(
                 f"the rollout server at {self.url} does not say which tokenizer it holds: a "
                 "grpo serve older than this run's grpo? start it from the same version"
             )
-        if not isinstance(theirs, dict) or not isinstance(health["tokenizer"], dict):
+        if not isinstance(theirs, dict) or not isinstance(info["tokenizer"], dict):
             raise ServerLost(
-                f"the rollout server at {self.url} answered /health with fields that are not "
+                f"the rollout server at {self.url} answered /info with fields that are not "
                 "grpo serve's: is rollout.server_url a grpo serve?"
             )
         ours = {key: getattr(self.config, key) for key in SAMPLING_KEYS}
@@ -351,7 +215,7 @@ class ServerEngine:
                 f"the rollout server at {self.url} samples otherwise than this run "
                 f"({differ}): start it with the same rollout.* settings"
             )
-        theirs = health["tokenizer"]
+        theirs = info["tokenizer"]
         if differ := _differences(theirs, tokenizer_fingerprint(self.tokenizer)):
             raise ServerLost(
                 f"the rollout server at {self.url} has another tokenizer than this run's "
@@ -449,11 +313,11 @@ class ServerEngine:
         self.pushes += 1
 
     def _still_ours(self) -> None:
-        health = self._answer("/health")
-        if (health.get("session"), health.get("version")) != (self.weights_session, self.pushes):
+        info = self._answer("/info")
+        if (info.get("session"), info.get("version")) != (self.weights_session, self.pushes):
             raise ServerLost(
                 f"the rollout server at {self.url} holds another run's weights now (session "
-                f"{health.get('session')}, not this run's {self.weights_session}): one server per run"
+                f"{info.get('session')}, not this run's {self.weights_session}): one server per run"
             )
 
     @staticmethod
