@@ -112,9 +112,14 @@ def released_by_policy() -> dict[str, float]:
     import subprocess
     import sys
 
+    from alone import preamble
+
+    from grpo.runtime import host_memory
+
     procs = {
         policy: subprocess.Popen(
-            [sys.executable, "-c", FREE_AND_MEASURE, policy],
+            # host_memory alone, not the trainer ``import grpo`` brings
+            [sys.executable, "-c", preamble(host_memory) + FREE_AND_MEASURE, policy],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
