@@ -48,8 +48,9 @@ def _warm_up_for_mutation() -> None:
 
 # One torch thread here and in the processes the tests start, unless the environment says
 # otherwise: the tiny model's products are too small to split, and two threads waiting on each
-# other spin. On 2 busy cores tests/training/test_trainer.py took 9x the CPU time with two
-# (109 s against 12 s) and as much more wall time.
+# other spin while the other is descheduled. On 2 cores under a load of 12,
+# tests/training/test_trainer.py took 109 s of CPU and 519 s with two, 12 s and 58 s with one
+# (at a load of 7 the two were alike).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
