@@ -46,6 +46,14 @@ def _warm_up_for_mutation() -> None:
         model(ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
 
 
+# One torch thread here and in the processes the tests start, unless the environment says
+# otherwise: the tiny model's products are too small to split, and two threads waiting on each
+# other spin while the other is descheduled. On 2 cores under a load of 12,
+# tests/training/test_trainer.py took 109 s of CPU and 519 s with two, 12 s and 58 s with one
+# (at a load of 7 the two were alike).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 MUTATION_RUN = "MUTANT_UNDER_TEST" in os.environ  # set by mutmut in all its processes
 if MUTATION_RUN:
     _warm_up_for_mutation()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -363,12 +364,24 @@ def test_compare_counts_only_functions_of_the_same_source_in_rows_checked_whole(
     }
 
 
+@pytest.fixture(scope="module")
+def parsed_once():
+    """mutmut's mutants of each source parsed once for the module's scope checks (libcst takes
+    about 9 s for the trainer alone): the same result for the same path and text."""
+    parse = mutation.mutate_file_contents
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mutation, "mutate_file_contents", functools.cache(parse))
+        yield
+
+
+@pytest.mark.usefixtures("parsed_once")
 def test_every_scope_name_is_a_function_of_a_mutated_file() -> None:
     # a function moved or renamed leaves its old name in SCOPE matching nothing: its mutants
     # would leave the run without a word
     assert mutation.unmatched_scope() == []
 
 
+@pytest.mark.usefixtures("parsed_once")
 def test_a_scope_name_that_matches_nothing_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     scope = {**mutation.SCOPE, "src/grpo/training/trainer.py": ["Trainer.gone", "Trainer.optimize"]}
     monkeypatch.setattr(mutation, "SCOPE", scope)

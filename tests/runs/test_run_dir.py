@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from alone import preamble
 
 from grpo.config.diff import config_changes
+from grpo.runs import directory
 from grpo.runs.directory import (
     Checkpoint,
     RunDir,
@@ -192,7 +194,9 @@ time.sleep(60)
 
 
 def _holder(run: Path, fork_child: bool = False) -> subprocess.Popen:
-    args = [sys.executable, "-c", HOLDER, str(run)] + (["fork"] if fork_child else [])
+    # the holder needs run_dir's module alone, not the trainer ``import grpo`` brings
+    code = preamble(directory) + HOLDER
+    args = [sys.executable, "-c", code, str(run)] + (["fork"] if fork_child else [])
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout.readline().strip() == "locked"
     return proc
