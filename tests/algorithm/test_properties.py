@@ -149,9 +149,8 @@ def test_micro_batch_splits_give_the_steps_loss_and_gradient(loss_type: str, bat
                 adv[rows],
                 mask[rows],
                 ref[rows],
-                knobs=LossKnobs(loss_type=loss_type),
+                knobs=LossKnobs(loss_type=loss_type, **knobs),
                 normalizer=normalizer,
-                **knobs,
             )[0]
             for rows in rows_list
         )
