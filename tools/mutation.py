@@ -58,10 +58,16 @@ SCOPE: dict[str, list[str]] = {
     # the trainer's update and reference refresh. Left out: model and run-directory set-up,
     # checkpoints, signals, the loop, held-out eval, metric bookkeeping
     "src/grpo/training/trainer.py": ["Trainer.optimize", "Trainer.refresh_reference"],
-    # the update's wiring: log-probs, loss, optimizer steps. Left out: the constructor
+    # the update's wiring: knobs, log-probs, loss, optimizer steps. Left out: the constructor
     "src/grpo/training/update.py": [
+        "loss_knobs",
+        "_rows",
         "PolicyUpdate.logprobs",
         "PolicyUpdate.frozen_logprobs",
+        "PolicyUpdate.prepare",
+        "PolicyUpdate.micro_batch_loss",
+        "PolicyUpdate.accumulate",
+        "PolicyUpdate.optimizer_step",
         "PolicyUpdate.__call__",
     ],
     # config -> rollout, rewards, advantages, dynamic sampling's rounds. Left out: the engine's

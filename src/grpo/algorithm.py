@@ -348,29 +348,40 @@ LOG_RATIOS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
 
 
 @dataclass(frozen=True)
-class SurrogateKnobs:
-    """The knobs of the per-token surrogates; each surrogate reads only its own.
+class LossKnobs:
+    """The policy loss's knobs, one object (the trainer builds it from ``algorithm.*``); each
+    surrogate reads only its own. The defaults are a default config's.
 
+    loss_type: a ``LOSS_TYPES`` key, naming the surrogate and the aggregation.
+    ratio_level: "token" (one ratio per token) or "sequence" (GSPO's, shared by the completion).
     clip_low, clip_high, dual_clip: the clipped surrogate (PPO, DAPO's asymmetric range).
     cispo_clip_low, cispo_clip_high: CISPO's weight range ``[1 - low, 1 + high]``; low None
     is no lower bound (the paper's choice).
     sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A <= 0.
+    beta, kl_estimator: the in-loss KL penalty ``beta * KL`` (a ``KL_ESTIMATORS`` key); the KL
+    is measured whenever the reference's log-probs are given, beta 0 or not.
+    entropy_coef: the entropy bonus ``-entropy_coef * H`` per counted token (0: none).
     """
 
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    cispo_clip_low: float | None
-    cispo_clip_high: float
-    sapo_tau_pos: float
-    sapo_tau_neg: float
+    loss_type: str = "grpo"
+    ratio_level: str = "token"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    cispo_clip_low: float | None = None
+    cispo_clip_high: float = 4.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
 
 
-Surrogate = Callable[[Tensor, Tensor, Tensor, SurrogateKnobs], tuple[Tensor, dict[str, Tensor]]]
+Surrogate = Callable[[Tensor, Tensor, Tensor, LossKnobs], tuple[Tensor, dict[str, Tensor]]]
 
 
 def _clipped_surrogate(
-    ratio: Tensor, logp: Tensor, adv: Tensor, k: SurrogateKnobs
+    ratio: Tensor, logp: Tensor, adv: Tensor, k: LossKnobs
 ) -> tuple[Tensor, dict[str, Tensor]]:
     # -min(rho*A, clip(rho, 1-low, 1+high)*A); ratio, logp: [N, T], adv: [N, 1]
     unclipped = ratio * adv
@@ -386,7 +397,7 @@ def _clipped_surrogate(
 
 
 def _cispo_surrogate(
-    ratio: Tensor, logp: Tensor, adv: Tensor, k: SurrogateKnobs
+    ratio: Tensor, logp: Tensor, adv: Tensor, k: LossKnobs
 ) -> tuple[Tensor, dict[str, Tensor]]:
     # MiniMax-M1: -sg(clip(rho, 1-low, 1+high)) * A * logp. The weight is a constant, so every
     # token keeps a gradient (-weight * A * grad logp); the clip only bounds its size
@@ -397,7 +408,7 @@ def _cispo_surrogate(
 
 
 def _sapo_surrogate(
-    ratio: Tensor, logp: Tensor, adv: Tensor, k: SurrogateKnobs
+    ratio: Tensor, logp: Tensor, adv: Tensor, k: LossKnobs
 ) -> tuple[Tensor, dict[str, Tensor]]:
     # SAPO: -f(rho) * A with the gate f(x) = sigmoid(tau * (x - 1)) * 4 / tau; its slope
     # 4 * s * (1 - s) is 1 at rho = 1 (the plain policy gradient on-policy) and fades smoothly
@@ -430,95 +441,55 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    ref_logp: Tensor | None = None,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    beta: float = 0.0,
-    loss_type: str = "grpo",
-    ratio_level: str = "token",
-    kl_estimator: str = "k3",
-    dual_clip: float | None = None,
-    cispo_clip_low: float | None = None,
-    cispo_clip_high: float = 4.0,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    importance_weights: Tensor | None = None,
-    normalizer: Normalizer | None = None,
-    pg_mask: Tensor | None = None,
-    entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Policy-gradient loss (a per-token surrogate) with an optional in-loss KL penalty and
-    entropy bonus.
+def _zeroed(values: Tensor, keep: Tensor) -> Tensor:
+    # masked positions may hold anything (even inf); zeroed, they reach neither value nor grad
+    return torch.where(keep, values, torch.zeros_like(values))
 
-    logp, old_logp, ref_logp: [N, T] log-probs of the sampled tokens under the current, the
-    sampling-time and the reference policy. advantages: [N] (one per completion, shared by its
-    tokens) or [N, T] (one per token: REINFORCE++, GAE). loss_mask: [N, T] bool.
-    importance_weights: [N, T] detached per-token weights (the sampler/trainer correction,
-    ``importance_weights`` and ``offpolicy_sequence_mask``), multiplying the surrogate.
-    normalizer: step-wide counts; by default the batch given is the whole step and its length
-    T is ``dr_grpo``'s budget (pass ``max_new_tokens`` when completions were cut shorter).
-    pg_mask: [N, T] bool, tokens whose surrogate term counts (the high-entropy filter); the KL
-    term and the aggregation's token counts still use ``loss_mask``, so filtered tokens count as
-    zeros, as in the paper's objective.
-    entropy: [N, T] the policy's entropy at each position, differentiable; with
-    ``entropy_coef`` > 0 every counted token's term loses ``entropy_coef * entropy``.
 
-    ``LOSS_TYPES[loss_type]`` names the surrogate and the aggregation. Per token, before
-    ``+ beta*KL - entropy_coef*H``: ``clip`` ``-min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)``;
-    ``cispo`` ``-sg(clip(rho, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logp``; ``sapo``
-    ``-sigmoid(tau*(rho-1)) * 4/tau * A`` (tau = sapo_tau_pos if A > 0 else sapo_tau_neg).
-    Returns the loss and detached statistics over counted tokens.
-    """
-    surrogate, aggregation = LOSS_TYPES[loss_type]
-    if dual_clip is not None and surrogate != "clip":
-        raise ValueError(
-            f"dual_clip bounds the clipped surrogate; loss_type={loss_type!r} has none"
-        )
-    knobs = SurrogateKnobs(
-        clip_low, clip_high, dual_clip, cispo_clip_low, cispo_clip_high, sapo_tau_pos, sapo_tau_neg
-    )
-    mask = loss_mask.to(logp.dtype)
-    # masked positions may hold anything (even inf); zero them so they reach neither value nor grad
-    keep = loss_mask.bool()
-    logp = torch.where(keep, logp, torch.zeros_like(logp))
-    old_logp = torch.where(keep, old_logp, torch.zeros_like(old_logp))
-    if normalizer is None:
-        normalizer = Normalizer(
-            num_sequences=logp.shape[0], num_tokens=float(mask.sum()), max_new_tokens=logp.shape[1]
-        )
-
-    log_ratio = LOG_RATIOS[ratio_level](logp, old_logp, mask)  # [N, T]
-    ratio = torch.exp(log_ratio)  # [N, T]
+def _token_advantages(advantages: Tensor, keep: Tensor) -> Tensor:
+    """[N] -> [N, 1] (shared by the completion's tokens), or [N, T] zeroed where not counted."""
     if advantages.dim() == 1:
-        adv = advantages.unsqueeze(1)  # [N, 1]
-    else:  # [N, T]: masked positions may hold anything
-        adv = torch.where(keep, advantages, torch.zeros_like(advantages))
-    per_token, flags = SURROGATES[surrogate](ratio, logp, adv, knobs)  # [N, T]
+        return advantages.unsqueeze(1)  # [N, 1]
+    return _zeroed(advantages, keep)  # [N, T]: masked positions may hold anything
+
+
+def _policy_gradient_term(
+    per_token: Tensor, importance_weights: Tensor | None, pg_mask: Tensor | None
+) -> Tensor:
+    """The surrogate [N, T] times the importance weights, 0 outside ``pg_mask``."""
     if importance_weights is not None:
         per_token = per_token * importance_weights
     if pg_mask is not None:
         per_token = torch.where(pg_mask.bool(), per_token, torch.zeros_like(per_token))
+    return per_token
 
-    kl = None
-    if ref_logp is not None:
-        ref_logp = torch.where(keep, ref_logp, torch.zeros_like(ref_logp))
-        kl = KL_ESTIMATORS[kl_estimator](logp, ref_logp)  # [N, T]
-        if beta:
-            per_token = per_token + beta * kl
-    if entropy_coef:
+
+def _with_penalties(
+    per_token: Tensor,
+    logp: Tensor,
+    kl: Tensor | None,
+    entropy: Tensor | None,
+    keep: Tensor,
+    knobs: LossKnobs,
+) -> Tensor:
+    """``per_token + beta * KL - entropy_coef * H`` [N, T], each term only where its knob is on;
+    the entropy's masked positions become logp's zeros (its dtype)."""
+    if kl is not None and knobs.beta:
+        per_token = per_token + knobs.beta * kl
+    if knobs.entropy_coef:
         if entropy is None:
             raise ValueError("policy_loss: entropy_coef needs the tokens' entropy (entropy=...)")
-        per_token = per_token - entropy_coef * torch.where(keep, entropy, torch.zeros_like(logp))
+        bonus = torch.where(keep, entropy, torch.zeros_like(logp))
+        per_token = per_token - knobs.entropy_coef * bonus
+    return per_token
 
-    loss = AGGREGATIONS[aggregation](per_token, mask, normalizer)
 
+def _loss_stats(
+    ratio: Tensor, flags: dict[str, Tensor], kl: Tensor | None, keep: Tensor, mask: Tensor
+) -> dict[str, Tensor]:
+    """Detached statistics over the counted tokens: the surrogate's flags' shares, the ratio's
+    min, mean and max (1 with no counted token), and the mean KL when measured."""
+    # no_grad as a block, not a decorator: mutmut skips decorated functions (make mutate)
     with torch.no_grad():
         counted = ratio[keep] if keep.any() else torch.ones(1, dtype=ratio.dtype)
         stats = {
@@ -529,7 +500,67 @@ def policy_loss(
         )
         if kl is not None:
             stats["kl"] = masked_mean(kl, mask)
-    return loss, {k: v.detach() for k, v in stats.items()}
+    return {k: v.detach() for k, v in stats.items()}
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    ref_logp: Tensor | None = None,
+    knobs: LossKnobs = LossKnobs(),
+    *,
+    normalizer: Normalizer | None = None,
+    importance_weights: Tensor | None = None,
+    pg_mask: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy-gradient loss (a per-token surrogate) with an optional in-loss KL penalty and
+    entropy bonus.
+
+    logp, old_logp, ref_logp: [N, T] log-probs of the sampled tokens under the current, the
+    sampling-time and the reference policy. advantages: [N] (one per completion, shared by its
+    tokens) or [N, T] (one per token: REINFORCE++, GAE). loss_mask: [N, T] bool.
+    knobs: the loss type, clip ranges, KL and entropy weights (``LossKnobs``).
+    normalizer: step-wide counts; by default the batch given is the whole step and its length
+    T is ``dr_grpo``'s budget (pass ``max_new_tokens`` when completions were cut shorter).
+    importance_weights: [N, T] detached per-token weights (the sampler/trainer correction,
+    ``importance_weights`` and ``offpolicy_sequence_mask``), multiplying the surrogate.
+    pg_mask: [N, T] bool, tokens whose surrogate term counts (the high-entropy filter); the KL
+    term and the aggregation's token counts still use ``loss_mask``, so filtered tokens count as
+    zeros, as in the paper's objective.
+    entropy: [N, T] the policy's entropy at each position, differentiable; with
+    ``knobs.entropy_coef`` > 0 every counted token's term loses ``entropy_coef * entropy``.
+
+    ``LOSS_TYPES[loss_type]`` names the surrogate and the aggregation. Per token, before
+    ``+ beta*KL - entropy_coef*H``: ``clip`` ``-min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)``;
+    ``cispo`` ``-sg(clip(rho, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logp``; ``sapo``
+    ``-sigmoid(tau*(rho-1)) * 4/tau * A`` (tau = sapo_tau_pos if A > 0 else sapo_tau_neg).
+    Returns the loss and detached statistics over counted tokens.
+    """
+    surrogate, aggregation = LOSS_TYPES[knobs.loss_type]
+    if knobs.dual_clip is not None and surrogate != "clip":
+        raise ValueError(
+            f"dual_clip bounds the clipped surrogate; loss_type={knobs.loss_type!r} has none"
+        )
+    mask = loss_mask.to(logp.dtype)
+    keep = loss_mask.bool()
+    logp, old_logp = _zeroed(logp, keep), _zeroed(old_logp, keep)
+    if normalizer is None:
+        normalizer = Normalizer(
+            num_sequences=logp.shape[0], num_tokens=float(mask.sum()), max_new_tokens=logp.shape[1]
+        )
+    ratio = torch.exp(LOG_RATIOS[knobs.ratio_level](logp, old_logp, mask))  # [N, T]
+    adv = _token_advantages(advantages, keep)  # [N, 1] or [N, T]
+    per_token, flags = SURROGATES[surrogate](ratio, logp, adv, knobs)  # [N, T]
+    per_token = _policy_gradient_term(per_token, importance_weights, pg_mask)
+    kl = None
+    if ref_logp is not None:
+        kl = KL_ESTIMATORS[knobs.kl_estimator](logp, _zeroed(ref_logp, keep))  # [N, T]
+    per_token = _with_penalties(per_token, logp, kl, entropy, keep, knobs)
+    loss = AGGREGATIONS[aggregation](per_token, mask, normalizer)
+    return loss, _loss_stats(ratio, flags, kl, keep, mask)
 
 
 # --------------------------------------------------------------------------------------- off-policy

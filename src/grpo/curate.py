@@ -317,17 +317,17 @@ def selected_rows(config: Config, settings: CurateSettings) -> Rows:
     return rows
 
 
-def curate(config: Config, settings: CurateSettings, output: Path | None = None) -> dict[str, Any]:
-    """Score every selected training prompt (resuming an earlier run's scores), write the files
-    above, and return the summary (with the paths written)."""
-    rows = selected_rows(config, settings)
-    paths = CuratePaths.of(output or default_output(config))
+def _output_paths(output: Path) -> CuratePaths:
+    paths = CuratePaths.of(output)
     if paths.kept.suffix != ".jsonl":
         raise ConfigError(f"--output {paths.kept}: the kept rows are written as JSONL (.jsonl)")
     if not paths.kept.parent.is_dir():
         raise ConfigError(f"--output {paths.kept}: folder {paths.kept.parent} does not exist")
-    wanted = sample_settings(config, settings.samples)
-    done = read_scores(paths, wanted)
+    return paths
+
+
+def _check_same_data(rows: Rows, done: dict[int, dict[str, Any]], paths: CuratePaths) -> None:
+    """Refuse to resume over stored scores of rows the data no longer holds as it did."""
     for number, source in zip(rows.numbers, rows.sources, strict=True):
         as_stored = json.loads(_json_line(source, f"data row {number}"))
         if number in done and source_of(done[number]) != as_stored:
@@ -335,30 +335,82 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
                 f"{paths.scores}: row {number} differs from the data's row {number} (the data "
                 "changed since): pass --output elsewhere, or delete it to start over"
             )
+
+
+def _score_missing(
+    config: Config,
+    settings: CurateSettings,
+    rows: Rows,
+    todo: list[int],
+    done: dict[int, dict[str, Any]],
+    paths: CuratePaths,
+) -> float:
+    """Sample and score the rows ``todo`` indexes into ``done``, saying so and any reward
+    errors on stderr; returns the seconds it took."""
+    print(
+        f"curate: {len(todo)} prompts x {settings.samples} samples to score"
+        + (f" ({len(rows) - len(todo)} already in {paths.scores})" if done else ""),
+        file=sys.stderr,
+    )
+    start = time.perf_counter()
+    scored, errors = sample_and_score(config, settings, rows, todo, paths.scores)
+    sampling_s = time.perf_counter() - start
+    done.update(scored)
+    failing = {name: count for name, count in errors.items() if count}
+    if failing:
+        counts = ", ".join(f"{n} {c}/{len(todo) * settings.samples}" for n, c in failing.items())
+        print(
+            f"curate: reward errors (scored {config.rewards.fallback:g}): {counts}",
+            file=sys.stderr,
+        )
+    return sampling_s
+
+
+def _write_kept(
+    paths: CuratePaths, records: list[dict[str, Any]], settings: CurateSettings
+) -> None:
+    """The rows whose pass rate is in the band, as the data holds them (a warning if none)."""
+    kept = [r for r in records if in_band(r["pass_rate"], settings.band)]
+    if not kept:
+        print(
+            f"warning: no prompt has a pass rate in [{settings.band[0]:g}, {settings.band[1]:g}]: "
+            f"{paths.kept} is empty (see the pass rates in {paths.scores})",
+            file=sys.stderr,
+        )
+    write_atomic(
+        paths.kept, "".join(_json_line(source_of(r), f"row {r['source_row']}") for r in kept)
+    )
+
+
+def _write_recipe(config: Config, paths: CuratePaths, heldout: list[dict[str, Any]] | None) -> None:
+    """The held-out rows (a task's or a datasets folder's) and the recipe training on the kept."""
+    if heldout is not None:
+        write_atomic(
+            paths.heldout,
+            "".join(_json_line(row, f"held-out row {i}") for i, row in enumerate(heldout, 1)),
+        )
+    import yaml
+
+    write_atomic(
+        paths.recipe,
+        "# written by grpo curate: the recipe below, training on the kept prompts\n"
+        + yaml.safe_dump(curated_recipe(config, paths, heldout is not None), sort_keys=False),
+    )
+
+
+def curate(config: Config, settings: CurateSettings, output: Path | None = None) -> dict[str, Any]:
+    """Score every selected training prompt (resuming an earlier run's scores), write the files
+    above, and return the summary (with the paths written)."""
+    rows = selected_rows(config, settings)
+    paths = _output_paths(output or default_output(config))
+    wanted = sample_settings(config, settings.samples)
+    done = read_scores(paths, wanted)
+    _check_same_data(rows, done, paths)
     todo = [i for i, number in enumerate(rows.numbers) if number not in done]
-    sampling_s = 0.0
     heldout = heldout_sources(config)
     if not paths.scores.exists():
         write_atomic(paths.meta, json.dumps({"settings": wanted}, indent=2) + "\n")
-    if todo:
-        print(
-            f"curate: {len(todo)} prompts x {settings.samples} samples to score"
-            + (f" ({len(rows) - len(todo)} already in {paths.scores})" if done else ""),
-            file=sys.stderr,
-        )
-        start = time.perf_counter()
-        scored, errors = sample_and_score(config, settings, rows, todo, paths.scores)
-        sampling_s = time.perf_counter() - start
-        done.update(scored)
-        failing = {name: count for name, count in errors.items() if count}
-        if failing:
-            counts = ", ".join(
-                f"{n} {c}/{len(todo) * settings.samples}" for n, c in failing.items()
-            )
-            print(
-                f"curate: reward errors (scored {config.rewards.fallback:g}): {counts}",
-                file=sys.stderr,
-            )
+    sampling_s = _score_missing(config, settings, rows, todo, done, paths) if todo else 0.0
     records = [done[number] for number in rows.numbers]
     for record in records:  # the threshold of this run (the stored ones may be another's)
         record.update(
@@ -373,28 +425,8 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
         paths.scores,
         "".join(_json_line(done[n], f"row {n}") for n in sorted(done)),
     )
-    kept = [r for r in records if in_band(r["pass_rate"], settings.band)]
-    if not kept:
-        print(
-            f"warning: no prompt has a pass rate in [{settings.band[0]:g}, {settings.band[1]:g}]: "
-            f"{paths.kept} is empty (see the pass rates in {paths.scores})",
-            file=sys.stderr,
-        )
-    write_atomic(
-        paths.kept, "".join(_json_line(source_of(r), f"row {r['source_row']}") for r in kept)
-    )
-    if heldout is not None:
-        write_atomic(
-            paths.heldout,
-            "".join(_json_line(row, f"held-out row {i}") for i, row in enumerate(heldout, 1)),
-        )
-    import yaml
-
-    write_atomic(
-        paths.recipe,
-        "# written by grpo curate: the recipe below, training on the kept prompts\n"
-        + yaml.safe_dump(curated_recipe(config, paths, heldout is not None), sort_keys=False),
-    )
+    _write_kept(paths, records, settings)
+    _write_recipe(config, paths, heldout)
     summary = {
         **summarize(records, settings, rows.skipped),
         "sampled_now": len(todo),
@@ -402,6 +434,44 @@ def curate(config: Config, settings: CurateSettings, output: Path | None = None)
     }
     write_atomic(paths.meta, json.dumps({"settings": wanted, "summary": summary}, indent=2) + "\n")
     return {**summary, "files": {k: str(v) for k, v in vars(paths).items()}}
+
+
+def _progress_bar(enabled: bool) -> Any:
+    """A rich progress bar of prompts scored: count, bar, mean pass rate, elapsed and eta."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("curate"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        disable=not enabled,
+    )
+
+
+def _batch_records(
+    judged: RewardOutput, chunk: list[int], rows: Rows, samples: int, threshold: float
+) -> dict[int, dict[str, Any]]:
+    """Data row number -> its scored record (source columns and score columns), for the rows
+    ``chunk`` indexes, from the rewards of their ``samples`` completions each."""
+    records = {}
+    for i, scores in zip(chunk, group_scores(judged, samples), strict=True):
+        number = rows.numbers[i]
+        records[number] = {
+            **rows.sources[i],
+            **score_columns(number, **scores, threshold=threshold),
+        }
+    return records
 
 
 def sample_and_score(
@@ -417,15 +487,6 @@ def sample_and_score(
     Row i's samples are seeded as the trainer seeds the prompt it draws at stream position i,
     so they depend on neither the batch nor a resume, and equal the first epoch's groups of an
     unshuffled run (``data.shuffle=false``). Returns the records and each reward function's error count."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     from grpo.build import build_for_sampling, engine_of
     from grpo.data.stream import sampling_seed
     from grpo.rewards.inputs import reward_inputs
@@ -439,16 +500,7 @@ def sample_and_score(
     except BaseException:
         rewards.close()
         raise
-    progress = Progress(
-        TextColumn("curate"),
-        MofNCompleteColumn(),
-        BarColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        disable=not config.train.progress,
-    )
+    progress = _progress_bar(config.train.progress)
     task = progress.add_task("curate", total=len(todo), info="")
     out: dict[int, dict[str, Any]] = {}
     rates: list[float] = []
@@ -466,17 +518,10 @@ def sample_and_score(
                 judged = rewards(*reward_inputs(rollout))
                 for name, count in judged.errors.items():
                     errors[name] += count
-                lines = []
-                for i, scores in zip(chunk, group_scores(judged, k), strict=True):
-                    number = rows.numbers[i]
-                    record = {
-                        **rows.sources[i],
-                        **score_columns(number, **scores, threshold=settings.threshold),
-                    }
-                    out[number] = record
-                    rates.append(record["pass_rate"])
-                    lines.append(_json_line(record, f"data row {number}"))
-                log.write("".join(lines))
+                records = _batch_records(judged, chunk, rows, k, settings.threshold)
+                out.update(records)
+                rates.extend(r["pass_rate"] for r in records.values())
+                log.write("".join(_json_line(r, f"data row {n}") for n, r in records.items()))
                 log.flush()
                 os.fsync(log.fileno())
                 info = f"mean pass rate {sum(rates) / len(rates):.2f}"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo.algorithm import (
+    LossKnobs,
     Normalizer,
     group_advantages,
     group_std,
@@ -89,7 +90,12 @@ def _loss(loss_type: str, logp: torch.Tensor | None = None, **kw) -> torch.Tenso
     logp = torch.zeros(2, 3) if logp is None else logp
     norm = Normalizer(num_sequences=2, num_tokens=5.0, max_new_tokens=4)
     loss, _ = policy_loss(
-        logp, torch.zeros(2, 3), ADV, MASK, loss_type=loss_type, normalizer=norm, **kw
+        logp,
+        torch.zeros(2, 3),
+        ADV,
+        MASK,
+        knobs=LossKnobs(loss_type=loss_type, **kw),
+        normalizer=norm,
     )
     return loss
 
@@ -108,13 +114,20 @@ def test_aggregations_by_hand() -> None:
 def test_dr_grpo_budget_defaults_to_the_batch_length_and_is_required_when_given() -> None:
     # no normalizer: the batch is the step and its T = 3 slots are the budget;
     # token sum -1 over 2 sequences x 3 -> -1/6 (not -1/2, the sum over sequences alone)
-    loss, _ = policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), ADV, MASK, loss_type="dr_grpo")
+    loss, _ = policy_loss(
+        torch.zeros(2, 3), torch.zeros(2, 3), ADV, MASK, knobs=LossKnobs(loss_type="dr_grpo")
+    )
     assert torch.allclose(loss, torch.tensor(-1 / 6), atol=1e-6)
     # step-wide counts without the budget: an error, never a silent constant
     norm = Normalizer(num_sequences=2, num_tokens=5.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         policy_loss(
-            torch.zeros(2, 3), torch.zeros(2, 3), ADV, MASK, loss_type="dr_grpo", normalizer=norm
+            torch.zeros(2, 3),
+            torch.zeros(2, 3),
+            ADV,
+            MASK,
+            knobs=LossKnobs(loss_type="dr_grpo"),
+            normalizer=norm,
         )
 
 
@@ -122,7 +135,7 @@ def test_clipping_by_hand() -> None:
     adv = torch.tensor([1.0, -1.0, -1.0])
     mask = torch.ones(3, 1, dtype=torch.bool)
     logp = torch.tensor([[0.5], [-0.5], [0.5]])  # ratios e^0.5=1.6487, e^-0.5=0.6065, 1.6487
-    loss, stats = policy_loss(logp, torch.zeros(3, 1), adv, mask, loss_type="bnpo")
+    loss, stats = policy_loss(logp, torch.zeros(3, 1), adv, mask, knobs=LossKnobs(loss_type="bnpo"))
     # row 0: A=+1, ratio clipped to 1.2 -> -1.2
     # row 1: A=-1, min(-0.6065, -0.8) = -0.8 -> +0.8 (clipped from below)
     # row 2: A=-1, min(-1.6487, -1.2) = -1.6487 -> +1.6487 (the pessimistic, unclipped side)
@@ -133,7 +146,9 @@ def test_clipping_by_hand() -> None:
     assert torch.allclose(stats["ratio/max"], torch.tensor(math.exp(0.5)), atol=1e-6)
     assert torch.allclose(stats["ratio/min"], torch.tensor(math.exp(-0.5)), atol=1e-6)
     # dual clip c=1.5 caps row 2 at -c*A = 1.5
-    dual, _ = policy_loss(logp, torch.zeros(3, 1), adv, mask, loss_type="bnpo", dual_clip=1.5)
+    dual, _ = policy_loss(
+        logp, torch.zeros(3, 1), adv, mask, knobs=LossKnobs(loss_type="bnpo", dual_clip=1.5)
+    )
     assert torch.allclose(dual, torch.tensor((-1.2 + 0.8 + 1.5) / 3), atol=1e-6)
 
 
@@ -145,8 +160,7 @@ def test_asymmetric_clip_high() -> None:
         torch.zeros(1, 1),
         torch.ones(1),
         torch.ones(1, 1, dtype=torch.bool),
-        clip_low=0.2,
-        clip_high=0.28,
+        knobs=LossKnobs(clip_low=0.2, clip_high=0.28),
     )
     assert torch.allclose(loss, torch.tensor(-1.25), atol=1e-6)
     assert stats["clip_frac/high"] == 0
@@ -160,7 +174,7 @@ def test_kl_penalty_in_loss() -> None:
         torch.zeros(1),
         torch.ones(1, 1, dtype=torch.bool),
         torch.tensor([[-2.0]]),
-        beta=0.04,
+        knobs=LossKnobs(beta=0.04),
     )
     assert torch.allclose(loss, torch.tensor(0.04 * 0.367879), atol=1e-6)
     assert torch.allclose(stats["kl"], torch.tensor(0.367879), atol=1e-6)
@@ -172,7 +186,11 @@ def test_sequence_level_ratio() -> None:
     logp = torch.tensor([[0.1, 0.3, 9.0]])
     mask = torch.tensor([[True, True, False]])
     loss, stats = policy_loss(
-        logp, torch.zeros(1, 3), torch.ones(1), mask, ratio_level="sequence", clip_high=0.3
+        logp,
+        torch.zeros(1, 3),
+        torch.ones(1),
+        mask,
+        knobs=LossKnobs(ratio_level="sequence", clip_high=0.3),
     )
     assert torch.allclose(loss, torch.tensor(-math.exp(0.2)), atol=1e-6)
     assert torch.allclose(stats["ratio/mean"], torch.tensor(math.exp(0.2)), atol=1e-6)
@@ -181,7 +199,7 @@ def test_sequence_level_ratio() -> None:
 def test_gradient_is_minus_advantage_over_length_and_group() -> None:
     # ratio 1, beta 0, grpo: d loss / d logp_{i,t} = -A_i / (|o_i| * G) on counted tokens
     logp = torch.zeros(2, 3, requires_grad=True)
-    loss, _ = policy_loss(logp, torch.zeros(2, 3), ADV, MASK, loss_type="grpo")
+    loss, _ = policy_loss(logp, torch.zeros(2, 3), ADV, MASK, knobs=LossKnobs(loss_type="grpo"))
     loss.backward()
     expected = torch.tensor([[-2 / (2 * 2), -2 / (2 * 2), 0.0], [1 / (3 * 2)] * 3])
     assert torch.allclose(logp.grad, expected, atol=1e-6)
@@ -209,9 +227,7 @@ def test_masked_positions_change_neither_loss_nor_gradient(
             ADV,
             MASK,
             ref,
-            beta=0.1,
-            loss_type=loss_type,
-            ratio_level=ratio_level,
+            knobs=LossKnobs(beta=0.1, loss_type=loss_type, ratio_level=ratio_level),
             normalizer=Normalizer(num_sequences=2, num_tokens=5.0, max_new_tokens=4),
         )
         loss.backward()
@@ -231,18 +247,20 @@ def test_micro_batches_sum_to_the_full_batch(loss_type: str) -> None:
     adv = torch.randn(4, generator=gen)
     mask = torch.rand(4, 5, generator=gen) > 0.3
     mask[:, 0] = True
-    full = policy_loss(logp, old, adv, mask, loss_type=loss_type)[0]
+    full = policy_loss(logp, old, adv, mask, knobs=LossKnobs(loss_type=loss_type))[0]
     norm = Normalizer(
         num_sequences=4, num_tokens=float(mask.sum()), num_micro_batches=2, max_new_tokens=5
     )
     parts = sum(
-        policy_loss(logp[s], old[s], adv[s], mask[s], loss_type=loss_type, normalizer=norm)[0]
+        policy_loss(
+            logp[s], old[s], adv[s], mask[s], knobs=LossKnobs(loss_type=loss_type), normalizer=norm
+        )[0]
         for s in (slice(0, 2), slice(2, 4))
     )
     if loss_type == "bnpo":
         # bnpo is by definition the mean of the micro-batches' token means
         halves = [
-            policy_loss(logp[s], old[s], adv[s], mask[s], loss_type="bnpo")[0]
+            policy_loss(logp[s], old[s], adv[s], mask[s], knobs=LossKnobs(loss_type="bnpo"))[0]
             for s in (slice(0, 2), slice(2, 4))
         ]
         full = (halves[0] + halves[1]) / 2
@@ -273,7 +291,7 @@ def test_bnpo_with_a_single_counted_token() -> None:
     # one counted token, ratio 1, advantage 2: bnpo's token mean is -2 / 1 = -2
     logp = torch.zeros(1, 3)
     mask = torch.tensor([[True, False, False]])
-    loss, _ = policy_loss(logp, logp, torch.tensor([2.0]), mask, loss_type="bnpo")
+    loss, _ = policy_loss(logp, logp, torch.tensor([2.0]), mask, knobs=LossKnobs(loss_type="bnpo"))
     assert float(loss) == pytest.approx(-2.0, abs=1e-6)
 
 
@@ -284,7 +302,14 @@ def test_dr_grpo_without_a_budget_names_the_field() -> None:
     with pytest.raises(
         ValueError, match=r"^loss_type='dr_grpo' needs Normalizer\.max_new_tokens \(the length"
     ):
-        policy_loss(logp, logp, torch.tensor([1.0]), mask, loss_type="dr_grpo", normalizer=norm)
+        policy_loss(
+            logp,
+            logp,
+            torch.tensor([1.0]),
+            mask,
+            knobs=LossKnobs(loss_type="dr_grpo"),
+            normalizer=norm,
+        )
 
 
 def test_top_entropy_mask_keeps_ties_at_the_threshold() -> None:
@@ -329,7 +354,7 @@ def test_dapo_with_a_single_counted_token() -> None:
     # one counted token in the step: the step's token mean divides by 1
     logp = torch.zeros(1, 2)
     mask = torch.tensor([[True, False]])
-    loss, _ = policy_loss(logp, logp, torch.tensor([3.0]), mask, loss_type="dapo")
+    loss, _ = policy_loss(logp, logp, torch.tensor([3.0]), mask, knobs=LossKnobs(loss_type="dapo"))
     assert float(loss) == pytest.approx(-3.0, abs=1e-6)
 
 
@@ -362,7 +387,11 @@ def test_dual_clip_caps_only_negative_advantages_at_c_times_a() -> None:
     adv = torch.tensor([-2.0, 0.5, 0.5])
     per_row = [
         policy_loss(
-            logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], dual_clip=3.0
+            logp[i : i + 1],
+            old[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            knobs=LossKnobs(dual_clip=3.0),
         )[0]
         for i in range(3)
     ]
@@ -379,7 +408,7 @@ def test_clip_fractions_count_strictly_outside_and_by_the_sign_of_a() -> None:
     logp = torch.zeros(3, 1)
     mask = torch.ones(3, 1, dtype=torch.bool)
     adv = torch.tensor([-1.0, 0.0, 1.0])
-    _, stats = policy_loss(logp, logp, adv, mask, clip_low=0.0, clip_high=0.0)
+    _, stats = policy_loss(logp, logp, adv, mask, knobs=LossKnobs(clip_low=0.0, clip_high=0.0))
     assert float(stats["clip_frac/low"]) == 0.0 and float(stats["clip_frac/high"]) == 0.0
     # ratios 0.5 and 1.1 (clip 0.2): 0.5 < 0.8 is clipped low only where A < 0; 1.1 is inside
     logp = torch.log(torch.tensor([[0.5], [0.5], [0.5], [1.1]]))
@@ -399,7 +428,7 @@ def test_float64_in_float64_out_and_ratio_stats_of_an_empty_mask() -> None:
     ref = torch.tensor([[-0.7, -0.9]], dtype=torch.float64)
     mask = torch.tensor([[True, False]])
     adv = torch.tensor([1.0], dtype=torch.float64)
-    loss, stats = policy_loss(logp, logp - 0.1, adv, mask, ref, beta=0.1)
+    loss, stats = policy_loss(logp, logp - 0.1, adv, mask, ref, knobs=LossKnobs(beta=0.1))
     assert loss.dtype == torch.float64
     for key, value in stats.items():
         assert value.dtype == torch.float64, key
@@ -417,4 +446,4 @@ def test_entropy_coef_without_entropy_names_the_function_and_the_argument() -> N
         ValueError,
         match=r"^policy_loss: entropy_coef needs the tokens' entropy \(entropy=\.\.\.\)$",
     ):
-        policy_loss(logp, logp, torch.tensor([1.0]), mask, entropy_coef=0.01)
+        policy_loss(logp, logp, torch.tensor([1.0]), mask, knobs=LossKnobs(entropy_coef=0.01))

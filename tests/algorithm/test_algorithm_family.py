@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from grpo.algorithm import (
+    LossKnobs,
     Normalizer,
     group_advantages,
     importance_weights,
@@ -169,10 +170,21 @@ def preset_loss(preset: str) -> float:
     adv = group_advantages(REWARDS, 2, cfg.scale_rewards, cfg.adv_eps)
     norm = Normalizer(num_sequences=2, num_tokens=3.0, max_new_tokens=MAX_NEW_TOKENS)
     loss, _ = policy_loss(
-        LOGP, OLD, adv, MASK, REF if cfg.beta else None,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.beta, loss_type=cfg.loss_type,
-        ratio_level=cfg.ratio_level, kl_estimator=cfg.kl_estimator, normalizer=norm,
-    )  # fmt: skip
+        LOGP,
+        OLD,
+        adv,
+        MASK,
+        REF if cfg.beta else None,
+        knobs=LossKnobs(
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            beta=cfg.beta,
+            loss_type=cfg.loss_type,
+            ratio_level=cfg.ratio_level,
+            kl_estimator=cfg.kl_estimator,
+        ),
+        normalizer=norm,
+    )
     return float(loss)
 
 
@@ -208,7 +220,11 @@ def test_gspo_gradient_is_shared_by_the_sequence() -> None:
     logp = LOGP.clone().requires_grad_(True)
     adv = torch.tensor([1.0, -1.0])
     loss, _ = policy_loss(
-        logp, LOGP, adv, MASK, clip_low=3e-4, clip_high=4e-4, ratio_level="sequence"
+        logp,
+        LOGP,
+        adv,
+        MASK,
+        knobs=LossKnobs(clip_low=3e-4, clip_high=4e-4, ratio_level="sequence"),
     )
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-0.5, 0.0], [0.25, 0.25]]), atol=1e-6)
@@ -266,7 +282,12 @@ def test_pg_mask_zeroes_tokens_but_keeps_the_denominator() -> None:
     adv = torch.tensor([1.0, -1.0])
     pg_mask = torch.tensor([[True, False], [True, False]])
     loss, _ = policy_loss(
-        LOGP, OLD, adv, MASK, clip_low=0.2, clip_high=0.28, loss_type="dapo", pg_mask=pg_mask
+        LOGP,
+        OLD,
+        adv,
+        MASK,
+        knobs=LossKnobs(clip_low=0.2, clip_high=0.28, loss_type="dapo"),
+        pg_mask=pg_mask,
     )
     assert float(loss) == pytest.approx(-0.16, abs=1e-6)
 
@@ -276,7 +297,12 @@ def test_pg_mask_gradient() -> None:
     logp = LOGP.clone().requires_grad_(True)
     pg_mask = torch.tensor([[True, False], [True, False]])
     loss, _ = policy_loss(
-        logp, LOGP, torch.tensor([1.0, -1.0]), MASK, loss_type="dapo", pg_mask=pg_mask
+        logp,
+        LOGP,
+        torch.tensor([1.0, -1.0]),
+        MASK,
+        knobs=LossKnobs(loss_type="dapo"),
+        pg_mask=pg_mask,
     )
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, 0.0], [1 / 3, 0.0]]), atol=1e-6)
@@ -287,9 +313,14 @@ def test_pg_mask_keeps_the_kl_term() -> None:
     logp = torch.zeros(1, 1)
     ref = logp - math.log(2.0)
     loss, _ = policy_loss(
-        logp, logp, torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), ref, beta=0.5,
+        logp,
+        logp,
+        torch.zeros(1),
+        torch.ones(1, 1, dtype=torch.bool),
+        ref,
+        knobs=LossKnobs(beta=0.5),
         pg_mask=torch.zeros(1, 1, dtype=torch.bool),
-    )  # fmt: skip
+    )
     assert float(loss) == pytest.approx(0.5 * (0.5 + math.log(2) - 1), abs=1e-6)
 
 
@@ -316,9 +347,12 @@ def test_cispo_weight_on_its_bound_is_not_clipped() -> None:
     logp = torch.log(torch.tensor([[2.0], [0.5], [4.0], [0.25]])).requires_grad_(True)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
     loss, stats = policy_loss(
-        logp, torch.zeros(4, 1), adv, torch.ones(4, 1, dtype=torch.bool),
-        loss_type="cispo", cispo_clip_low=0.5, cispo_clip_high=1.0,
-    )  # fmt: skip
+        logp,
+        torch.zeros(4, 1),
+        adv,
+        torch.ones(4, 1, dtype=torch.bool),
+        knobs=LossKnobs(loss_type="cispo", cispo_clip_low=0.5, cispo_clip_high=1.0),
+    )
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-1.299651, abs=1e-6)
     # d/dlogp = -w * A / 4: the clipped tokens keep a gradient, of the bound's weight
@@ -329,9 +363,12 @@ def test_cispo_weight_on_its_bound_is_not_clipped() -> None:
     # cispo_clip_low unset is no lower bound (the paper's choice): the 0.25 keeps its own weight,
     # 0.25 ln 0.25 = -0.346574 for -0.693147, so the mean is -4.852030 / 4 = -1.213008
     loss, stats = policy_loss(
-        logp, torch.zeros(4, 1), adv, torch.ones(4, 1, dtype=torch.bool),
-        loss_type="cispo", cispo_clip_high=1.0,
-    )  # fmt: skip
+        logp,
+        torch.zeros(4, 1),
+        adv,
+        torch.ones(4, 1, dtype=torch.bool),
+        knobs=LossKnobs(loss_type="cispo", cispo_clip_high=1.0),
+    )
     assert float(loss.detach()) == pytest.approx(-1.213008, abs=1e-6)
     assert float(stats["clip_frac/low"]) == 0
 
@@ -409,7 +446,7 @@ def test_policy_loss_defaults_are_the_configs_cispo_and_sapo_knobs() -> None:
     # so d loss / d logp = -w * A / 2 = -2.5, -1
     logp = torch.log(torch.tensor([[6.0], [2.0]])).requires_grad_(True)
     loss, stats = policy_loss(
-        logp, torch.zeros(2, 1), torch.tensor([1.0, 1.0]), mask, loss_type="cispo"
+        logp, torch.zeros(2, 1), torch.tensor([1.0, 1.0]), mask, knobs=LossKnobs(loss_type="cispo")
     )
     loss.backward()
     assert torch.allclose(logp.grad.flatten(), torch.tensor([-2.5, -1.0]), atol=1e-6)
@@ -418,7 +455,7 @@ def test_policy_loss_defaults_are_the_configs_cispo_and_sapo_knobs() -> None:
     # 2.822000 (tau 1.05); mean over 2 one-token completions: (-2.924234 + 2.822000) / 2
     logp = torch.log(torch.tensor([[2.0], [2.0]])).requires_grad_(True)
     loss, _ = policy_loss(
-        logp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), mask, loss_type="sapo"
+        logp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), mask, knobs=LossKnobs(loss_type="sapo")
     )
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-0.051117, abs=1e-5)

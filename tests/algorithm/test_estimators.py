@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo.algorithm import (
+    LossKnobs,
     adapted_entropy_coef,
     batch_normalize,
     decoupled_advantages,
@@ -225,7 +226,7 @@ def test_gdpo_uses_the_eps_given_in_both_normalisations() -> None:
 def _loss(advantages: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]], requires_grad=True)
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    loss, _ = policy_loss(logp, logp.detach(), advantages, mask, **kwargs)
+    loss, _ = policy_loss(logp, logp.detach(), advantages, mask, knobs=LossKnobs(**kwargs))
     (grad,) = torch.autograd.grad(loss, logp)
     return loss.detach(), grad
 
@@ -259,7 +260,12 @@ def test_the_entropy_bonus_is_subtracted_with_the_losss_aggregation() -> None:
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[True, True, False], [True, True, True]])
     loss, _ = policy_loss(
-        logp, logp.detach(), torch.zeros(2), mask, entropy=entropy, entropy_coef=0.1
+        logp,
+        logp.detach(),
+        torch.zeros(2),
+        mask,
+        knobs=LossKnobs(entropy_coef=0.1),
+        entropy=entropy,
     )
     assert torch.allclose(loss, torch.tensor(-0.125), atol=1e-6)
     (grad,) = torch.autograd.grad(loss, entropy)
@@ -270,13 +276,12 @@ def test_the_entropy_bonus_is_subtracted_with_the_losss_aggregation() -> None:
         logp.detach(),
         torch.zeros(2),
         mask,
+        knobs=LossKnobs(entropy_coef=0.1, loss_type="dapo"),
         entropy=entropy,
-        entropy_coef=0.1,
-        loss_type="dapo",
     )
     assert torch.allclose(dapo, torch.tensor(-0.12), atol=1e-6)
     with pytest.raises(ValueError, match="entropy_coef needs the tokens' entropy"):
-        policy_loss(logp, logp.detach(), torch.zeros(2), mask, entropy_coef=0.1)
+        policy_loss(logp, logp.detach(), torch.zeros(2), mask, knobs=LossKnobs(entropy_coef=0.1))
 
 
 def test_a_zero_entropy_coef_leaves_the_loss_as_it_was() -> None:
@@ -285,7 +290,9 @@ def test_a_zero_entropy_coef_leaves_the_loss_as_it_was() -> None:
     mask = torch.rand(3, 4, generator=gen) > 0.2
     args = (logp, logp - 0.1, torch.tensor([1.0, -0.5, 0.2]), mask)
     plain, _ = policy_loss(*args)
-    with_zero, _ = policy_loss(*args, entropy=torch.full((3, 4), math.nan), entropy_coef=0.0)
+    with_zero, _ = policy_loss(
+        *args, knobs=LossKnobs(entropy_coef=0.0), entropy=torch.full((3, 4), math.nan)
+    )
     assert torch.equal(plain, with_zero)
 
 

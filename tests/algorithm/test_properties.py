@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo.algorithm import Normalizer, group_advantages, policy_loss
+from grpo.algorithm import LossKnobs, Normalizer, group_advantages, policy_loss
 
 SETTINGS = settings(max_examples=60, deadline=None)
 # rewards of any real-world size; groups whose spread is tiny against eps are generated apart
@@ -149,9 +149,8 @@ def test_micro_batch_splits_give_the_steps_loss_and_gradient(loss_type: str, bat
                 adv[rows],
                 mask[rows],
                 ref[rows],
-                loss_type=loss_type,
+                knobs=LossKnobs(loss_type=loss_type, **knobs),
                 normalizer=normalizer,
-                **knobs,
             )[0]
             for rows in rows_list
         )

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo.algorithm import (
+    LossKnobs,
     Normalizer,
     group_advantages,
     importance_weights,
@@ -24,7 +25,7 @@ def one_token_loss(ratios: list[float], **kw) -> tuple[torch.Tensor, torch.Tenso
     """Four completions of one token each, old log-prob 0, so logp = ln(ratio): loss, d loss /
     d logp [4] and the statistics."""
     logp = torch.log(torch.tensor(ratios))[:, None].requires_grad_(True)  # [4, 1]
-    loss, stats = policy_loss(logp, torch.zeros(4, 1), ADV, ONE_TOKEN, **kw)
+    loss, stats = policy_loss(logp, torch.zeros(4, 1), ADV, ONE_TOKEN, knobs=LossKnobs(**kw))
     loss.backward()
     return loss.detach(), logp.grad.flatten(), stats
 
@@ -69,7 +70,7 @@ def test_cispo_aggregates_by_the_steps_tokens() -> None:
         logp.detach(),
         torch.tensor([2.0, -1.0]),
         mask,
-        loss_type="cispo",
+        knobs=LossKnobs(loss_type="cispo"),
         normalizer=Normalizer(num_sequences=2, num_tokens=5.0),
     )
     loss.backward()
@@ -111,7 +112,7 @@ def test_sapo_on_policy_gradient_is_grpos_at_any_temperature() -> None:
         {"loss_type": "sapo", "sapo_tau_neg": 9.0},
     ):
         logp = torch.zeros(2, 3, requires_grad=True)
-        policy_loss(logp, torch.zeros(2, 3), adv, mask, **kw)[0].backward()
+        policy_loss(logp, torch.zeros(2, 3), adv, mask, knobs=LossKnobs(**kw))[0].backward()
         grads.append(logp.grad)
     expected = torch.tensor([[-0.5, -0.5, 0.0], [1 / 6, 1 / 6, 1 / 6]])
     for grad in grads:

@@ -95,7 +95,7 @@ def test_trainer_gradient_equals_a_loop_over_the_models_own_tokens(tiny_config, 
 
 
 def test_observation_tokens_get_exactly_zero_weight(tiny_model_dir) -> None:
-    from grpo.algorithm import policy_loss
+    from grpo.algorithm import LossKnobs, policy_loss
 
     tokenizer = load_tokenizer(tiny_model_dir)
     model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
@@ -112,7 +112,7 @@ def test_observation_tokens_get_exactly_zero_weight(tiny_model_dir) -> None:
     def loss_at(current: torch.Tensor) -> torch.Tensor:
         advantages = torch.tensor([1.0, -1.0])
         loss, _ = policy_loss(
-            current, logp.detach(), advantages, rollout.loss_mask, loss_type="grpo"
+            current, logp.detach(), advantages, rollout.loss_mask, knobs=LossKnobs(loss_type="grpo")
         )
         return loss
 

@@ -135,7 +135,7 @@ def test_reinforce_pp_trains_on_per_token_advantages_with_no_kl_in_the_loss(
     (cut,) = cuts
     got = torch.zeros_like(want)
     for mb, call in zip(cut["result"], losses, strict=True):
-        assert call["beta"] == 0.0 and call["ref_logp"] is not None
+        assert call["knobs"].beta == 0.0 and call["ref_logp"] is not None
         assert call["advantages"].shape == call["logp"].shape
         got[mb.index, : call["advantages"].shape[1]] = call["advantages"]
     assert len(losses) == 2

@@ -181,7 +181,13 @@ def test_stale_rollouts_by_hand_the_decoupled_objective() -> None:
         capped = cfg.model_copy(update={"tis_cap": cap})
         weights, _ = importance.correction(capped, logp, prox, behaviour, adv, mask)
         loss, _ = algorithm.policy_loss(
-            logp, prox, adv, mask, None, importance_weights=weights, clip_low=0.2, clip_high=0.2
+            logp,
+            prox,
+            adv,
+            mask,
+            None,
+            knobs=algorithm.LossKnobs(clip_low=0.2, clip_high=0.2),
+            importance_weights=weights,
         )
         loss.backward()
         return logp.grad

@@ -134,7 +134,7 @@ def test_the_trainer_passes_each_knob_to_the_math(
     assert len(losses) == 2 * 2  # num_iterations x micro-batches
     for call in losses:
         for knob, value in knobs.items():
-            assert call[knob] == value, knob
+            assert getattr(call["knobs"], knob) == value, knob
         assert call["ref_logp"] is not None and call["pg_mask"] is not None
     assert [c["quantile"] for c in entropy] == [0.5, 0.5]  # once per micro-batch, first pass
     # the logged share of counted tokens the filter kept: the masks' tokens over the counted

@@ -40,6 +40,12 @@ def resolve(config: Config) -> None:
             name,
             type(section).model_validate({**section.model_dump(exclude_unset=True), **updates}),
         )
+    _refuse_contradictions(config)
+
+
+def _refuse_contradictions(config: Config) -> None:
+    """Refuse (``ValueError``) a resolved config with a knob that would do nothing or two that
+    contradict each other."""
     algo = config.algorithm
     if algo.ref_update_every and algo.beta == 0:
         raise ValueError("algorithm.ref_update_every needs beta > 0 (beta 0 loads no reference)")

@@ -314,8 +314,7 @@ class MultiTurnEngine:
         budget = self.config.max_new_tokens
         eos = set(self.engine.eos)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        n = len(prompts) * group_size
-        paths = [Trajectory() for _ in range(n)]
+        paths = [Trajectory() for _ in range(len(prompts) * group_size)]
         first = self.engine.generate_turns(
             [
                 TurnRequest(ids, group_size, s, budget)
@@ -330,42 +329,12 @@ class MultiTurnEngine:
             calls: list[tuple[int, Call, bool]] = []
             going_on: list[int] = []
             for i, sample in pending:
-                path = paths[i]
-                path.requests += 1
-                path.add(sample.token_ids, True, sample.logprobs)
-                ended_with_eos = bool(sample.token_ids) and sample.token_ids[-1] in eos
-                path.open_text += self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-                room = budget - len(path.ids)
-                call = self.format.parse(path.open_text)
-                turn = {
-                    "text": path.open_text,
-                    "call": None if call is None else call.code,
-                    "output": None,
-                    "error": None,
-                    "time_s": None,  # set when the call runs
-                }
-                if call is not None and len(path.turns) + 1 < self.config.max_turns and room > 0:
-                    path.turns.append(turn)
-                    path.open_text = ""
+                after, call, ended_with_eos = self._take_turn(paths[i], sample, budget, eos)
+                if after == "call":
                     calls.append((i, call, ended_with_eos))
-                elif not ended_with_eos and call is None and len(sample.token_ids) > 0 and room > 0:
-                    going_on.append(i)  # a stop string that closed no call: the turn goes on
-                else:
-                    path.turns.append(turn)
-                    path.truncated = room <= 0 and not ended_with_eos
-            results = self.run_calls([call for _, call, _ in calls])
-            for (i, _, ended_with_eos), result in zip(calls, results, strict=True):
-                path = paths[i]
-                path.turns[-1].update(
-                    output=result.output, error=result.error, time_s=result.time_s
-                )
-                ids = self.observation_ids(result, ended_with_eos)
-                room = budget - len(path.ids)
-                path.add(ids[:room], False)
-                if len(ids) >= room:  # no room left for the model to answer
-                    path.truncated = True
-                else:
+                elif after == "more":
                     going_on.append(i)
+            going_on += self._observe_calls(paths, calls, budget)
             going_on.sort()
             requests = [
                 TurnRequest(
@@ -384,6 +353,55 @@ class MultiTurnEngine:
             pending = [(i, out[0]) for i, out in zip(going_on, samples, strict=True)]
         rollout = self.assemble(prompt_ids, prompts, rows, group_size, paths)
         return replace(rollout, sampling=sampling_of(self.config, temperature))
+
+    def _take_turn(
+        self, path: Trajectory, sample: TurnSample, budget: int, eos: set[int]
+    ) -> tuple[str, Call | None, bool]:
+        """Add a sampled turn to the path and say what comes next: "call" (run the call
+        returned), "more" (a stop string that closed no call: the turn goes on) or "end"
+        (the path is done: an answer, EOS, the turn limit or the token budget). Also returns
+        whether the sample ended with EOS."""
+        path.requests += 1
+        path.add(sample.token_ids, True, sample.logprobs)
+        ended_with_eos = bool(sample.token_ids) and sample.token_ids[-1] in eos
+        path.open_text += self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        room = budget - len(path.ids)
+        call = self.format.parse(path.open_text)
+        turn = {
+            "text": path.open_text,
+            "call": None if call is None else call.code,
+            "output": None,
+            "error": None,
+            "time_s": None,  # set when the call runs
+        }
+        if call is not None and len(path.turns) + 1 < self.config.max_turns and room > 0:
+            path.turns.append(turn)
+            path.open_text = ""
+            return "call", call, ended_with_eos
+        if not ended_with_eos and call is None and len(sample.token_ids) > 0 and room > 0:
+            return "more", call, ended_with_eos
+        path.turns.append(turn)
+        path.truncated = room <= 0 and not ended_with_eos
+        return "end", call, ended_with_eos
+
+    def _observe_calls(
+        self, paths: list[Trajectory], calls: list[tuple[int, Call, bool]], budget: int
+    ) -> list[int]:
+        """Run the calls (path index, call, whether its turn ended with EOS), add each output
+        to its path within the budget, and return the paths with room left to answer."""
+        going_on = []
+        results = self.run_calls([call for _, call, _ in calls])
+        for (i, _, ended_with_eos), result in zip(calls, results, strict=True):
+            path = paths[i]
+            path.turns[-1].update(output=result.output, error=result.error, time_s=result.time_s)
+            ids = self.observation_ids(result, ended_with_eos)
+            room = budget - len(path.ids)
+            path.add(ids[:room], False)
+            if len(ids) >= room:  # no room left for the model to answer
+                path.truncated = True
+            else:
+                going_on.append(i)
+        return going_on
 
     def assemble(
         self,

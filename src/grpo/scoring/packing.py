@@ -210,13 +210,7 @@ def pack(
     rows_of = [(prompt_of_row == u).nonzero()[:, 0].tolist() for u in range(len(distinct))]
     own = [len(x) - shared for x in prompts]  # each prompt's tokens after the shared ones
     size = [o + sum(body[r] for r in rows) for o, rows in zip(own, rows_of, strict=True)]
-    if end_to_end:
-        shape = (1, shared + sum(size))
-        first = list(itertools.accumulate([shared, *size[:-1]]))  # each group's first position
-    else:
-        longest = max(size)
-        shape = (len(distinct), longest)
-        first = [u * longest + longest - n for u, n in enumerate(size)]  # left padded
+    shape, first = _layout(size, shared, end_to_end)
     count = shape[0] * shape[1]
     input_ids = torch.zeros(count, dtype=torch.long, device=device)
     position_ids = torch.zeros(count, dtype=torch.long, device=device)
@@ -246,17 +240,40 @@ def pack(
             at[row, 1 : 1 + n] = torch.arange(start, start + n, device=device)
             predicting.extend(range(start, start + n))
             start += n
-    if end_to_end:
-        keep: int | Tensor = torch.tensor(predicting, dtype=torch.long, device=device)
-        kept_at = keep
-    else:
-        keep = max(n - o + 1 for n, o in zip(size, own, strict=True))
-        tail = torch.arange(shape[1] - keep, shape[1], device=device)
-        kept_at = (torch.arange(shape[0], device=device)[:, None] * shape[1] + tail).flatten()
+    keep, kept_at = _kept(predicting, size, own, shape, end_to_end, device)
     index = torch.zeros(count, dtype=torch.long, device=device)  # position -> its kept index
     index[kept_at] = torch.arange(kept_at.numel(), device=device)
     view = [x.view(shape) for x in (input_ids, position_ids, segment, group)]
     return Packed(*view, keep, index[at])
+
+
+def _layout(size: list[int], shared: int, end_to_end: bool) -> tuple[tuple[int, int], list[int]]:
+    """The packed shape and each group's first flat position, from each group's size (its own
+    prompt tokens and its completions' bodies) and the shared start's length."""
+    if end_to_end:
+        first = list(itertools.accumulate([shared, *size[:-1]]))  # each group's first position
+        return (1, shared + sum(size)), first
+    longest = max(size)
+    first = [u * longest + longest - n for u, n in enumerate(size)]  # left padded
+    return (len(size), longest), first
+
+
+def _kept(
+    predicting: list[int],
+    size: list[int],
+    own: list[int],
+    shape: tuple[int, int],
+    end_to_end: bool,
+    device: torch.device,
+) -> tuple[int | Tensor, Tensor]:
+    """``Packed.keep`` and the flat positions it keeps: end to end, the predicting positions
+    themselves; else the last ``keep`` of each sequence, enough for its longest group."""
+    if end_to_end:
+        keep = torch.tensor(predicting, dtype=torch.long, device=device)
+        return keep, keep
+    last = max(n - o + 1 for n, o in zip(size, own, strict=True))
+    tail = torch.arange(shape[1] - last, shape[1], device=device)
+    return last, (torch.arange(shape[0], device=device)[:, None] * shape[1] + tail).flatten()
 
 
 def _shared_start(prompts: list[Tensor]) -> int:

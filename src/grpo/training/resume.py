@@ -127,13 +127,9 @@ class ResumePlan:
         return 0 if self.checkpoint is None else self.checkpoint.step
 
 
-def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, Any]) -> ResumePlan:
-    """Pick the checkpoint to resume from ``run`` (locked by the caller) for ``config``, or
-    refuse with ``ConfigError`` / ``RunDirError`` (one line). ``inputs`` are this run's
-    fingerprints of the data and model (``INPUTS``)."""
-    mode = config.train.resume
-    if mode == "never":
-        return ResumePlan()
+def _checkpoint_to_resume(run: RunDir, mode: str, world_size: int) -> Checkpoint | None:
+    """The checkpoint ``train.resume`` names (the latest for auto and force), checked against
+    the run directory and the world size; None for a fresh start."""
     checkpoint = (
         run.latest_checkpoint() if mode in ("auto", "force") else run.checkpoint_at(Path(mode))
     )
@@ -146,7 +142,7 @@ def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, 
             )
         if mode == "force":
             raise ConfigError(f"train.resume=force: no checkpoint in {run.checkpoints}")
-        return ResumePlan()
+        return None
     if not checkpoint.path.resolve().is_relative_to(run.checkpoints.resolve()) and left:
         raise RunDirError(
             f"train.resume: {checkpoint.path} is another run's checkpoint and {run.path} "
@@ -157,8 +153,16 @@ def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, 
             f"checkpoint {checkpoint.path} was written by {checkpoint.world_size} process(es); "
             f"resume it with the same number (this run has {world_size})"
         )
-    new = config.model_dump(mode="json")
-    defaults = Config().model_dump(mode="json")
+    return checkpoint
+
+
+def _forced_changes(
+    checkpoint: Checkpoint,
+    new: dict[str, Any],
+    defaults: dict[str, Any],
+    inputs: dict[str, Any],
+) -> dict[str, tuple[Any, Any]]:
+    """The changes to the checkpoint's config and inputs that change the math (moot ones out)."""
     same_model = (
         inputs.get("model") is not None and checkpoint.inputs.get("model") == inputs["model"]
     )
@@ -168,6 +172,14 @@ def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, 
         if not moot_change(key, change, new, same_model)
     }
     forced.update(input_changes(checkpoint.inputs, inputs))
+    return forced
+
+
+def _check_resumable(
+    checkpoint: Checkpoint, config: Config, forced: dict[str, tuple[Any, Any]], mode: str
+) -> None:
+    """Refuse a change the weights cannot take, a step count below the checkpoint's, and a
+    change of the math without train.resume=force."""
     fixed = {key: change for key, change in forced.items() if key in FIXED_KEYS}
     if fixed:
         raise ConfigError(
@@ -192,6 +204,22 @@ def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, 
             f"resuming {checkpoint.path} with a config that changes the math: "
             f"{describe_changes(forced)}; {how}"
         )
+
+
+def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, Any]) -> ResumePlan:
+    """Pick the checkpoint to resume from ``run`` (locked by the caller) for ``config``, or
+    refuse with ``ConfigError`` / ``RunDirError`` (one line). ``inputs`` are this run's
+    fingerprints of the data and model (``INPUTS``)."""
+    mode = config.train.resume
+    if mode == "never":
+        return ResumePlan()
+    checkpoint = _checkpoint_to_resume(run, mode, world_size)
+    if checkpoint is None:
+        return ResumePlan()
+    new = config.model_dump(mode="json")
+    defaults = Config().model_dump(mode="json")
+    forced = _forced_changes(checkpoint, new, defaults, inputs)
+    _check_resumable(checkpoint, config, forced, mode)
     changes = {
         **config_changes(checkpoint.config, new, defaults),
         **input_changes(checkpoint.inputs, inputs),

@@ -214,7 +214,7 @@ class Trainer:
 
     def optimize(self, scored: Scored) -> dict[str, float]:
         """The update on one scored batch (``grpo.training.update``)."""
-        return self.update(scored, self.step)
+        return self.update(scored, self.step).metrics
 
     # ----------------------------------------------------------------------------- loop
 

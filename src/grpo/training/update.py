@@ -1,17 +1,25 @@
-"""The policy update: ``num_iterations`` optimizer steps on one scored batch, each accumulating
-gradients over length-sorted micro-batches (``micro_batches``), with the reference and old
-log-probs scored first when the loss needs them and per-token advantages after them
-(``advantages``; with ppo, from the critic's values, and the critic's own step after each of
-the policy's, ``critic``). No formula here: the losses are ``grpo.algorithm``'s.
+"""The policy update: ``num_iterations`` optimizer steps on one scored batch, in three phases.
+
+- prepare (``PolicyUpdate.prepare`` -> ``Prepared``): the length-sorted micro-batches
+  (``micro_batches``), the reference and old log-probs when the loss needs them, the per-token
+  advantages after them (``advantages``; with ppo, from the critic's values), the step's
+  normaliser and the sampler's log-probs;
+- the loss of one micro-batch (``PolicyUpdate.micro_batch_loss`` -> ``MicroBatchLoss``), its
+  gradient accumulated over the micro-batches of a pass;
+- the optimizer step (``PolicyUpdate.optimizer_step``), then the critic's own (``critic``).
+
+It returns an ``UpdateResult``. No formula here: the losses are ``grpo.algorithm``'s.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from grpo import algorithm
-from grpo.config import Config
+from grpo.config import AlgorithmConfig, Config
 from grpo.containers import Scored
 from grpo.models import Reference, bf16_autocast
 from grpo.runtime import distributed
@@ -23,6 +31,94 @@ from grpo.training.entropy_bonus import EntropyBonus
 from grpo.training.micro_batches import MicroBatch, micro_batches, scatter_rows
 from grpo.training.optimizer import clip_and_step, takes_step
 from grpo.training.update_stats import UpdateStats
+
+
+def loss_knobs(algo: AlgorithmConfig, entropy_coef: float) -> algorithm.LossKnobs:
+    """The loss's knobs from the config, with the entropy bonus's coefficient of this step."""
+    return algorithm.LossKnobs(
+        loss_type=algo.loss_type,
+        ratio_level=algo.ratio_level,
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        dual_clip=algo.dual_clip,
+        cispo_clip_low=algo.cispo_clip_low,
+        cispo_clip_high=algo.cispo_clip_high,
+        sapo_tau_pos=algo.sapo_tau_pos,
+        sapo_tau_neg=algo.sapo_tau_neg,
+        beta=advantages.loss_beta(algo),
+        kl_estimator=algo.kl_estimator,
+        entropy_coef=entropy_coef,
+    )
+
+
+@dataclass(frozen=True)
+class ValueTargets:
+    """ppo's critic inputs of one step: old_values [N, T] its values before the update, returns
+    [N, T] GAE's targets, and metrics (``value/mean``, ``value/explained_var``) of the two."""
+
+    old_values: Tensor
+    returns: Tensor
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What every pass of one update reads, computed once before the first. N completions, T
+    completion tokens; each micro-batch holds b of the rows, trimmed to T' <= T tokens.
+
+    batches: the micro-batches on the device, longest first; their advantages are [b], or
+    [b, T'] where the estimator gives one per token.
+    ref_logp, old_logp: [N, T] the reference's (beta > 0) and the sampling policy's (mu > 1,
+    or a KL folded into the rewards) log-probs, or None.
+    sampler_logp: [N, T] the sampling engine's own log-probs on the device, or None.
+    counted: [N, T] bool on the device, the tokens the loss counts.
+    normalizer: the step's counts, so that the micro-batch losses sum to the step's loss.
+    knobs: the loss's knobs, with this step's entropy coefficient.
+    values: the critic's inputs (ppo), else None.
+    """
+
+    batches: list[MicroBatch]
+    ref_logp: Tensor | None
+    old_logp: Tensor | None
+    sampler_logp: Tensor | None
+    counted: Tensor
+    normalizer: algorithm.Normalizer
+    knobs: algorithm.LossKnobs
+    values: ValueTargets | None
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """One micro-batch's forward under the current policy. Shapes [b, T'].
+
+    loss: the micro-batch's share of the step's loss (with grad); stats: ``policy_loss``'s
+    detached statistics; shares: what the sampler/trainer corrections touched.
+    loss_mask: the counted tokens; entropy: the policy's entropy (None when not asked);
+    old_logp: the ratio's denominator; sampler_logp: the sampler's, or None;
+    pg_mask: the high-entropy tokens whose surrogate counts, or None (the filter off).
+    """
+
+    loss: Tensor
+    stats: dict[str, Tensor]
+    shares: importance.Shares
+    loss_mask: Tensor
+    entropy: Tensor | None
+    old_logp: Tensor
+    sampler_logp: Tensor | None
+    pg_mask: Tensor | None
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What one update returns: its metrics (loss, grad_norm, optim/skipped, the loss's and
+    the rollout's statistics, the entropy bonus's and the critic's)."""
+
+    metrics: dict[str, float]
+
+
+def _rows(values: Tensor | None, mb: MicroBatch) -> Tensor | None:
+    """The micro-batch's rows of a step-wide [N, T] tensor, trimmed to its T'; None stays None."""
+    return None if values is None else values[mb.index, : mb.completion_ids.shape[1]]
 
 
 class PolicyUpdate:
@@ -73,12 +169,11 @@ class PolicyUpdate:
                     scatter_rows(old, mb, self.logprobs(self.policy, mb)[0])
         return ref, old
 
-    def __call__(self, scored: Scored, step: int) -> dict[str, float]:
-        """``num_iterations`` optimizer steps on one scored batch; returns the update's metrics."""
+    def prepare(self, scored: Scored) -> Prepared:
+        """The micro-batches and everything every pass reads, in one place."""
         cfg = self.config.algorithm
         rollout = scored.rollout
-        optim = self.config.optim
-        size, budget = optim.micro_batch_size, optim.micro_batch_tokens
+        size, budget = self.config.optim.micro_batch_size, self.config.optim.micro_batch_tokens
         batches = micro_batches(rollout, scored.advantages, size, budget)
         most = int(distributed.all_reduce(len(batches), "max"))
         if most != len(batches):
@@ -86,7 +181,8 @@ class PolicyUpdate:
             # budgets cut each rank's rows differently)
             batches = micro_batches(rollout, scored.advantages, size, budget, count=most)
         batches = [mb.to(self.dist.device) for mb in batches]
-        ref_all, old_all = self.frozen_logprobs(batches, tuple(rollout.completion_ids.shape))
+        shape = tuple(rollout.completion_ids.shape)
+        ref_all, old_all = self.frozen_logprobs(batches, shape)
         # mask_truncated_completions: a cut-off completion contributes no token to the loss
         counted = advantages.counted_mask(rollout, cfg)
         counted_here = counted.to(self.dist.device)
@@ -96,96 +192,125 @@ class PolicyUpdate:
             num_micro_batches=len(batches),
             max_new_tokens=self.config.rollout.max_new_tokens,
         )
-        value_out: dict[str, float] = {}
+        values = None
         if self.critic is not None:
-            old_values = self.critic.values(batches, tuple(rollout.completion_ids.shape))
+            old_values = self.critic.values(batches, shape)
             per_token, returns = advantages.critic_advantages(
                 cfg, scored.rewards, counted, old_all, ref_all, old_values
             )
-            value_out = value_metrics(old_values, returns, counted_here)
+            metrics = value_metrics(old_values, returns, counted_here)
+            values = ValueTargets(old_values, returns, metrics)
         else:
             per_token = advantages.token_advantages(cfg, scored.rewards, counted, old_all, ref_all)
         if per_token is not None:
             batches = advantages.with_token_advantages(batches, per_token)
-        sampler_all = rollout.sampler_logp
-        if sampler_all is not None:
-            sampler_all = sampler_all.to(self.dist.device)
-        pg_masks: dict[int, Tensor] = {}  # micro-batch -> high-entropy tokens, fixed at iteration 0
+        sampler = rollout.sampler_logp
+        return Prepared(
+            batches=batches,
+            ref_logp=ref_all,
+            old_logp=old_all,
+            sampler_logp=None if sampler is None else sampler.to(self.dist.device),
+            counted=counted_here,
+            normalizer=normalizer,
+            knobs=loss_knobs(cfg, self.entropy_bonus.coef),
+            values=values,
+        )
+
+    def micro_batch_loss(
+        self,
+        prep: Prepared,
+        mb: MicroBatch,
+        iteration: int,
+        pg_mask: Tensor | None,
+    ) -> MicroBatchLoss:
+        """The forward and the loss of one micro-batch. pg_mask: [b, T'] its high-entropy tokens,
+        fixed at iteration 0 (None: computed here when the filter is on, else none)."""
+        cfg = self.config.algorithm
+        logp, entropy = self.logprobs(
+            self.train_model, mb, entropy=iteration == 0 or prep.knobs.entropy_coef > 0
+        )
+        old = logp.detach() if prep.old_logp is None else _rows(prep.old_logp, mb)
+        sampler = _rows(prep.sampler_logp, mb)
+        loss_mask = _rows(prep.counted, mb)
+        weights, shares = importance.correction(cfg, logp, old, sampler, mb.advantages, loss_mask)
+        if iteration == 0 and cfg.top_entropy_quantile < 1:
+            pg_mask = algorithm.top_entropy_mask(entropy, loss_mask, cfg.top_entropy_quantile)
+        loss, stats = algorithm.policy_loss(
+            logp,
+            old,
+            mb.advantages,
+            loss_mask,
+            _rows(prep.ref_logp, mb),
+            knobs=prep.knobs,
+            normalizer=prep.normalizer,
+            importance_weights=weights,
+            pg_mask=pg_mask,
+            entropy=entropy,
+        )
+        return MicroBatchLoss(loss, stats, shares, loss_mask, entropy, old, sampler, pg_mask)
+
+    def accumulate(
+        self, prep: Prepared, iteration: int, pg_masks: list[Tensor | None], stats: UpdateStats
+    ) -> float:
+        """One pass: each micro-batch's loss and backward, gradients summed; returns the sum of
+        the losses. pg_masks: each micro-batch's high-entropy tokens, filled at iteration 0."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = 0.0
+        last = len(prep.batches) - 1
+        for k, mb in enumerate(prep.batches):
+            # gradients cross ranks once per optimizer step, with the last micro-batch
+            with distributed.gradient_sync(self.train_model, enabled=k == last):
+                part = self.micro_batch_loss(prep, mb, iteration, pg_masks[k])
+                part.loss.backward()
+                loss_total += float(part.loss.detach())
+            pg_masks[k] = part.pg_mask
+            stats.add_pass(part.stats, part.loss_mask)
+            stats.add_shares(part.shares)
+            if iteration == 0:
+                stats.add_rollout(
+                    part.entropy, part.loss_mask, part.pg_mask, part.old_logp, part.sampler_logp
+                )
+        return loss_total
+
+    def optimizer_step(self, prep: Prepared, step: int) -> tuple[float, dict[str, float]]:
+        """The policy's optimizer step on the accumulated gradient, then the critic's own on
+        the same micro-batches; returns the policy's gradient norm and the critic's metrics."""
+        grad_norm = clip_and_step(
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            self.config.optim.max_grad_norm,
+            step,
+            self.dist.is_main,
+        )
+        if self.critic is None:
+            return grad_norm, {}
+        values = prep.values
+        critic_stats = self.critic.update(
+            prep.batches, values.returns, values.old_values, prep.counted, step, self.dist.is_main
+        )
+        return grad_norm, critic_stats
+
+    def __call__(self, scored: Scored, step: int) -> UpdateResult:
+        """``num_iterations`` optimizer steps on one scored batch."""
+        num_iterations = self.config.algorithm.num_iterations
+        prep = self.prepare(scored)
+        pg_masks: list[Tensor | None] = [None] * len(prep.batches)
         stats = UpdateStats()
         skipped = 0  # optimizer steps not taken: a zero or non-finite gradient
-        coef = self.entropy_bonus.coef
-        for iteration in range(cfg.num_iterations):
-            self.optimizer.zero_grad(set_to_none=True)
-            loss_total = 0.0
-            for k, mb in enumerate(batches):
-                # gradients cross ranks once per optimizer step, with the last micro-batch
-                with distributed.gradient_sync(self.train_model, enabled=k == len(batches) - 1):
-                    t = mb.completion_ids.shape[1]
-                    logp, entropy = self.logprobs(
-                        self.train_model, mb, entropy=iteration == 0 or coef > 0
-                    )
-                    old = logp.detach() if old_all is None else old_all[mb.index, :t]
-                    ref = None if ref_all is None else ref_all[mb.index, :t]
-                    sampler = None if sampler_all is None else sampler_all[mb.index, :t]
-                    loss_mask = counted_here[mb.index, :t]
-                    weights, shares = importance.correction(
-                        cfg, logp, old, sampler, mb.advantages, loss_mask
-                    )
-                    if iteration == 0 and cfg.top_entropy_quantile < 1:
-                        pg_masks[k] = algorithm.top_entropy_mask(
-                            entropy, loss_mask, cfg.top_entropy_quantile
-                        )
-                    loss, loss_stats = algorithm.policy_loss(
-                        logp,
-                        old,
-                        mb.advantages,
-                        loss_mask,
-                        ref,
-                        clip_low=cfg.clip_low,
-                        clip_high=cfg.clip_high,
-                        beta=advantages.loss_beta(cfg),
-                        loss_type=cfg.loss_type,
-                        ratio_level=cfg.ratio_level,
-                        kl_estimator=cfg.kl_estimator,
-                        dual_clip=cfg.dual_clip,
-                        cispo_clip_low=cfg.cispo_clip_low,
-                        cispo_clip_high=cfg.cispo_clip_high,
-                        sapo_tau_pos=cfg.sapo_tau_pos,
-                        sapo_tau_neg=cfg.sapo_tau_neg,
-                        normalizer=normalizer,
-                        importance_weights=weights,
-                        pg_mask=pg_masks.get(k),
-                        entropy=entropy,
-                        entropy_coef=coef,
-                    )
-                    loss.backward()
-                    loss_total += float(loss.detach())
-                stats.add_pass(loss_stats, loss_mask)
-                stats.add_shares(shares)
-                if iteration == 0:
-                    stats.add_rollout(entropy, loss_mask, pg_masks.get(k), old, sampler)
-            grad_norm = clip_and_step(
-                self.policy,
-                self.optimizer,
-                self.scheduler,
-                self.config.optim.max_grad_norm,
-                step,
-                self.dist.is_main,
-            )
+        for iteration in range(num_iterations):
+            loss_total = self.accumulate(prep, iteration, pg_masks, stats)
+            grad_norm, critic_stats = self.optimizer_step(prep, step)
             skipped += not takes_step(grad_norm)
-            if self.critic is not None:  # the critic's own step on the same micro-batches
-                critic_stats = self.critic.update(
-                    batches, returns, old_values, counted_here, step, self.dist.is_main
-                )
-                if iteration == 0:
-                    value_out.update(critic_stats)
             if iteration == 0:
-                first_loss, first_norm = loss_total, grad_norm
+                first_loss, first_norm, first_critic = loss_total, grad_norm, critic_stats
         out = stats.reduce()
         # the loss is the sum of the ranks' shares of the step's mean loss
         out["loss"] = distributed.all_reduce(first_loss) / self.dist.world_size
         out["grad_norm"] = first_norm
-        out["optim/skipped"] = skipped / cfg.num_iterations
+        out["optim/skipped"] = skipped / num_iterations
         out.update(self.entropy_bonus.observe(out))
-        out.update(value_out)
-        return out
+        if prep.values is not None:
+            out.update(prep.values.metrics)
+        out.update(first_critic)
+        return UpdateResult(metrics=out)
