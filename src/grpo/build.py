@@ -105,7 +105,7 @@ def concrete_precision(
 @dataclass
 class Given:
     """Parts a caller already holds (``grpo.train(rewards=..., dataset=..., model=...)``, see
-    ``grpo.training.given``); None: built from the config."""
+    ``grpo.training.caller_parts``); None: built from the config."""
 
     rewards: dict[str, RewardFn] = field(default_factory=dict)  # spec name -> callable
     rows: Rows | None = None

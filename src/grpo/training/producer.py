@@ -5,7 +5,7 @@ has enough informative groups.
 
 The trainer asks for one step's groups (``collect``), updates, and hands the new weights back
 (``sync_weights``). With ``rollout.max_staleness >= 1`` this producer runs in a process of its
-own, ahead of the trainer (``grpo.training.ahead``). What the producer draws and skips is part of a checkpoint (``state_dict``).
+own, ahead of the trainer (``grpo.training.producer_process``). What the producer draws and skips is part of a checkpoint (``state_dict``).
 """
 
 from __future__ import annotations
@@ -165,7 +165,9 @@ class Producer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("ahead"):  # saved with rollout.max_staleness >= 1 (grpo.training.ahead)
+        if state.get(
+            "ahead"
+        ):  # saved with rollout.max_staleness >= 1 (grpo.training.producer_process)
             steps = [p.step for p in state["ahead"]]
             print(
                 f"grpo: dropping the rollouts made ahead for steps {min(steps)}-{max(steps)} "

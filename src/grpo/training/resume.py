@@ -14,8 +14,8 @@ from grpo.build import Given
 from grpo.config import Config, ConfigError
 from grpo.config.diff import config_changes, describe_changes, flatten
 from grpo.runs.directory import Checkpoint, RunDir, RunDirError, model_digest, rows_digest
-from grpo.training.given import fingerprints as given_fingerprints
-from grpo.training.given import weights_digest
+from grpo.training.caller_parts import fingerprints as given_fingerprints
+from grpo.training.caller_parts import weights_digest
 
 # Keys that may change between a checkpoint and its resume: they change neither the math nor the
 # order of the data (every train.* key except the seed, and pure memory/speed knobs). Precision

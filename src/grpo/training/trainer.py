@@ -36,16 +36,16 @@ from grpo.runtime import distributed
 from grpo.runtime.host_memory import set_malloc_policy
 from grpo.scoring.chunked_head import chunked_head_slot, full_logits
 from grpo.scoring.logprobs import scoring_path
-from grpo.training.ahead import ProducerProcess
+from grpo.training.caller_parts import Given, RewardItem, given_parts
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
 from grpo.training.critic import Critic
 from grpo.training.entropy_bonus import EntropyBonus
 from grpo.training.gather import gather_scored
-from grpo.training.given import Given, RewardItem, given_parts
 from grpo.training.hack_watch import HackWatch
 from grpo.training.optimizer import build_optimizer
 from grpo.training.producer import Producer
+from grpo.training.producer_process import ProducerProcess
 from grpo.training.prompt_selection import rank_groups
 from grpo.training.resume import ResumePlan, fingerprints, open_run, plan_resume
 from grpo.training.signals import StopSignals, TrainingStopped
@@ -171,7 +171,7 @@ class Trainer:
         self, model_path: str | None, engine: RolloutEngine | None
     ) -> Producer | ProducerProcess:
         """The producer of the steps' groups: in this process, or (``rollout.max_staleness``
-        >= 1) ahead of it in another (``grpo.training.ahead``). ``self.engine`` is the one
+        >= 1) ahead of it in another (``grpo.training.producer_process``). ``self.engine`` is the one
         held-out evaluation samples with (with a producer process: built only for it)."""
         config = self.config
         if not config.rollout.max_staleness:
@@ -409,7 +409,7 @@ def train(
 
     ``rewards`` (callables, reward names or specs), ``dataset`` and ``eval_dataset``
     (``datasets.Dataset`` or lists of dicts), ``model`` and ``tokenizer`` replace what the
-    config names (``grpo.training.given``). Under ``torchrun`` every process calls this; the
+    config names (``grpo.training.caller_parts``). Under ``torchrun`` every process calls this; the
     process group is closed at the end.
     """
     if not isinstance(config, Config):

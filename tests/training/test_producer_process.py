@@ -1,4 +1,4 @@
-"""Generation ahead of training (rollout.max_staleness, grpo.training.ahead): the schedule, the
+"""Generation ahead of training (rollout.max_staleness, grpo.training.producer_process): the schedule, the
 weight push, the loss on stale rollouts by hand, and whole runs with a producer process on the
 tiny model: reproducible, resumable after kill -9, and stopped in one line with a checkpoint
 when the producer dies or hangs."""
@@ -23,8 +23,13 @@ from grpo.config import ConfigError, ModelConfig, build_config
 from grpo.models import load_policy
 from grpo.runtime import weight_sync
 from grpo.training import importance
-from grpo.training.ahead import ProducerLost, producer_device, sampling_version, split_threads
 from grpo.training.producer import Producer
+from grpo.training.producer_process import (
+    ProducerLost,
+    producer_device,
+    sampling_version,
+    split_threads,
+)
 from grpo.training.trainer import Trainer, train
 
 STEPS = 4
