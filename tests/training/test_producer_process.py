@@ -23,7 +23,7 @@ from grpo.config import ConfigError, ModelConfig, build_config
 from grpo.models import load_policy
 from grpo.runtime import weight_sync
 from grpo.training import importance
-from grpo.training.producer import Producer
+from grpo.training.producer import InProcessProducer
 from grpo.training.producer_process import (
     ProducerLost,
     producer_device,
@@ -210,7 +210,7 @@ def test_staleness_needs_an_importance_correction(tree: dict) -> None:
 
 def test_k0_is_the_synchronous_run_in_one_process(tree: dict) -> None:
     trainer = Trainer(make(tree, "sync", {"max_staleness": 0}, steps=1))
-    assert type(trainer.producer) is Producer
+    assert type(trainer.producer) is InProcessProducer
     run_dir = trainer.train()
     assert not any(k.startswith("staleness/") for k in rows(run_dir)[0])
 
@@ -442,7 +442,7 @@ def test_held_out_evaluation_samples_the_trainers_own_weights(tree: dict) -> Non
     trainer = Trainer(config)
     try:
         assert type(trainer.engine).__name__ == "HFEngine"
-        assert trainer.engine.model is trainer.policy
+        assert trainer.engine.model is trainer.state.policy
         assert trainer.config.rollout.engine == "server"  # the producer's, unchanged
     finally:
         trainer.run.release()
