@@ -164,7 +164,7 @@ def _signal_during_step(monkeypatch, at_step: int, signals: list[signal.Signals]
 
     def step(self: Trainer) -> dict:
         metrics = original(self)
-        if self.step == at_step:
+        if self.state.step == at_step:
             for signum in signals:
                 os.kill(os.getpid(), signum)
         return metrics
@@ -317,7 +317,7 @@ def test_a_full_disk_is_one_line_naming_the_intact_checkpoint(
         filler: list[Path] = []
 
         def step(self: Trainer) -> dict:
-            if self.step == 3 and not filler:  # after step 2's checkpoint
+            if self.state.step == 3 and not filler:  # after step 2's checkpoint
                 filler.append(_fill(disk))
             return original(self)
 

@@ -180,7 +180,7 @@ def baseline(make, rollout) -> dict[str, torch.Tensor]:
 def test_each_estimator_moves_the_weights_and_changes_the_update(
     make, rollout, baseline, weights, algo: dict
 ) -> None:
-    start = Trainer(make()).policy
+    start = Trainer(make()).state.policy
     after = update(make, rollout, algo)
     weights.assert_moved(weights.of(start), after)
     weights.assert_moved(baseline, after, atol=1e-6)

@@ -456,7 +456,7 @@ def sampled_rollout(knob_config, rollout) -> Rollout:
     """The shared rollout as an engine that reports its own log-probs would return it: the
     start policy's log-probs plus seeded noise (std 0.3 per token), so that importance weights
     and the behaviour-to-current divergence differ from 1 and 0 token by token."""
-    policy = Trainer(knob_config()).policy
+    policy = Trainer(knob_config()).state.policy
     r = rollout
     with torch.no_grad():
         logp, _ = original_logprobs(

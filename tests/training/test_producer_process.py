@@ -308,7 +308,7 @@ def _producer_at_step(monkeypatch, at_step: int, act) -> None:
     update = Trainer.optimize
 
     def optimize(self: Trainer, scored):
-        if self.step == at_step:
+        if self.state.step == at_step:
             while at_step + 1 not in self.producer.ready:
                 self.producer._receive()
             act(self.producer)

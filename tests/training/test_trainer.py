@@ -209,7 +209,7 @@ def test_lora_reference_is_the_adapter_disabled_policy(
 
 
 def test_no_reference_model_when_beta_is_zero(tiny_config) -> None:
-    assert Trainer(tiny_config(algorithm={"beta": 0.0})).reference is None
+    assert Trainer(tiny_config(algorithm={"beta": 0.0})).state.reference is None
 
 
 def _spy_policy_loss(monkeypatch, with_ref: bool = False) -> list:
