@@ -4,6 +4,9 @@ and ``load_checkpoint`` restores, without a trainer."""
 from __future__ import annotations
 
 import random
+import sys
+import types
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,11 +17,12 @@ from grpo.config import build_config
 from grpo.models import load_policy, load_tokenizer
 from grpo.runs.directory import Checkpoint, RunDir, RunDirError
 from grpo.runtime.distributed import DistInfo
-from grpo.training.checkpoint import load_checkpoint, save_checkpoint
+from grpo.training import producer_process
+from grpo.training.checkpoint import load_checkpoint, load_torch, save_checkpoint, save_torch
 from grpo.training.entropy_bonus import EntropyBonus
 from grpo.training.hack_watch import HackWatch
 from grpo.training.optimizer import build_optimizer
-from grpo.training.producer import InProcessProducer
+from grpo.training.producer import InProcessProducer, ProducedStep
 from grpo.training.state import TrainingState, capture_rng, restore_rng
 
 
@@ -145,3 +149,30 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path: Path) ->
         f"checkpoint {folder} does not fit the model my-model as configured (were its files "
         f"changed?): checkpoint {folder} does not match the model: ['other.weight']"
     )
+
+
+def test_steps_made_ahead_in_a_checkpoint_from_before_producer_process_load(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # written when the producer process was grpo.training.ahead and a step's seconds, skips
+    # and temperature travelled in a dict (``clock``)
+    @dataclass
+    class Produced:
+        step: int
+        version: int
+        collected: str
+        clock: dict
+        state: dict
+
+    old = types.ModuleType("grpo.training.ahead")
+    Produced.__module__, Produced.__qualname__, old.Produced = old.__name__, "Produced", Produced
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    clock = {"rollout": 1.0, "reward": 2.0, "skipped": 3.0, "wait_train": 4.0, "temperature": 0.7}
+    save_torch({"ahead": [Produced(2, 1, "groups", clock, {"consumed": 8})]}, tmp_path / "s.pt")
+    monkeypatch.delitem(sys.modules, old.__name__)
+
+    loaded = load_torch(tmp_path / "s.pt")["ahead"][0]
+    assert type(loaded) is producer_process.Produced
+    assert (loaded.step, loaded.version, loaded.state) == (2, 1, {"consumed": 8})
+    assert loaded.made == ProducedStep("groups", 0.7, rollout_s=1.0, reward_s=2.0, skipped=3.0)
+    assert loaded.wait_train_s == 4.0
