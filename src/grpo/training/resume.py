@@ -134,40 +134,12 @@ def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, 
     mode = config.train.resume
     if mode == "never":
         return ResumePlan()
-    checkpoint = (
-        run.latest_checkpoint() if mode in ("auto", "force") else run.checkpoint_at(Path(mode))
-    )
-    left = run.previous_run()
+    checkpoint = _checkpoint_to_resume(run, mode, world_size)
     if checkpoint is None:
-        if left:  # a fresh start would delete them: the user decides
-            raise RunDirError(
-                f"{run.path} holds a run ({', '.join(left)}) with no checkpoint to resume; "
-                "set train.resume=never to start over, or another train.run_name"
-            )
-        if mode == "force":
-            raise ConfigError(f"train.resume=force: no checkpoint in {run.checkpoints}")
         return ResumePlan()
-    if not checkpoint.path.resolve().is_relative_to(run.checkpoints.resolve()) and left:
-        raise RunDirError(
-            f"train.resume: {checkpoint.path} is another run's checkpoint and {run.path} "
-            f"holds a run of its own ({', '.join(left)}); set another train.run_name"
-        )
-    if checkpoint.world_size != world_size:
-        raise ConfigError(
-            f"checkpoint {checkpoint.path} was written by {checkpoint.world_size} process(es); "
-            f"resume it with the same number (this run has {world_size})"
-        )
     new = config.model_dump(mode="json")
     defaults = Config().model_dump(mode="json")
-    same_model = (
-        inputs.get("model") is not None and checkpoint.inputs.get("model") == inputs["model"]
-    )
-    forced = {
-        key: change
-        for key, change in math_changes(checkpoint.config, new, defaults).items()
-        if not moot_change(key, change, new, same_model)
-    }
-    forced.update(input_changes(checkpoint.inputs, inputs))
+    forced = _math_changes(checkpoint, new, defaults, inputs)
     fixed = {key: change for key, change in forced.items() if key in FIXED_KEYS}
     if fixed:
         raise ConfigError(
@@ -197,6 +169,52 @@ def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, 
         **input_changes(checkpoint.inputs, inputs),
     }
     return ResumePlan(checkpoint, changes, forced)
+
+
+def _checkpoint_to_resume(run: RunDir, mode: str, world_size: int) -> Checkpoint | None:
+    """The checkpoint ``train.resume`` (``auto``, ``force`` or a path) names in ``run``, or None
+    for a fresh start; refused where the run directory or the world size does not fit it."""
+    checkpoint = (
+        run.latest_checkpoint() if mode in ("auto", "force") else run.checkpoint_at(Path(mode))
+    )
+    left = run.previous_run()
+    if checkpoint is None:
+        if left:  # a fresh start would delete them: the user decides
+            raise RunDirError(
+                f"{run.path} holds a run ({', '.join(left)}) with no checkpoint to resume; "
+                "set train.resume=never to start over, or another train.run_name"
+            )
+        if mode == "force":
+            raise ConfigError(f"train.resume=force: no checkpoint in {run.checkpoints}")
+        return None
+    if not checkpoint.path.resolve().is_relative_to(run.checkpoints.resolve()) and left:
+        raise RunDirError(
+            f"train.resume: {checkpoint.path} is another run's checkpoint and {run.path} "
+            f"holds a run of its own ({', '.join(left)}); set another train.run_name"
+        )
+    if checkpoint.world_size != world_size:
+        raise ConfigError(
+            f"checkpoint {checkpoint.path} was written by {checkpoint.world_size} process(es); "
+            f"resume it with the same number (this run has {world_size})"
+        )
+    return checkpoint
+
+
+def _math_changes(
+    checkpoint: Checkpoint, new: dict[str, Any], defaults: dict[str, Any], inputs: dict[str, Any]
+) -> dict[str, tuple[Any, Any]]:
+    """What resuming ``checkpoint`` with the config ``new`` and ``inputs`` changes of the math:
+    config keys (but moot ones) and changed inputs."""
+    same_model = (
+        inputs.get("model") is not None and checkpoint.inputs.get("model") == inputs["model"]
+    )
+    forced = {
+        key: change
+        for key, change in math_changes(checkpoint.config, new, defaults).items()
+        if not moot_change(key, change, new, same_model)
+    }
+    forced.update(input_changes(checkpoint.inputs, inputs))
+    return forced
 
 
 def open_run(run: RunDir, plan: ResumePlan, config_text: str) -> None:
