@@ -4,7 +4,7 @@ out and scores the next steps' prompts while the trainer updates (docs/ahead.md)
 The schedule is fixed by step index, never by timing: step t trains on groups sampled with the
 weights after step ``sampling_version(t, k)`` = t-1-k (the first weights for the first steps),
 so two runs with the same seed compute the same thing however fast either process is. The
-producer is the synchronous run's ``Producer`` in a second process (spawned: a fresh
+producer is the synchronous run's ``InProcessProducer`` in a second process (spawned: a fresh
 interpreter, its own share of the cores); the trainer pushes its weights after every step
 (``grpo.runtime.weight_sync``) and receives whole steps (``Produced``) over a queue.
 
