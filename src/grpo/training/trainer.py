@@ -128,16 +128,15 @@ class Trainer:
             fused=not fsdp,
         )
         entropy_bonus = EntropyBonus(config.algorithm)
-        critic = self._critic(policy)
         self.state = TrainingState(
             policy,
             optimizer,
             scheduler,
-            parts.reference,
-            critic,
-            entropy_bonus,
-            hack_watch,
-            self.producer,
+            reference=parts.reference,
+            critic=self._critic(policy),
+            entropy_bonus=entropy_bonus,
+            hack_watch=hack_watch,
+            producer=self.producer,
         )
         self.update = PolicyUpdate(config, self.dist, self.state, self.train_model)
         self.saved_step = -1  # the step of the newest checkpoint on disk
