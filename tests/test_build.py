@@ -150,3 +150,51 @@ def test_rows_are_checked_before_the_weights_load(tiny_model_dir: Path, monkeypa
         grpo.build.load_model(
             ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir), fmt, [{"prompt": "x"}]
         )
+
+
+def test_run_parts_claims_the_run_between_the_inputs_and_the_model(
+    tiny_model_dir: Path, monkeypatch
+) -> None:
+    order: list[str] = []
+    real_load = grpo.build.load_policy
+
+    def load(*args: object, **kwargs: object) -> torch.nn.Module:
+        order.append("model")
+        return real_load(*args, **kwargs)
+
+    def claim(config: object, inputs: grpo.build.RunInputs) -> None:
+        order.append(f"claim with {len(inputs.rows)} rows")
+
+    monkeypatch.setattr(grpo.build, "load_policy", load)
+    config = _config(tiny_model_dir)
+    parts = grpo.build.run_parts(config, grpo.build.Given(), torch.device("cpu"), claim)
+    parts.inputs.close()
+    assert order == ["claim with 8 rows", "model"]
+    assert parts.inputs.model_path == str(tiny_model_dir) and parts.policy.training
+    assert parts.reference is not None  # the default beta > 0
+    assert parts.inputs.verifier is None  # no held-out evaluation
+
+
+def test_a_refused_claim_stops_the_reward_workers_and_loads_no_model(
+    tiny_model_dir: Path, monkeypatch
+) -> None:
+    closed: list[bool] = []
+    real_close = RewardRunner.close
+
+    def close(self: RewardRunner) -> None:
+        closed.append(True)
+        real_close(self)
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model loaded after the claim was refused")
+
+    def refused(config: object, inputs: object) -> None:
+        raise DataError("the run directory holds another run")
+
+    monkeypatch.setattr(RewardRunner, "close", close)
+    monkeypatch.setattr(grpo.build, "load_policy", never)
+    with pytest.raises(DataError, match="another run"):
+        grpo.build.run_parts(
+            _config(tiny_model_dir), grpo.build.Given(), torch.device("cpu"), refused
+        )
+    assert closed == [True]

@@ -220,11 +220,11 @@ def vllm_part(device: str, work: Path) -> dict[str, Any]:
     open_run(trainer.run, trainer.plan, dump_config(trainer.config))
     rows = []
     try:
-        while trainer.step < steps:
-            trainer.step += 1
-            rows.append({"step": trainer.step, **trainer.train_step()})
+        while trainer.state.step < steps:
+            trainer.state.step += 1
+            rows.append({"step": trainer.state.step, **trainer.train_step()})
         rollout = trainer.producer.engine.generate(prompts, probe, 4, seeds=[1, 2, 3, 4])
-        to_policy, to_base = sync_gaps(trainer.policy, rollout), sync_gaps(base, rollout)
+        to_policy, to_base = sync_gaps(trainer.state.policy, rollout), sync_gaps(base, rollout)
     finally:
         trainer.rewards.close()
         trainer.producer.close()

@@ -73,11 +73,11 @@ SCOPE: dict[str, list[str]] = {
     # config -> rollout, rewards, advantages, dynamic sampling's rounds. Left out: the engine's
     # release and the state's round trip (the checkpoint tests)
     "src/grpo/training/producer.py": [
-        "Producer.rollout",
-        "Producer.score",
-        "Producer.recomputed_advantages",
-        "Producer.sample",
-        "Producer.collect",
+        "InProcessProducer.rollout",
+        "InProcessProducer.score",
+        "InProcessProducer.recomputed_advantages",
+        "InProcessProducer.sample",
+        "InProcessProducer.collect",
     ],
     # left out: the math-verify worker processes (MathVerifier)
     "src/grpo/rewards/accuracy.py": [

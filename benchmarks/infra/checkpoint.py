@@ -22,7 +22,6 @@ import torch
 import grpo.runs.directory
 from grpo.config import build_config
 from grpo.runs.directory import verify
-from grpo.training.checkpoint import save_checkpoint
 from grpo.training.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "checkpoint_smollm2.json"
@@ -42,9 +41,9 @@ def main() -> None:
     )
     trainer = Trainer(config)
     # fill AdamW's state (two moments per weight) as a real step would
-    for p in trainer.policy.parameters():
+    for p in trainer.state.policy.parameters():
         p.grad = torch.randn_like(p) * 1e-3
-    trainer.optimizer.step()
+    trainer.state.optimizer.step()
 
     sealing: list[float] = []
     original = grpo.runs.directory.seal
@@ -57,9 +56,9 @@ def main() -> None:
     grpo.runs.directory.seal = timed_seal
     rounds = []
     for step in range(1, args.rounds + 1):
-        trainer.step = step
+        trainer.state.step = step
         t0 = time.perf_counter()
-        save_checkpoint(trainer)
+        trainer.save()
         total = time.perf_counter() - t0
         folder = trainer.run.checkpoints / f"step-{step}"
         t1 = time.perf_counter()

@@ -71,15 +71,15 @@ def main() -> None:
     open_run(trainer.run, trainer.plan, dump_config(trainer.config))
     results = []
     try:
-        while trainer.step < max(checkpoints):
-            trainer.step += 1
+        while trainer.state.step < max(checkpoints):
+            trainer.state.step += 1
             metrics = trainer.train_step()
-            if trainer.step in checkpoints:
+            if trainer.state.step in checkpoints:
                 rollout = trainer.producer.engine.generate(prompts, probe, 4, seeds=[1, 2, 3, 4])
                 entry = {
-                    "step": trainer.step,
+                    "step": trainer.state.step,
                     "tokens": int(rollout.completion_mask.sum()),
-                    "vllm_vs_trainer": gaps(trainer.policy, rollout, rollout.sampler_logp),
+                    "vllm_vs_trainer": gaps(trainer.state.policy, rollout, rollout.sampler_logp),
                     "vllm_vs_base": gaps(base, rollout, rollout.sampler_logp),
                     "train_tis_mismatch_mean": metrics.get("tis/mismatch_mean"),
                 }

@@ -102,7 +102,7 @@ class StepClock:
         def counted_optimize(*args: Any, **kwargs: Any) -> Any:
             # hooked only while it optimizes: a hook on the policy would make the rollout decode
             # through the model's own forward (rollout/decode.py skips hooked modules)
-            hook = trainer.policy.register_forward_hook(count, with_kwargs=True)
+            hook = trainer.state.policy.register_forward_hook(count, with_kwargs=True)
             try:
                 return optimize(*args, **kwargs)
             finally:
@@ -206,8 +206,8 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
     clock = StepClock(trainer)
     memory = StageMemory(trainer) if StageMemory.available() else None
     steps = []
-    while trainer.step < config.train.steps:
-        trainer.step += 1
+    while trainer.state.step < config.train.steps:
+        trainer.state.step += 1
         clock.reset()
         t0 = time.perf_counter()
         metrics = trainer.train_step()
@@ -216,7 +216,7 @@ def run(config: Config, warmup_peak_s: float = 1.0) -> dict[str, Any]:
         completion_tokens = int(rollout.completion_mask.sum())
         steps.append(
             {
-                "step": trainer.step,
+                "step": trainer.state.step,
                 "step_s": step_s,
                 "rollout_s": metrics["time/rollout_s"],
                 "reward_s": metrics["time/reward_s"],
@@ -251,10 +251,10 @@ def summarize(
     peak_after: float,
     load_s: float,
 ) -> dict[str, Any]:
-    params = common.matmul_params(trainer.policy)
+    params = common.matmul_params(trainer.state.policy)
     peak = (peak_before + peak_after) / 2
     total = {k: sum(s[k] for s in steps) for k in steps[0] if k != "step"}
-    reference = trainer.reference.copy if trainer.reference is not None else None
+    reference = trainer.state.reference.copy if trainer.state.reference is not None else None
     return {
         "engine": "grpo",
         "params": params,
@@ -277,7 +277,7 @@ def summarize(
         "mfu_update": common.mfu(
             common.update_flops(
                 params,
-                common.head_params(trainer.policy),
+                common.head_params(trainer.state.policy),
                 total["update_positions"],
                 total["update_logits"],
             ),

@@ -3,7 +3,8 @@ the benchmarks assemble the stack here, the same way.
 
 The parts come in the order a run needs them: what depends only on the config and the data
 (``prompt_format``, ``reward_runner``) is built and checked before a run directory is touched;
-the model parts (``load_model``, ``reference_of``, ``engine_of``) after.
+the model parts (``load_model``, ``reference_of``, ``engine_of``) after. ``run_parts`` builds a
+training run's parts in that order, in one call.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from grpo.rewards import RewardError, RewardRunner
 from grpo.rewards.registry import RewardFn
 from grpo.rollout import RolloutEngine
 from grpo.rollout.turns import MultiTurnEngine, chat_tools
+from grpo.runtime import distributed
 from grpo.runtime.host_memory import bound_kernel_caches
 from grpo.runtime.precision import choose_precision, measure_rates, precision_line
 
@@ -105,7 +107,7 @@ def concrete_precision(
 @dataclass
 class Given:
     """Parts a caller already holds (``grpo.train(rewards=..., dataset=..., model=...)``, see
-    ``grpo.training.given``); None: built from the config."""
+    ``grpo.training.caller_parts``); None: built from the config."""
 
     rewards: dict[str, RewardFn] = field(default_factory=dict)  # spec name -> callable
     rows: Rows | None = None
@@ -219,6 +221,84 @@ def engine_of(
     if rollout.tools and not isinstance(engine, MultiTurnEngine):
         engine = MultiTurnEngine(engine, tokenizer, rollout)
     return engine
+
+
+@dataclass
+class RunInputs:
+    """What a training run is checked against before anything is written: the rows it trains
+    on, its held-out rows (none without ``train.eval_every``), the prompt format, the reward
+    runner, the verifier evaluation judges by (None without ``train.eval_every``) and the
+    model's resolved folder or hub id (None for a given model)."""
+
+    rows: Rows
+    eval_rows: list[dict[str, Any]]
+    prompt_format: PromptFormat
+    rewards: RewardRunner
+    verifier: RewardRunner | None
+    model_path: str | None
+
+    def close(self) -> None:
+        """Stop the reward (and verifier) workers."""
+        self.rewards.close()
+        if self.verifier is not None:
+            self.verifier.close()
+
+
+@dataclass
+class RunParts:
+    """A training run's parts: ``config`` with ``model.precision`` decided, the checked
+    ``inputs``, the tokenizer, the policy (in train mode) and the reference (None when beta = 0).
+    """
+
+    config: Config
+    inputs: RunInputs
+    tokenizer: PreTrainedTokenizerBase
+    policy: nn.Module
+    reference: Reference | None
+
+
+def run_inputs(config: Config, given: Given) -> RunInputs:
+    """``RunInputs`` from the config and the given parts; a bad one is refused here."""
+    rows, eval_rows = training_rows(config, given)
+    fmt = prompt_format(config)
+    rewards = reward_runner(config, rows, given.rewards)
+    try:
+        verifier = verifier_runner(config) if config.train.eval_every else None
+        model_path = None if given.model else resolve_model_path(config.model.name)
+    except BaseException:
+        rewards.close()
+        raise
+    return RunInputs(rows, eval_rows, fmt, rewards, verifier, model_path)
+
+
+def run_parts(
+    config: Config,
+    given: Given,
+    device: torch.device,
+    claim: Callable[[Config, RunInputs], None],
+) -> RunParts:
+    """A training run's parts, in the order it needs them: the inputs, checked (``run_inputs``);
+    ``model.precision: auto`` decided once, by rank 0; then ``claim(config, inputs)``, where the
+    caller locks its run directory and decides the resume before the (slower) model loads; then
+    the tokenizer, the policy and the reference. The inputs' workers stop when a later part
+    fails."""
+    inputs = run_inputs(config, given)
+    try:
+        shape_of = inputs.model_path or given.model.config
+        config = distributed.from_main(lambda: concrete_precision(config, shape_of, device))
+        claim(config, inputs)
+        fmt, rows = inputs.prompt_format, inputs.rows
+        tokenizer, policy = (
+            given_model(config.model, given.model, given.tokenizer, fmt, rows, device)
+            if given.model is not None
+            else load_model(config.model, inputs.model_path, fmt, rows, device)
+        )
+        policy.train()
+        reference = reference_of(config, policy)
+    except BaseException:
+        inputs.close()
+        raise
+    return RunParts(config, inputs, tokenizer, policy, reference)
 
 
 @dataclass

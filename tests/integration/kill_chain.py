@@ -55,7 +55,7 @@ def arm(kill_at: int, log: Path) -> Callable[[], int]:
     for name in ("fsync", "rename", "replace"):
         around(os, name)
     around(torch, "save")
-    around(grpo.training.producer.Producer, "collect")  # rollout + rewards of a step
+    around(grpo.training.producer.InProcessProducer, "collect")  # rollout + rewards of a step
     around(grpo.training.trainer.Trainer, "optimize")  # the update: weights move, not yet saved
     around(MetricsLogger, "log")
     return lambda: count

@@ -24,7 +24,6 @@ from grpo.cli import main
 from grpo.config import Config, ConfigError, build_config
 from grpo.models import build_tiny_model
 from grpo.runs.directory import RunDirError, verify
-from grpo.training.checkpoint import load_checkpoint
 from grpo.training.signals import TrainingStopped
 from grpo.training.trainer import Trainer, train
 
@@ -165,7 +164,7 @@ def _signal_during_step(monkeypatch, at_step: int, signals: list[signal.Signals]
 
     def step(self: Trainer) -> dict:
         metrics = original(self)
-        if self.step == at_step:
+        if self.state.step == at_step:
             for signum in signals:
                 os.kill(os.getpid(), signum)
         return metrics
@@ -318,7 +317,7 @@ def test_a_full_disk_is_one_line_naming_the_intact_checkpoint(
         filler: list[Path] = []
 
         def step(self: Trainer) -> dict:
-            if self.step == 3 and not filler:  # after step 2's checkpoint
+            if self.state.step == 3 and not filler:  # after step 2's checkpoint
                 filler.append(_fill(disk))
             return original(self)
 
@@ -381,8 +380,8 @@ def test_a_resume_that_changes_the_math_is_refused_or_forced(tree: dict) -> None
     forced.train()
     rows = step_rows(run_dir)
     assert [row["lr"] for row in rows] == [1e-2, 1e-2, 1e-2, 5e-3]
-    assert forced.optimizer.param_groups[0]["lr"] == 5e-3
-    assert forced.scheduler.base_lrs == [5e-3]
+    assert forced.state.optimizer.param_groups[0]["lr"] == 5e-3
+    assert forced.state.scheduler.base_lrs == [5e-3]
     history = [json.loads(line) for line in (run_dir / "config_history.jsonl").open()]
     assert [h["event"] for h in history] == ["start", "resume", "resume"]
     assert history[-1]["step"] == 3
@@ -400,8 +399,10 @@ def test_the_engine_gets_the_restored_weights(tree: dict, monkeypatch) -> None:
         "sync_weights",
         lambda model: pushed.append({k: v.clone() for k, v in model.state_dict().items()}),
     )
-    load_checkpoint(trainer, trainer.plan.checkpoint.path)
+    trainer.resume_from(trainer.plan.checkpoint.path)
     saved = weights(trainer.plan.checkpoint.path)
+    assert trainer.state.step == trainer.saved_step == 1
+    assert trainer.run.intact == trainer.plan.checkpoint.path
     assert len(pushed) == 1
     assert all(torch.equal(pushed[0][k], saved[k]) for k in saved)
 

@@ -123,5 +123,5 @@ def test_all_truncated_completions_give_no_update(tiny_config):
     metrics = trainer.optimize(scored)
     assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
     # every token masked: no optimizer step, and the schedule has not advanced
-    assert metrics["optim/skipped"] == 1.0 and trainer.scheduler.last_epoch == 0
+    assert metrics["optim/skipped"] == 1.0 and trainer.state.scheduler.last_epoch == 0
     assert _optimize(config(False), scored)["grad_norm"] > 0

@@ -140,7 +140,7 @@ def test_a_server_that_dies_stops_the_run_with_a_checkpoint(
     update = Trainer.optimize
 
     def optimize(self: Trainer, scored):
-        if self.step == 2:
+        if self.state.step == 2:
             os.kill(process.pid, signal.SIGKILL)
             process.wait()
         return update(self, scored)

@@ -57,15 +57,15 @@ def test_trainer_gradient_equals_a_loop_over_the_models_own_tokens(tiny_config, 
     rollout, _, n_call, n_shown = _two_turn_rollout(tokenizer)
     advantages = torch.tensor([1.0, -1.0])
     scored = Scored(rollout, torch.zeros(2, 1), ["x"], torch.zeros(2), advantages)
-    start = {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+    start = {k: v.detach().clone() for k, v in trainer.state.policy.state_dict().items()}
     got = {}
-    step = trainer.optimizer.step
+    step = trainer.state.optimizer.step
 
     def keep_gradients(*args, **kwargs):  # the update frees them once its step is taken
-        got.update({k: p.grad.detach().clone() for k, p in trainer.policy.named_parameters()})
+        got.update({k: p.grad.detach().clone() for k, p in trainer.state.policy.named_parameters()})
         return step(*args, **kwargs)
 
-    trainer.optimizer.step = keep_gradients
+    trainer.state.optimizer.step = keep_gradients
     trainer.optimize(scored)
 
     # reference: a fresh copy of the starting weights, one on-policy pass (ratio 1, gradient of

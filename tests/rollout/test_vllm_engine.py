@@ -205,14 +205,18 @@ def test_weights_are_pushed_after_every_optimizer_step(tiny_config, tmp_path) ->
     probe = Trainer(config)
     llm = FakeLLM(len(probe.tokenizer), probe.tokenizer.eos_token_id)
     engine = VLLMEngine(
-        probe.policy, probe.tokenizer, config.rollout, llm=llm, sampling_params=FakeSamplingParams
+        probe.state.policy,
+        probe.tokenizer,
+        config.rollout,
+        llm=llm,
+        sampling_params=FakeSamplingParams,
     )
     trainer = Trainer(config, engine=engine)
-    start = copy.deepcopy(trainer.policy.state_dict())
+    start = copy.deepcopy(trainer.state.policy.state_dict())
     trainer.train()
     assert len(llm.model.loads) == 2 and llm.cache_resets == 2  # one push per step
     assert llm.shutdowns == 1  # before the process group goes (train's own finally)
-    final = trainer.policy.state_dict()
+    final = trainer.state.policy.state_dict()
     pushed = llm.model.loads[-1]
     assert pushed.keys() == final.keys()
     for name, value in final.items():
@@ -284,7 +288,11 @@ def test_a_resumed_run_pushes_the_restored_weights_before_sampling(tiny_config, 
     probe = Trainer(config)
     llm = FakeLLM(len(probe.tokenizer), probe.tokenizer.eos_token_id)
     engine = VLLMEngine(
-        probe.policy, probe.tokenizer, config.rollout, llm=llm, sampling_params=FakeSamplingParams
+        probe.state.policy,
+        probe.tokenizer,
+        config.rollout,
+        llm=llm,
+        sampling_params=FakeSamplingParams,
     )
     trainer = Trainer(config, engine=engine)
     pushes_at_rollout = []

@@ -333,8 +333,8 @@ def test_the_trainer_prints_its_scoring_path(tiny_config, capsys) -> None:
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("scoring")]
     assert lines[0].endswith("; LM head: full logits")
     # the policy and the reference's frozen copy both score from full logits
-    assert chunked_head_slot(trainer.policy) is None
-    assert chunked_head_slot(trainer.reference.copy) is None
+    assert chunked_head_slot(trainer.state.policy) is None
+    assert chunked_head_slot(trainer.state.reference.copy) is None
 
 
 def test_position_ids_skip_left_padding() -> None:

@@ -200,7 +200,7 @@ def test_training_scores_under_the_controls_it_sampled_with(tiny_config) -> None
     trainer = Trainer(config)
     open_run(trainer.run, trainer.plan, dump_config(config))
     try:
-        trainer.step = 1
+        trainer.state.step = 1
         metrics = trainer.train_step()
     finally:
         trainer.producer.rewards.close()

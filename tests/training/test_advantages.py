@@ -119,7 +119,7 @@ def test_reinforce_pp_trains_on_per_token_advantages_with_no_kl_in_the_loss(
     # rows) and no KL term; the KL is still measured and logged
     trainer = Trainer(make(estimator="reinforce_pp"))
     with torch.no_grad():  # a policy away from the reference: the KL is not 0
-        for p in trainer.policy.parameters():
+        for p in trainer.state.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     scored = trainer.producer.score(rollout)
     frozen = spy(monkeypatch, trainer.update, "frozen_logprobs")
@@ -168,7 +168,7 @@ CHANGES = [
 def update(make, rollout: Rollout, algo: dict) -> dict[str, torch.Tensor]:
     trainer = Trainer(make(**algo))
     trainer.optimize(trainer.producer.score(rollout))
-    return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+    return {k: v.detach().clone() for k, v in trainer.state.policy.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def baseline(make, rollout) -> dict[str, torch.Tensor]:
 def test_each_estimator_moves_the_weights_and_changes_the_update(
     make, rollout, baseline, weights, algo: dict
 ) -> None:
-    start = Trainer(make()).policy
+    start = Trainer(make()).state.policy
     after = update(make, rollout, algo)
     weights.assert_moved(weights.of(start), after)
     weights.assert_moved(baseline, after, atol=1e-6)

@@ -248,7 +248,7 @@ def test_ppo_trains_the_policy_and_the_critic(tree: dict, straight: Path, tiny_m
     assert not torch.equal(critic[f"body.{name}"], start[f"model.{name}"])
     assert not torch.equal(critic[f"body.{name}"], end[f"model.{name}"])
     trainer = Trainer(build_config({**tree, "train": {**tree["train"], "run_name": "x"}}))
-    assert trainer.critic is not None and trainer.update.critic is trainer.critic
+    assert trainer.state.critic is not None and trainer.update.critic is trainer.state.critic
     trainer.run.release()
 
 

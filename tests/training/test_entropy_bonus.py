@@ -27,9 +27,9 @@ def test_the_bonus_subtracts_coef_times_the_mean_token_entropy(tiny_config, weig
         trainer = Trainer(config)
         if not runs:
             scored = trainer.producer.score(trainer.producer.rollout())
-        start = weights.of(trainer.policy)
+        start = weights.of(trainer.state.policy)
         metrics = trainer.optimize(scored)
-        runs[c] = (metrics, weights.of(trainer.policy))
+        runs[c] = (metrics, weights.of(trainer.state.policy))
         weights.assert_moved(start, runs[c][1])
     (plain, before), (bonus, after) = runs[0.0], runs[coef]
     assert plain["entropy"] > 1.0  # the random model is far from deterministic

@@ -43,7 +43,7 @@ def test_each_member_trains_and_resumes_bit_for_bit(
     update = Trainer.optimize
 
     def stop_in_step_3(self: Trainer, scored):
-        if self.step == 3:
+        if self.state.step == 3:
             raise Stop
         return update(self, scored)
 

@@ -160,9 +160,9 @@ def test_quantile_one_filters_no_token_and_the_engine_gets_the_update(
     assert "entropy/kept_frac" not in metrics and "entropy" in metrics
     # a whole step hands the engine the updated policy; a step that changed nothing does not
     synced = spy_on(monkeypatch, trainer.producer.engine, "sync_weights")
-    trainer.step = 1
+    trainer.state.step = 1
     trainer.train_step()
-    assert [c["model"] for c in synced] == [trainer.policy]
+    assert [c["model"] for c in synced] == [trainer.state.policy]
     trainer.producer.sync_weights(2, changed=False)
     assert len(synced) == 1
 
@@ -196,7 +196,7 @@ def test_ppo_folds_a_moved_policys_kl_into_the_critics_targets(knob_config, roll
         trainer = Trainer(knob_config(algorithm={"estimator": "ppo", "beta": beta}))
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            for p in trainer.policy.parameters():
+            for p in trainer.state.policy.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=gen))
         runs[beta] = trainer.optimize(trainer.producer.score(rollout))
     plain, folded = runs[0.0], runs[0.5]
@@ -211,8 +211,8 @@ def test_max_grad_norm_clips_the_gradient_the_optimizer_steps_on(knob_config, ro
     trainer = Trainer(knob_config(optim={"max_grad_norm": 0.05}))
     metrics = trainer.optimize(scored_by(trainer, rollout))
     assert metrics["grad_norm"] > 0.5
-    beta1 = trainer.optimizer.param_groups[0]["betas"][0]
-    moments = [state["exp_avg"] for state in trainer.optimizer.state.values()]
+    beta1 = trainer.state.optimizer.param_groups[0]["betas"][0]
+    moments = [state["exp_avg"] for state in trainer.state.optimizer.state.values()]
     norm = math.sqrt(sum(float(m.double().pow(2).sum()) for m in moments))
     assert norm == pytest.approx((1 - beta1) * 0.05, rel=1e-4)
 
@@ -225,8 +225,8 @@ def test_a_non_finite_critic_gradient_is_announced_with_its_step(
     trainer = Trainer(knob_config(algorithm={"estimator": "ppo"}))
     scored = trainer.producer.score(rollout)
     with torch.no_grad():
-        trainer.critic.model.head.bias.fill_(math.nan)
-    trainer.step = 3
+        trainer.state.critic.model.head.bias.fill_(math.nan)
+    trainer.state.step = 3
     capsys.readouterr()
     metrics = trainer.optimize(scored)
     assert not math.isfinite(metrics["value/grad_norm"])
@@ -242,7 +242,7 @@ def test_dynamic_sampling_recomputes_advantages_with_the_configured_eps(
     config = knob_config(algorithm={"adv_eps": 0.5}, sampling={"dynamic": True, "max_rounds": 2})
     trainer = Trainer(config)
     calls = spy_on(monkeypatch, grpo.training.advantages, "batch_advantages")
-    batch = trainer.producer.collect(0, {"rollout": 0.0, "reward": 0.0, "skipped": 0.0})
+    batch = trainer.producer.collect(1).collected
     assert batch.train is not None and len(calls) >= 2  # each round's, then the kept batch's
     assert [c["algo"].adv_eps for c in calls] == [0.5] * len(calls)
     r = batch.train.rewards.double().view(-1, 4)
@@ -371,9 +371,9 @@ def test_every_loss_the_trainer_computes_is_the_formula(
     scored = scored_by(trainer, rollout)
     batches = spy_on(monkeypatch, grpo.training.update, "micro_batches")
     calls = spy_on(monkeypatch, algorithm, "policy_loss")
-    start = weights.of(trainer.policy)
+    start = weights.of(trainer.state.policy)
     metrics = trainer.optimize(scored)
-    weights.assert_moved(start, weights.of(trainer.policy))
+    weights.assert_moved(start, weights.of(trainer.state.policy))
 
     (split,) = batches
     mbs = split["result"]
@@ -433,7 +433,7 @@ def update(knob_config, rollout: Rollout, changes: dict) -> dict:
     """Weights after one update (mu 2, beta 0.5 unless changed) on the shared rollout."""
     trainer = Trainer(knob_config(algorithm={"num_iterations": 2, "beta": 0.5, **changes}))
     trainer.optimize(scored_by(trainer, rollout))
-    return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+    return {k: v.detach().clone() for k, v in trainer.state.policy.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -456,7 +456,7 @@ def sampled_rollout(knob_config, rollout) -> Rollout:
     """The shared rollout as an engine that reports its own log-probs would return it: the
     start policy's log-probs plus seeded noise (std 0.3 per token), so that importance weights
     and the behaviour-to-current divergence differ from 1 and 0 token by token."""
-    policy = Trainer(knob_config()).policy
+    policy = Trainer(knob_config()).state.policy
     r = rollout
     with torch.no_grad():
         logp, _ = original_logprobs(
@@ -499,7 +499,7 @@ def test_each_loss_and_correction_knob_changes_the_update(
 def peaked(trainer: Trainer, factor: float = 4.0) -> None:
     """Scale the final norm so the random model's next-token distribution is far from uniform."""
     with torch.no_grad():
-        trainer.policy.model.norm.weight.mul_(factor)
+        trainer.state.policy.model.norm.weight.mul_(factor)
 
 
 def first_token_frequencies(trainer: Trainer, monkeypatch) -> tuple[dict, dict, dict]:
@@ -510,7 +510,12 @@ def first_token_frequencies(trainer: Trainer, monkeypatch) -> tuple[dict, dict, 
     r = scored.rollout
     with torch.no_grad():  # before the update moves the weights
         plain, _ = original_logprobs(
-            trainer.policy, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 1.0
+            trainer.state.policy,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            1.0,
         )
     calls = spy_on(monkeypatch, grpo.training.update, "completion_logprobs")
     trainer.optimize(scored)  # beta 0, one iteration: the gradient pass is the only scoring
@@ -616,7 +621,7 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
         "completion_logprobs",
         recorded("score", grpo.training.update.completion_logprobs),
     )
-    trainer.step = 1
+    trainer.state.step = 1
     trainer.train_step()
     # the rollout, the reference forward and the update's forward
     assert seen == [(w, autocast, torch.float32) for w in ("sample", "score", "score")]
@@ -624,7 +629,7 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
     assert caching == [True, False, False]
     # under autocast the frozen reference holds its linear layers' weights as bf16, what the
     # products run in; the tied head stays the embedding, in float32
-    ref = trainer.reference.copy
+    ref = trainer.state.reference.copy
     want = torch.bfloat16 if autocast else torch.float32
     assert ref.model.layers[0].mlp.up_proj.weight.dtype == want
     assert ref.lm_head.weight is ref.model.embed_tokens.weight
@@ -634,7 +639,7 @@ def test_autocast_runs_sampling_and_scoring_in_bf16_with_float32_log_probs(
 def test_a_reference_that_refreshes_by_mixing_stays_float32_under_autocast(knob_config) -> None:
     mixing = {"beta": 0.1, "ref_update_every": 2, "ref_mix_alpha": 0.5}
     trainer = Trainer(knob_config(model={"precision": "bf16_autocast"}, algorithm=mixing))
-    assert trainer.reference.copy.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    assert trainer.state.reference.copy.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
     copying = {**mixing, "ref_mix_alpha": 1.0}
     trainer = Trainer(knob_config(model={"precision": "bf16_autocast"}, algorithm=copying))
-    assert trainer.reference.copy.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert trainer.state.reference.copy.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16

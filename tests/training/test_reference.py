@@ -166,11 +166,11 @@ def test_trainer_refreshes_every_n_steps(tiny_config) -> None:
 def test_trainer_reference_equals_policy_right_after_a_refresh(tiny_config, weights) -> None:
     config = tiny_config(algorithm={"beta": 0.1, "ref_update_every": 1}, train={"steps": 2})
     trainer = Trainer(config)
-    start = weights.of(trainer.policy)
+    start = weights.of(trainer.state.policy)
     trainer.train()
-    pol = weights.of(trainer.policy)
+    pol = weights.of(trainer.state.policy)
     weights.assert_moved(start, pol)  # else a reference never refreshed would also match
-    weights.assert_equal(weights.of(trainer.reference.copy), pol)
+    weights.assert_equal(weights.of(trainer.state.reference.copy), pol)
 
 
 def test_resume_restores_the_refreshed_reference(tiny_config, tmp_path, weights) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from grpo.algorithm import zero_std_groups
 from grpo.containers import Rollout, Scored
+from grpo.training.producer import Round
 from grpo.training.prompt_selection import (
     Draw,
     PromptFilter,
@@ -328,13 +329,28 @@ def test_the_trainer_keeps_a_multiple_of_its_ranks(tiny_config, monkeypatch) -> 
     )
     trainer.producer.dist = replace(trainer.dist, world_size=2)
     script = Script([(4, [INFO, ZERO, INFO, INFO])])
-    monkeypatch.setattr(trainer.producer, "sample", lambda n, clock: script(n))
-    out = trainer.producer.collect(0, {"rollout": 0.0, "reward": 0.0, "skipped": 0.0})
+    monkeypatch.setattr(trainer.producer, "sample", lambda n: (script(n), Round(0.0, 0.0, 0)))
+    out = trainer.producer.collect(1).collected
     assert (out.prompts_drawn, out.prompts_kept) == (4, 2)
     assert out.train.rollout.completions[::G] == ["r1g0", "r1g2"]
 
 
-def test_each_round_adds_to_the_steps_clock_and_skips(tiny_config, monkeypatch) -> None:
+def test_a_step_adds_up_its_rounds_seconds_and_skips(tiny_config, monkeypatch) -> None:
+    # dynamic sampling: 1 informative group of 2 in the first round, so a second round of 2
+    trainer = Trainer(
+        tiny_config(rollout={"prompts_per_step": 2}, sampling={"dynamic": True, "max_rounds": 2})
+    )
+    script = Script([(2, [INFO, ZERO]), (2, [INFO, INFO])])
+    spent = iter([Round(1.0, 2.0, 3), Round(10.0, 20.0, 30)])
+    monkeypatch.setattr(trainer.producer, "sample", lambda n: (script(n), next(spent)))
+    produced = trainer.producer.collect(1)
+    assert produced.collected.rounds == 2
+    assert (produced.rollout_s, produced.reward_s, produced.skipped) == (11.0, 22.0, 33.0)
+    assert produced.temperature == trainer.producer.temperature.for_step(1)
+    assert produced.ahead is None  # made in this process
+
+
+def test_each_round_says_its_seconds_and_skips(tiny_config, monkeypatch) -> None:
     # two rounds of one prompt; every prompt is hopeless and skipped for sure, so each round
     # skips max_skips (one per row) before it takes one; a fake clock ticks in whole seconds
     import types
@@ -352,8 +368,6 @@ def test_each_round_adds_to_the_steps_clock_and_skips(tiny_config, monkeypatch) 
     monkeypatch.setattr(
         grpo.training.producer, "time", types.SimpleNamespace(perf_counter=ticks.__next__)
     )
-    clock = {"rollout": 0.0, "reward": 0.0, "skipped": 0.0}
-    trainer.producer.sample(1, clock)
-    trainer.producer.sample(1, clock)
-    # rollout (10 - 0) + (130 - 100) s, rewards (11 - 10) + (132 - 130) s
-    assert clock == {"rollout": 40.0, "reward": 3.0, "skipped": 2.0 * rows}
+    first, second = (trainer.producer.sample(1)[1] for _ in range(2))
+    # rollout 10 - 0 and 130 - 100 s, rewards 11 - 10 and 132 - 130 s
+    assert (first, second) == (Round(10.0, 1.0, rows), Round(30.0, 2.0, rows))

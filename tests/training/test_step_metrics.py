@@ -1,4 +1,5 @@
-"""A step's metrics and completion records as pure functions of a hand-made scored batch."""
+"""A step's metrics and completion records as pure functions of a hand-made scored batch and
+the step's typed results."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ import math
 import pytest
 import torch
 
+from grpo.config import build_config
 from grpo.containers import Rollout, Scored
+from grpo.training.producer import Ahead, ProducedStep
 from grpo.training.prompt_selection import Collected
-from grpo.training.step_metrics import completion_records, sampling_metrics, step_metrics
+from grpo.training.step_metrics import (
+    completion_records,
+    logged_metrics,
+    sampling_metrics,
+    step_metrics,
+)
 
 NAN = math.nan
 
@@ -129,3 +137,44 @@ def test_completion_records_of_a_multi_turn_step_hold_the_turns() -> None:
     scored = dataclasses.replace(scored, rollout=dataclasses.replace(scored.rollout, turns=turns))
     records = completion_records(scored, step=1, n=4)
     assert [r["turns"] for r in records] == turns
+
+
+def test_logged_metrics_in_the_order_and_with_the_values_the_step_logs() -> None:
+    scored = _scored()
+    batch = Collected(None, scored, prompts_drawn=2, prompts_kept=0, rounds=1)
+    config = build_config({"sampling": {"dynamic": True}, "rollout": {"group_size": 2}})
+    produced = ProducedStep(batch, 0.9, rollout_s=3.0, reward_s=1.0, skipped=0.0)
+    update = {"optim/skipped": 1.0}
+    refreshed = {"ref/refreshes": 2.0}
+    metrics = logged_metrics(
+        produced, scored, update, refreshed, lr=1e-5, train_s=0.5, elapsed_s=4.0, config=config
+    )
+    ahead_keys = ["staleness/mean", "staleness/max", "time/wait_rollout_s", "time/wait_train_s"]
+    assert list(metrics) == [
+        "ref/refreshes",
+        *step_metrics(scored),
+        "optim/skipped",
+        "sampling/prompts_drawn",
+        "sampling/prompts_kept",
+        "sampling/rounds",
+        "rollout/temperature",
+        "lr",
+        "time/rollout_s",
+        "time/reward_s",
+        "time/train_s",
+        "tokens_per_s",
+    ]
+    assert metrics["rollout/temperature"] == 0.9 and metrics["lr"] == 1e-5
+    assert (metrics["time/rollout_s"], metrics["time/reward_s"], metrics["time/train_s"]) == (
+        3.0,
+        1.0,
+        0.5,
+    )
+    assert metrics["tokens_per_s"] == 8 / 4.0  # completion tokens 3 + 1 + 2 + 2 in 4 s
+    # made ahead by the producer process: its staleness and both waits follow
+    ahead = dataclasses.replace(produced, ahead=Ahead(2.0, 0.25, 0.75))
+    metrics = logged_metrics(
+        ahead, scored, update, refreshed, lr=1e-5, train_s=0.5, elapsed_s=4.0, config=config
+    )
+    assert list(metrics)[-4:] == ahead_keys
+    assert [metrics[k] for k in ahead_keys] == [2.0, 2.0, 0.25, 0.75]

@@ -48,7 +48,9 @@ class OtherPolicySampler(HFEngine):
 def _trainer(tiny_config, cap: float | None) -> Trainer:
     config = tiny_config(algorithm={"tis_cap": cap, "beta": 0.0}, optim={"micro_batch_size": 8})
     trainer = Trainer(config)
-    trainer.producer.engine = OtherPolicySampler(trainer.policy, trainer.tokenizer, config.rollout)
+    trainer.producer.engine = OtherPolicySampler(
+        trainer.state.policy, trainer.tokenizer, config.rollout
+    )
     return trainer
 
 
@@ -117,7 +119,9 @@ def test_sequence_masking_and_offpolicy_masking_reach_the_loss(tiny_config, monk
         optim={"micro_batch_size": 8},
     )
     trainer = Trainer(config)
-    trainer.producer.engine = OtherPolicySampler(trainer.policy, trainer.tokenizer, config.rollout)
+    trainer.producer.engine = OtherPolicySampler(
+        trainer.state.policy, trainer.tokenizer, config.rollout
+    )
     scored = trainer.producer.score(trainer.producer.rollout())
     seen = []
     original_loss = algorithm.policy_loss

@@ -180,9 +180,9 @@ def test_lora_reference_is_the_adapter_disabled_policy(
         train={"steps": 3},
     )
     trainer = Trainer(config)
-    assert trainer.reference.copy is None  # no second copy of the weights
-    total = sum(p.numel() for p in trainer.policy.parameters())
-    trainable = sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)
+    assert trainer.state.reference.copy is None  # no second copy of the weights
+    total = sum(p.numel() for p in trainer.state.policy.parameters())
+    trainable = sum(p.numel() for p in trainer.state.policy.parameters() if p.requires_grad)
     assert trainable < total / 5
     calls = _spy_policy_loss(monkeypatch, with_ref=True)
     run_dir = trainer.train()
@@ -196,16 +196,20 @@ def test_lora_reference_is_the_adapter_disabled_policy(
     batch = calls[-1]["batch"]
     with torch.no_grad():
         base_logp, _ = completion_logprobs(base, *batch, config.rollout.temperature)
-        policy_logp, _ = completion_logprobs(trainer.policy, *batch, config.rollout.temperature)
+        policy_logp, _ = completion_logprobs(
+            trainer.state.policy, *batch, config.rollout.temperature
+        )
     mask = batch[3]
     ref_logp = calls[-1]["ref"]
     assert torch.allclose(ref_logp[mask], base_logp[mask], atol=1e-5)
     assert (policy_logp - base_logp)[mask].abs().max() > 1e-3
-    assert trainer.reference.copy is None and is_lora(trainer.policy)  # still the live adapter
+    assert trainer.state.reference.copy is None and is_lora(
+        trainer.state.policy
+    )  # still the live adapter
 
 
 def test_no_reference_model_when_beta_is_zero(tiny_config) -> None:
-    assert Trainer(tiny_config(algorithm={"beta": 0.0})).reference is None
+    assert Trainer(tiny_config(algorithm={"beta": 0.0})).state.reference is None
 
 
 def _spy_policy_loss(monkeypatch, with_ref: bool = False) -> list:
@@ -276,13 +280,13 @@ def test_one_iteration_needs_no_extra_forward(tiny_config, monkeypatch) -> None:
 def test_an_update_frees_its_gradients_once_its_step_is_taken(tiny_config) -> None:
     trainer = Trainer(tiny_config())
     scored = trainer.producer.score(trainer.producer.rollout())
-    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    before = [p.detach().clone() for p in trainer.state.policy.parameters()]
     trainer.optimize(scored)
     # the step moved the weights, and the gradients are gone once it is taken: the rollout and
     # the frozen log-probs until the next update reuse their memory
-    params = trainer.policy.parameters()
+    params = trainer.state.policy.parameters()
     assert any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
-    assert all(p.grad is None for p in trainer.policy.parameters())
+    assert all(p.grad is None for p in trainer.state.policy.parameters())
 
 
 def test_a_step_whose_gradient_is_not_finite_leaves_the_weights_and_says_so(
@@ -290,17 +294,17 @@ def test_a_step_whose_gradient_is_not_finite_leaves_the_weights_and_says_so(
 ) -> None:
     trainer = Trainer(tiny_config())
     scored = trainer.producer.score(trainer.producer.rollout())
-    before = [p.detach().clone() for p in trainer.policy.parameters()]
-    weight = next(p for p in trainer.policy.parameters() if p.requires_grad)
+    before = [p.detach().clone() for p in trainer.state.policy.parameters()]
+    weight = next(p for p in trainer.state.policy.parameters() if p.requires_grad)
     hook = weight.register_hook(lambda grad: grad * float("nan"))  # as a diverged loss gives
-    trainer.step = 1
+    trainer.state.step = 1
     out = trainer.optimize(scored)
     assert math.isnan(out["grad_norm"]) and out["optim/skipped"] == 1.0
-    params = list(trainer.policy.parameters())
+    params = list(trainer.state.policy.parameters())
     assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
     said = [line for line in capsys.readouterr().err.splitlines() if "not finite" in line]
     assert len(said) == 1 and "step 1" in said[0] and "skipped" in said[0]
-    assert trainer.scheduler.last_epoch == 0 and all(p.grad is None for p in params)
+    assert trainer.state.scheduler.last_epoch == 0 and all(p.grad is None for p in params)
     hook.remove()
     trainer.optimize(scored)  # the next finite step moves them
     assert any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
@@ -314,7 +318,7 @@ def test_skipped_is_the_share_of_an_updates_optimizer_steps_not_taken(
     # skips the first step only (1 of 2), in every pass both
     trainer = Trainer(tiny_config(algorithm={"num_iterations": 2}))
     scored = trainer.producer.score(trainer.producer.rollout())
-    weight = next(p for p in trainer.policy.parameters() if p.requires_grad)
+    weight = next(p for p in trainer.state.policy.parameters() if p.requires_grad)
     passes: list[int] = []
 
     def poison(grad: torch.Tensor) -> torch.Tensor:
@@ -494,10 +498,10 @@ def test_only_the_hf_engine_generates_from_gathered_parameters(tiny_config, monk
 
     monkeypatch.setattr(grpo.training.trainer.distributed, "full_parameters", record)
     trainer.producer.rollout()
-    assert gathered == [trainer.policy]
+    assert gathered == [trainer.state.policy]
     trainer.config.rollout.engine = "vllm"  # the engine object stays; only the choice is read
     trainer.producer.rollout()
-    assert gathered == [trainer.policy]
+    assert gathered == [trainer.state.policy]
 
 
 def test_progress_off_means_no_bars_at_all(tiny_config, capfd) -> None:

@@ -3,9 +3,11 @@ rolled out by the engine at the step's temperature, scored by the rewards, with 
 estimator's advantages (``grpo.training.advantages``); dynamic sampling's rounds until the step
 has enough informative groups.
 
-The trainer asks for one step's groups (``collect``), updates, and hands the new weights back
-(``sync_weights``). With ``rollout.max_staleness >= 1`` this producer runs in a process of its
-own, ahead of the trainer (``grpo.training.ahead``). What the producer draws and skips is part of a checkpoint (``state_dict``).
+The trainer asks a ``Producer`` for one step's groups (``collect``, a ``ProducedStep``), updates,
+and hands the new weights back (``sync_weights``). ``InProcessProducer`` makes them here; with
+``rollout.max_staleness >= 1`` it runs in a process of its own, ahead of the trainer
+(``grpo.training.producer_process``). What the producer draws and skips is part of a checkpoint
+(``state_dict``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +39,70 @@ from grpo.training.prompt_selection import Collected, PromptFilter, collect, dra
 from grpo.training.temperature import TemperatureController
 
 
-class Producer:
+@dataclass
+class Ahead:
+    """How a step made ahead by the producer process (``rollout.max_staleness``) came about.
+
+    staleness: optimizer steps between the weights that sampled it and those it updates;
+    wait_rollout_s: the trainer's wait for it; wait_train_s: the producer's wait for the weights
+    to sample it with.
+    """
+
+    staleness: float
+    wait_rollout_s: float
+    wait_train_s: float
+
+
+@dataclass
+class ProducedStep:
+    """One step's groups as the trainer receives them.
+
+    collected: the scored groups (and what dynamic sampling did); temperature: the one they were
+    sampled at; rollout_s / reward_s: seconds generating and scoring, over every round;
+    skipped: prompts GRESO skipped; ahead: made by the producer process, else None.
+    """
+
+    collected: Collected
+    temperature: float
+    rollout_s: float
+    reward_s: float
+    skipped: float
+    ahead: Ahead | None = None
+
+
+@dataclass
+class Round:
+    """One round of sampling: seconds rolling out and scoring, prompts GRESO skipped."""
+
+    rollout_s: float
+    reward_s: float
+    skipped: int
+
+
+class Producer(Protocol):
+    """What the trainer asks of a producer of steps: ``InProcessProducer`` here, or
+    ``grpo.training.producer_process.ProducerProcess`` ahead in another process."""
+
+    temperature: TemperatureController  # the trainer observes each step (adaptive)
+
+    def collect(self, step: int) -> ProducedStep:
+        """Step ``step``'s (1-based) groups."""
+        ...
+
+    def sync_weights(self, step: int, changed: bool) -> None:
+        """After step ``step``: later steps sample from the policy's weights now."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position (``consumed``, ``greso``, ``temperature``) a checkpoint holds."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessProducer:
     """Rolls out and scores the prompts of each step, in step order."""
 
     def __init__(
@@ -111,11 +177,9 @@ class Producer:
             advantages.counted_mask(scored.rollout, algo).sum(dim=1),
         )
 
-    def sample(self, n: int, clock: dict[str, float]) -> Scored:
-        """Draw n prompts past the GRESO filter, roll them out and score them.
-
-        ``clock`` accumulates the step's rollout and reward seconds and the prompts skipped.
-        """
+    def sample(self, n: int) -> tuple[Scored, Round]:
+        """Draw n prompts past the GRESO filter, roll them out and score them; with the round's
+        seconds and skips."""
         t0 = time.perf_counter()
         draws, skipped = draw_prompts(
             self.stream.next_draw, n, self.prompt_filter, max_skips=len(self.rows)
@@ -123,9 +187,7 @@ class Producer:
         rollout = self.rollout(draws)
         t1 = time.perf_counter()
         scored = self.score(rollout)
-        clock["rollout"] += t1 - t0
-        clock["reward"] += time.perf_counter() - t1
-        clock["skipped"] += skipped
+        spent = Round(t1 - t0, time.perf_counter() - t1, skipped)
         if self.prompt_filter is not None:
             # global rewards, so every rank keeps the same history and skips the same prompts
             rewards = distributed.all_gather_rows(scored.rewards)
@@ -134,21 +196,34 @@ class Producer:
                 self.prompt_filter.record(draw.index, zero_variance)
         if self.config.sampling.dynamic:
             # every rank keeps the global groups: all make the same choices (prompt_selection)
-            return gather_scored(scored)
-        return scored
+            return gather_scored(scored), spent
+        return scored, spent
 
-    def collect(self, step: int, clock: dict[str, float]) -> Collected:
-        """Step ``step``'s groups: one round, or dynamic sampling's rounds (prompt_selection);
-        ``clock`` also gets the temperature they were sampled at."""
+    def collect(self, step: int) -> ProducedStep:
+        """Step ``step``'s groups: one round, or dynamic sampling's rounds (prompt_selection)."""
         self.step = step
-        clock["temperature"] = self.temperature.for_step(step)
-        return collect(
-            lambda n: self.sample(n, clock),
+        temperature = self.temperature.for_step(step)
+        rounds: list[Round] = []
+
+        def sample(n: int) -> Scored:
+            scored, spent = self.sample(n)
+            rounds.append(spent)
+            return scored
+
+        collected = collect(
+            sample,
             self.config.rollout.prompts_per_step,
             dynamic=self.config.sampling.dynamic,
             max_rounds=self.config.sampling.max_rounds,
             advantages=self.recomputed_advantages,
             multiple_of=self.dist.world_size,
+        )
+        return ProducedStep(
+            collected,
+            temperature,
+            rollout_s=sum(r.rollout_s for r in rounds),
+            reward_s=sum(r.reward_s for r in rounds),
+            skipped=float(sum(r.skipped for r in rounds)),
         )
 
     def sync_weights(self, step: int, changed: bool) -> None:
@@ -165,7 +240,9 @@ class Producer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("ahead"):  # saved with rollout.max_staleness >= 1 (grpo.training.ahead)
+        if state.get(
+            "ahead"
+        ):  # saved with rollout.max_staleness >= 1 (grpo.training.producer_process)
             steps = [p.step for p in state["ahead"]]
             print(
                 f"grpo: dropping the rollouts made ahead for steps {min(steps)}-{max(steps)} "

@@ -14,8 +14,8 @@ from grpo.build import Given
 from grpo.config import Config, ConfigError
 from grpo.config.diff import config_changes, describe_changes, flatten
 from grpo.runs.directory import Checkpoint, RunDir, RunDirError, model_digest, rows_digest
-from grpo.training.given import fingerprints as given_fingerprints
-from grpo.training.given import weights_digest
+from grpo.training.caller_parts import fingerprints as given_fingerprints
+from grpo.training.caller_parts import weights_digest
 
 # Keys that may change between a checkpoint and its resume: they change neither the math nor the
 # order of the data (every train.* key except the seed, and pure memory/speed knobs). Precision
@@ -127,9 +127,53 @@ class ResumePlan:
         return 0 if self.checkpoint is None else self.checkpoint.step
 
 
+def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, Any]) -> ResumePlan:
+    """Pick the checkpoint to resume from ``run`` (locked by the caller) for ``config``, or
+    refuse with ``ConfigError`` / ``RunDirError`` (one line). ``inputs`` are this run's
+    fingerprints of the data and model (``INPUTS``)."""
+    mode = config.train.resume
+    if mode == "never":
+        return ResumePlan()
+    checkpoint = _checkpoint_to_resume(run, mode, world_size)
+    if checkpoint is None:
+        return ResumePlan()
+    new = config.model_dump(mode="json")
+    defaults = Config().model_dump(mode="json")
+    forced = _math_changes(checkpoint, new, defaults, inputs)
+    fixed = {key: change for key, change in forced.items() if key in FIXED_KEYS}
+    if fixed:
+        raise ConfigError(
+            f"resuming {checkpoint.path}: {describe_changes(fixed)} cannot change on resume "
+            "(the checkpoint's weights would not fit), not even with train.resume=force; "
+            f"start a new run (train.run_name) with model.name={checkpoint.path}"
+        )
+    if checkpoint.step > config.train.steps:
+        raise ConfigError(
+            f"train.steps {config.train.steps} is below the step of {checkpoint.path} "
+            f"({checkpoint.step}); raise it to train on"
+        )
+    if forced and mode != "force":
+        how = (
+            "set train.resume=force to apply the change, or train.resume=never to start over"
+            if mode == "auto"
+            else "a chosen checkpoint resumes with its own config: rewind to it first "
+            f"(train.steps={checkpoint.step} and its config), then apply the change with "
+            "train.resume=force"
+        )
+        raise ConfigError(
+            f"resuming {checkpoint.path} with a config that changes the math: "
+            f"{describe_changes(forced)}; {how}"
+        )
+    changes = {
+        **config_changes(checkpoint.config, new, defaults),
+        **input_changes(checkpoint.inputs, inputs),
+    }
+    return ResumePlan(checkpoint, changes, forced)
+
+
 def _checkpoint_to_resume(run: RunDir, mode: str, world_size: int) -> Checkpoint | None:
-    """The checkpoint ``train.resume`` names (the latest for auto and force), checked against
-    the run directory and the world size; None for a fresh start."""
+    """The checkpoint ``train.resume`` (``auto``, ``force`` or a path) names in ``run``, or None
+    for a fresh start; refused where the run directory or the world size does not fit it."""
     checkpoint = (
         run.latest_checkpoint() if mode in ("auto", "force") else run.checkpoint_at(Path(mode))
     )
@@ -156,13 +200,11 @@ def _checkpoint_to_resume(run: RunDir, mode: str, world_size: int) -> Checkpoint
     return checkpoint
 
 
-def _forced_changes(
-    checkpoint: Checkpoint,
-    new: dict[str, Any],
-    defaults: dict[str, Any],
-    inputs: dict[str, Any],
+def _math_changes(
+    checkpoint: Checkpoint, new: dict[str, Any], defaults: dict[str, Any], inputs: dict[str, Any]
 ) -> dict[str, tuple[Any, Any]]:
-    """The changes to the checkpoint's config and inputs that change the math (moot ones out)."""
+    """What resuming ``checkpoint`` with the config ``new`` and ``inputs`` changes of the math:
+    config keys (but moot ones) and changed inputs."""
     same_model = (
         inputs.get("model") is not None and checkpoint.inputs.get("model") == inputs["model"]
     )
@@ -173,58 +215,6 @@ def _forced_changes(
     }
     forced.update(input_changes(checkpoint.inputs, inputs))
     return forced
-
-
-def _check_resumable(
-    checkpoint: Checkpoint, config: Config, forced: dict[str, tuple[Any, Any]], mode: str
-) -> None:
-    """Refuse a change the weights cannot take, a step count below the checkpoint's, and a
-    change of the math without train.resume=force."""
-    fixed = {key: change for key, change in forced.items() if key in FIXED_KEYS}
-    if fixed:
-        raise ConfigError(
-            f"resuming {checkpoint.path}: {describe_changes(fixed)} cannot change on resume "
-            "(the checkpoint's weights would not fit), not even with train.resume=force; "
-            f"start a new run (train.run_name) with model.name={checkpoint.path}"
-        )
-    if checkpoint.step > config.train.steps:
-        raise ConfigError(
-            f"train.steps {config.train.steps} is below the step of {checkpoint.path} "
-            f"({checkpoint.step}); raise it to train on"
-        )
-    if forced and mode != "force":
-        how = (
-            "set train.resume=force to apply the change, or train.resume=never to start over"
-            if mode == "auto"
-            else "a chosen checkpoint resumes with its own config: rewind to it first "
-            f"(train.steps={checkpoint.step} and its config), then apply the change with "
-            "train.resume=force"
-        )
-        raise ConfigError(
-            f"resuming {checkpoint.path} with a config that changes the math: "
-            f"{describe_changes(forced)}; {how}"
-        )
-
-
-def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, Any]) -> ResumePlan:
-    """Pick the checkpoint to resume from ``run`` (locked by the caller) for ``config``, or
-    refuse with ``ConfigError`` / ``RunDirError`` (one line). ``inputs`` are this run's
-    fingerprints of the data and model (``INPUTS``)."""
-    mode = config.train.resume
-    if mode == "never":
-        return ResumePlan()
-    checkpoint = _checkpoint_to_resume(run, mode, world_size)
-    if checkpoint is None:
-        return ResumePlan()
-    new = config.model_dump(mode="json")
-    defaults = Config().model_dump(mode="json")
-    forced = _forced_changes(checkpoint, new, defaults, inputs)
-    _check_resumable(checkpoint, config, forced, mode)
-    changes = {
-        **config_changes(checkpoint.config, new, defaults),
-        **input_changes(checkpoint.inputs, inputs),
-    }
-    return ResumePlan(checkpoint, changes, forced)
 
 
 def open_run(run: RunDir, plan: ResumePlan, config_text: str) -> None:

@@ -1,4 +1,5 @@
-"""A step's metrics and sampled completions, as pure functions of what the step scored."""
+"""A step's metrics and sampled completions, as pure functions of what the step produced,
+scored and updated."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import math
 from typing import Any
 
 from grpo import algorithm
+from grpo.config import Config
 from grpo.containers import Scored
 from grpo.rewards.inputs import per_function_metrics
 from grpo.rollout.turns import tool_metrics
 from grpo.runs.metrics import reflection_rate
+from grpo.training.producer import ProducedStep
 from grpo.training.prompt_selection import Collected
 
 
@@ -49,6 +52,55 @@ def sampling_metrics(
         out["greso/skipped"] = skipped
         out["greso/rollouts_saved"] = skipped * group_size
     return out
+
+
+def logged_metrics(
+    produced: ProducedStep,
+    everyone: Scored,
+    update: dict[str, float],
+    refreshed: dict[str, float],
+    *,
+    lr: float,
+    train_s: float,
+    elapsed_s: float,
+    config: Config,
+) -> dict[str, float]:
+    """The step's metrics but the reward-hacking watch's and the step's seconds: ``everyone``,
+    every group rolled out (all ranks); ``update``, the update's metrics; ``refreshed``, the
+    reference's; ``lr``, the rate the update used; ``train_s``: seconds in the update;
+    ``elapsed_s``: seconds from the step's start to the update's end."""
+    metrics = dict(refreshed)
+    metrics.update(step_metrics(everyone))
+    metrics.update(update)
+    sampling = config.sampling
+    group_size = config.rollout.group_size
+    collected, skipped = produced.collected, produced.skipped
+    metrics.update(
+        sampling_metrics(collected, sampling.dynamic, sampling.greso, skipped, group_size)
+    )
+    metrics["rollout/temperature"] = produced.temperature
+    tokens = float(everyone.rollout.completion_mask.sum())
+    metrics.update(
+        {
+            "lr": lr,
+            "time/rollout_s": produced.rollout_s,
+            "time/reward_s": produced.reward_s,
+            "time/train_s": train_s,
+            "tokens_per_s": tokens / max(elapsed_s, 1e-9),
+        }
+    )
+    if produced.ahead is not None:  # a producer process made this step's groups ahead
+        ahead = produced.ahead
+        metrics.update(
+            {
+                # one version per step: every rollout of it was sampled with the same weights
+                "staleness/mean": ahead.staleness,
+                "staleness/max": ahead.staleness,
+                "time/wait_rollout_s": ahead.wait_rollout_s,
+                "time/wait_train_s": ahead.wait_train_s,
+            }
+        )
+    return metrics
 
 
 def completion_records(scored: Scored, step: int, n: int) -> list[dict[str, Any]]:

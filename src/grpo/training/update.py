@@ -21,15 +21,15 @@ from torch import Tensor, nn
 from grpo import algorithm
 from grpo.config import AlgorithmConfig, Config
 from grpo.containers import Scored
-from grpo.models import Reference, bf16_autocast
+from grpo.models import bf16_autocast
 from grpo.runtime import distributed
 from grpo.runtime.distributed import DistInfo
 from grpo.scoring.logprobs import completion_logprobs
 from grpo.training import advantages, importance
-from grpo.training.critic import Critic, value_metrics
-from grpo.training.entropy_bonus import EntropyBonus
+from grpo.training.critic import value_metrics
 from grpo.training.micro_batches import MicroBatch, micro_batches, scatter_rows
 from grpo.training.optimizer import clip_and_step, takes_step
+from grpo.training.state import TrainingState
 from grpo.training.update_stats import UpdateStats
 
 
@@ -125,21 +125,13 @@ class PolicyUpdate:
     """The update stage of a step; the trainer holds the same policy, optimizer and schedule."""
 
     def __init__(
-        self,
-        config: Config,
-        dist: DistInfo,
-        policy: nn.Module,
-        train_model: nn.Module,
-        reference: Reference | None,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        entropy_bonus: EntropyBonus,
-        critic: Critic | None = None,
+        self, config: Config, dist: DistInfo, state: TrainingState, train_model: nn.Module
     ) -> None:
-        self.config, self.dist = config, dist
-        self.policy, self.train_model, self.reference = policy, train_model, reference
-        self.optimizer, self.scheduler, self.entropy_bonus = optimizer, scheduler, entropy_bonus
-        self.critic = critic  # estimator ppo
+        self.config, self.dist, self.train_model = config, dist, train_model
+        # the state's parts the update moves (their one owner is ``state``)
+        self.policy, self.reference = state.policy, state.reference
+        self.optimizer, self.scheduler = state.optimizer, state.scheduler
+        self.entropy_bonus, self.critic = state.entropy_bonus, state.critic
 
     def logprobs(self, model: nn.Module, mb: MicroBatch, entropy: bool = False):
         with bf16_autocast(self.dist.device, self.config.model.autocast, cache=False):

@@ -13,7 +13,7 @@ import grpo
 from grpo.config import ConfigError
 from grpo.data import DataError
 from grpo.models import load_tokenizer
-from grpo.training.given import given_parts, source_digest, spec_name
+from grpo.training.caller_parts import given_parts, source_digest, spec_name
 
 CALLS: list[dict] = []
 

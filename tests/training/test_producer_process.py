@@ -1,4 +1,4 @@
-"""Generation ahead of training (rollout.max_staleness, grpo.training.ahead): the schedule, the
+"""Generation ahead of training (rollout.max_staleness, grpo.training.producer_process): the schedule, the
 weight push, the loss on stale rollouts by hand, and whole runs with a producer process on the
 tiny model: reproducible, resumable after kill -9, and stopped in one line with a checkpoint
 when the producer dies or hangs."""
@@ -23,8 +23,13 @@ from grpo.config import ConfigError, ModelConfig, build_config
 from grpo.models import load_policy
 from grpo.runtime import weight_sync
 from grpo.training import importance
-from grpo.training.ahead import ProducerLost, producer_device, sampling_version, split_threads
-from grpo.training.producer import Producer
+from grpo.training.producer import InProcessProducer
+from grpo.training.producer_process import (
+    ProducerLost,
+    producer_device,
+    sampling_version,
+    split_threads,
+)
 from grpo.training.trainer import Trainer, train
 
 STEPS = 4
@@ -211,7 +216,7 @@ def test_staleness_needs_an_importance_correction(tree: dict) -> None:
 
 def test_k0_is_the_synchronous_run_in_one_process(tree: dict) -> None:
     trainer = Trainer(make(tree, "sync", {"max_staleness": 0}, steps=1))
-    assert type(trainer.producer) is Producer
+    assert type(trainer.producer) is InProcessProducer
     run_dir = trainer.train()
     assert not any(k.startswith("staleness/") for k in rows(run_dir)[0])
 
@@ -309,7 +314,7 @@ def _producer_at_step(monkeypatch, at_step: int, act) -> None:
     update = Trainer.optimize
 
     def optimize(self: Trainer, scored):
-        if self.step == at_step:
+        if self.state.step == at_step:
             while at_step + 1 not in self.producer.ready:
                 self.producer._receive()
             act(self.producer)
@@ -443,7 +448,7 @@ def test_held_out_evaluation_samples_the_trainers_own_weights(tree: dict) -> Non
     trainer = Trainer(config)
     try:
         assert type(trainer.engine).__name__ == "HFEngine"
-        assert trainer.engine.model is trainer.policy
+        assert trainer.engine.model is trainer.state.policy
         assert trainer.config.rollout.engine == "server"  # the producer's, unchanged
     finally:
         trainer.run.release()

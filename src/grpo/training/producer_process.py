@@ -4,7 +4,7 @@ out and scores the next steps' prompts while the trainer updates (docs/ahead.md)
 The schedule is fixed by step index, never by timing: step t trains on groups sampled with the
 weights after step ``sampling_version(t, k)`` = t-1-k (the first weights for the first steps),
 so two runs with the same seed compute the same thing however fast either process is. The
-producer is the synchronous run's ``Producer`` in a second process (spawned: a fresh
+producer is the synchronous run's ``InProcessProducer`` in a second process (spawned: a fresh
 interpreter, its own share of the cores); the trainer pushes its weights after every step
 (``grpo.runtime.weight_sync``) and receives whole steps (``Produced``) over a queue.
 
@@ -19,6 +19,7 @@ so.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import pickle
 import queue
@@ -41,8 +42,7 @@ from grpo.rollout import RolloutLost
 from grpo.runtime import weight_sync
 from grpo.runtime.distributed import DistInfo
 from grpo.runtime.host_memory import bound_kernel_caches
-from grpo.training.producer import Producer
-from grpo.training.prompt_selection import Collected
+from grpo.training.producer import Ahead, InProcessProducer, ProducedStep
 from grpo.training.temperature import TemperatureController
 
 HOST = "127.0.0.1"
@@ -78,18 +78,32 @@ class ProducerLost(RolloutLost):
 
 @dataclass
 class Produced:
-    """One step's groups, as the producer made them.
+    """One step's groups, as the producer made them (sent over the queue; a checkpoint's
+    ``ahead`` holds those not trained on yet).
 
-    version: the weights they were sampled with (optimizer steps applied); clock: the producer's
-    seconds (rollout, reward, wait_train: waiting for those weights) and prompts skipped;
+    version: the weights they were sampled with (optimizer steps applied); made: the groups,
+    their temperature, seconds and skips; wait_train_s: the producer's wait for those weights;
     state: the producer's checkpoint state right after this step.
     """
 
     step: int
     version: int
-    collected: Collected
-    clock: dict[str, float]
+    made: ProducedStep
+    wait_train_s: float
     state: dict[str, Any]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "clock" in state:  # pickled in a checkpoint before ProducedStep: a dict of its values
+            clock = state.pop("clock")
+            state["made"] = ProducedStep(
+                state.pop("collected"),
+                clock["temperature"],
+                clock["rollout"],
+                clock["reward"],
+                clock["skipped"],
+            )
+            state["wait_train_s"] = clock["wait_train"]
+        self.__dict__.update(state)
 
 
 @dataclass
@@ -154,7 +168,9 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
         policy.train()  # as the trainer's policy samples
         engine = build.engine_of(config, policy, tokenizer)
         here = DistInfo(device=spec.device)
-        producer = Producer(config, here, spec.rows, fmt, tokenizer, policy, engine, rewards)
+        producer = InProcessProducer(
+            config, here, spec.rows, fmt, tokenizer, policy, engine, rewards
+        )
         if spec.state is not None:
             producer.load_state_dict(spec.state)
         rendezvous = weight_sync.store(HOST, spec.port, False, timeout)
@@ -176,12 +192,11 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
                 producer.engine.sync_weights(policy)
             # adaptive: the temperature the trainer had set after the step of these weights
             producer.temperature.current = controls[CONTROLS.index("temperature")]
-            clock = {"rollout": 0.0, "reward": 0.0, "skipped": 0.0}
-            clock["wait_train"] = time.perf_counter() - t0
-            collected = producer.collect(step, clock)
+            wait_train_s = time.perf_counter() - t0
+            made = producer.collect(step)
             # plain pickle: torch's queue would share tensors through this process's memory,
             # which must then outlive the trainer's reading them
-            out.put(pickle.dumps(Produced(step, held, collected, clock, producer.state_dict())))
+            out.put(pickle.dumps(Produced(step, held, made, wait_train_s, producer.state_dict())))
     finally:
         if producer is not None:
             producer.close()
@@ -192,8 +207,8 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
 
 
 class ProducerProcess:
-    """The trainer's handle on the producer process: ``Producer``'s interface (``collect``,
-    ``sync_weights``, ``state_dict``), with the groups made ahead in another process."""
+    """The trainer's handle on the producer process: a ``Producer`` whose groups are made ahead
+    in another process."""
 
     def __init__(
         self,
@@ -297,24 +312,25 @@ class ProducerProcess:
 
     # --------------------------------------------------------------- the producer's interface
 
-    def collect(self, step: int, clock: dict[str, float]) -> Collected:
-        """Step ``step``'s groups; ``clock`` also gets the staleness and the waits."""
+    def collect(self, step: int) -> ProducedStep:
+        """Step ``step``'s groups, with their staleness and the waits (``Ahead``)."""
         if self.process is None:
             self._start(step - 1)
         t0 = time.perf_counter()
         while step not in self.ready:
             self._receive()
         produced = self.ready.pop(step)
-        for batch in (produced.collected.seen, produced.collected.train):
+        collected = produced.made.collected
+        for batch in (collected.seen, collected.train):
             if batch is not None:  # every rollout carries the weights that sampled it
                 batch.rollout.policy_version = produced.version
-        for key in ("rollout", "reward", "skipped", "wait_train"):
-            clock[key] = clock.get(key, 0.0) + produced.clock[key]
-        clock["wait_rollout"] = time.perf_counter() - t0
-        clock["staleness"] = float(step - 1 - produced.version)
-        clock["temperature"] = produced.clock["temperature"]
+        ahead = Ahead(
+            staleness=float(step - 1 - produced.version),
+            wait_rollout_s=time.perf_counter() - t0,
+            wait_train_s=produced.wait_train_s,
+        )
         self.consumed_step = step
-        return produced.collected
+        return dataclasses.replace(produced.made, ahead=ahead)
 
     def sync_weights(self, step: int, changed: bool) -> None:
         """After step ``step``: push its weights when a later step samples with them."""
