@@ -39,9 +39,9 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config, RolloutConfig
 from grpo.containers import Rollout
-from grpo.models import bf16_autocast
 from grpo.rollout import RolloutLost
 from grpo.runtime import weight_sync
+from grpo.runtime.precision import bf16_autocast
 from grpo.scoring.distribution import Sampling
 
 # the controls that shape what is sampled: client and server must agree on every one
