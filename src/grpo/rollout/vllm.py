@@ -28,7 +28,7 @@ from grpo.config import ConfigError, RolloutConfig
 from grpo.containers import Rollout
 from grpo.models import is_lora
 from grpo.rollout import grouped_rollout, sampling_of
-from grpo.rollout.hf import eos_ids
+from grpo.rollout.stopping import eos_ids
 from grpo.rollout.turns import TurnRequest, TurnSample
 from grpo.runtime import distributed
 from grpo.scoring.distribution import Sampling
