@@ -18,6 +18,7 @@ from grpo.rollout import grouped_rollout, sampling_of
 from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.kv_cache import RESERVED_TOKENS, reserved_cache
 from grpo.rollout.packed_weights import packed_linears, why_float32_unpacked
+from grpo.rollout.padding import left_pad
 from grpo.rollout.sampler import Choice, Chooser, SeededGroupSampler, extra_processors
 from grpo.rollout.stopping import StopStrings, eos_ids
 from grpo.rollout.turns import TurnRequest, TurnSample
@@ -211,13 +212,8 @@ class HFEngine:
         if any(r.n != n for r in requests):
             raise ValueError("generate_turns: every request of a call must ask for the same n")
         device = self.model.device
-        width = max(len(r.context) for r in requests)
-        ids = torch.full((len(requests), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(ids.shape, dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, width - len(r.context) :] = torch.tensor(r.context, dtype=torch.long)
-            mask[i, width - len(r.context) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = left_pad([r.context for r in requests], self.tokenizer.pad_token_id)
+        ids, mask = ids.to(device), mask.long().to(device)  # the mask as the tokenizer gives it
         chooser = Chooser(
             sampling_of(self.config, temperature),
             SeededGroupSampler([r.seed for r in requests], n, device),
