@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig
 from grpo.containers import Rollout
-from grpo.rollout import grouped_rollout, sampling_of
+from grpo.rollout import grouped_rollout, prompt_seeds, sampling_of
 from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.kv_cache import RESERVED_TOKENS, reserved_cache
 from grpo.rollout.packed_weights import packed_linears, why_float32_unpacked
@@ -144,8 +144,7 @@ class HFEngine:
         temperature: float | None = None,
         greedy: bool = False,
     ) -> Rollout:
-        if seeds is None:
-            seeds = torch.randint(2**62, (len(prompts),)).tolist()
+        seeds = prompt_seeds(seeds, len(prompts))
         sampling = sampling_of(self.config, temperature)
         enc = self.tokenizer(
             prompts,

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from grpo.config import ConfigError, RolloutConfig
 from grpo.containers import Rollout
 from grpo.models import is_lora
-from grpo.rollout import grouped_rollout, sampling_of
+from grpo.rollout import grouped_rollout, prompt_seeds, sampling_of
 from grpo.rollout.padding import left_pad, right_pad
 from grpo.rollout.stopping import eos_ids
 from grpo.rollout.turns import TurnRequest, TurnSample
@@ -228,8 +228,7 @@ class VLLMEngine:
         greedy: bool = False,
     ) -> Rollout:
         """vLLM samples greedily only with n=1, so a greedy group of G is G requests."""
-        if seeds is None:
-            seeds = torch.randint(2**62, (len(prompts),)).tolist()
+        seeds = prompt_seeds(seeds, len(prompts))
         sampling = sampling_of(self.config, 0.0 if greedy else temperature)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         copies, n = (group_size, 1) if greedy else (1, group_size)
