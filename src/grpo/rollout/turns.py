@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
 from grpo.containers import Rollout
-from grpo.rollout import close_engine, grouped_rollout, sampling_of
+from grpo.rollout import close_engine, grouped_rollout, prompt_seeds, sampling_of
 from grpo.rollout.padding import left_pad, right_pad
 from grpo.rollout.tools import TOOLS, ToolResult
 
@@ -310,8 +310,7 @@ class MultiTurnEngine:
         temperature: float | None,
         greedy: bool,
     ) -> Rollout:
-        if seeds is None:
-            seeds = torch.randint(2**62, (len(prompts),)).tolist()
+        seeds = prompt_seeds(seeds, len(prompts))
         budget = self.config.max_new_tokens
         eos = set(self.engine.eos)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
