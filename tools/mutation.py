@@ -92,7 +92,7 @@ SCOPE: dict[str, list[str]] = {
     # left out: the runs in the sandbox (passed_io_cases, passed_tests)
     "src/grpo/rewards/code.py": ["extract_code", "with_prefix", "normalise_output", "_as_tests"],
     # left out: the worker pool of user functions (RewardRunner.__init__, close)
-    "src/grpo/rewards/__init__.py": [
+    "src/grpo/rewards/runner.py": [
         "function_name",
         "weighted_total",
         "RewardRunner.__call__",

@@ -34,14 +34,9 @@ from grpo.containers import Rollout
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import load_policy, load_tokenizer, resolve_model_path
 from grpo.rollout import decode, hf, render_prompt, sampling_of
-from grpo.rollout.hf import (
-    Chooser,
-    HFEngine,
-    SeededGroupSampler,
-    processor_choice,
-    sample_groups,
-)
+from grpo.rollout.hf import HFEngine, sample_groups
 from grpo.rollout.packed_weights import packed_linears
+from grpo.rollout.sampler import Chooser, SeededGroupSampler, processor_choice
 from grpo.runtime.host_memory import set_malloc_policy
 from grpo.scoring import chunked_head, head_products
 from grpo.scoring.distribution import Sampling, process_logits

@@ -45,12 +45,12 @@ from grpo.containers import Rollout, concat_rollouts
 from grpo.data import DataError, heldout_rows
 from grpo.data.prompts import PromptFormat
 from grpo.data.stream import sampling_seed
-from grpo.models import bf16_autocast
 from grpo.rewards import RewardError, RewardOutput, RewardRunner
 from grpo.rewards.accuracy import extract_answer
 from grpo.rewards.inputs import per_function_metrics, reward_inputs
 from grpo.rollout import RolloutEngine, close_engine
 from grpo.rollout.turns import tool_metrics
+from grpo.runtime.precision import bf16_autocast
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -13,14 +13,9 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 
 from grpo.config import RolloutConfig
 from grpo.models import load_tokenizer
-from grpo.rollout import completion_mask_and_truncation, hf, sampling_of
-from grpo.rollout.hf import (
-    Chooser,
-    HFEngine,
-    SeededGroupSampler,
-    processor_choice,
-    sample_groups,
-)
+from grpo.rollout import completion_mask_and_truncation, hf, kv_cache, sampling_of
+from grpo.rollout.hf import HFEngine, sample_groups
+from grpo.rollout.sampler import Chooser, SeededGroupSampler, processor_choice
 from grpo.scoring.distribution import Sampling
 
 
@@ -132,7 +127,7 @@ def test_micro_batch_order_keeps_groups_whole_longest_first() -> None:
 def test_reserved_cache_layer_returns_what_concatenation_returns() -> None:
     from transformers import DynamicLayer
 
-    from grpo.rollout.hf import ReservedLayer
+    from grpo.rollout.kv_cache import ReservedLayer
 
     gen = torch.Generator().manual_seed(0)
     reserved, plain = ReservedLayer(capacity=4), DynamicLayer()
@@ -173,7 +168,7 @@ def test_reserved_cache_copies_only_what_it_holds() -> None:
     # touch every page of it
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from grpo.rollout.hf import ReservedLayer
+    from grpo.rollout.kv_cache import ReservedLayer
 
     class LargestWrite(TorchDispatchMode):
         def __init__(self) -> None:
@@ -204,7 +199,7 @@ def test_a_model_with_sliding_window_layers_samples_what_generate_samples() -> N
     # is what keeps the window, so the tokens would not tell); 12 tokens run past the window
     # and rows finish apart, and every token must equal what generate() draws
     model = tiny_gemma3(window=4, layers=4)
-    kinds = [type(layer).__name__ for layer in hf.reserved_cache(model, 8).layers]
+    kinds = [type(layer).__name__ for layer in kv_cache.reserved_cache(model, 8).layers]
     assert kinds == ["DynamicSlidingWindowLayer", "ReservedLayer"] * 2
     ids = torch.randint(1, 63, (2, 7))
     mask = torch.ones_like(ids)

@@ -9,7 +9,7 @@ import pytest
 from test_cli import _recipe as cli_recipe
 
 import grpo.build
-import grpo.models
+import grpo.models.aliases
 from grpo.cli import build_parser, main, parse_args
 from grpo.config import ConfigError, load_config
 
@@ -171,7 +171,7 @@ def test_a_hub_id_the_hub_does_not_know_is_one_line(monkeypatch, capsys) -> None
             "someone/nope is not a local folder and is not a valid model identifier\nmore"
         )
 
-    monkeypatch.setattr(grpo.models, "check_hub_id", lambda name: None)  # as if online
+    monkeypatch.setattr(grpo.models.aliases, "check_hub_id", lambda name: None)  # as if online
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", not_found)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", not_found)
     assert main(["eval", "someone/nope"]) == 2

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from grpo.config import ConfigError, dump_config
 from grpo.data.stream import sampling_seed
 from grpo.models import load_tokenizer
-from grpo.rollout.hf import HFEngine, SeededGroupSampler
+from grpo.rollout.hf import HFEngine
+from grpo.rollout.sampler import SeededGroupSampler
 from grpo.runtime import distributed
 from grpo.training.trainer import Trainer, train
 

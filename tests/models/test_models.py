@@ -13,13 +13,14 @@ from grpo.cli import main
 from grpo.models import (
     PACKAGED,
     ModelError,
+    aliases,
     cache_root,
-    find_package_file,
-    gguf_cache_folder,
     is_cached,
     load_tokenizer,
     resolve_model_path,
 )
+from grpo.models.gguf import gguf_cache_folder
+from grpo.models.packaged import GEMMA3_GGUF, GEMMA3_MODULE, find_package_file, join_parts
 from grpo.rollout import render_prompt
 
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -146,17 +147,17 @@ def fake_gemma_packages(site: Path, chunks: list[bytes], sha256: str | None = No
     the main package's data/ holds SHA256SUMS and the terms, each part's data/ one chunk."""
     import hashlib
 
-    main_data = site / models.GEMMA3_MODULE / "data"
+    main_data = site / GEMMA3_MODULE / "data"
     main_data.mkdir(parents=True)
     (main_data.parent / "__init__.py").write_text("raise ImportError('never imported')\n")
     digest = sha256 or hashlib.sha256(b"".join(chunks)).hexdigest()
-    (main_data / "SHA256SUMS").write_text(f"{digest}  {models.GEMMA3_GGUF}\n")
+    (main_data / "SHA256SUMS").write_text(f"{digest}  {GEMMA3_GGUF}\n")
     (main_data / "GEMMA_TERMS.html").write_text("<html>Gemma Terms of Use</html>")
     for i, chunk in enumerate(chunks):
-        data = site / f"{models.GEMMA3_MODULE}_part{i + 1}" / "data"
+        data = site / f"{GEMMA3_MODULE}_part{i + 1}" / "data"
         data.mkdir(parents=True)
         (data.parent / "__init__.py").write_text("raise ImportError('never imported')\n")
-        (data / f"{models.GEMMA3_GGUF}.part{i:02d}").write_bytes(chunk)
+        (data / f"{GEMMA3_GGUF}.part{i:02d}").write_bytes(chunk)
     return site
 
 
@@ -182,7 +183,7 @@ def fake_gemma(tmp_path: Path, monkeypatch, own_cache: Path):
         joined.append(gguf.read_bytes())
         return models.build_tiny_model(target)
 
-    monkeypatch.setattr(models, "dequantize_gguf", dequantize)
+    monkeypatch.setattr(aliases, "dequantize_gguf", dequantize)
     return joined
 
 
@@ -191,7 +192,7 @@ def test_gemma_alias_joins_the_parts_in_order_and_keeps_the_terms(fake_gemma, ca
     folder = Path(resolve_model_path("gemma3-270m"))
     assert folder == cache_root() / "gemma3-270m"
     assert joined == [b"GGUF-part-one-part-two-end"]  # part00..part03, in that order
-    assert not (folder / models.GEMMA3_GGUF).exists()  # only the converted folder stays
+    assert not (folder / GEMMA3_GGUF).exists()  # only the converted folder stays
     assert (folder / "GEMMA_TERMS.html").read_text() == "<html>Gemma Terms of Use</html>"
     # the user is told the terms before the weights are used: one line naming the file
     notice = capsys.readouterr().err.strip().splitlines()
@@ -226,10 +227,10 @@ def test_join_parts_concatenates_and_checks(tmp_path: Path) -> None:
         parts.append(tmp_path / f"p{i}")
         parts[-1].write_bytes(data)
     sha = hashlib.sha256(b"x" * 70 + b"yz").hexdigest()
-    out = models.join_parts(parts, tmp_path / "whole", sha)
+    out = join_parts(parts, tmp_path / "whole", sha)
     assert out.read_bytes() == b"x" * 70 + b"yz"
     with pytest.raises(ModelError, match="has sha256"):
-        models.join_parts(parts[::-1], tmp_path / "reversed", sha)
+        join_parts(parts[::-1], tmp_path / "reversed", sha)
     assert not (tmp_path / "reversed").exists()  # a wrong file is not left behind
 
 
@@ -258,7 +259,7 @@ def test_grpo_models_states_each_licence(fake_gemma, capsys) -> None:
     assert main(["models"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert "licence: Apache-2.0" in lines["smollm2-135m-instruct"]
-    site_terms = Path(sys.path[0]) / models.GEMMA3_MODULE / "data" / "GEMMA_TERMS.html"
+    site_terms = Path(sys.path[0]) / GEMMA3_MODULE / "data" / "GEMMA_TERMS.html"
     assert lines["gemma3-270m"].endswith(f"not cached; licence: Gemma Terms of Use ({site_terms})")
     resolve_model_path("gemma3-270m")
     assert main(["models"]) == 0
@@ -278,7 +279,7 @@ def test_gemma3_270m_alias_is_the_base_model_and_scores_like_a_plain_forward() -
     if PACKAGED["gemma3-270m"].missing():
         pytest.skip("gemma3-270m packages are not installed (make gemma)")
     path = Path(resolve_model_path("gemma3-270m"))
-    assert (path / "GEMMA_TERMS.html").is_file() and not (path / models.GEMMA3_GGUF).exists()
+    assert (path / "GEMMA_TERMS.html").is_file() and not (path / GEMMA3_GGUF).exists()
     tokenizer = load_tokenizer(str(path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert model.config.model_type == "gemma3_text"
@@ -322,7 +323,7 @@ def test_r1_zero_recipe_pays_neither_a_copied_template_nor_a_restated_question(
     from grpo.data.prompts import prompt_format_for
     from grpo.rewards import resolve_reward
 
-    recipe = Path(models.__file__).parent / "recipes" / "r1-zero.yaml"
+    recipe = Path(models.__file__).parents[1] / "recipes" / "r1-zero.yaml"
     config = load_config(recipe)
     assert config.model.name == "gemma3-270m" and config.data.template == "r1_zero"
     assert config.rollout.stop == ["</answer>"]  # a base model writes on after its answer

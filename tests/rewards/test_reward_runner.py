@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-import grpo.rewards
+import grpo.rewards.runner
 from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards import (
     REGISTRY,
@@ -272,7 +272,7 @@ class ScriptedPool:
 def test_each_kind_of_worker_outcome_scores_and_prints_its_own_line(
     user_module: Path, monkeypatch, capsys
 ):
-    monkeypatch.setattr(grpo.rewards, "WorkerPool", ScriptedPool)
+    monkeypatch.setattr(grpo.rewards.runner, "WorkerPool", ScriptedPool)
     monkeypatch.setattr(
         ScriptedPool,
         "script",
@@ -303,7 +303,7 @@ def test_each_kind_of_worker_outcome_scores_and_prints_its_own_line(
 
 
 def test_two_user_functions_each_score_their_own_column(user_module: Path, monkeypatch):
-    monkeypatch.setattr(grpo.rewards, "WorkerPool", ScriptedPool)
+    monkeypatch.setattr(grpo.rewards.runner, "WorkerPool", ScriptedPool)
     # completion-major calls: (flaky, row 0), (pid, row 0), (flaky, row 1), (pid, row 1)
     monkeypatch.setattr(
         ScriptedPool,

@@ -19,7 +19,8 @@ from transformers import (
 from grpo.config import ModelConfig, RolloutConfig
 from grpo.models import load_policy, load_tokenizer
 from grpo.rollout import decode
-from grpo.rollout.hf import HFEngine, reserved_cache
+from grpo.rollout.hf import HFEngine
+from grpo.rollout.kv_cache import reserved_cache
 from grpo.scoring.prefix_attention import use_prefix_attention
 
 SMALL = dict(

@@ -226,3 +226,14 @@ def test_greedy_applies_the_repetition_penalty_as_transformers_does(tiny_model_d
     penalised = engine_greedy(5.0)
     assert penalised == want[: len(penalised)] and len(penalised) >= 3
     assert penalised != engine_greedy(1.0)[: len(penalised)]
+
+
+def test_prompt_seeds_keep_the_given_ones_and_draw_the_rest_from_the_run_seed() -> None:
+    from grpo.rollout import prompt_seeds
+
+    assert prompt_seeds([3, 1], 2) == [3, 1]
+    torch.manual_seed(0)
+    drawn = prompt_seeds(None, 3)
+    torch.manual_seed(0)
+    assert prompt_seeds(None, 3) == drawn and len(set(drawn)) == 3
+    assert all(0 <= s < 2**62 for s in drawn)

@@ -114,8 +114,8 @@ def test_a_server_with_another_tokenizer_is_one_line(
 ) -> None:
     # the server returns token ids that the trainer reads with its own vocabulary: a tokenizer
     # with another token, or another end token, is refused before anything is sampled
-    from grpo.config import RolloutConfig
-    from grpo.models import ModelConfig, load_policy, load_tokenizer
+    from grpo.config import ModelConfig, RolloutConfig
+    from grpo.models import load_policy, load_tokenizer
     from grpo.rollout.server import ServerEngine
 
     config = RolloutConfig(**ROLLOUT, engine="server", server_url=server, server_timeout_s=20)
@@ -213,8 +213,8 @@ def test_a_vllm_server_samples_with_the_pushed_weights(
 def test_a_second_run_on_the_same_server_stops_the_first(server: str, tiny_model_dir: Path) -> None:
     # each run pushes its weights before its first request; a run whose server took another
     # run's weights since stops in one line instead of sampling them
-    from grpo.config import RolloutConfig
-    from grpo.models import ModelConfig, load_policy, load_tokenizer
+    from grpo.config import ModelConfig, RolloutConfig
+    from grpo.models import load_policy, load_tokenizer
     from grpo.rollout.server import ServerEngine
 
     config = RolloutConfig(**ROLLOUT, engine="server", server_url=server, server_timeout_s=20)
@@ -317,8 +317,8 @@ def test_a_server_is_checked_for_float32_packing_and_its_tokenizer(
     # a server whose float32 products round otherwise samples other tokens; one from before
     # the tokenizer's fingerprint cannot be checked; fields of another shape are not grpo
     # serve's: each is one line, never a traceback
-    from grpo.config import RolloutConfig
-    from grpo.models import ModelConfig, load_policy, load_tokenizer
+    from grpo.config import ModelConfig, RolloutConfig
+    from grpo.models import load_policy, load_tokenizer
     from grpo.rollout.server import SAMPLING_KEYS, ServerEngine, tokenizer_fingerprint
 
     config = RolloutConfig(**ROLLOUT, engine="server", server_timeout_s=20)
@@ -341,8 +341,8 @@ def test_a_server_is_checked_for_float32_packing_and_its_tokenizer(
 def test_a_server_that_forgot_its_session_is_one_line(tiny_model_dir: Path) -> None:
     # before each later push the client asks whose weights the server holds; an answer with
     # no session (a restarted or other server) is another run's, said in one line
-    from grpo.config import RolloutConfig
-    from grpo.models import ModelConfig, load_policy
+    from grpo.config import ModelConfig, RolloutConfig
+    from grpo.models import load_policy
     from grpo.rollout.server import ServerEngine
 
     config = RolloutConfig(**ROLLOUT, engine="server", server_timeout_s=20)

@@ -22,8 +22,8 @@ import torch
 from run_logs import step_rows as rows
 from served import ROLLOUT, TOKEN, Running, serve_command, start_server
 
-from grpo.config import ConfigError, RolloutConfig
-from grpo.models import ModelConfig, load_policy, load_tokenizer
+from grpo.config import ConfigError, ModelConfig, RolloutConfig
+from grpo.models import load_policy, load_tokenizer
 from grpo.rollout import server_http
 from grpo.rollout.server import ServerEngine, ServerLost, pushed_weights
 from grpo.training.trainer import train

@@ -424,11 +424,12 @@ for name, text in (("setgroups", "deny"), ("uid_map", f"1000 {uid} 1"), ("gid_ma
         f.write(text)
 with open("/proc/sys/user/max_user_namespaces", "w") as f:
     f.write("0")
-import importlib.util, sys
-# the sandbox module by its path: stdlib only, so the check does not pay for importing torch
-spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
-sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sandbox)
+import sys, types
+# the sandbox package without grpo's __init__: stdlib only, so the check does not pay for
+# importing torch
+sys.modules["grpo"] = types.ModuleType("grpo")
+sys.modules["grpo"].__path__ = [sys.argv[1]]
+import grpo.sandbox as sandbox
 try:
     sandbox.run_python("print(1)")
 except sandbox.SandboxUnavailable as err:
@@ -438,7 +439,7 @@ except sandbox.SandboxUnavailable as err:
 
 def test_without_root_or_user_namespaces_the_sandbox_refuses_in_one_line():
     done = subprocess.run(
-        [sys.executable, "-c", NO_USERNS, sandbox.__file__],
+        [sys.executable, "-c", NO_USERNS, str(Path(sandbox.__file__).parents[1])],
         capture_output=True,
         text=True,
         timeout=60,
@@ -452,7 +453,7 @@ def test_without_root_or_user_namespaces_the_sandbox_refuses_in_one_line():
 NOBODY_SETUP = """
 import ctypes, os, sys
 from pathlib import Path
-from grpo.sandbox import _closed_ancestor, interpreter_folders
+from grpo.sandbox.mounts import _closed_ancestor, interpreter_folders
 libc = ctypes.CDLL(None, use_errno=True)
 assert libc.unshare(0x00020000) == 0  # a private mount namespace for the exposed interpreter
 assert libc.mount(None, b"/", None, 16384 | (1 << 18), None) == 0

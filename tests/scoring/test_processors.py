@@ -11,7 +11,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from grpo.config import dump_config
-from grpo.rollout.hf import Chooser, SeededGroupSampler
+from grpo.rollout.sampler import Chooser, SeededGroupSampler
 from grpo.scoring.chunked_head import History
 from grpo.scoring.distribution import Sampling, process_logits, seen_tokens, token_set
 from grpo.scoring.logprobs import token_logprobs

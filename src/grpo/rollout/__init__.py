@@ -52,6 +52,12 @@ def close_engine(engine: RolloutEngine) -> None:
         close()
 
 
+def prompt_seeds(seeds: list[int] | None, prompts: int) -> list[int]:
+    """The seeds a caller gave, or one per prompt drawn from torch's global generator (which a
+    run seeds with ``train.seed``)."""
+    return torch.randint(2**62, (prompts,)).tolist() if seeds is None else seeds
+
+
 def sampling_of(config: RolloutConfig, temperature: float | None = None) -> Sampling:
     """The sampling controls of ``rollout.*``, at ``temperature`` when given."""
     return Sampling(

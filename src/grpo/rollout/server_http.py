@@ -43,9 +43,9 @@ import torch
 from torch import Tensor, nn
 
 from grpo.config import Config, ConfigError
-from grpo.models import bf16_autocast
 from grpo.rollout.server import SAMPLING_KEYS, TOKEN_ENV, encode_rollout, tokenizer_fingerprint
 from grpo.runtime import weight_sync
+from grpo.runtime.precision import bf16_autocast
 
 HANDLERS = 64  # connections served at once, each on a thread
 READ_S = 10.0  # the longest pause while a request arrives

@@ -37,7 +37,8 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
 from grpo.containers import Rollout
-from grpo.rollout import close_engine, grouped_rollout, sampling_of
+from grpo.rollout import close_engine, grouped_rollout, prompt_seeds, sampling_of
+from grpo.rollout.padding import left_pad, right_pad
 from grpo.rollout.tools import TOOLS, ToolResult
 
 # tool calls of one round run concurrently (each in its own sandbox process)
@@ -309,8 +310,7 @@ class MultiTurnEngine:
         temperature: float | None,
         greedy: bool,
     ) -> Rollout:
-        if seeds is None:
-            seeds = torch.randint(2**62, (len(prompts),)).tolist()
+        seeds = prompt_seeds(seeds, len(prompts))
         budget = self.config.max_new_tokens
         eos = set(self.engine.eos)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -412,24 +412,10 @@ class MultiTurnEngine:
         paths: list[Trajectory],
     ) -> Rollout:
         pad = self.tokenizer.pad_token_id
-        width = max(1, *(len(p.ids) for p in paths))
-        shape = (len(paths), width)
-        completion_ids = torch.full(shape, pad, dtype=torch.long)
-        completion_mask = torch.zeros(shape, dtype=torch.bool)
-        sampled_mask = torch.zeros(shape, dtype=torch.bool)
-        logp = torch.zeros(shape, dtype=torch.float32)
-        for i, p in enumerate(paths):
-            k = len(p.ids)
-            completion_ids[i, :k] = torch.tensor(p.ids, dtype=torch.long)
-            completion_mask[i, :k] = True
-            sampled_mask[i, :k] = torch.tensor(p.sampled)
-            logp[i, :k] = torch.tensor(p.logprobs)
-        prompt_width = max(len(ids) for ids in prompt_ids)
-        prompt_t = torch.full((len(prompt_ids), prompt_width), pad, dtype=torch.long)
-        prompt_mask = torch.zeros(prompt_t.shape, dtype=torch.bool)
-        for i, ids in enumerate(prompt_ids):
-            prompt_t[i, prompt_width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            prompt_mask[i, prompt_width - len(ids) :] = True
+        completion_ids, completion_mask = right_pad([p.ids for p in paths], pad)  # [N, T]
+        sampled_mask, _ = right_pad([p.sampled for p in paths], False, torch.bool)
+        logp, _ = right_pad([p.logprobs for p in paths], 0.0, torch.float32)
+        prompt_t, prompt_mask = left_pad(prompt_ids, pad)  # [P, S]
         rollout = grouped_rollout(
             self.tokenizer,
             prompt_t,

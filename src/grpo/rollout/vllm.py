@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,8 +27,9 @@ from transformers import PreTrainedTokenizerBase
 from grpo.config import ConfigError, RolloutConfig
 from grpo.containers import Rollout
 from grpo.models import is_lora
-from grpo.rollout import grouped_rollout, sampling_of
-from grpo.rollout.hf import eos_ids
+from grpo.rollout import grouped_rollout, prompt_seeds, sampling_of
+from grpo.rollout.padding import left_pad, right_pad
+from grpo.rollout.stopping import eos_ids
 from grpo.rollout.turns import TurnRequest, TurnSample
 from grpo.runtime import distributed
 from grpo.scoring.distribution import Sampling
@@ -227,8 +228,7 @@ class VLLMEngine:
         greedy: bool = False,
     ) -> Rollout:
         """vLLM samples greedily only with n=1, so a greedy group of G is G requests."""
-        if seeds is None:
-            seeds = torch.randint(2**62, (len(prompts),)).tolist()
+        seeds = prompt_seeds(seeds, len(prompts))
         sampling = sampling_of(self.config, 0.0 if greedy else temperature)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         copies, n = (group_size, 1) if greedy else (1, group_size)
@@ -236,11 +236,11 @@ class VLLMEngine:
         params = [self._params(n, seed, sampling) for seed in seeds for _ in range(copies)]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         pad = self.tokenizer.pad_token_id
-        prompt_ids_t, prompt_mask = _left_pad(prompt_ids, pad)  # [P, S]
+        prompt_ids_t, prompt_mask = left_pad(prompt_ids, pad)  # [P, S]
         # N = P*G, groups contiguous
         flat = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         # a completion's tokens end with the one that stopped it (EOS or a stop string)
-        completion_ids, mask = _right_pad([list(c.token_ids) for c in flat], pad)  # [N, T]
+        completion_ids, mask = right_pad([list(c.token_ids) for c in flat], pad)  # [N, T]
         truncated = torch.tensor([c.finish_reason == "length" for c in flat])  # [N]
         sampler_logp = torch.zeros(completion_ids.shape, dtype=torch.float32)
         for i, c in enumerate(flat):
@@ -291,28 +291,3 @@ class VLLMEngine:
         ]
         starts = [sum(r.n for r in requests[:i]) for i in range(len(requests))]
         return [samples[s : s + r.n] for s, r in zip(starts, requests, strict=True)]
-
-
-def _left_pad(seqs: Iterable[list[int]], pad: int) -> tuple[Tensor, Tensor]:
-    """Token lists -> ids [B, L] and mask [B, L], padded on the left."""
-    seqs = list(seqs)
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = True
-    return ids, mask
-
-
-def _right_pad(seqs: Iterable[list[int]], pad: int) -> tuple[Tensor, Tensor]:
-    """Token lists -> ids [B, L] and mask [B, L], padded on the right (L >= 1)."""
-    seqs = list(seqs)
-    width = max(1, *(len(s) for s in seqs))
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = True
-    return ids, mask

@@ -58,7 +58,6 @@ RUN_OUTPUTS = (
 )
 
 
-
 class RunDirError(ValueError):
     """The run directory cannot be used as asked; the message is one line for the user."""
 

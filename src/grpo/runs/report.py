@@ -117,7 +117,9 @@ def plots_for(rows: list[dict[str, Any]]) -> list[Plot]:
         Plot("Groups with zero reward variance", ("frac_zero_std",), "share of groups"),
         Plot("Reflection rate (self-check phrases)", ("reflection_rate",), "share of completions"),
         Plot("Truncated completions", ("truncated_frac",), "share of completions"),
-        Plot("Reward-hacking signals (docs/rewards.md)", hack_keys(rows), "share, or 1 when flagged"),
+        Plot(
+            "Reward-hacking signals (docs/rewards.md)", hack_keys(rows), "share, or 1 when flagged"
+        ),
     ]
 
 

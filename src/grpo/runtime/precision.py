@@ -13,6 +13,7 @@ is at least ``BF16_MIN_GAIN`` times as fast: below that its rounding costs more 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -115,3 +116,17 @@ def precision_line(chosen: str, rates: MatmulRates, device: torch.device) -> str
         f"{rates.bfloat16:.0f} GFLOP/s, float32 {rates.float32:.0f} GFLOP/s, {rates.gain:.2f}x; "
         f"bf16 from {BF16_MIN_GAIN}x)"
     )
+
+
+def bf16_autocast(
+    device: torch.device, enabled: bool, cache: bool = True
+) -> contextlib.AbstractContextManager:
+    """bf16 autocast over float32 weights when ``enabled`` (``model.precision``); log-probs stay
+    float32.
+
+    ``cache``: keep each weight's bf16 cast for the whole context. Generation reuses it at every
+    decoding step; a scoring forward uses each weight once, so there the cache only holds a bf16
+    copy of every trained weight until the forward ends (SmolLM2: 210 MiB, by arithmetic), where
+    without it a cast lives as long as autograd needs it: not at all in a no-grad or
+    checkpointed forward."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled, cache_enabled=cache)

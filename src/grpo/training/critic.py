@@ -22,7 +22,8 @@ from transformers import AutoModel
 
 from grpo import algorithm
 from grpo.config import Config
-from grpo.models import bf16_autocast, is_lora, resolve_model_path
+from grpo.models import is_lora, resolve_model_path
+from grpo.runtime.precision import bf16_autocast
 from grpo.scoring.logprobs import packing_groups, position_ids_from_mask
 from grpo.scoring.packing import check_layout_used, packed_inputs
 from grpo.scoring.prefix_attention import use_prefix_attention

@@ -29,13 +29,14 @@ from grpo.build import RunInputs, RunParts
 from grpo.config import Config, ConfigError, dump_config, load_config
 from grpo.containers import Scored
 from grpo.eval import evaluate, settings_for
-from grpo.models import Reference, bf16_autocast
+from grpo.models import Reference
 from grpo.rewards import ErrorWatch
 from grpo.rollout import RolloutEngine, RolloutLost
 from grpo.runs.directory import RunDir, RunDirError, is_disk_full
 from grpo.runs.metrics import MetricsLogger, ProgressBar
 from grpo.runtime import distributed
 from grpo.runtime.host_memory import set_malloc_policy
+from grpo.runtime.precision import bf16_autocast
 from grpo.scoring.chunked_head import chunked_head_slot, full_logits
 from grpo.scoring.logprobs import scoring_path
 from grpo.training.caller_parts import Given, RewardItem, given_parts

@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from grpo import algorithm
 from grpo.config import AlgorithmConfig, Config
 from grpo.containers import Scored
-from grpo.models import bf16_autocast
 from grpo.runtime import distributed
 from grpo.runtime.distributed import DistInfo
+from grpo.runtime.precision import bf16_autocast
 from grpo.scoring.logprobs import completion_logprobs
 from grpo.training import advantages, importance
 from grpo.training.critic import value_metrics

@@ -1,0 +1,93 @@
+"""The HF engine's KV cache: each full-attention layer writes into a buffer reserved for the
+whole rollout instead of concatenating at every token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache, DynamicLayer
+
+# completion positions a rollout's KV cache holds from the start (beyond: it doubles), so a large
+# max_new_tokens that completions rarely reach reserves no memory they do not use
+RESERVED_TOKENS = 1024
+
+
+class ReservedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in a buffer reserved for the whole rollout.
+
+    ``DynamicLayer`` concatenates at every token, copying the layer's whole cache each time, so
+    a decode step moves the cache through memory three times (read and write to append, read to
+    attend) where attending needs one read: quadratic traffic in the completion's length, and
+    the cost of a decode step on a CPU whose memory bandwidth is its limit. Here each token
+    writes only itself and attention reads a view of the filled part. Holds ``capacity``
+    positions at first; a write past them doubles the buffer (at least), so growing costs a
+    copy per doubling, not per token, and the buffer is never more than twice what it holds.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length = 0  # after a reset too
+        self._reserve(key_states[:, :, :0], value_states[:, :, :0], self.capacity)
+
+    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """Fresh buffers of ``capacity`` positions holding ``keys`` and ``values`` at the front.
+        Only the filled part is ever copied: the rest is memory the rollout may never write (a
+        reservation of 1024 tokens for completions of 20), whose pages stay untouched."""
+        self.key_buffer = keys.new_empty(*keys.shape[:2], capacity, keys.shape[-1])
+        self.value_buffer = values.new_empty(*values.shape[:2], capacity, values.shape[-1])
+        self.key_buffer[:, :, : keys.shape[2]] = keys
+        self.value_buffer[:, :, : values.shape[2]] = values
+        self.length = keys.shape[2]
+        self._view()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        held = self.key_buffer.shape[-2]
+        if end > held:
+            self._reserve(self.keys, self.values, max(end, 2 * held))
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self._view()
+        return self.keys, self.values
+
+    def _view(self) -> None:
+        self.keys = self.key_buffer[:, :, : self.length]
+        self.values = self.value_buffer[:, :, : self.length]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # checks the argument, as DynamicLayer's callers expect
+        if self.is_initialized:
+            self.length = self.keys.shape[-2]
+            self._view()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.length:
+            rows = torch.arange(self.keys.shape[0], device=self.keys.device)
+            self.batch_select_indices(rows.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.length:
+            held = self.key_buffer.shape[-2]
+            self._reserve(self.keys[indices], self.values[indices], held)
+
+
+def reserved_cache(model: nn.Module, capacity: int) -> DynamicCache:
+    """The model's ``DynamicCache`` with each full-attention layer reserving ``capacity``
+    positions; sliding-window and other special layers keep their own behaviour."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [
+        ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
+    ]
+    return cache
