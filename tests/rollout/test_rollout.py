@@ -75,7 +75,7 @@ def test_generation_kwargs_reach_hf_sampling_and_its_logprobs(tiny_model_dir) ->
     assert banned not in out.completion_ids[counted].tolist()
     with torch.no_grad():
         trainer_logp, _ = completion_logprobs(
-            model, out.prompt_ids, out.prompt_mask, out.completion_ids, counted, out.sampling
+            model, out.prompt_ids, out.prompt_mask, out.completion_ids, counted, out.decoding
         )
     gap = (out.sampler_logp - trainer_logp)[counted]
     assert float(gap.min()) > -1e-5  # without the banned token every other token gains mass
@@ -120,14 +120,14 @@ def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
 
 
 def test_sampling_of_carries_every_rollout_control() -> None:
-    from grpo.rollout import sampling_of
-    from grpo.scoring.distribution import Sampling
+    from grpo.rollout import decoding_of
+    from grpo.scoring.distribution import Decoding
 
     config = RolloutConfig(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
-    expected = Sampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
-    assert sampling_of(config) == expected
+    expected = Decoding(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
+    assert decoding_of(config) == expected
     # a scheduled temperature replaces rollout.temperature only
-    assert sampling_of(config, 1.3) == Sampling(1.3, 5, 0.9, 0.1, 1.2)
+    assert decoding_of(config, 1.3) == Decoding(1.3, 5, 0.9, 0.1, 1.2)
 
 
 def test_an_unknown_engine_is_named() -> None:

@@ -4,7 +4,7 @@ holds an engine (``hf``, or ``vllm`` on its own GPUs) behind HTTP; a run with
 
 - ``POST /generate``: prompts, group size, seeds, temperature, greedy (JSON) -> the engine's
   ``Rollout`` without its rows (``torch.save`` bytes; the client puts its rows back).
-- ``GET /health``: the model, the engine, the weights' version, the sampling controls the
+- ``GET /health``: the model, the engine, the weights' version, the decoding controls the
   server was started with and its tokenizer's fingerprint. The client compares controls and
   fingerprint with its own before the first request and refuses a difference in one line: the
   trainer scores under the controls it asked for, and reads the server's token ids with its own
@@ -42,11 +42,11 @@ from grpo.containers import Rollout
 from grpo.rollout import RolloutLost
 from grpo.runtime import weight_sync
 from grpo.runtime.precision import bf16_autocast
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
 
 # the controls that shape what is sampled: client and server must agree on every one
 # (the temperature comes with each request: a schedule changes it)
-SAMPLING_KEYS = (
+DECODING_KEYS = (
     "max_new_tokens",
     "top_p",
     "top_k",
@@ -74,7 +74,7 @@ def encode_rollout(rollout: Rollout) -> bytes:
         "prompts": rollout.prompts,
         "completions": rollout.completions,
         "group_size": rollout.group_size,
-        "sampling": asdict(rollout.sampling),
+        "sampling": asdict(rollout.decoding),
     }
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -89,7 +89,7 @@ def decode_rollout(data: bytes, rows: list[dict[str, Any]]) -> Rollout:
         completions=state["completions"],
         rows=rows,
         group_size=state["group_size"],
-        sampling=Sampling(**state["sampling"]),
+        decoding=Decoding(**state["sampling"]),
     )
 
 
@@ -133,7 +133,7 @@ class Served:
             "engine": rollout.engine,
             "version": self.version,
             "session": self.session,
-            "sampling": {key: getattr(rollout, key) for key in SAMPLING_KEYS},
+            "sampling": {key: getattr(rollout, key) for key in DECODING_KEYS},
             "tokenizer": self.tokenizer,
         }
 
@@ -345,7 +345,7 @@ class ServerEngine:
                 f"the rollout server at {self.url} answered /health with fields that are not "
                 "grpo serve's: is rollout.server_url a grpo serve?"
             )
-        ours = {key: getattr(self.config, key) for key in SAMPLING_KEYS}
+        ours = {key: getattr(self.config, key) for key in DECODING_KEYS}
         if differ := _differences(theirs, ours):
             raise ServerLost(
                 f"the rollout server at {self.url} samples otherwise than this run "

@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
 from grpo.containers import Rollout
-from grpo.rollout import close_engine, grouped_rollout, prompt_seeds, sampling_of
+from grpo.rollout import close_engine, decoding_of, grouped_rollout, prompt_seeds
 from grpo.rollout.padding import left_pad, right_pad
 from grpo.rollout.tools import TOOLS, ToolResult
 
@@ -383,7 +383,7 @@ class MultiTurnEngine:
             )
             pending = [(i, out[0]) for i, out in zip(going_on, samples, strict=True)]
         rollout = self.assemble(prompt_ids, prompts, rows, group_size, paths)
-        return replace(rollout, sampling=sampling_of(self.config, temperature))
+        return replace(rollout, decoding=decoding_of(self.config, temperature))
 
     def assemble(
         self,

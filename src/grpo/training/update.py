@@ -54,7 +54,7 @@ class PolicyUpdate:
                 mb.prompt_mask,
                 mb.completion_ids,
                 mb.completion_mask,
-                mb.sampling,
+                mb.decoding,
                 with_entropy=entropy,
             )
 
