@@ -30,7 +30,6 @@ from transformers import (
 
 from benchmarks import common
 from grpo.config import ModelConfig, RolloutConfig, TrainConfig
-from grpo.containers import Rollout
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import load_policy, load_tokenizer, resolve_model_path
 from grpo.rollout import decode, decoding_of, hf, render_prompt
@@ -43,6 +42,7 @@ from grpo.scoring.distribution import Decoding, process_logits
 from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs
 from grpo.scoring.packing import pack
 from grpo.scoring.prefix_attention import PREFIX
+from grpo.step_data import Rollout
 from grpo.training.micro_batches import micro_batches
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

@@ -194,8 +194,8 @@ def test_two_gloo_ranks_match_one_process(
 
 
 def _scored(groups: int, width: int, g: int = 2, sampler: bool = True):
-    from grpo.containers import Rollout, Scored
     from grpo.scoring.distribution import Decoding
+    from grpo.step_data import Rollout, Scored
     from grpo.training.gather import empty_rollout
 
     n = groups * g

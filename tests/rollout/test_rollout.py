@@ -97,8 +97,8 @@ def test_generation_kwargs_cannot_override_a_rollout_field(tiny_model_dir) -> No
 
 
 def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
-    from grpo.containers import Rollout
     from grpo.rewards.inputs import reward_inputs
+    from grpo.step_data import Rollout
 
     n = 4  # 2 prompts, G = 2
     rollout = Rollout(
@@ -138,7 +138,7 @@ def test_an_unknown_engine_is_named() -> None:
 
 
 def _tagged_rollout(turns=None):
-    from grpo.containers import Rollout
+    from grpo.step_data import Rollout
 
     # 1 prompt that opens <think>, G = 2; single-turn, or multi-turn with the given turns
     return Rollout(

@@ -63,8 +63,8 @@ def _keep_torch_threads():
 
 
 def test_a_rollout_travels_whole() -> None:
-    from grpo.containers import Rollout
     from grpo.scoring.distribution import Decoding
+    from grpo.step_data import Rollout
 
     rollout = Rollout(
         prompt_ids=torch.tensor([[1, 2]]),

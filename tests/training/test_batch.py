@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from grpo.containers import Rollout, concat_rollouts
 from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout, concat_rollouts
 from grpo.training.micro_batches import MicroBatch
 
 

@@ -22,9 +22,9 @@ import grpo.training.trainer
 import grpo.training.update
 from grpo import algorithm
 from grpo.config import Config, build_config
-from grpo.containers import Rollout, Scored
 from grpo.rollout import decode_completions, decoding_of
 from grpo.scoring.logprobs import completion_logprobs as original_logprobs
+from grpo.step_data import Rollout, Scored
 from grpo.training.trainer import Trainer
 
 MAX_NEW = 12

@@ -10,9 +10,9 @@ import torch
 
 import grpo.training.trainer
 import grpo.training.update
-from grpo.containers import Rollout, Scored
 from grpo.scoring.distribution import Decoding
 from grpo.scoring.logprobs import token_logprobs
+from grpo.step_data import Rollout, Scored
 from grpo.training.micro_batches import (
     cut_micro_batches,
     micro_batch_order,

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo.containers import Rollout, Scored
+from grpo.step_data import Rollout, Scored
 from grpo.training.prompt_selection import Collected
 from grpo.training.step_metrics import completion_records, sampling_metrics, step_metrics
 

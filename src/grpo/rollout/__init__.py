@@ -21,8 +21,8 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig
-from grpo.containers import Rollout
 from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout
 
 
 class RolloutLost(RuntimeError):

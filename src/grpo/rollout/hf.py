@@ -13,7 +13,6 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig
-from grpo.containers import Rollout
 from grpo.rollout import decoding_of, grouped_rollout, prompt_seeds
 from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.kv_cache import RESERVED_TOKENS, reserved_cache
@@ -23,6 +22,7 @@ from grpo.rollout.sampler import Choice, Chooser, SeededGroupSampler, extra_proc
 from grpo.rollout.stopping import StopStrings, eos_ids
 from grpo.rollout.turns import TurnRequest, TurnSample
 from grpo.scoring.logprobs import position_ids_from_mask
+from grpo.step_data import Rollout
 
 
 class Decoded(NamedTuple):

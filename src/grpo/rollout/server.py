@@ -38,11 +38,11 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config, RolloutConfig
-from grpo.containers import Rollout
 from grpo.rollout import RolloutLost
 from grpo.runtime import weight_sync
 from grpo.runtime.precision import bf16_autocast
 from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout
 
 # the controls that shape what is sampled: client and server must agree on every one
 # (the temperature comes with each request: a schedule changes it)

@@ -36,10 +36,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
-from grpo.containers import Rollout
 from grpo.rollout import close_engine, decoding_of, grouped_rollout, prompt_seeds
 from grpo.rollout.padding import left_pad, right_pad
 from grpo.rollout.tools import TOOLS, ToolResult
+from grpo.step_data import Rollout
 
 # tool calls of one round run concurrently (each in its own sandbox process)
 TOOL_THREADS = 4

@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
-from grpo.containers import Rollout
 from grpo.models import is_lora
 from grpo.rollout import decoding_of, grouped_rollout, prompt_seeds
 from grpo.rollout.padding import left_pad, right_pad
@@ -33,6 +32,7 @@ from grpo.rollout.stopping import eos_ids
 from grpo.rollout.turns import TurnRequest, TurnSample
 from grpo.runtime import distributed
 from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout
 
 # set through rollout.* fields (or by the engine itself), never through generation_kwargs
 OWN_FIELDS = {

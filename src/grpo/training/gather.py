@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo.containers import Rollout, Scored
 from grpo.runtime import distributed
+from grpo.step_data import Rollout, Scored
 
 
 def empty_rollout(group_size: int) -> Rollout:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo.containers import Rollout
 from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout
 
 
 @dataclass

@@ -6,10 +6,10 @@ import math
 from typing import Any
 
 from grpo import algorithm
-from grpo.containers import Scored
 from grpo.rewards.inputs import per_function_metrics
 from grpo.rollout.turns import tool_metrics
 from grpo.runs.metrics import reflection_rate
+from grpo.step_data import Scored
 from grpo.training.prompt_selection import Collected
 
 

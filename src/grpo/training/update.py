@@ -12,12 +12,12 @@ from torch import Tensor, nn
 
 from grpo import algorithm
 from grpo.config import Config
-from grpo.containers import Scored
 from grpo.models import Reference
 from grpo.runtime import distributed
 from grpo.runtime.distributed import DistInfo
 from grpo.runtime.precision import bf16_autocast
 from grpo.scoring.logprobs import completion_logprobs
+from grpo.step_data import Scored
 from grpo.training import advantages, importance
 from grpo.training.critic import Critic, value_metrics
 from grpo.training.entropy_bonus import EntropyBonus
