@@ -181,7 +181,7 @@ def sync_gaps(model: torch.nn.Module, rollout: Any) -> dict[str, float]:
     device = next(model.parameters()).device
     ids = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
     with torch.no_grad():
-        logp, _ = completion_logprobs(model, *(t.to(device) for t in ids), rollout.sampling)
+        logp, _ = completion_logprobs(model, *(t.to(device) for t in ids), rollout.decoding)
     mask = rollout.completion_mask.to(device)
     diff = (logp - rollout.sampler_logp.to(device)).abs()[mask]
     return {"mean": float(diff.mean()), "max": float(diff.max())}

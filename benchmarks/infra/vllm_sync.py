@@ -36,7 +36,7 @@ def gaps(model: torch.nn.Module, rollout, sampler_logp: torch.Tensor) -> dict[st
             rollout.prompt_mask,
             rollout.completion_ids,
             rollout.completion_mask,
-            rollout.sampling,
+            rollout.decoding,
         )
     diff = (logp - sampler_logp).abs()[rollout.completion_mask]
     return {"mean": float(diff.mean()), "max": float(diff.max())}

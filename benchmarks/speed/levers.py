@@ -30,19 +30,19 @@ from transformers import (
 
 from benchmarks import common
 from grpo.config import ModelConfig, RolloutConfig, TrainConfig
-from grpo.containers import Rollout
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import load_policy, load_tokenizer, resolve_model_path
-from grpo.rollout import decode, hf, render_prompt, sampling_of
+from grpo.rollout import decode, decoding_of, hf, render_prompt
 from grpo.rollout.hf import HFEngine, sample_groups
 from grpo.rollout.packed_weights import packed_linears
 from grpo.rollout.sampler import Chooser, SeededGroupSampler, processor_choice
 from grpo.runtime.host_memory import set_malloc_policy
 from grpo.scoring import chunked_head, head_products
-from grpo.scoring.distribution import Sampling, process_logits
+from grpo.scoring.distribution import Decoding, process_logits
 from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs
 from grpo.scoring.packing import pack
 from grpo.scoring.prefix_attention import PREFIX
+from grpo.step_data import Rollout
 from grpo.training.micro_batches import micro_batches
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -86,7 +86,7 @@ def engine_chooser(
     rows_ids, rows_mask = (x.repeat_interleave(g, dim=0) for x in (ids, mask))
     sampler = SeededGroupSampler(list(range(ids.shape[0])), g, engine.model.device)
     processors = LogitsProcessorList(extra or [])
-    return Chooser(sampling_of(engine.config), sampler, rows_ids, rows_mask, processors)
+    return Chooser(decoding_of(engine.config), sampler, rows_ids, rows_mask, processors)
 
 
 def concatenating_cache() -> contextlib.AbstractContextManager:
@@ -108,8 +108,8 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
 
     def processors(sampler: type = SeededGroupSampler) -> LogitsProcessorList:
         args = (seeds, g, model.device) if sampler is SeededGroupSampler else (seeds, g)
-        sampling = sampling_of(engine.config)
-        return LogitsProcessorList([lambda _, x: process_logits(x, sampling), sampler(*args)])
+        decoding = decoding_of(engine.config)
+        return LogitsProcessorList([lambda _, x: process_logits(x, decoding), sampler(*args)])
 
     @torch.no_grad()
     def plain() -> None:
@@ -348,7 +348,7 @@ def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
                     size = mock.patch.object(chunked_head, "PLAIN_CHUNK_BYTES", rows * 4 * vocab)
                     patches.enter_context(size)
                 if not in_place:  # plain sampling through autograd, as before 74cd9ad
-                    autograd = mock.patch.object(Sampling, "plain", property(lambda s: False))
+                    autograd = mock.patch.object(Decoding, "plain", property(lambda s: False))
                     patches.enter_context(autograd)
                 if not lookup:  # the dense lookup gradient, as before lookup_into_grad
                     no_lookup = mock.patch.object(

@@ -41,7 +41,7 @@ def sliced_token_logprobs(
     logits: torch.Tensor,
     at: torch.Tensor,
     targets: torch.Tensor,
-    sampling: float = 1.0,
+    decoding: float = 1.0,
     with_entropy: bool = False,
     chunk: int = 64,
     history: Any = None,

@@ -44,11 +44,11 @@ from transformers import AutoModelForCausalLM
 from benchmarks import common
 from grpo.build import build_engine
 from grpo.config import RolloutConfig, load_config
-from grpo.containers import Rollout
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import load_tokenizer, resolve_model_path
 from grpo.rollout import packed_weights, render_prompt
 from grpo.runtime.precision import bf16_autocast
+from grpo.step_data import Rollout
 
 
 def memory_bandwidth(gib: float = 0.5, seconds: float = 1.0) -> float:

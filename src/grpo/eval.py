@@ -41,7 +41,6 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo import build
 from grpo.config import Config
-from grpo.containers import Rollout, concat_rollouts
 from grpo.data import DataError, heldout_rows
 from grpo.data.prompts import PromptFormat
 from grpo.data.stream import sampling_seed
@@ -51,6 +50,7 @@ from grpo.rewards.inputs import per_function_metrics, reward_inputs
 from grpo.rollout import RolloutEngine, close_engine
 from grpo.rollout.turns import tool_metrics
 from grpo.runtime.precision import bf16_autocast
+from grpo.step_data import Rollout, concat_rollouts
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

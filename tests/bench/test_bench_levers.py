@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 
 from grpo.config import RolloutConfig
 from grpo.models import load_tokenizer
-from grpo.rollout import completion_mask_and_truncation, hf, kv_cache, sampling_of
+from grpo.rollout import completion_mask_and_truncation, decoding_of, hf, kv_cache
 from grpo.rollout.hf import HFEngine, sample_groups
 from grpo.rollout.sampler import Chooser, SeededGroupSampler, processor_choice
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
 
 
 @pytest.mark.parametrize("eos_bias", [0.0, 2.0])
@@ -43,7 +43,7 @@ def test_prefill_once_samples_what_generate_samples(
     def chooser(extra: LogitsProcessorList) -> Chooser:
         sampler = SeededGroupSampler(seeds, g, model.device)
         ids, mask = (x.repeat_interleave(g, dim=0) for x in (enc.input_ids, enc.attention_mask))
-        return Chooser(sampling_of(engine.config), sampler, ids, mask, extra)
+        return Chooser(decoding_of(engine.config), sampler, ids, mask, extra)
 
     # generate() keeps every row in its batch: its chooser processes all 12 at each step
     every = chooser(LogitsProcessorList())
@@ -209,7 +209,7 @@ def test_a_model_with_sliding_window_layers_samples_what_generate_samples() -> N
     def chooser() -> Chooser:
         rows_ids, rows_mask = (x.repeat_interleave(g, dim=0) for x in (ids, mask))
         sampler = SeededGroupSampler([5, 6], g, torch.device("cpu"))
-        return Chooser(Sampling(0.9), sampler, rows_ids, rows_mask, LogitsProcessorList())
+        return Chooser(Decoding(0.9), sampler, rows_ids, rows_mask, LogitsProcessorList())
 
     with torch.no_grad():
         plain = model.generate(

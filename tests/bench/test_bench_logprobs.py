@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
 from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs
 from grpo.scoring.packing import pack
 from grpo.scoring.prefix_attention import PREFIX
@@ -40,14 +40,14 @@ def _batch():
         (0.7, "sdpa"),
         (0.7, "eager"),
         # a penalty reads each row's history (its prompt and completion so far) on both paths
-        (Sampling(temperature=0.7, repetition_penalty=1.3, top_k=20), "sdpa"),
+        (Decoding(temperature=0.7, repetition_penalty=1.3, top_k=20), "sdpa"),
         # no mask: each completion attends to its prompt and itself (grpo.scoring.prefix_attention)
         (0.7, PREFIX),
-        (Sampling(temperature=0.7, repetition_penalty=1.3, top_k=20), PREFIX),
+        (Decoding(temperature=0.7, repetition_penalty=1.3, top_k=20), PREFIX),
     ],
 )
 def test_packed_matches_full_sequences(
-    tiny_model_dir, temperature: float | Sampling, attention: str
+    tiny_model_dir, temperature: float | Decoding, attention: str
 ) -> None:
     plain_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
     packed_model = copy.deepcopy(plain_model)

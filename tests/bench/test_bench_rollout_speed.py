@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.speed import rollout_speed
-from grpo.containers import Rollout
+from grpo.step_data import Rollout
 
 
 def test_the_decode_limit_is_the_slower_of_streaming_and_computing() -> None:

@@ -194,8 +194,8 @@ def test_two_gloo_ranks_match_one_process(
 
 
 def _scored(groups: int, width: int, g: int = 2, sampler: bool = True):
-    from grpo.containers import Rollout, Scored
-    from grpo.scoring.distribution import Sampling
+    from grpo.scoring.distribution import Decoding
+    from grpo.step_data import Rollout, Scored
     from grpo.training.gather import empty_rollout
 
     n = groups * g
@@ -214,7 +214,7 @@ def _scored(groups: int, width: int, g: int = 2, sampler: bool = True):
             rows=[{"prompt": "p"}] * groups,
             group_size=g,
             sampler_logp=torch.full((n, 3), -1.0) if sampler else None,
-            sampling=Sampling(temperature=0.5),
+            decoding=Decoding(temperature=0.5),
         )
     rewards = torch.arange(n, dtype=torch.float32)
     return Scored(rollout, rewards[:, None], ["r"], rewards, rewards, {"r": 1})
@@ -247,7 +247,7 @@ def test_gathered_groups_can_be_trained_on(tmp_path: Path) -> None:
     assert first.rollout.completions == ["c3", "c3"] and first.rollout.rows == [{"prompt": "p"}]
     assert first.rollout.prompt_mask.all() and first.rollout.prompt_ids.shape == (2, 3)
     assert torch.equal(first.rollout.sampler_logp, torch.full((2, 3), -1.0))
-    assert first.rollout.sampling.temperature == 0.5  # rank 0 sampled nothing: rank 1's controls
+    assert first.rollout.decoding.temperature == 0.5  # rank 0 sampled nothing: rank 1's controls
     assert first.errors == {"r": 2}
     wide = result["widths"].rollout
     assert wide.prompt_mask.shape == (4, 4)

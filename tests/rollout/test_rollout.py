@@ -75,7 +75,7 @@ def test_generation_kwargs_reach_hf_sampling_and_its_logprobs(tiny_model_dir) ->
     assert banned not in out.completion_ids[counted].tolist()
     with torch.no_grad():
         trainer_logp, _ = completion_logprobs(
-            model, out.prompt_ids, out.prompt_mask, out.completion_ids, counted, out.sampling
+            model, out.prompt_ids, out.prompt_mask, out.completion_ids, counted, out.decoding
         )
     gap = (out.sampler_logp - trainer_logp)[counted]
     assert float(gap.min()) > -1e-5  # without the banned token every other token gains mass
@@ -97,8 +97,8 @@ def test_generation_kwargs_cannot_override_a_rollout_field(tiny_model_dir) -> No
 
 
 def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
-    from grpo.containers import Rollout
     from grpo.rewards.inputs import reward_inputs
+    from grpo.step_data import Rollout
 
     n = 4  # 2 prompts, G = 2
     rollout = Rollout(
@@ -119,15 +119,15 @@ def test_reward_inputs_repeat_each_rows_columns_for_its_group() -> None:
     assert ids == [[7, 8], [7], [9, 9], [9]]
 
 
-def test_sampling_of_carries_every_rollout_control() -> None:
-    from grpo.rollout import sampling_of
-    from grpo.scoring.distribution import Sampling
+def test_decoding_of_carries_every_rollout_control() -> None:
+    from grpo.rollout import decoding_of
+    from grpo.scoring.distribution import Decoding
 
     config = RolloutConfig(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
-    expected = Sampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
-    assert sampling_of(config) == expected
+    expected = Decoding(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
+    assert decoding_of(config) == expected
     # a scheduled temperature replaces rollout.temperature only
-    assert sampling_of(config, 1.3) == Sampling(1.3, 5, 0.9, 0.1, 1.2)
+    assert decoding_of(config, 1.3) == Decoding(1.3, 5, 0.9, 0.1, 1.2)
 
 
 def test_an_unknown_engine_is_named() -> None:
@@ -138,7 +138,7 @@ def test_an_unknown_engine_is_named() -> None:
 
 
 def _tagged_rollout(turns=None):
-    from grpo.containers import Rollout
+    from grpo.step_data import Rollout
 
     # 1 prompt that opens <think>, G = 2; single-turn, or multi-turn with the given turns
     return Rollout(

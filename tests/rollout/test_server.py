@@ -48,8 +48,8 @@ def _keep_torch_threads():
 
 
 def test_a_rollout_travels_whole() -> None:
-    from grpo.containers import Rollout
-    from grpo.scoring.distribution import Sampling
+    from grpo.scoring.distribution import Decoding
+    from grpo.step_data import Rollout
 
     rollout = Rollout(
         prompt_ids=torch.tensor([[1, 2]]),
@@ -62,12 +62,12 @@ def test_a_rollout_travels_whole() -> None:
         rows=[{"x": 1}],
         group_size=1,
         sampler_logp=torch.tensor([[-0.1234567, 0.0]]),
-        sampling=Sampling(temperature=0.7, top_k=5),
+        decoding=Decoding(temperature=0.7, top_k=5),
     )
     back = decode_rollout(encode_rollout(rollout), [{"x": 1}])
     for name in ("prompt_ids", "completion_mask", "truncated", "sampler_logp"):
         assert torch.equal(getattr(back, name), getattr(rollout, name)), name
-    assert back.sampled_mask is None and back.sampling == rollout.sampling
+    assert back.sampled_mask is None and back.decoding == rollout.decoding
     assert back.rows == [{"x": 1}] and back.completions == ["c"]
 
 
@@ -238,7 +238,7 @@ def test_a_second_run_on_the_same_server_stops_the_first(server: str, tiny_model
 def test_a_server_of_another_model_is_refused_at_once_with_its_reason(
     tiny_config, tmp_path: Path
 ) -> None:
-    # same sampling controls, other weights: the server refuses the weights group, and the
+    # same decoding controls, other weights: the server refuses the weights group, and the
     # client says why at once instead of waiting out the group's timeout
     other = build_tiny_model(tmp_path / "other", num_layers=3)
     running = start_server(other)
@@ -319,12 +319,12 @@ def test_a_server_is_checked_for_float32_packing_and_its_tokenizer(
     # serve's: each is one line, never a traceback
     from grpo.config import ModelConfig, RolloutConfig
     from grpo.models import load_policy, load_tokenizer
-    from grpo.rollout.server import SAMPLING_KEYS, ServerEngine, tokenizer_fingerprint
+    from grpo.rollout.server import DECODING_KEYS, ServerEngine, tokenizer_fingerprint
 
     config = RolloutConfig(**ROLLOUT, engine="server", server_timeout_s=20)
     tokenizer = load_tokenizer(str(tiny_model_dir))
     health = {
-        "sampling": {key: getattr(config, key) for key in SAMPLING_KEYS},
+        "sampling": {key: getattr(config, key) for key in DECODING_KEYS},
         "tokenizer": tokenizer_fingerprint(tokenizer),
     }
     change(health)

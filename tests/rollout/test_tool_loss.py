@@ -8,10 +8,10 @@ import torch
 from scripted_turns import ANSWER, CALL, QUESTION
 
 from grpo.config import ModelConfig
-from grpo.containers import Rollout, Scored
 from grpo.models import load_policy, load_tokenizer
 from grpo.rollout import render_prompt
 from grpo.scoring.logprobs import full_sequence_logprobs
+from grpo.step_data import Rollout, Scored
 from grpo.training.trainer import Trainer
 
 

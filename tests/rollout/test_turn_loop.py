@@ -188,7 +188,7 @@ def test_greedy_temperature_and_drawn_seeds_reach_every_request(tiny_model_dir) 
     scripted = ReplyEngine(tokenizer, [NO_CALL, ANSWER + END])
     engine = MultiTurnEngine(scripted, tokenizer, rollout_config())
     rollout = engine.generate(["q"] * 8, [{}] * 8, 1, temperature=0.7, greedy=True)  # seeds drawn
-    assert rollout.sampling.temperature == 0.7  # recorded as sampled
+    assert rollout.decoding.temperature == 0.7  # recorded as sampled
     assert len(scripted.requests) == 16
     assert all(greedy is True and t == 0.7 for _, greedy, t in scripted.requests)
     seeds = [r.seed for r, *_ in scripted.requests[:8]]

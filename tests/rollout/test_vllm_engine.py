@@ -29,7 +29,7 @@ from grpo.rollout.vllm import (
     merged_weights,
     not_a_rotary_reload_notice,
 )
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
 from grpo.scoring.logprobs import completion_logprobs
 from grpo.training.trainer import Trainer, train
 
@@ -320,12 +320,12 @@ has_vllm = importlib.util.find_spec("vllm") is not None
 real = [pytest.mark.slow, pytest.mark.skipif(not has_vllm, reason="vllm is not installed")]
 
 CONTROLS = {
-    "temperature": Sampling(temperature=0.7),
-    "top_k": Sampling(temperature=0.8, top_k=8),
-    "top_p": Sampling(top_p=0.8),
-    "min_p": Sampling(min_p=0.1),
-    "repetition_penalty": Sampling(repetition_penalty=1.5),
-    "all": Sampling(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, repetition_penalty=1.2),
+    "temperature": Decoding(temperature=0.7),
+    "top_k": Decoding(temperature=0.8, top_k=8),
+    "top_p": Decoding(top_p=0.8),
+    "min_p": Decoding(min_p=0.1),
+    "repetition_penalty": Decoding(repetition_penalty=1.5),
+    "all": Decoding(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, repetition_penalty=1.2),
 }
 
 
@@ -340,8 +340,8 @@ def real_llm(wide_model_dir: Path):
     return create_llm(model, RolloutConfig(engine="vllm", vllm_kv_cache_gb=0.25))
 
 
-def _config(sampling: Sampling, **rollout: Any) -> RolloutConfig:
-    return RolloutConfig(engine="vllm", max_new_tokens=12, **vars(sampling), **rollout)
+def _config(decoding: Decoding, **rollout: Any) -> RolloutConfig:
+    return RolloutConfig(engine="vllm", max_new_tokens=12, **vars(decoding), **rollout)
 
 
 def _trainer_logp(model, rollout) -> torch.Tensor:
@@ -352,7 +352,7 @@ def _trainer_logp(model, rollout) -> torch.Tensor:
             rollout.prompt_mask,
             rollout.completion_ids,
             rollout.completion_mask,
-            rollout.sampling,
+            rollout.decoding,
         )
     return logp.masked_fill(~rollout.completion_mask, 0.0)
 
@@ -375,13 +375,13 @@ def test_sampler_and_trainer_logprobs_mean_one_distribution(
         sampler = build_engine("hf", model=model, tokenizer=tok, config=config)
     prompts = ["abcabc", "hello there", "1+1="]
     out = sampler.generate(prompts, [{}] * 3, 4, seeds=[1, 2, 3])
-    assert out.sampling == CONTROLS[controls]
+    assert out.decoding == CONTROLS[controls]
     counted = out.completion_mask
     assert int(counted.sum()) >= 40  # enough tokens for the comparison to mean something
     gap = (_trainer_logp(model, out) - out.sampler_logp).abs()[counted]
     # float32 on both sides; other kernels and summation orders (vLLM) or a KV cache (hf)
     assert float(gap.max()) < 2e-3, float(gap.max())
-    plain = Sampling(temperature=CONTROLS[controls].temperature)
+    plain = Decoding(temperature=CONTROLS[controls].temperature)
     if controls not in ("temperature", "all"):  # the controls really changed the numbers
         with torch.no_grad():
             unprocessed, _ = completion_logprobs(
@@ -398,7 +398,7 @@ def test_stop_strings_end_completions_on_both_engines(
     model = AutoModelForCausalLM.from_pretrained(wide_model_dir).eval()
 
     def sample(stop: list[str]):
-        config = _config(Sampling(temperature=1.5), stop=stop)
+        config = _config(Decoding(temperature=1.5), stop=stop)
         if engine == "vllm":
             llm, params = request.getfixturevalue("real_llm")
             sampler = VLLMEngine(model, tok, config, llm=llm, sampling_params=params)
@@ -443,7 +443,7 @@ def test_real_vllm_samples_from_the_pushed_weights(
             if p.requires_grad and ("lora_B" in name or not lora):
                 p.add_(torch.randn_like(p) * (0.2 if lora else 0.05))
     llm, params = real_llm
-    engine = VLLMEngine(policy, tok, _config(Sampling()), llm=llm, sampling_params=params)
+    engine = VLLMEngine(policy, tok, _config(Decoding()), llm=llm, sampling_params=params)
     engine.sync_weights(policy)
     out = engine.generate(["abc", "hello"], [{}] * 2, 4, seeds=[7, 8])
     counted = out.completion_mask

@@ -15,13 +15,13 @@ from transformers import AutoModelForCausalLM
 
 from grpo.scoring import chunked_head, head_products, logprobs, packing
 from grpo.scoring.chunked_head import History, Scorer, chunked_head_slot
-from grpo.scoring.distribution import Sampling, process_logits
+from grpo.scoring.distribution import Decoding, process_logits
 from grpo.scoring.logprobs import completion_logprobs, token_logprobs
 
 SAMPLINGS = {
-    "temperature 1": Sampling(),
-    "temperature 0.7": Sampling(0.7),
-    "penalty and truncation": Sampling(0.8, top_k=30, top_p=0.9, repetition_penalty=1.3),
+    "temperature 1": Decoding(),
+    "temperature 0.7": Decoding(0.7),
+    "penalty and truncation": Decoding(0.8, top_k=30, top_p=0.9, repetition_penalty=1.3),
 }
 
 
@@ -57,13 +57,13 @@ def _chunks_of(rows: int, vocab: int, monkeypatch) -> None:
     monkeypatch.setattr(chunked_head, "ENTROPY_BLOCK_BYTES", 2 * 4 * vocab)
 
 
-def _scored(model, batch, sampling, plain: bool, monkeypatch):
+def _scored(model, batch, decoding, plain: bool, monkeypatch):
     """logp, entropy and every parameter's gradient of sum(logp * w) over real tokens."""
     with monkeypatch.context() as patch:
         if plain:
             patch.setattr(chunked_head, "head_slot", lambda model: None)
         model.zero_grad()
-        logp, entropy = completion_logprobs(model, *batch, sampling, with_entropy=True)
+        logp, entropy = completion_logprobs(model, *batch, decoding, with_entropy=True)
         mask = batch[3]
         weights = torch.linspace(-1, 2, mask.numel(), device=mask.device).view(mask.shape)
         (logp * weights * mask).sum().backward()
@@ -116,22 +116,22 @@ def test_chunked_head_under_bf16_autocast_equals_the_plain_head(model, device, m
     model.to(device)
     batch = [t.to(device) for t in _batch(g=3, n=6)]
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        got = _scored(model, batch, Sampling(0.7), plain=False, monkeypatch=monkeypatch)
-        want = _scored(model, batch, Sampling(0.7), plain=True, monkeypatch=monkeypatch)
+        got = _scored(model, batch, Decoding(0.7), plain=False, monkeypatch=monkeypatch)
+        want = _scored(model, batch, Decoding(0.7), plain=True, monkeypatch=monkeypatch)
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=1e-2)
     for g, w in zip(got[2], want[2], strict=True):
         torch.testing.assert_close(g, w, atol=2e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(top_k=5)], ids=["plain", "top-k"])
-def test_backward_recomputes_the_logits_in_the_forwards_dtype(sampling, monkeypatch) -> None:
+@pytest.mark.parametrize("decoding", [Decoding(), Decoding(top_k=5)], ids=["plain", "top-k"])
+def test_backward_recomputes_the_logits_in_the_forwards_dtype(decoding, monkeypatch) -> None:
     # backward runs outside autocast (as the trainer's does), so the head must cast itself:
     # its logits are then the forward's bf16 ones, not a float32 product autocast never made
     gen = torch.Generator().manual_seed(0)
     head = nn.Linear(6, 17)
     hidden = torch.randn(11, 6, generator=gen, requires_grad=True)
     at = torch.tensor([[0, 3, 4], [0, 7, 10]])
-    scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), sampling, False, None, 11)
+    scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), decoding, False, None, 11)
     seen: list[torch.dtype] = []
     linear = F.linear
 
@@ -157,7 +157,7 @@ def test_a_head_weight_computed_from_others_hands_its_gradient_on() -> None:
     base = torch.randn(17, 6, generator=gen, requires_grad=True)
     hidden = torch.randn(11, 6, generator=gen)
     at = torch.tensor([[0, 3, 4], [0, 7, 10]])
-    scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), Sampling(), False, None, 11)
+    scorer = Scorer.of(at, torch.randint(0, 17, (2, 3), generator=gen), Decoding(), False, None, 11)
     for _ in range(2):
         picked, lse, _ = chunked_head._ChunkedHead.apply(
             hidden, base * 2.0, None, scorer, 4, [], True, False, True
@@ -213,12 +213,12 @@ def test_add_products_bf16_blocks_keep_to_their_byte_budget(budget, blocks, monk
 
 
 @pytest.mark.parametrize(
-    ("sampling", "keep"),
-    [(Sampling(0.5), False), (Sampling(0.5), True), (Sampling(0.5, top_k=5), False)],
+    ("decoding", "keep"),
+    [(Decoding(0.5), False), (Decoding(0.5), True), (Decoding(0.5, top_k=5), False)],
     ids=["plain", "plain-kept", "top-k"],
 )
 @pytest.mark.parametrize("autocast", [False, True])
-def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, monkeypatch):
+def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, decoding, keep, monkeypatch):
     # the autograd function alone, on an untied head with a bias: hidden, weight and bias
     # gradients equal the full logits' (a head that needs no weight gradient gets none). Under
     # bf16 autocast the backward runs outside it, as the trainer's does, so the recomputed head
@@ -232,7 +232,7 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])  # positions shared by targets
     targets = torch.randint(0, v, (3, 3), generator=gen)
-    scorer = Scorer.of(at, targets, sampling, False, None, m)
+    scorer = Scorer.of(at, targets, decoding, False, None, m)
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     tol = {"atol": 2e-2, "rtol": 2e-2} if autocast else {}
     extras: list = []
@@ -264,12 +264,12 @@ def test_a_head_with_a_bias_gets_every_gradient(autocast: bool, sampling, keep, 
 
 
 @pytest.mark.parametrize(
-    ("sampling", "keep"),
-    [(Sampling(0.7), False), (Sampling(0.7), True), (Sampling(0.7, top_k=5), False)],
+    ("decoding", "keep"),
+    [(Decoding(0.7), False), (Decoding(0.7), True), (Decoding(0.7, top_k=5), False)],
     ids=["plain", "plain-kept", "top-k"],
 )
 @pytest.mark.parametrize("used", ["picked", "lse"])
-def test_a_loss_on_one_output_alone_gets_that_outputs_gradient(sampling, keep, used) -> None:
+def test_a_loss_on_one_output_alone_gets_that_outputs_gradient(decoding, keep, used) -> None:
     # the autograd function on its own, with a loss that reads only the picked logits or only
     # the log-normaliser: the output it leaves out reaches backward as None (grads are not
     # materialised) and adds nothing. A bf16 head, as a model loaded in bf16 has (the zeros
@@ -280,7 +280,7 @@ def test_a_loss_on_one_output_alone_gets_that_outputs_gradient(sampling, keep, u
     hidden = torch.randn(m, h, generator=gen).bfloat16().requires_grad_()
     at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])
     targets = torch.randint(0, v, (3, 3), generator=gen)
-    scorer = Scorer.of(at, targets, sampling, False, None, m)
+    scorer = Scorer.of(at, targets, decoding, False, None, m)
     picked, lse, _ = chunked_head._ChunkedHead.apply(
         hidden, weight, None, scorer, 4, [], False, keep, True
     )
@@ -309,7 +309,7 @@ def test_plain_sampling_in_place_divides_by_any_temperature(temperature, keep) -
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.tensor([[0, 3, 4], [0, 7, 10], [2, 2, 9]])
     targets = torch.randint(0, v, (3, 3), generator=gen)
-    scorer = Scorer.of(at, targets, Sampling(temperature), True, None, m)
+    scorer = Scorer.of(at, targets, Decoding(temperature), True, None, m)
     extras: list = []
     picked, lse, entropy = chunked_head._ChunkedHead.apply(
         hidden, weight, None, scorer, 4, extras, False, keep, True
@@ -340,7 +340,7 @@ def test_the_bias_gradient_is_summed_in_float32_under_autocast(keep) -> None:
     nn.init.zeros_(head.bias)
     hidden = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
     at, targets = torch.tensor([[0, 1]]), torch.zeros(1, 2, dtype=torch.long)
-    scorer = Scorer.of(at, targets, Sampling(), False, None, 2)
+    scorer = Scorer.of(at, targets, Decoding(), False, None, 2)
     extras: list = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         picked, lse, entropy = chunked_head._ChunkedHead.apply(
@@ -362,8 +362,8 @@ def test_a_models_head_with_a_bias_equals_the_plain_head(tiny_model_dir, monkeyp
     model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features)
     nn.init.normal_(model.lm_head.bias)  # large enough to move every log-prob
     batch = _batch(g=3, n=6)
-    got = _scored(model, batch, Sampling(0.7), plain=False, monkeypatch=monkeypatch)
-    want = _scored(model, batch, Sampling(0.7), plain=True, monkeypatch=monkeypatch)
+    got = _scored(model, batch, Decoding(0.7), plain=False, monkeypatch=monkeypatch)
+    want = _scored(model, batch, Decoding(0.7), plain=True, monkeypatch=monkeypatch)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     for g, w in zip(got[2], want[2], strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
@@ -425,7 +425,7 @@ def test_a_forward_that_computed_other_positions_is_refused_by_the_models_name()
 def test_a_penalty_without_the_history_it_reads_is_refused() -> None:
     # the whole message, since it is all a caller is told of what to pass
     at, targets = torch.tensor([[0, 1]]), torch.tensor([[3, 4]])
-    penalty = Sampling(repetition_penalty=1.3)
+    penalty = Decoding(repetition_penalty=1.3)
     with pytest.raises(ValueError, match=r"^repetition_penalty needs each row's history to score$"):
         Scorer.of(at, targets, penalty, False, None, 2)
     ones = torch.ones(1, 2, dtype=torch.bool)
@@ -447,7 +447,7 @@ def test_micro_batches_accumulate_the_heads_gradient_into_the_weights(model, mon
                 patch.setattr(chunked_head, "head_slot", lambda model: None)
             model.zero_grad(set_to_none=True)
             for batch in (first, second):
-                logp, _ = completion_logprobs(model, *batch, Sampling(0.9))
+                logp, _ = completion_logprobs(model, *batch, Decoding(0.9))
                 (logp * batch[3]).sum().backward()
         return [p.grad.clone() for p in model.parameters()]
 
@@ -489,7 +489,7 @@ def test_the_embedding_lookup_adds_its_rows_into_the_dense_grad(tiny_model_dir, 
                 )
             model.zero_grad(set_to_none=True)
             for batch in (first, second):
-                logp, _ = completion_logprobs(model, *batch, Sampling(0.9))
+                logp, _ = completion_logprobs(model, *batch, Decoding(0.9))
                 (logp * batch[3]).sum().backward()
         return [p.grad.clone() for p in model.parameters()]
 
@@ -628,7 +628,7 @@ def test_a_wrapped_model_hands_every_head_gradient_to_autograd(model, monkeypatc
     handed: list[torch.Tensor] = []
     model.lm_head.weight.register_hook(lambda grad: handed.append(grad.clone()))
     for batch in (_batch(g=3, n=6), _batch(g=2, n=9)):
-        logp, _ = completion_logprobs(wrapped, *batch, Sampling(0.9))
+        logp, _ = completion_logprobs(wrapped, *batch, Decoding(0.9))
         (logp * batch[3]).sum().backward()
     assert len(handed) == 2
     torch.testing.assert_close(sum(handed), model.lm_head.weight.grad)
@@ -656,9 +656,9 @@ def test_plain_sampling_spreads_positions_evenly_over_chunks_of_the_buffer(posit
     # as few chunks as hold them, evenly, not a full chunk and a ragged one that reads the
     # whole weight for a few rows. Other samplings keep CHUNK
     at = torch.zeros(1, 1, dtype=torch.long)
-    plain = Scorer.of(at, at, Sampling(0.7), False, None, positions)
+    plain = Scorer.of(at, at, Decoding(0.7), False, None, positions)
     assert plain.head_chunk(positions, 49152) == chunk
-    top_k = Scorer.of(at, at, Sampling(0.7, top_k=5), False, None, positions)
+    top_k = Scorer.of(at, at, Decoding(0.7, top_k=5), False, None, positions)
     assert top_k.head_chunk(positions, 49152) == chunked_head.CHUNK
 
 
@@ -668,7 +668,7 @@ def test_plain_sampling_chunks_keep_to_the_buffers_budget(rows: int, chunk: int,
     # one when only one row fits (5 positions: chunks of 1; of 2, 2, 1; of 3, 2)
     monkeypatch.setattr(chunked_head, "PLAIN_CHUNK_BYTES", rows * 4 * 40)
     at = torch.zeros(1, 1, dtype=torch.long)
-    assert Scorer.of(at, at, Sampling(0.7), False, None, 5).head_chunk(5, 40) == chunk
+    assert Scorer.of(at, at, Decoding(0.7), False, None, 5).head_chunk(5, 40) == chunk
 
 
 def test_the_scoring_head_chunks_its_forwards_positions(monkeypatch) -> None:
@@ -678,7 +678,7 @@ def test_the_scoring_head_chunks_its_forwards_positions(monkeypatch) -> None:
     gen = torch.Generator().manual_seed(0)
     at = torch.randint(0, 23, (3, 3), generator=gen)
     scorer = Scorer.of(
-        at, torch.randint(0, 40, (3, 3), generator=gen), Sampling(0.7), False, None, 23
+        at, torch.randint(0, 40, (3, 3), generator=gen), Decoding(0.7), False, None, 23
     )
     chunks: list[int] = []
     terms = Scorer.plain_terms_
@@ -733,7 +733,7 @@ def _logits_made(
     hidden = torch.randn(m, h, generator=gen, requires_grad=True)
     at = torch.randint(0, m, (4, 5), generator=gen)
     targets = torch.randint(0, v, (4, 5), generator=gen)
-    scorer = Scorer.of(at, targets, Sampling(0.7), entropy, None, m)
+    scorer = Scorer.of(at, targets, Decoding(0.7), entropy, None, m)
     chunk = scorer.head_chunk(m, v)
     extras: list = []
     with _Made(v) as forward:
@@ -826,7 +826,7 @@ def test_kept_bf16_logits_have_no_second_tensor_of_every_position(monkeypatch) -
         monkeypatch.setattr(head_products, "PRODUCT_BLOCK_BYTES", 5 * 2 * v)  # narrowing: 2 rows
         weight = weight0.clone().requires_grad_()
         hidden = hidden0.clone().requires_grad_()
-        scorer = Scorer.of(at, targets, Sampling(0.7), False, None, m)
+        scorer = Scorer.of(at, targets, Decoding(0.7), False, None, m)
         with _Made(v) as forward, torch.autocast("cpu", dtype=torch.bfloat16):
             picked, lse, _ = chunked_head._ChunkedHead.apply(
                 hidden, weight, None, scorer, m, [], False, True, True
@@ -896,10 +896,10 @@ def test_logits_of_states_in_another_dtype_are_the_heads_products(states, head) 
 
 
 @pytest.mark.parametrize(
-    "sampling", [Sampling(0.7), Sampling(0.7, top_k=5)], ids=["plain", "top-k"]
+    "decoding", [Decoding(0.7), Decoding(0.7, top_k=5)], ids=["plain", "top-k"]
 )
 def test_full_logits_are_kept_under_plain_sampling_else_the_models_own(
-    model, sampling, monkeypatch
+    model, decoding, monkeypatch
 ):
     # asked for full logits, a plain-sampling forward runs the scoring head with its logits
     # kept (one chunk of every position); a sampling that shapes the logits runs the model's
@@ -918,10 +918,10 @@ def test_full_logits_are_kept_under_plain_sampling_else_the_models_own(
 
     with monkeypatch.context() as patch:
         patch.setattr(chunked_head._ChunkedHead, "apply", spy)
-        completion_logprobs(model, *batch, sampling)
+        completion_logprobs(model, *batch, decoding)
         chunked_head.full_logits(model)
-        completion_logprobs(model, *batch, sampling)
-    assert runs == ([False, True] if sampling.plain else [False])
+        completion_logprobs(model, *batch, decoding)
+    assert runs == ([False, True] if decoding.plain else [False])
 
 
 def test_kept_full_logits_are_one_buffer_and_one_product_per_pass(monkeypatch) -> None:
@@ -944,7 +944,7 @@ def test_kept_logits_without_a_graph_are_left_as_logits(monkeypatch) -> None:
     hidden = torch.randn(9, 6, generator=gen)
     at = torch.randint(0, 9, (3, 3), generator=gen)
     scorer = Scorer.of(
-        at, torch.randint(0, 40, (3, 3), generator=gen), Sampling(0.7), False, None, 9
+        at, torch.randint(0, 40, (3, 3), generator=gen), Decoding(0.7), False, None, 9
     )
     kept: list[bool] = []
     terms = Scorer.plain_terms_
@@ -968,17 +968,17 @@ def test_kept_logits_without_a_graph_are_left_as_logits(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("sampling", "keep"),
-    [(Sampling(0.7), False), (Sampling(0.7), True), (Sampling(0.7, top_k=5), False)],
+    ("decoding", "keep"),
+    [(Decoding(0.7), False), (Decoding(0.7), True), (Decoding(0.7, top_k=5), False)],
     ids=["plain", "plain-kept", "top-k"],
 )
-def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(sampling, keep) -> None:
+def test_a_micro_batch_with_no_position_to_score_gets_empty_terms(decoding, keep) -> None:
     # every completion of one token predicts nothing: no positions reach the head, and every
     # path hands back empty terms and a zero gradient, not an error from an empty buffer
     hidden = torch.zeros(0, 6, requires_grad=True)
     weight = torch.randn(17, 6, requires_grad=True)
     none = torch.zeros(0, 0, dtype=torch.long)
-    scorer = Scorer.of(none, none, sampling, True, None, 0)
+    scorer = Scorer.of(none, none, decoding, True, None, 0)
     extras: list = []
     chunk = scorer.head_chunk(0, 17)
     picked, lse, entropy = chunked_head._ChunkedHead.apply(
@@ -993,7 +993,7 @@ def test_kept_logits_refuse_a_sampling_that_shapes_them() -> None:
     # the kept path takes a temperature's terms only: under top-k it would score the wrong
     # distribution, so it refuses rather than return those numbers
     at = torch.zeros(1, 1, dtype=torch.long)
-    scorer = Scorer.of(at, at, Sampling(0.7, top_k=5), False, None, 1)
+    scorer = Scorer.of(at, at, Decoding(0.7, top_k=5), False, None, 1)
     hidden, weight = torch.randn(1, 6), torch.randn(17, 6)
     with pytest.raises(ValueError, match=r"^kept logits take plain sampling \(temperature only\)$"):
         chunked_head._ChunkedHead.apply(hidden, weight, None, scorer, 1, [], False, True, True)
@@ -1003,9 +1003,9 @@ def test_kept_logits_refuse_a_sampling_that_shapes_them() -> None:
 
 
 @pytest.mark.parametrize(
-    "sampling", [Sampling(), Sampling(0.7), Sampling(0.8, top_k=4, top_p=0.9)], ids=str
+    "decoding", [Decoding(), Decoding(0.7), Decoding(0.8, top_k=4, top_p=0.9)], ids=str
 )
-def test_the_entropys_gradient_is_the_formulas(sampling: Sampling) -> None:
+def test_the_entropys_gradient_is_the_formulas(decoding: Decoding) -> None:
     # the entropy of the distribution sampled from, differentiated: against autograd through
     # -sum p log p over the kept tokens (removed tokens have p = 0 and get no gradient)
     gen = torch.Generator().manual_seed(5)
@@ -1013,22 +1013,22 @@ def test_the_entropys_gradient_is_the_formulas(sampling: Sampling) -> None:
     at = torch.randint(0, 9, (3, 4), generator=gen)
     targets = torch.randint(0, 11, (3, 4), generator=gen)
     weights = torch.linspace(-1.0, 2.0, 12).view(3, 4)
-    _, entropy = token_logprobs(logits, at, targets, sampling, with_entropy=True, chunk=4)
+    _, entropy = token_logprobs(logits, at, targets, decoding, with_entropy=True, chunk=4)
     (grad,) = torch.autograd.grad((entropy * weights).sum(), logits)
-    kept = process_logits(logits, sampling)  # removed tokens at -inf
+    kept = process_logits(logits, decoding)  # removed tokens at -inf
     log_p = torch.log_softmax(kept, dim=-1)
     removed = torch.isinf(kept)
     want_entropy = -(log_p.exp() * log_p.masked_fill(removed, 0.0)).sum(dim=-1)[at]
     (want,) = torch.autograd.grad((want_entropy * weights).sum(), logits)
     torch.testing.assert_close(entropy, want_entropy)
     torch.testing.assert_close(grad, want)
-    assert grad.abs().max() > 1e-3 and bool(removed.any()) == sampling.truncates
-    if sampling.truncates:  # a removed token's logit gets no gradient from the entropy
+    assert grad.abs().max() > 1e-3 and bool(removed.any()) == decoding.truncates
+    if decoding.truncates:  # a removed token's logit gets no gradient from the entropy
         assert torch.equal(grad[removed], torch.zeros(int(removed.sum())))
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.7)], ids=str)
-def test_a_token_of_probability_zero_gets_no_entropy_gradient(sampling: Sampling) -> None:
+@pytest.mark.parametrize("decoding", [Decoding(), Decoding(0.7)], ids=str)
+def test_a_token_of_probability_zero_gets_no_entropy_gradient(decoding: Decoding) -> None:
     # a logit at -inf (a token the model bans) and one 300 below the rest, whose probability
     # underflows to 0 in float32 (exp(-300)): dH/dx = -p (log p + H) is 0 at both, and the
     # rows' other tokens take the formula's gradient (against autograd through -sum p log p)
@@ -1039,9 +1039,9 @@ def test_a_token_of_probability_zero_gets_no_entropy_gradient(sampling: Sampling
     logits.requires_grad_()
     at, targets = torch.arange(4).view(2, 2), torch.full((2, 2), 5)
     weights = torch.tensor([[1.0, -2.0], [0.5, 3.0]])
-    _, entropy = token_logprobs(logits, at, targets, sampling, with_entropy=True, chunk=2)
+    _, entropy = token_logprobs(logits, at, targets, decoding, with_entropy=True, chunk=2)
     (grad,) = torch.autograd.grad((entropy * weights).sum(), logits)
-    log_p = torch.log_softmax(process_logits(logits, sampling), dim=-1)
+    log_p = torch.log_softmax(process_logits(logits, decoding), dim=-1)
     never = log_p.exp() == 0  # the two low tokens of every row
     want_entropy = -(log_p.exp() * log_p.masked_fill(never, 0.0)).sum(dim=-1)[at]
     (want,) = torch.autograd.grad((want_entropy * weights).sum(), logits)

@@ -80,11 +80,11 @@ def test_token_logprobs_chunking_is_exact(chunk: int) -> None:
 
 
 def test_a_repetition_penalty_without_the_rows_history_is_a_clear_error() -> None:
-    from grpo.scoring.distribution import Sampling
+    from grpo.scoring.distribution import Decoding
 
     logits, at = torch.zeros(4, 11), torch.arange(4).view(2, 2)
     with pytest.raises(ValueError, match="repetition_penalty needs each row's history"):
-        token_logprobs(logits, at, at, Sampling(repetition_penalty=1.2))
+        token_logprobs(logits, at, at, Decoding(repetition_penalty=1.2))
 
 
 def test_lm_head_runs_only_on_completion_positions(model) -> None:
@@ -170,9 +170,9 @@ def test_groups_scored_per_row_match_packed_and_padded(model, device, monkeypatc
     # values and gradients equal one padded sequence per row (also under a repetition penalty
     # and top-k, which read each row's history)
     from grpo.scoring import logprobs
-    from grpo.scoring.distribution import Sampling
+    from grpo.scoring.distribution import Decoding
 
-    sampling = Sampling(0.7, top_k=20, repetition_penalty=1.3) if penalised else 0.7
+    decoding = Decoding(0.7, top_k=20, repetition_penalty=1.3) if penalised else 0.7
 
     monkeypatch.setattr(
         packing.ScoringCost, "packing_pays", lambda self, prompt_len, lens: prompt_len > 3
@@ -184,11 +184,11 @@ def test_groups_scored_per_row_match_packed_and_padded(model, device, monkeypatc
     mask = batch[3]
     model = copy.deepcopy(model).to(device)
     model.zero_grad()
-    mixed, entropy = completion_logprobs(model, *batch, sampling, with_entropy=True)
+    mixed, entropy = completion_logprobs(model, *batch, decoding, with_entropy=True)
     (mixed * mask).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    padded, want_entropy = logprobs.full_sequence_logprobs(model, *batch, sampling, True)
+    padded, want_entropy = logprobs.full_sequence_logprobs(model, *batch, decoding, True)
     (padded * mask).sum().backward()
     assert torch.allclose(mixed[mask], padded[mask], atol=1e-5)
     assert torch.allclose(entropy[mask], want_entropy[mask], atol=1e-5)
@@ -456,7 +456,7 @@ def test_more_prompts_than_packed_positions_under_a_repetition_penalty(model) ->
     # four prompts of 2 or 3 tokens, each with a one-token completion: more packed sequences (4)
     # than tokens in the longest (3), so the penalty's per-position owners must be counted by
     # sequences x kept positions, not by length
-    from grpo.scoring.distribution import Sampling
+    from grpo.scoring.distribution import Decoding
     from grpo.scoring.packing import packed_logprobs
 
     prompts = [[10, 11], [12, 13, 14], [15, 16], [17, 18, 10]]
@@ -464,7 +464,7 @@ def test_more_prompts_than_packed_positions_under_a_repetition_penalty(model) ->
     batch = _batch(prompts, completions, s=3, t=1)
     penalty = 1.5
     with torch.no_grad():
-        logp, _ = packed_logprobs(model, *batch, Sampling(repetition_penalty=penalty))
+        logp, _ = packed_logprobs(model, *batch, Decoding(repetition_penalty=penalty))
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             logits = model(input_ids=torch.tensor([p])).logits[0, -1].float()
             seen = torch.zeros_like(logits, dtype=torch.bool)
@@ -489,11 +489,11 @@ def test_token_logprobs_at_temperature_two() -> None:
 def test_a_minus_inf_logit_leaves_the_entropy_finite(top_k: int) -> None:
     # a model may put -inf on tokens it never emits; with or without truncation that token has
     # p = 0 and adds nothing: logits (0, 0, -inf) have the entropy of a fair coin
-    from grpo.scoring.distribution import Sampling
+    from grpo.scoring.distribution import Decoding
 
     logits = torch.tensor([[0.0, 0.0, -math.inf]])
     at, targets = torch.tensor([[0]]), torch.tensor([[1]])
-    logp, entropy = token_logprobs(logits, at, targets, Sampling(top_k=top_k), with_entropy=True)
+    logp, entropy = token_logprobs(logits, at, targets, Decoding(top_k=top_k), with_entropy=True)
     assert torch.allclose(logp, torch.tensor([[math.log(0.5)]]), atol=1e-6)
     assert torch.allclose(entropy, torch.tensor([[math.log(2)]]), atol=1e-6)
 

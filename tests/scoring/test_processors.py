@@ -13,43 +13,43 @@ from transformers import LogitsProcessorList
 from grpo.config import dump_config
 from grpo.rollout.sampler import Chooser, SeededGroupSampler
 from grpo.scoring.chunked_head import History
-from grpo.scoring.distribution import Sampling, process_logits, seen_tokens, token_set
+from grpo.scoring.distribution import Decoding, process_logits, seen_tokens, token_set
 from grpo.scoring.logprobs import token_logprobs
 from grpo.training.resume import open_run
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
 
-def _logp(sampling: Sampling) -> torch.Tensor:
-    return torch.log_softmax(process_logits(PROBS.log(), sampling), dim=-1)
+def _logp(decoding: Decoding) -> torch.Tensor:
+    return torch.log_softmax(process_logits(PROBS.log(), decoding), dim=-1)
 
 
 def test_top_k_keeps_the_k_largest() -> None:
     # k = 2 keeps 0.5 and 0.3: renormalised 0.5 / 0.8 = 0.625 and 0.375
-    got = _logp(Sampling(top_k=2)).exp()
+    got = _logp(Decoding(top_k=2)).exp()
     assert torch.allclose(got, torch.tensor([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6)
 
 
 def test_top_p_drops_the_tail_whose_mass_stays_within_one_minus_p() -> None:
     # ascending cumulative mass 0.05, 0.2, 0.5, 1.0; top_p 0.75 drops what stays <= 0.25
-    got = _logp(Sampling(top_p=0.75)).exp()
+    got = _logp(Decoding(top_p=0.75)).exp()
     assert torch.allclose(got, torch.tensor([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6)
     # top_p 0.9 drops only 0.05: 0.5 / 0.95
-    assert math.isclose(float(_logp(Sampling(top_p=0.9)).exp()[0, 0]), 0.5 / 0.95, rel_tol=1e-6)
+    assert math.isclose(float(_logp(Decoding(top_p=0.9)).exp()[0, 0]), 0.5 / 0.95, rel_tol=1e-6)
 
 
 def test_min_p_is_relative_to_the_most_likely_token() -> None:
     # min_p 0.5: threshold 0.25 keeps 0.5 and 0.3; min_p 0.2: threshold 0.1 drops only 0.05
     assert torch.allclose(
-        _logp(Sampling(min_p=0.5)).exp(), torch.tensor([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6
+        _logp(Decoding(min_p=0.5)).exp(), torch.tensor([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6
     )
-    assert math.isclose(float(_logp(Sampling(min_p=0.2)).exp()[0, 2]), 0.15 / 0.95, rel_tol=1e-6)
+    assert math.isclose(float(_logp(Decoding(min_p=0.2)).exp()[0, 2]), 0.15 / 0.95, rel_tol=1e-6)
 
 
 def test_temperature_comes_before_truncation() -> None:
     # at T = 0.5 the probabilities square and renormalise: 0.25, 0.09, 0.0225, 0.0025 (/0.365);
     # top_p 0.9 then keeps 0.25 and 0.09 (their share 0.932 > 0.9, 0.25 alone is 0.685)
-    got = _logp(Sampling(temperature=0.5, top_p=0.9)).exp()
+    got = _logp(Decoding(temperature=0.5, top_p=0.9)).exp()
     assert torch.allclose(got, torch.tensor([[0.25 / 0.34, 0.09 / 0.34, 0.0, 0.0]]), atol=1e-6)
 
 
@@ -57,7 +57,7 @@ def test_a_temperature_above_one_flattens_before_truncation() -> None:
     # at T = 2 the probabilities 0.64, 0.16, 0.16, 0.04 take their square roots: 0.8, 0.4, 0.4,
     # 0.2; top_k 3 keeps the first three: 0.8 / 1.6 = 0.5, 0.25, 0.25
     logits = torch.tensor([[0.64, 0.16, 0.16, 0.04]]).log()
-    got = torch.softmax(process_logits(logits, Sampling(temperature=2.0, top_k=3)), dim=-1)
+    got = torch.softmax(process_logits(logits, Decoding(temperature=2.0, top_k=3)), dim=-1)
     assert torch.allclose(got, torch.tensor([[0.5, 0.25, 0.25, 0.0]]), atol=1e-6)
 
 
@@ -75,14 +75,14 @@ def test_the_seen_tokens_are_built_on_the_device_of_their_inputs() -> None:
 
 def test_a_penalty_without_the_seen_tokens_is_an_error() -> None:
     with pytest.raises(ValueError) as error:
-        process_logits(PROBS.log(), Sampling(repetition_penalty=1.3))
+        process_logits(PROBS.log(), Decoding(repetition_penalty=1.3))
     assert str(error.value) == "repetition_penalty needs the tokens seen at each position"
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.5]])
     seen = torch.tensor([[True, True, True, False]])
-    got = process_logits(logits, Sampling(repetition_penalty=2.0), seen)
+    got = process_logits(logits, Decoding(repetition_penalty=2.0), seen)
     # 2 / 2, -1 * 2, 0.5 / 2 (positive below 1 is divided too), unseen 0.5 unchanged
     assert torch.equal(got, torch.tensor([[1.0, -2.0, 0.25, 0.5]]))
 
@@ -105,7 +105,7 @@ def test_the_sampler_and_the_scorer_see_the_same_tokens() -> None:
     scores[:, 5] = 10.0  # both rows draw token 5
     sampler = SeededGroupSampler([0, 1], 1, torch.device("cpu"))
     chooser = Chooser(
-        Sampling(repetition_penalty=1.3), sampler, prompt, mask, LogitsProcessorList()
+        Decoding(repetition_penalty=1.3), sampler, prompt, mask, LogitsProcessorList()
     )
     picked = chooser.pick(prompt[:, :0], scores, torch.arange(2))
     assert picked.tolist() == [5, 5]
@@ -119,15 +119,15 @@ def test_the_sampler_and_the_scorer_see_the_same_tokens() -> None:
 
 
 @pytest.mark.parametrize(
-    "sampling",
+    "decoding",
     [
-        Sampling(temperature=0.7, top_k=5),
-        Sampling(top_p=0.8, min_p=0.05),
-        Sampling(repetition_penalty=1.3),
-        Sampling(temperature=1.2, top_k=7, top_p=0.9, min_p=0.01, repetition_penalty=0.8),
+        Decoding(temperature=0.7, top_k=5),
+        Decoding(top_p=0.8, min_p=0.05),
+        Decoding(repetition_penalty=1.3),
+        Decoding(temperature=1.2, top_k=7, top_p=0.9, min_p=0.01, repetition_penalty=0.8),
     ],
 )
-def test_processed_logprobs_match_a_slow_reference(sampling: Sampling) -> None:
+def test_processed_logprobs_match_a_slow_reference(decoding: Decoding) -> None:
     # one logits row per (row, index), as full_sequence_logprobs lays them out, against a loop
     # that builds each position's history and applies the processors to that row alone
     gen = torch.Generator().manual_seed(0)
@@ -143,19 +143,19 @@ def test_processed_logprobs_match_a_slow_reference(sampling: Sampling) -> None:
     history = History(prompt, prompt_mask, completion, completion_mask)
     for chunk in (1, 4, 64):
         got, entropy = token_logprobs(
-            logits, at, completion, sampling, True, chunk=chunk, history=history
+            logits, at, completion, decoding, True, chunk=chunk, history=history
         )
         for i in range(b):
             for j in range(int(completion_mask[i].sum())):
                 seen = torch.zeros(1, v, dtype=torch.bool)
                 seen[0, prompt[i][prompt_mask[i]]] = True
                 seen[0, completion[i, :j]] = True
-                row = process_logits(logits[at[i, j]][None].detach(), sampling, seen)
+                row = process_logits(logits[at[i, j]][None].detach(), decoding, seen)
                 target = completion[i, j]
                 if torch.isinf(row[0, target]):  # outside the kept set: scored as if kept
                     shaped = process_logits(
                         logits[at[i, j]][None].detach(),
-                        dataclasses.replace(sampling, top_k=0, top_p=1.0, min_p=0.0),
+                        dataclasses.replace(decoding, top_k=0, top_p=1.0, min_p=0.0),
                         seen,
                     )
                     row = row.clone()
@@ -163,7 +163,7 @@ def test_processed_logprobs_match_a_slow_reference(sampling: Sampling) -> None:
                 want = torch.log_softmax(row, dim=-1)[0, target]
                 assert torch.allclose(got[i, j], want, atol=1e-5), (chunk, i, j)
                 probs = torch.softmax(
-                    process_logits(logits[at[i, j]][None].detach(), sampling, seen), -1
+                    process_logits(logits[at[i, j]][None].detach(), decoding, seen), -1
                 )
                 want_entropy = -(probs * probs.clamp(min=1e-30).log()).sum()
                 assert torch.allclose(entropy[i, j], want_entropy, atol=1e-5)
@@ -179,11 +179,11 @@ def test_truncation_without_a_penalty_needs_no_history_and_no_entropy() -> None:
     logits = torch.randn(6, 9, generator=gen)
     at = torch.tensor([[0, 1, 2], [3, 4, 5]])
     targets = logits.argsort(dim=-1, descending=True)[at.flatten(), torch.tensor([0, 1, 2] * 2)]
-    sampling = Sampling(temperature=0.7, top_k=4, top_p=0.95)
+    decoding = Decoding(temperature=0.7, top_k=4, top_p=0.95)
     for chunk in (2, 64):
-        got, entropy = token_logprobs(logits, at, targets.view(2, 3), sampling, chunk=chunk)
+        got, entropy = token_logprobs(logits, at, targets.view(2, 3), decoding, chunk=chunk)
         assert entropy is None
-        want = torch.log_softmax(process_logits(logits, sampling), dim=-1)[at.flatten(), targets]
+        want = torch.log_softmax(process_logits(logits, decoding), dim=-1)[at.flatten(), targets]
         assert torch.allclose(got.flatten(), want, atol=1e-6)
 
 

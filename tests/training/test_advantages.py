@@ -13,7 +13,7 @@ import grpo.training.trainer
 import grpo.training.update
 from grpo import algorithm
 from grpo.config import Config, build_config
-from grpo.containers import Rollout
+from grpo.step_data import Rollout
 from grpo.training import advantages
 from grpo.training.trainer import Trainer
 

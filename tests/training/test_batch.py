@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from grpo.containers import Rollout, concat_rollouts
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout, concat_rollouts
 from grpo.training.micro_batches import MicroBatch
 
 
@@ -19,7 +19,7 @@ def rollout(
     tag: str,
     logp: bool = True,
     turns: bool = False,
-    sampling: Sampling | None = None,
+    decoding: Decoding | None = None,
 ) -> Rollout:
     """One group per two rows (G = 2); ids > 0 are real tokens, 0 is padding already in place."""
     prompt_ids = torch.tensor(prompt)
@@ -38,7 +38,7 @@ def rollout(
         sampler_logp=-completion_ids.float() / 10 if logp else None,
         sampled_mask=(completion_ids % 2 == 1) if turns else None,
         turns=[[{"text": f"{tag}t{i}"}] for i in range(n)] if turns else None,
-        sampling=sampling or Sampling(),
+        decoding=decoding or Decoding(),
     )
 
 
@@ -90,11 +90,11 @@ def test_concat_keeps_multi_turn_masks_and_counts_single_turn_tokens_as_sampled(
 
 
 def test_concat_refuses_rollouts_sampled_under_different_controls() -> None:
-    hot = rollout([[8, 9]], [[14]], "b", sampling=Sampling(temperature=1.3))
+    hot = rollout([[8, 9]], [[14]], "b", decoding=Decoding(temperature=1.3))
     with pytest.raises(ValueError, match="different controls"):
         concat_rollouts([A, B, hot])
-    same = rollout([[8, 9]], [[14]], "b", sampling=Sampling(temperature=1.3))
-    assert concat_rollouts([hot, same]).sampling == Sampling(temperature=1.3)
+    same = rollout([[8, 9]], [[14]], "b", decoding=Decoding(temperature=1.3))
+    assert concat_rollouts([hot, same]).decoding == Decoding(temperature=1.3)
 
 
 def test_select_groups_keeps_the_chosen_groups_in_order() -> None:
@@ -121,7 +121,7 @@ def test_concat_keeps_each_fields_dtype_when_it_pads() -> None:
 
 
 def test_concat_names_the_mixed_controls_in_its_error() -> None:
-    hot = rollout([[8, 9]], [[14]], "b", sampling=Sampling(temperature=1.3))
+    hot = rollout([[8, 9]], [[14]], "b", decoding=Decoding(temperature=1.3))
     with pytest.raises(
         ValueError, match=r"^rollouts sampled under different controls cannot share a step$"
     ):
@@ -129,12 +129,12 @@ def test_concat_names_the_mixed_controls_in_its_error() -> None:
 
 
 def test_select_groups_keeps_multi_turn_fields_and_the_sampling_controls() -> None:
-    hot = Sampling(temperature=1.3, top_k=5)
+    hot = Decoding(temperature=1.3, top_k=5)
     tools = rollout(
         [[1, 2], [3, 4], [5, 6], [7, 8]], [[5, 6], [9, 0], [3, 3], [1, 2]], "t", True, True, hot
     )
     picked = tools.select_groups([1, 0])
-    assert picked.sampling == hot
+    assert picked.decoding == hot
     assert picked.sampler_logp is not None and picked.sampled_mask is not None
     assert torch.equal(picked.sampler_logp, tools.sampler_logp[[2, 3, 0, 1]])
     assert picked.sampled_mask.tolist() == [
@@ -159,7 +159,7 @@ def test_selecting_no_group_gives_an_empty_rollout() -> None:
 def test_a_micro_batch_moves_every_tensor_to_the_device_and_keeps_its_controls() -> None:
     # the update moves each micro-batch to the rank's device; "meta" (shapes and dtypes, no
     # data) stands in for an accelerator on a CPU-only machine
-    hot = Sampling(temperature=0.7, top_k=5)
+    hot = Decoding(temperature=0.7, top_k=5)
     mb = MicroBatch(
         index=torch.tensor([0, 1]),
         prompt_ids=A.prompt_ids,
@@ -168,12 +168,12 @@ def test_a_micro_batch_moves_every_tensor_to_the_device_and_keeps_its_controls()
         completion_mask=A.completion_mask,
         loss_mask=A.completion_mask,
         advantages=torch.tensor([0.5, -0.5]),
-        sampling=hot,
+        decoding=hot,
     )
     moved = mb.to(torch.device("meta"))
-    tensors = [f.name for f in dataclasses.fields(MicroBatch) if f.name != "sampling"]
+    tensors = [f.name for f in dataclasses.fields(MicroBatch) if f.name != "decoding"]
     for name in tensors:
         before, after = getattr(mb, name), getattr(moved, name)
         assert after.device.type == "meta", name
         assert (after.shape, after.dtype) == (before.shape, before.dtype), name
-    assert moved.sampling == hot
+    assert moved.decoding == hot

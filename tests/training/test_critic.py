@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from grpo import algorithm
 from grpo.config import ConfigError, build_config
 from grpo.models import load_policy
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
 from grpo.scoring.packing import ScoringCost
 from grpo.training import advantages
 from grpo.training.critic import Critic, completion_values, value_metrics, value_model
@@ -167,7 +167,7 @@ def test_packed_values_are_each_rows_own(
         completion_mask,
         completion_mask,
         torch.zeros(4),
-        Sampling(),
+        Decoding(),
     )
     with torch.no_grad():
         packed = completion_values(model, mb)
@@ -287,7 +287,7 @@ def test_a_non_finite_critic_gradient_takes_no_step_and_says_so(
     before = {k: v.clone() for k, v in critic.model.state_dict().items()}
     ids = torch.tensor([[5, 6, 7]])
     mask = torch.ones(1, 3, dtype=torch.bool)
-    mb = MicroBatch(torch.arange(1), ids, mask, ids, mask, mask, torch.zeros(1), Sampling())
+    mb = MicroBatch(torch.arange(1), ids, mask, ids, mask, mask, torch.zeros(1), Decoding())
     nan = torch.full((1, 3), float("nan"))
     stats = critic.update([mb], nan, torch.zeros(1, 3), mask, step=7, announce=True)
     assert stats["value/grad_norm"] != stats["value/grad_norm"]  # NaN

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.containers import Scored
+from grpo.step_data import Scored
 from grpo.training.gather import empty_rollout, gather_scored
 
 

@@ -15,11 +15,11 @@ import torch
 from transformers import AutoTokenizer
 
 from grpo.config import ConfigError, HackWatchConfig, RewardSpec
-from grpo.containers import Rollout, Scored
 from grpo.data.prompts import PromptFormat
 from grpo.rewards import register
 from grpo.rollout import grouped_rollout
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout, Scored
 from grpo.training.hack_watch import (
     HackWatch,
     Levels,
@@ -322,7 +322,7 @@ class ScriptedEngine:
             prompts,
             rows,
             group_size,
-            sampling=Sampling(temperature=temperature or 1.0),
+            decoding=Decoding(temperature=temperature or 1.0),
         )
 
     def sync_weights(self, model: Any) -> None:

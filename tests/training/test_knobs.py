@@ -22,9 +22,9 @@ import grpo.training.trainer
 import grpo.training.update
 from grpo import algorithm
 from grpo.config import Config, build_config
-from grpo.containers import Rollout, Scored
-from grpo.rollout import decode_completions, sampling_of
+from grpo.rollout import decode_completions, decoding_of
 from grpo.scoring.logprobs import completion_logprobs as original_logprobs
+from grpo.step_data import Rollout, Scored
 from grpo.training.trainer import Trainer
 
 MAX_NEW = 12
@@ -125,7 +125,7 @@ def test_the_trainer_passes_each_knob_to_the_math(
     )
     trainer = Trainer(config)
     # the shared rollout was sampled at T 1; mark it as the engine would have at this config
-    rollout = dataclasses.replace(rollout, sampling=sampling_of(config.rollout))
+    rollout = dataclasses.replace(rollout, decoding=decoding_of(config.rollout))
     scored = scored_by(trainer, rollout)
     losses = spy_on(monkeypatch, algorithm, "policy_loss")
     entropy = spy_on(monkeypatch, algorithm, "top_entropy_mask")
@@ -143,7 +143,7 @@ def test_the_trainer_passes_each_knob_to_the_math(
     assert 0 < kept < counted and metrics["entropy/kept_frac"] == pytest.approx(kept / counted)
     # reference and old log-probs (mu 2), then each pass's gradient forwards: all at T 0.7
     assert len(logprobs) == 2 + 2 + 2 * 2
-    assert {c["sampling"].temperature for c in logprobs} == {0.7}
+    assert {c["decoding"].temperature for c in logprobs} == {0.7}
 
 
 def test_quantile_one_filters_no_token_and_the_engine_gets_the_update(

@@ -10,9 +10,9 @@ import torch
 
 import grpo.training.trainer
 import grpo.training.update
-from grpo.containers import Rollout, Scored
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
 from grpo.scoring.logprobs import token_logprobs
+from grpo.step_data import Rollout, Scored
 from grpo.training.micro_batches import (
     cut_micro_batches,
     micro_batch_order,
@@ -118,7 +118,7 @@ def _two_groups() -> Rollout:
         rows=[{}, {}],
         group_size=2,
         sampled_mask=sampled_mask,
-        sampling=Sampling(temperature=0.7),
+        decoding=Decoding(temperature=0.7),
     )
 
 
@@ -135,7 +135,7 @@ def test_micro_batches_carry_their_rows_trimmed_of_padding() -> None:
     assert second.completion_mask.tolist() == [[True, False], [True, True]]
     # the loss mask leaves out the tool's token; every micro-batch has the rollout's controls
     assert first.loss_mask.tolist() == [[True, True, False, True, True], [True] * 3 + [False] * 2]
-    assert first.sampling == second.sampling == Sampling(temperature=0.7)
+    assert first.decoding == second.decoding == Decoding(temperature=0.7)
 
 
 def test_micro_batches_take_the_token_budget_and_the_count() -> None:
@@ -169,7 +169,7 @@ def test_a_micro_batch_moves_to_a_device_whole() -> None:
     moved = batch.to(torch.device("cpu"))
     for field in dataclasses.fields(batch)[:-1]:
         assert torch.equal(getattr(moved, field.name), getattr(batch, field.name)), field.name
-    assert moved.sampling is batch.sampling
+    assert moved.decoding is batch.decoding
 
 
 def test_micro_batch_tokens_reaches_the_trainer(tiny_config, monkeypatch) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo.algorithm import zero_std_groups
-from grpo.containers import Rollout, Scored
+from grpo.step_data import Rollout, Scored
 from grpo.training.producer import Round
 from grpo.training.prompt_selection import (
     Draw,

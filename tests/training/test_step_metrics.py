@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo.config import build_config
-from grpo.containers import Rollout, Scored
+from grpo.step_data import Rollout, Scored
 from grpo.training.producer import Ahead, ProducedStep
 from grpo.training.prompt_selection import Collected
 from grpo.training.step_metrics import (

@@ -104,8 +104,8 @@ def test_scheduled_temperature_reaches_sampling_and_scoring(tiny_config, monkeyp
     real = trainer_module.completion_logprobs
 
     def recording(model, *args, **kwargs):
-        sampling = args[4] if len(args) > 4 else kwargs["sampling"]
-        scored_at.append(sampling.temperature)
+        decoding = args[4] if len(args) > 4 else kwargs["decoding"]
+        scored_at.append(decoding.temperature)
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "completion_logprobs", recording)

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import Tensor
 
-from grpo.containers import Rollout
 from grpo.data.prompts import scored_texts
+from grpo.step_data import Rollout
 
 
 def reward_inputs(

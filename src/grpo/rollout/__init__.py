@@ -5,7 +5,7 @@ An engine is any object with ``generate(prompts, rows, group_size, seeds=None, t
 no-op for engines that sample from the policy itself). ``seeds`` holds one seed per prompt: a
 prompt's G completions must depend only on the prompt, the weights and its seed, never on the
 other prompts of the batch. ``temperature`` overrides ``rollout.temperature`` for this call (a
-schedule); the returned ``Rollout.sampling`` records the controls used, and the trainer scores
+schedule); the returned ``Rollout.decoding`` records the controls used, and the trainer scores
 the tokens under exactly that distribution. ``greedy`` takes the most likely token at every step
 instead (held-out evaluation; no sampler log-probs are reported).
 ``hf`` samples with Hugging Face ``generate``; ``vllm`` runs a colocated vLLM (``grpo.build``
@@ -21,8 +21,8 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig
-from grpo.containers import Rollout
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout
 
 
 class RolloutLost(RuntimeError):
@@ -58,9 +58,9 @@ def prompt_seeds(seeds: list[int] | None, prompts: int) -> list[int]:
     return torch.randint(2**62, (prompts,)).tolist() if seeds is None else seeds
 
 
-def sampling_of(config: RolloutConfig, temperature: float | None = None) -> Sampling:
-    """The sampling controls of ``rollout.*``, at ``temperature`` when given."""
-    return Sampling(
+def decoding_of(config: RolloutConfig, temperature: float | None = None) -> Decoding:
+    """The decoding controls of ``rollout.*``, at ``temperature`` when given."""
+    return Decoding(
         temperature=config.temperature if temperature is None else temperature,
         top_k=config.top_k,
         top_p=config.top_p,
@@ -115,7 +115,7 @@ def grouped_rollout(
     rows: list[dict[str, Any]],
     group_size: int,
     sampler_logp: Tensor | None = None,
-    sampling: Sampling | None = None,
+    decoding: Decoding | None = None,
 ) -> Rollout:
     """A Rollout from P prompts ([P, S], left padded) and their N = P*G completions ([N, T]).
 
@@ -136,5 +136,5 @@ def grouped_rollout(
         sampler_logp=None
         if sampler_logp is None
         else sampler_logp.masked_fill(~completion_mask, 0.0),
-        sampling=sampling or Sampling(),
+        decoding=decoding or Decoding(),
     )

@@ -13,8 +13,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig
-from grpo.containers import Rollout
-from grpo.rollout import grouped_rollout, prompt_seeds, sampling_of
+from grpo.rollout import decoding_of, grouped_rollout, prompt_seeds
 from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.kv_cache import RESERVED_TOKENS, reserved_cache
 from grpo.rollout.packed_weights import packed_linears, why_float32_unpacked
@@ -23,6 +22,7 @@ from grpo.rollout.sampler import Choice, Chooser, SeededGroupSampler, extra_proc
 from grpo.rollout.stopping import StopStrings, eos_ids
 from grpo.rollout.turns import TurnRequest, TurnSample
 from grpo.scoring.logprobs import position_ids_from_mask
+from grpo.step_data import Rollout
 
 
 class Decoded(NamedTuple):
@@ -145,7 +145,7 @@ class HFEngine:
         greedy: bool = False,
     ) -> Rollout:
         seeds = prompt_seeds(seeds, len(prompts))
-        sampling = sampling_of(self.config, temperature)
+        decoding = decoding_of(self.config, temperature)
         enc = self.tokenizer(
             prompts,
             return_tensors="pt",
@@ -156,7 +156,7 @@ class HFEngine:
         device = self.model.device  # rollouts come back on the CPU, as from vLLM
         ids, attention = enc.input_ids.to(device), enc.attention_mask.to(device)
         chooser = Chooser(
-            sampling,
+            decoding,
             SeededGroupSampler(seeds, group_size, device),
             ids.repeat_interleave(group_size, dim=0),
             attention.repeat_interleave(group_size, dim=0),
@@ -189,7 +189,7 @@ class HFEngine:
             rows,
             group_size,
             torch.stack(chooser.logps, dim=1)[:, :t].cpu() if chooser.logps else None,
-            sampling,
+            decoding,
         )
 
     @torch.no_grad()
@@ -214,7 +214,7 @@ class HFEngine:
         ids, mask = left_pad([r.context for r in requests], self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.long().to(device)  # the mask as the tokenizer gives it
         chooser = Chooser(
-            sampling_of(self.config, temperature),
+            decoding_of(self.config, temperature),
             SeededGroupSampler([r.seed for r in requests], n, device),
             ids.repeat_interleave(n, dim=0),
             mask.repeat_interleave(n, dim=0),

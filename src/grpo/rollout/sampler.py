@@ -13,7 +13,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from grpo.config import ConfigError
-from grpo.scoring.distribution import Sampling, process_logits, token_set
+from grpo.scoring.distribution import Decoding, process_logits, token_set
 
 
 class SeededGroupSampler(LogitsProcessor):
@@ -89,7 +89,7 @@ class Chooser(LogitsProcessor):
 
     def __init__(
         self,
-        sampling: Sampling,
+        decoding: Decoding,
         sampler: SeededGroupSampler,
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
@@ -99,8 +99,8 @@ class Chooser(LogitsProcessor):
         self.sampler, self.extra, self.greedy = sampler, extra, greedy
         # greedy: only what can change the most likely token (the penalty) is applied; the
         # temperature and the truncations keep it, so their [b, V] passes are skipped
-        self.sampling = (
-            Sampling(repetition_penalty=sampling.repetition_penalty) if greedy else sampling
+        self.decoding = (
+            Decoding(repetition_penalty=decoding.repetition_penalty) if greedy else decoding
         )
         self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask  # [N, S]
         self.seen: torch.Tensor | None = None  # built at the first step, when V is known
@@ -114,10 +114,10 @@ class Chooser(LogitsProcessor):
         are processed: each [b, V] pass is a stream through memory, and a step makes several."""
         if self.extra:
             scores = self.extra(torch.cat([self.prompt_ids[rows], input_ids[rows]], dim=1), scores)
-        if self.sampling.repetition_penalty != 1.0 and self.seen is None:
+        if self.decoding.repetition_penalty != 1.0 and self.seen is None:
             self.seen = token_set(self.prompt_ids, self.prompt_mask, scores.shape[1])
         seen = None if self.seen is None else self.seen[rows]
-        processed = process_logits(scores.float(), self.sampling, seen)  # [b, V]
+        processed = process_logits(scores.float(), self.decoding, seen)  # [b, V]
         if self.greedy:  # no draw, and no log-prob: nothing was sampled
             picked = processed.argmax(dim=-1, keepdim=True)
             if self.seen is not None:

@@ -4,7 +4,7 @@ holds an engine (``hf``, or ``vllm`` on its own GPUs) behind HTTP; a run with
 
 - ``POST /generate``: prompts, group size, seeds, temperature, greedy (JSON) -> the engine's
   ``Rollout`` without its rows (``torch.save`` bytes; the client puts its rows back).
-- ``GET /info``: the model, the engine, the weights' session and version, the sampling
+- ``GET /info``: the model, the engine, the weights' session and version, the decoding
   controls the server was started with and its tokenizer's fingerprint. The client compares
   controls and fingerprint with its own before the first request and refuses a difference in one
   line: the trainer scores under the controls it asked for, and reads the server's token ids with
@@ -40,14 +40,14 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
-from grpo.containers import Rollout
 from grpo.rollout import RolloutLost
 from grpo.runtime import weight_sync
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout
 
 # the controls that shape what is sampled: client and server must agree on every one
 # (the temperature comes with each request: a schedule changes it)
-SAMPLING_KEYS = (
+DECODING_KEYS = (
     "max_new_tokens",
     "top_p",
     "top_k",
@@ -76,7 +76,7 @@ def encode_rollout(rollout: Rollout) -> bytes:
         "prompts": rollout.prompts,
         "completions": rollout.completions,
         "group_size": rollout.group_size,
-        "sampling": asdict(rollout.sampling),
+        "sampling": asdict(rollout.decoding),
     }
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -91,7 +91,7 @@ def decode_rollout(data: bytes, rows: list[dict[str, Any]]) -> Rollout:
         completions=state["completions"],
         rows=rows,
         group_size=state["group_size"],
-        sampling=Sampling(**state["sampling"]),
+        decoding=Decoding(**state["sampling"]),
     )
 
 
@@ -209,7 +209,7 @@ class ServerEngine:
                 f"the rollout server at {self.url} answered /info with fields that are not "
                 "grpo serve's: is rollout.server_url a grpo serve?"
             )
-        ours = {key: getattr(self.config, key) for key in SAMPLING_KEYS}
+        ours = {key: getattr(self.config, key) for key in DECODING_KEYS}
         if differ := _differences(theirs, ours):
             raise ServerLost(
                 f"the rollout server at {self.url} samples otherwise than this run "

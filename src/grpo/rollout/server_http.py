@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo.config import Config, ConfigError
-from grpo.rollout.server import SAMPLING_KEYS, TOKEN_ENV, encode_rollout, tokenizer_fingerprint
+from grpo.rollout.server import DECODING_KEYS, TOKEN_ENV, encode_rollout, tokenizer_fingerprint
 from grpo.runtime import weight_sync
 from grpo.runtime.precision import bf16_autocast
 
@@ -143,7 +143,7 @@ class Served:
             "engine": rollout.engine,
             "version": self.version,
             "session": self.session,
-            "sampling": {key: getattr(rollout, key) for key in SAMPLING_KEYS},
+            "sampling": {key: getattr(rollout, key) for key in DECODING_KEYS},
             "tokenizer": self.tokenizer,
         }
 

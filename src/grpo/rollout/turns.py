@@ -36,10 +36,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
-from grpo.containers import Rollout
-from grpo.rollout import close_engine, grouped_rollout, prompt_seeds, sampling_of
+from grpo.rollout import close_engine, decoding_of, grouped_rollout, prompt_seeds
 from grpo.rollout.padding import left_pad, right_pad
 from grpo.rollout.tools import TOOLS, ToolResult
+from grpo.step_data import Rollout
 
 # tool calls of one round run concurrently (each in its own sandbox process)
 TOOL_THREADS = 4
@@ -352,7 +352,7 @@ class MultiTurnEngine:
             )
             pending = [(i, out[0]) for i, out in zip(going_on, samples, strict=True)]
         rollout = self.assemble(prompt_ids, prompts, rows, group_size, paths)
-        return replace(rollout, sampling=sampling_of(self.config, temperature))
+        return replace(rollout, decoding=decoding_of(self.config, temperature))
 
     def _take_turn(
         self, path: Trajectory, sample: TurnSample, budget: int, eos: set[int]

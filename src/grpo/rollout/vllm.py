@@ -25,14 +25,14 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
-from grpo.containers import Rollout
 from grpo.models import is_lora
-from grpo.rollout import grouped_rollout, prompt_seeds, sampling_of
+from grpo.rollout import decoding_of, grouped_rollout, prompt_seeds
 from grpo.rollout.padding import left_pad, right_pad
 from grpo.rollout.stopping import eos_ids
 from grpo.rollout.turns import TurnRequest, TurnSample
 from grpo.runtime import distributed
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout
 
 # set through rollout.* fields (or by the engine itself), never through generation_kwargs
 OWN_FIELDS = {
@@ -166,7 +166,7 @@ class VLLMEngine:
             key = sorted(clash)[0]
             raise ConfigError(f"rollout.generation_kwargs.{key}: set {OWN_FIELDS[key]} instead")
         try:  # unknown names fail now, not at the first rollout
-            self._params(2, 0, sampling_of(config))
+            self._params(2, 0, decoding_of(config))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"rollout.generation_kwargs: {err}") from None
 
@@ -194,7 +194,7 @@ class VLLMEngine:
         self,
         group_size: int,
         seed: int,
-        sampling: Sampling,
+        decoding: Decoding,
         max_tokens: int | None = None,
         stop: list[str] | None = None,
     ) -> Any:
@@ -203,11 +203,11 @@ class VLLMEngine:
         cfg = self.config
         return self.sampling_params(
             n=group_size,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k or -1,  # vLLM: -1 considers every token
-            min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty,
+            temperature=decoding.temperature,
+            top_p=decoding.top_p,
+            top_k=decoding.top_k or -1,  # vLLM: -1 considers every token
+            min_p=decoding.min_p,
+            repetition_penalty=decoding.repetition_penalty,
             max_tokens=cfg.max_new_tokens if max_tokens is None else max_tokens,
             stop_token_ids=self.eos,
             stop=[*(stop or []), *cfg.stop],
@@ -229,11 +229,11 @@ class VLLMEngine:
     ) -> Rollout:
         """vLLM samples greedily only with n=1, so a greedy group of G is G requests."""
         seeds = prompt_seeds(seeds, len(prompts))
-        sampling = sampling_of(self.config, 0.0 if greedy else temperature)
+        decoding = decoding_of(self.config, 0.0 if greedy else temperature)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         copies, n = (group_size, 1) if greedy else (1, group_size)
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(copies)]
-        params = [self._params(n, seed, sampling) for seed in seeds for _ in range(copies)]
+        params = [self._params(n, seed, decoding) for seed in seeds for _ in range(copies)]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         pad = self.tokenizer.pad_token_id
         prompt_ids_t, prompt_mask = left_pad(prompt_ids, pad)  # [P, S]
@@ -257,7 +257,7 @@ class VLLMEngine:
             rows,
             group_size,
             None if greedy else sampler_logp,
-            sampling,
+            decoding,
         )
 
     @torch.no_grad()
@@ -272,11 +272,11 @@ class VLLMEngine:
         from its seed, ending at EOS, at a stop string (kept in the output) or at max_tokens.
         The context is passed as token ids, so generation resumes exactly after an observation.
         vLLM samples greedily only with n=1, so a greedy request for n becomes n requests."""
-        sampling = sampling_of(self.config, 0.0 if greedy else temperature)
+        decoding = decoding_of(self.config, 0.0 if greedy else temperature)
         copies = [r.n if greedy else 1 for r in requests]
         flat = [r for r, k in zip(requests, copies, strict=True) for _ in range(k)]
         params = [
-            self._params(1 if greedy else r.n, r.seed, sampling, r.max_tokens, stop) for r in flat
+            self._params(1 if greedy else r.n, r.seed, decoding, r.max_tokens, stop) for r in flat
         ]
         outputs = self.llm.generate(
             [{"prompt_token_ids": r.context} for r in flat], params, use_tqdm=False

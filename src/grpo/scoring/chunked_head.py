@@ -6,7 +6,7 @@ runs a chunk of positions at a time together with the log-normaliser, recomputed
 (``_ChunkedHead``; under temperature-only sampling in one float32 buffer, in place), so
 neither the [positions, vocab] logits nor their gradient ever exists whole; models whose head is
 no plain linear layer, or that change its output, get the full logits, normalised a chunk at a
-time. Logits go through the sampling controls the engine used (``Scorer``, by
+time. Logits go through the decoding controls the engine used (``Scorer``, by
 ``grpo.scoring.distribution``).
 
 Holds the ``Scorer`` (what a micro-batch's log-probs need from each chunk of logits), the head's
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from grpo.scoring.distribution import Sampling, seen_tokens, shape_logits, truncate
+from grpo.scoring.distribution import Decoding, seen_tokens, shape_logits, truncate
 from grpo.scoring.head_products import (
     add_product_,
     kept_logits,
@@ -42,7 +42,7 @@ from grpo.scoring.head_products import (
 # float32 is 12 MiB on SmolLM2 (V = 49152), under the heap's 16 MiB mmap threshold
 CHUNK = 64
 
-# the chunked head under plain sampling (temperature only: ``Sampling.plain``) works in one
+# the chunked head under plain sampling (temperature only: ``Decoding.plain``) works in one
 # float32 [rows, V] buffer per forward and per backward, overwritten in place, so it takes
 # more positions at a time: each chunk reads the whole head weight once per product, and at
 # 64 rows SmolLM2's head products ran at 204-268 GFLOP/s against 259-339 at 128-384 rows on
@@ -99,7 +99,7 @@ class Scorer:
     order: Tensor  # [B*T] targets sorted by position; any order within a position will do,
     sorted_at: Tensor  # since each value is put back in its place by the inverse permutation
     tokens: Tensor  # [B*T] the target tokens, in ``order``
-    sampling: Sampling
+    decoding: Decoding
     with_entropy: bool
     history: History | None
     owners: tuple[Tensor, Tensor] | None  # per position, a row and index it predicts for
@@ -108,17 +108,17 @@ class Scorer:
     def of(
         at: Tensor,
         targets: Tensor,
-        sampling: Sampling | float,
+        decoding: Decoding | float,
         with_entropy: bool,
         history: History | None,
         positions: int,
     ) -> Scorer:
-        if not isinstance(sampling, Sampling):
-            sampling = Sampling(temperature=sampling)
+        if not isinstance(decoding, Decoding):
+            decoding = Decoding(temperature=decoding)
         flat_at = at.flatten()
         order = torch.argsort(flat_at)
         owners = None
-        if sampling.repetition_penalty != 1.0:
+        if decoding.repetition_penalty != 1.0:
             if history is None:
                 raise ValueError("repetition_penalty needs each row's history to score")
             owners = history.owners(at, positions)
@@ -127,7 +127,7 @@ class Scorer:
             order,
             flat_at[order],
             targets.flatten()[order],
-            sampling,
+            decoding,
             with_entropy,
             history,
             owners,
@@ -160,10 +160,10 @@ class Scorer:
                 part.shape[1],
             )
         # float32 is a view of float32 logits; at temperature 1 nothing else copies [c, V]
-        shaped = shape_logits(part.float(), self.sampling, seen)
+        shaped = shape_logits(part.float(), self.decoding, seen)
         lo, hi = span
         picked = shaped[self.sorted_at[lo:hi] - start, self.tokens[lo:hi]]
-        kept, cutoff = truncate(shaped, self.sampling)
+        kept, cutoff = truncate(shaped, self.decoding)
         lse = torch.logsumexp(kept, dim=-1)
         entropy = None
         if self.with_entropy if with_entropy is None else with_entropy:
@@ -174,7 +174,7 @@ class Scorer:
         """Positions per chunk of the chunked head: ``CHUNK``, or under plain sampling as many
         as fit ``PLAIN_CHUNK_BYTES`` of float32 logits, spread evenly over the chunks (a ragged
         last chunk would read the whole weight for a few rows)."""
-        if not self.sampling.plain:
+        if not self.decoding.plain:
             return CHUNK
         most = max(1, PLAIN_CHUNK_BYTES // (4 * vocab))
         count = -(-max(positions, 1) // most)
@@ -187,8 +187,8 @@ class Scorer:
         no [c, V] temporary but a few rows at a time for the entropy. ``keep``: leave the
         log-softmax x / T - lse in ``logits``, from which ``softmax_grad_`` makes the gradient
         without the logits again."""
-        if self.sampling.temperature != 1.0:
-            logits.div_(self.sampling.temperature)  # as ``shape_logits`` divides
+        if self.decoding.temperature != 1.0:
+            logits.div_(self.decoding.temperature)  # as ``shape_logits`` divides
         lo, hi = span
         picked = logits[self.sorted_at[lo:hi] - start, self.tokens[lo:hi]]
         top = logits.amax(dim=-1, keepdim=True)
@@ -227,8 +227,8 @@ class Scorer:
         """The gradient of the raw ``logits`` ([c, V] float32) from those of ``plain_terms_``'s
         picked logits, log-normaliser and (``entropy``: its values and gradient) entropy,
         computed in ``logits`` (overwritten, returned)."""
-        if self.sampling.temperature != 1.0:
-            logits.div_(self.sampling.temperature)
+        if self.decoding.temperature != 1.0:
+            logits.div_(self.decoding.temperature)
         log_softmax = logits.sub_(lse[:, None])
         return self.softmax_grad_(log_softmax, start, span, grad_picked, grad_lse, entropy)
 
@@ -257,7 +257,7 @@ class Scorer:
         grad.index_put_(
             (self.sorted_at[lo:hi] - start, self.tokens[lo:hi]), grad_picked, accumulate=True
         )
-        temperature = self.sampling.temperature
+        temperature = self.decoding.temperature
         return grad.div_(temperature) if temperature != 1.0 else grad
 
     def of_logits(self, logits: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor | None]:
@@ -361,7 +361,7 @@ class _ChunkedHead(torch.autograd.Function):
         w, b = weight.to(run), None if bias is None else bias.to(run)
         ctx.run_weights = w, b
         ctx.kept = None
-        if keep and not scorer.sampling.plain:  # its terms would be a temperature's alone
+        if keep and not scorer.decoding.plain:  # its terms would be a temperature's alone
             raise ValueError("kept logits take plain sampling (temperature only)")
         if keep:  # one product, then each chunk's terms in place
             logits = kept_logits(hidden, w, b)
@@ -373,7 +373,7 @@ class _ChunkedHead(torch.autograd.Function):
             ctx.kept = logits if backward else None  # each position's log-softmax now
         else:
             parts = enumerate(zip(hidden.split(chunk), ctx.spans, strict=True))
-            if scorer.sampling.plain:
+            if scorer.decoding.plain:
                 buffer = logits_buffer(hidden, weight, chunk)
                 terms = [
                     scorer.plain_terms_(logits_into(buffer, h, w, b), k * chunk, s)
@@ -385,7 +385,7 @@ class _ChunkedHead(torch.autograd.Function):
         picked, lse = torch.cat([t[0] for t in terms]), torch.cat([t[1] for t in terms])
         entropy = _cat([t[3] for t in terms])
         # the backward's softmax on the in-place path, without a logsumexp; None: autograd's
-        ctx.lse = lse.detach() if scorer.sampling.plain and not keep else None
+        ctx.lse = lse.detach() if scorer.decoding.plain and not keep else None
         # what the in-place paths' entropy gradient needs (detached: an output kept on ctx
         # would hold its own graph node)
         ctx.entropy = None if entropy is None else entropy.detach()
@@ -632,7 +632,7 @@ def _forward_scores(model: nn.Module, scorer: Scorer, **inputs) -> tuple[Tensor,
     slot = head_slot(model)
     keep = slot is not None and slot.head in _FULL_LOGITS
     # full logits under a sampling that shapes them (top-k, top-p, penalty) stay the model's
-    if slot is not None and (scorer.sampling.plain or not keep):
+    if slot is not None and (scorer.decoding.plain or not keep):
         head = _ScoringHead(slot.head, scorer, in_place=_runs_as_it_is(model), keep=keep)
         with slot.holding(head):
             out = model(**inputs)

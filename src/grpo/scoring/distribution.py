@@ -19,8 +19,8 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """The sampling controls that shape the distribution (see ``rollout.*`` in the config)."""
+class Decoding:
+    """The decoding controls that shape the distribution (see ``rollout.*`` in the config)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0: off
@@ -48,59 +48,59 @@ def penalise(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
 
 
 @torch.no_grad()
-def removed_tokens(logits: Tensor, sampling: Sampling) -> Tensor:
+def removed_tokens(logits: Tensor, decoding: Decoding) -> Tensor:
     """[M, V] tempered logits -> [M, V] True where min-p, top-k or top-p removes the token.
 
     Ties at a cutoff are kept; the most likely token is never removed.
     """
     removed = torch.zeros_like(logits, dtype=torch.bool)
-    if sampling.min_p > 0:
+    if decoding.min_p > 0:
         probs = torch.softmax(logits, dim=-1)
-        removed |= probs < sampling.min_p * probs.max(dim=-1, keepdim=True).values
-    if 0 < sampling.top_k < logits.shape[-1]:
-        kth = logits.masked_fill(removed, -math.inf).topk(sampling.top_k, dim=-1).values[:, -1:]
+        removed |= probs < decoding.min_p * probs.max(dim=-1, keepdim=True).values
+    if 0 < decoding.top_k < logits.shape[-1]:
+        kth = logits.masked_fill(removed, -math.inf).topk(decoding.top_k, dim=-1).values[:, -1:]
         removed |= logits < kth
-    if sampling.top_p < 1:
+    if decoding.top_p < 1:
         ascending, order = logits.masked_fill(removed, -math.inf).sort(dim=-1)
         # the least likely tokens whose total mass stays within 1 - top_p go
-        drop = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p
+        drop = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1 - decoding.top_p
         drop[:, -1] = False
         removed |= torch.zeros_like(drop).scatter_(-1, order, drop)
     return removed
 
 
-def shape_logits(logits: Tensor, sampling: Sampling, seen: Tensor | None = None) -> Tensor:
+def shape_logits(logits: Tensor, decoding: Decoding, seen: Tensor | None = None) -> Tensor:
     """Repetition penalty then temperature: [M, V] float logits -> [M, V] (differentiable).
 
     ``seen`` [M, V]: tokens already in the prompt or the completion at each position (needed
     when repetition_penalty != 1).
     """
-    if sampling.repetition_penalty != 1.0:
+    if decoding.repetition_penalty != 1.0:
         if seen is None:
             raise ValueError("repetition_penalty needs the tokens seen at each position")
-        logits = penalise(logits, seen, sampling.repetition_penalty)
-    if sampling.temperature != 1.0:
-        logits = logits / sampling.temperature
+        logits = penalise(logits, seen, decoding.repetition_penalty)
+    if decoding.temperature != 1.0:
+        logits = logits / decoding.temperature
     return logits
 
 
-def truncate(logits: Tensor, sampling: Sampling) -> tuple[Tensor, Tensor | None]:
+def truncate(logits: Tensor, decoding: Decoding) -> tuple[Tensor, Tensor | None]:
     """Shaped logits [M, V] -> (logits with removed tokens at -inf, cutoff [M] or None).
 
     ``cutoff`` is the smallest logit still kept (None when nothing truncates). Which tokens are
     kept is a fixed choice, not differentiated; the kept logits stay differentiable.
     """
-    if not sampling.truncates:
+    if not decoding.truncates:
         return logits, None
-    removed = removed_tokens(logits.detach(), sampling)
+    removed = removed_tokens(logits.detach(), decoding)
     with torch.no_grad():
         cutoff = logits.masked_fill(removed, math.inf).amin(dim=-1)
     return logits.masked_fill(removed, -math.inf), cutoff
 
 
-def process_logits(logits: Tensor, sampling: Sampling, seen: Tensor | None = None) -> Tensor:
+def process_logits(logits: Tensor, decoding: Decoding, seen: Tensor | None = None) -> Tensor:
     """[M, V] raw logits -> the logits of the distribution sampled from (removed tokens -inf)."""
-    return truncate(shape_logits(logits, sampling, seen), sampling)[0]
+    return truncate(shape_logits(logits, decoding, seen), decoding)[0]
 
 
 def token_set(ids: Tensor, counted: Tensor, vocab: int) -> Tensor:

@@ -5,7 +5,7 @@ sequence (``grpo.scoring.packing``) while that costs less than one row per compl
 groups get one unmasked row per completion (``group_rows_logprobs``), and models that cannot take
 the packed mask one padded row per completion (``full_sequence_logprobs``); ``scoring_path`` says
 which. Every path scores through the chunked LM head (``grpo.scoring.chunked_head``). Logits go
-through the sampling controls the engine used (temperature, and when set repetition penalty,
+through the decoding controls the engine used (temperature, and when set repetition penalty,
 min-p, top-k, top-p: ``grpo.scoring.distribution``), so the log-probs are those of the
 distribution the tokens were sampled from.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo.scoring.chunked_head import CHUNK, History, Scorer, _scores
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
 from grpo.scoring.packing import PACKABLE, ScoringCost, _config, packed_logprobs
 from grpo.scoring.prefix_attention import PREFIX
 
@@ -30,7 +30,7 @@ def token_logprobs(
     logits: Tensor,
     at: Tensor,
     targets: Tensor,
-    sampling: Sampling | float = 1.0,
+    decoding: Decoding | float = 1.0,
     with_entropy: bool = False,
     chunk: int = CHUNK,
     history: History | None = None,
@@ -38,12 +38,12 @@ def token_logprobs(
     """logits: [M, V] positions; at: [B, T] the position whose logits predict targets [B, T]
     -> log p(target) [B, T] float32, entropy [B, T] or None.
 
-    ``sampling`` (or a bare temperature) says which distribution: the one the engine sampled
+    ``decoding`` (or a bare temperature) says which distribution: the one the engine sampled
     from (``grpo.scoring.distribution``). The log-normaliser of each position is taken ``chunk`` positions
     at a time, so the float32 temporaries stay small; a position shared by several targets (a
     prompt's last token predicts every completion's first) is normalised once.
     """
-    scorer = Scorer.of(at, targets, sampling, with_entropy, history, logits.shape[0])
+    scorer = Scorer.of(at, targets, decoding, with_entropy, history, logits.shape[0])
     return scorer.of_logits(logits, chunk)
 
 
@@ -53,7 +53,7 @@ def completion_logprobs(
     prompt_mask: Tensor,
     completion_ids: Tensor,
     completion_mask: Tensor,
-    sampling: Sampling | float = 1.0,
+    decoding: Decoding | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of each completion token given the prompt and the tokens before it.
@@ -73,7 +73,7 @@ def completion_logprobs(
             prompt_mask,
             completion_ids,
             completion_mask,
-            sampling,
+            decoding,
             with_entropy,
         )
     packed_rows, row_groups = split
@@ -87,13 +87,13 @@ def completion_logprobs(
             if every
             else (prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
         )
-        result = packed_logprobs(model, ids, pm, cids, cm, sampling, with_entropy)
+        result = packed_logprobs(model, ids, pm, cids, cm, decoding, with_entropy)
         if every:
             return result
         parts.append((rows, result))
     for rows, prompt in row_groups:
         result = group_rows_logprobs(
-            model, prompt, completion_ids[rows], lengths[rows], sampling, with_entropy
+            model, prompt, completion_ids[rows], lengths[rows], decoding, with_entropy
         )
         parts.append((rows, result))
     return _merge(parts, completion_ids.shape[1], with_entropy)
@@ -190,7 +190,7 @@ def group_rows_logprobs(
     prompt: Tensor,
     completion_ids: Tensor,
     lengths: Tensor,
-    sampling: Sampling | float = 1.0,
+    decoding: Decoding | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """One group's completions as one row each, its prompt repeated, without an attention mask.
@@ -207,7 +207,7 @@ def group_rows_logprobs(
     prompt_mask = torch.ones(g, len(prompt), dtype=torch.bool, device=ids.device)
     history = History(prompt.expand(g, -1), prompt_mask, completion_ids[:, :t], completion_mask)
     at = _row_positions(g, t, ids.device)
-    scorer = Scorer.of(at, completion_ids[:, :t], sampling, with_entropy, history, g * (t + 1))
+    scorer = Scorer.of(at, completion_ids[:, :t], decoding, with_entropy, history, g * (t + 1))
     return _scores(model, scorer, input_ids=ids, logits_to_keep=t + 1, use_cache=False)
 
 
@@ -223,7 +223,7 @@ def full_sequence_logprobs(
     prompt_mask: Tensor,
     completion_ids: Tensor,
     completion_mask: Tensor,
-    sampling: Sampling | float = 1.0,
+    decoding: Decoding | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` as one forward over prompt + completion of every row."""
@@ -232,7 +232,7 @@ def full_sequence_logprobs(
     b, t = completion_ids.shape
     history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
     at = _row_positions(b, t, input_ids.device)
-    scorer = Scorer.of(at, completion_ids, sampling, with_entropy, history, b * (t + 1))
+    scorer = Scorer.of(at, completion_ids, decoding, with_entropy, history, b * (t + 1))
     return _scores(
         model,
         scorer,

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo.scoring.chunked_head import History, Scorer, _scores
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
 from grpo.scoring.prefix_attention import PREFIX, SHARED, prefix_layout
 
 # attention implementations that take a custom 4D mask (others get one full sequence per row);
@@ -65,14 +65,14 @@ def packed_logprobs(
     prompt_mask: Tensor,
     completion_ids: Tensor,
     completion_mask: Tensor,
-    sampling: Sampling | float = 1.0,
+    decoding: Decoding | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` with every row packed by prompt (see ``pack``): end to end under
     prefix attention, else a sequence per group under a dense mask."""
     packed, inputs = packed_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     history = History(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    scorer = Scorer.of(packed.at, completion_ids, sampling, with_entropy, history, packed.kept)
+    scorer = Scorer.of(packed.at, completion_ids, decoding, with_entropy, history, packed.kept)
     result = _scores(model, scorer, **inputs, logits_to_keep=packed.keep)
     check_layout_used(model, inputs)
     return result

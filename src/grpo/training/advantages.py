@@ -28,8 +28,8 @@ from torch import Tensor
 
 from grpo import algorithm
 from grpo.config import AlgorithmConfig
-from grpo.containers import Rollout
 from grpo.runtime import distributed
+from grpo.step_data import Rollout
 from grpo.training.micro_batches import MicroBatch
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo.containers import Rollout, Scored
 from grpo.runtime import distributed
+from grpo.step_data import Rollout, Scored
 
 
 def empty_rollout(group_size: int) -> Rollout:
@@ -57,13 +57,13 @@ def gather_scored(scored: Scored) -> Scored:
                 out[f.name] = distributed.all_gather_list(value)
         return out
 
-    # the sampling controls of a rank that sampled (a rank without prompts has the defaults)
+    # the decoding controls of a rank that sampled (a rank without prompts has the defaults)
     sampled = distributed.all_gather_list(
-        [(scored.rollout.num_completions, scored.rollout.sampling)]
+        [(scored.rollout.num_completions, scored.rollout.decoding)]
     )
-    sampling = next((s for n, s in sampled if n), scored.rollout.sampling)
-    gathered = gather(scored.rollout, {"sampling"})
-    rollout = dataclasses.replace(scored.rollout, sampling=sampling, **gathered)
+    decoding = next((s for n, s in sampled if n), scored.rollout.decoding)
+    gathered = gather(scored.rollout, {"decoding"})
+    rollout = dataclasses.replace(scored.rollout, decoding=decoding, **gathered)
     errors = {
         name: int(distributed.all_reduce(scored.errors.get(name, 0)))
         for name in scored.function_names

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo.config import ConfigError, HackWatchConfig, RewardSpec
-from grpo.containers import Rollout, Scored
 from grpo.rewards import function_name
 from grpo.rewards.accuracy import (
     NUMBER_RE,
@@ -57,6 +56,7 @@ from grpo.rewards.accuracy import (
 from grpo.rewards.copying import copies, template_ngrams
 from grpo.rewards.inputs import reward_inputs
 from grpo.rewards.registry import registered_kind
+from grpo.step_data import Rollout, Scored
 
 ANSWER_TOKEN_RE = re.compile(r"\w+|[^\w\s]")  # words, numbers and single symbols (+, =, ^, ...)
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo.containers import Rollout
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
+from grpo.step_data import Rollout
 
 
 @dataclass
@@ -25,11 +25,11 @@ class MicroBatch:
     completion_mask: Tensor
     loss_mask: Tensor  # completion_mask without tool outputs and template tokens (multi-turn)
     advantages: Tensor
-    sampling: Sampling  # the controls the rollout was sampled under: the log-probs' distribution
+    decoding: Decoding  # the controls the rollout was sampled under: the log-probs' distribution
 
     def to(self, device: torch.device) -> MicroBatch:
         tensors = [getattr(self, f.name).to(device) for f in dataclasses.fields(self)[:-1]]
-        return MicroBatch(*tensors, self.sampling)
+        return MicroBatch(*tensors, self.decoding)
 
 
 def micro_batch_order(prompt_len: Tensor, completion_len: Tensor, group_size: int) -> Tensor:
@@ -118,7 +118,7 @@ def micro_batches(
                 completion_mask=cm[:, :t_keep],
                 loss_mask=rollout.loss_mask[idx, :t_keep],
                 advantages=advantages[idx],
-                sampling=rollout.sampling,
+                decoding=rollout.decoding,
             )
         )
     return out

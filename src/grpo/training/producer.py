@@ -24,7 +24,6 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo import algorithm
 from grpo.config import Config
-from grpo.containers import Rollout, Scored
 from grpo.data.prompts import PromptFormat
 from grpo.data.stream import Draw, PromptStream, sampling_seed
 from grpo.rewards import RewardOutput, RewardRunner
@@ -33,6 +32,7 @@ from grpo.rollout import RolloutEngine, close_engine
 from grpo.runtime import distributed
 from grpo.runtime.distributed import DistInfo
 from grpo.runtime.precision import bf16_autocast
+from grpo.step_data import Rollout, Scored
 from grpo.training import advantages
 from grpo.training.gather import empty_rollout, gather_scored
 from grpo.training.prompt_selection import Collected, PromptFilter, collect, draw_prompts

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from grpo.algorithm import zero_std_groups
-from grpo.containers import Scored, concat_rollouts
 from grpo.data.stream import Draw
+from grpo.step_data import Scored, concat_rollouts
 
 # --------------------------------------------------------------------------------------- GRESO
 

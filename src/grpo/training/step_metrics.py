@@ -8,10 +8,10 @@ from typing import Any
 
 from grpo import algorithm
 from grpo.config import Config
-from grpo.containers import Scored
 from grpo.rewards.inputs import per_function_metrics
 from grpo.rollout.turns import tool_metrics
 from grpo.runs.metrics import reflection_rate
+from grpo.step_data import Scored
 from grpo.training.producer import ProducedStep
 from grpo.training.prompt_selection import Collected
 

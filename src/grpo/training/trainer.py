@@ -27,7 +27,6 @@ from transformers import PreTrainedTokenizerBase
 from grpo import build
 from grpo.build import RunInputs, RunParts
 from grpo.config import Config, ConfigError, dump_config, load_config
-from grpo.containers import Scored
 from grpo.eval import evaluate, settings_for
 from grpo.models import Reference
 from grpo.rewards import ErrorWatch
@@ -39,6 +38,7 @@ from grpo.runtime.host_memory import set_malloc_policy
 from grpo.runtime.precision import bf16_autocast
 from grpo.scoring.chunked_head import chunked_head_slot, full_logits
 from grpo.scoring.logprobs import scoring_path
+from grpo.step_data import Scored
 from grpo.training.caller_parts import Given, RewardItem, given_parts
 from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about

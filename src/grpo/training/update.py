@@ -20,11 +20,11 @@ from torch import Tensor, nn
 
 from grpo import algorithm
 from grpo.config import AlgorithmConfig, Config
-from grpo.containers import Scored
 from grpo.runtime import distributed
 from grpo.runtime.distributed import DistInfo
 from grpo.runtime.precision import bf16_autocast
 from grpo.scoring.logprobs import completion_logprobs
+from grpo.step_data import Scored
 from grpo.training import advantages, importance
 from grpo.training.critic import value_metrics
 from grpo.training.micro_batches import MicroBatch, micro_batches, scatter_rows
@@ -141,7 +141,7 @@ class PolicyUpdate:
                 mb.prompt_mask,
                 mb.completion_ids,
                 mb.completion_mask,
-                mb.sampling,
+                mb.decoding,
                 with_entropy=entropy,
             )
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo.scoring.distribution import Sampling
+from grpo.scoring.distribution import Decoding
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Rollout:
     completion_ids: [N, T] right padded; completion_mask: [N, T] True up to and including EOS.
     truncated: [N] True when no EOS was produced within max_new_tokens.
     sampler_logp: [N, T] log-probs the sampler assigned, when the engine reports them.
-    sampling: the controls the tokens were sampled under (the trainer scores with the same).
+    decoding: the controls the tokens were sampled under (the trainer scores with the same).
     policy_version: with a producer process (``rollout.max_staleness``), the weights that sampled
         them: optimizer steps applied (None: the weights of the step that trains on them).
     rows: the P dataset rows the prompts came from (one per group).
@@ -46,7 +46,7 @@ class Rollout:
     sampler_logp: Tensor | None = None
     sampled_mask: Tensor | None = None
     turns: list[list[dict[str, Any]]] | None = None
-    sampling: Sampling = field(default_factory=Sampling)
+    decoding: Decoding = field(default_factory=Decoding)
     policy_version: int | None = None
 
     @property
@@ -84,7 +84,7 @@ class Rollout:
             sampler_logp=None if self.sampler_logp is None else self.sampler_logp[idx],
             sampled_mask=None if self.sampled_mask is None else self.sampled_mask[idx],
             turns=None if self.turns is None else [self.turns[i] for i in idx.tolist()],
-            sampling=self.sampling,
+            decoding=self.decoding,
         )
 
 
@@ -119,7 +119,7 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         filler = torch.full((x.shape[0], extra), value, dtype=x.dtype)
         return torch.cat([filler, x] if left else [x, filler], dim=1)
 
-    if len({p.sampling for p in parts}) > 1:
+    if len({p.decoding for p in parts}) > 1:
         raise ValueError("rollouts sampled under different controls cannot share a step")
     pad_id = 0
     has_logp = all(p.sampler_logp is not None for p in parts)
@@ -142,5 +142,5 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         if multi_turn
         else None,
         turns=[x for p in parts for x in p.turns or []] if multi_turn else None,
-        sampling=parts[0].sampling,
+        decoding=parts[0].decoding,
     )
