@@ -173,7 +173,7 @@ def reinforce_pp_advantages(
     rewards, ``r_t = -beta * kl_t`` at every counted token plus the sequence reward at the last,
     returns ``G_t = sum_{s >= t} r_s``, then normalised over every counted token of the batch.
 
-    rewards: [N]; loss_mask, kl: [N, T] (kl of the sampling policy to the reference). Returns
+    rewards: [N]; loss_mask, kl: [N, T] (kl of the proximal policy to the reference). Returns
     [N, T] in the rewards' dtype, 0 where not counted. With beta 0 every token of completion i
     gets ``(r_i - m) / sqrt(v + eps)``, m and v the rewards' mean and variance over the
     counted tokens (each completion weighted by its length).

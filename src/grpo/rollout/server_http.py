@@ -264,144 +264,152 @@ class Refused(Exception):
         self.status = status
 
 
+class Handler(BaseHTTPRequestHandler):
+    """One connection's requests; ``handler_for`` binds the server's state, its engine's
+    thread, the token and the hosts a weights group may join."""
+
+    served: Served
+    worker: EngineThread
+    expected: bytes  # the token
+    allowed: set[Address]
+    timeout = READ_S  # each read and write on the connection
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.arriving(self.connection)
+
+    def finish(self) -> None:
+        self.server.arrived(self.connection)
+        with contextlib.suppress(OSError):  # the client hung up
+            super().finish()
+
+    def _reply(self, status: int, body: bytes, kind: str) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            if status == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="grpo serve"')
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client hung up or stopped reading: nothing to tell it
+            self.close_connection = True
+
+    def _json(self, status: int, value: Any) -> None:
+        self._reply(status, json.dumps(value).encode(), "application/json")
+
+    def _authorized(self) -> None:
+        given = self.headers.get("Authorization")
+        if given is None:
+            raise Refused(
+                401,
+                "a token is needed: give the run grpo serve's token "
+                f"(rollout.server_token or {TOKEN_ENV})",
+            )
+        scheme, _, value = given.partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(value.strip().encode(), self.expected):
+            raise Refused(403, "wrong token: give the run grpo serve's token")
+
+    def _body(self) -> dict[str, Any]:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.strip().isdigit():
+            raise Refused(400, "a request needs a Content-Length of 0 or more bytes")
+        if int(length) > MAX_BODY:
+            raise Refused(413, f"a request of {int(length)} bytes (at most {MAX_BODY})")
+        try:
+            data = self.rfile.read(int(length))
+        except OSError:  # a pause past READ_S
+            data = b""
+        self.server.arrived(self.connection)
+        if len(data) < int(length):
+            raise Refused(
+                408,
+                f"the request's body did not arrive in full (a pause over {READ_S:g} s, or "
+                f"over {REQUEST_S:g} s in all)",
+            )
+        try:
+            request = json.loads(data or b"{}")
+        except ValueError:
+            raise Refused(400, "the request's body is not JSON") from None
+        if not isinstance(request, dict):
+            raise Refused(400, "the request's body is not a JSON object")
+        return request
+
+    def _answer(self, method: Callable[[], None]) -> None:
+        try:
+            method()
+        except Refused as refused:
+            self.close_connection = True  # an unread body must not be read as a request
+            self._fail(refused.status, str(refused))
+            self._discard()
+        except Exception as err:  # one line here, and the client stops with it
+            self._fail(500, one_line(err))
+
+    def _discard(self) -> None:
+        """Read (and drop) what a refused client still sends, for a second at most: closing
+        on unread bytes resets the connection, and the client could lose the answer."""
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_WR)  # the answer is whole
+            self.connection.settimeout(1.0)
+            for _ in range(16):  # 1 MiB at most
+                if not self.connection.recv(1 << 16):
+                    break
+
+    def _fail(self, status: int, said: str) -> None:
+        print(
+            f"grpo serve: {self.command} {self.path} from {self.client_address[0]} "
+            f"failed ({status}): {said}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._json(status, {"error": said})
+
+    def do_GET(self) -> None:
+        if self.path == "/health":  # liveness only: nothing a client could replay
+            self._json(200, {"status": "ok"})
+        else:
+            self._answer(self._get)
+
+    def _get(self) -> None:
+        self.server.arrived(self.connection)
+        self._authorized()
+        if self.path != "/info":
+            raise Refused(404, f"no {self.path}")
+        self._json(200, self.served.info())
+
+    def do_POST(self) -> None:
+        self._answer(self._post)
+
+    def _post(self) -> None:
+        self._authorized()
+        request = self._body()
+        if self.path == "/generate":
+            rollout = self.worker.call(lambda: self.served.generate(request))
+            self._reply(200, rollout, "application/octet-stream")
+        elif self.path == "/weights/init":
+            client = canonical(self.client_address[0])
+            try:
+                address = weights_address(request, client, self.allowed)
+            except PermissionError as err:
+                raise Refused(403, str(err)) from None
+            except ValueError as err:
+                raise Refused(400, str(err)) from None
+            self._json(200, self.worker.call(lambda: self.served.init_weights(request, address)))
+        elif self.path == "/weights/update":
+            self._json(200, self.worker.call(lambda: self.served.update_weights(request)))
+        else:
+            raise Refused(404, f"no {self.path}")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per request would bury the server's own lines
+
+
 def handler_for(
     served: Served, worker: EngineThread, token: str, allowed: set[Address]
 ) -> type[BaseHTTPRequestHandler]:
-    expected = token.encode()
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = READ_S  # each read and write on the connection
-
-        def setup(self) -> None:
-            super().setup()
-            self.server.arriving(self.connection)
-
-        def finish(self) -> None:
-            self.server.arrived(self.connection)
-            with contextlib.suppress(OSError):  # the client hung up
-                super().finish()
-
-        def _reply(self, status: int, body: bytes, kind: str) -> None:
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                if status == 401:
-                    self.send_header("WWW-Authenticate", 'Bearer realm="grpo serve"')
-                self.end_headers()
-                self.wfile.write(body)
-            except OSError:  # the client hung up or stopped reading: nothing to tell it
-                self.close_connection = True
-
-        def _json(self, status: int, value: Any) -> None:
-            self._reply(status, json.dumps(value).encode(), "application/json")
-
-        def _authorized(self) -> None:
-            given = self.headers.get("Authorization")
-            if given is None:
-                raise Refused(
-                    401,
-                    "a token is needed: give the run grpo serve's token "
-                    f"(rollout.server_token or {TOKEN_ENV})",
-                )
-            scheme, _, value = given.partition(" ")
-            if scheme != "Bearer" or not hmac.compare_digest(value.strip().encode(), expected):
-                raise Refused(403, "wrong token: give the run grpo serve's token")
-
-        def _body(self) -> dict[str, Any]:
-            length = self.headers.get("Content-Length")
-            if length is None or not length.strip().isdigit():
-                raise Refused(400, "a request needs a Content-Length of 0 or more bytes")
-            if int(length) > MAX_BODY:
-                raise Refused(413, f"a request of {int(length)} bytes (at most {MAX_BODY})")
-            try:
-                data = self.rfile.read(int(length))
-            except OSError:  # a pause past READ_S
-                data = b""
-            self.server.arrived(self.connection)
-            if len(data) < int(length):
-                raise Refused(
-                    408,
-                    f"the request's body did not arrive in full (a pause over {READ_S:g} s, or "
-                    f"over {REQUEST_S:g} s in all)",
-                )
-            try:
-                request = json.loads(data or b"{}")
-            except ValueError:
-                raise Refused(400, "the request's body is not JSON") from None
-            if not isinstance(request, dict):
-                raise Refused(400, "the request's body is not a JSON object")
-            return request
-
-        def _answer(self, method: Callable[[], None]) -> None:
-            try:
-                method()
-            except Refused as refused:
-                self.close_connection = True  # an unread body must not be read as a request
-                self._fail(refused.status, str(refused))
-                self._discard()
-            except Exception as err:  # one line here, and the client stops with it
-                self._fail(500, one_line(err))
-
-        def _discard(self) -> None:
-            """Read (and drop) what a refused client still sends, for a second at most: closing
-            on unread bytes resets the connection, and the client could lose the answer."""
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(socket.SHUT_WR)  # the answer is whole
-                self.connection.settimeout(1.0)
-                for _ in range(16):  # 1 MiB at most
-                    if not self.connection.recv(1 << 16):
-                        break
-
-        def _fail(self, status: int, said: str) -> None:
-            print(
-                f"grpo serve: {self.command} {self.path} from {self.client_address[0]} "
-                f"failed ({status}): {said}",
-                file=sys.stderr,
-                flush=True,
-            )
-            self._json(status, {"error": said})
-
-        def do_GET(self) -> None:
-            if self.path == "/health":  # liveness only: nothing a client could replay
-                self._json(200, {"status": "ok"})
-            else:
-                self._answer(self._get)
-
-        def _get(self) -> None:
-            self.server.arrived(self.connection)
-            self._authorized()
-            if self.path != "/info":
-                raise Refused(404, f"no {self.path}")
-            self._json(200, served.info())
-
-        def do_POST(self) -> None:
-            self._answer(self._post)
-
-        def _post(self) -> None:
-            self._authorized()
-            request = self._body()
-            if self.path == "/generate":
-                rollout = worker.call(lambda: served.generate(request))
-                self._reply(200, rollout, "application/octet-stream")
-            elif self.path == "/weights/init":
-                client = canonical(self.client_address[0])
-                try:
-                    address = weights_address(request, client, allowed)
-                except PermissionError as err:
-                    raise Refused(403, str(err)) from None
-                except ValueError as err:
-                    raise Refused(400, str(err)) from None
-                self._json(200, worker.call(lambda: served.init_weights(request, address)))
-            elif self.path == "/weights/update":
-                self._json(200, worker.call(lambda: served.update_weights(request)))
-            else:
-                raise Refused(404, f"no {self.path}")
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # one line per request would bury the server's own lines
-
-    return Handler
+    """The handler class of one server: ``Handler`` bound to its state."""
+    bound = {"served": served, "worker": worker, "expected": token.encode(), "allowed": allowed}
+    return type("BoundHandler", (Handler,), bound)
 
 
 class Listener(ThreadingHTTPServer):

@@ -6,8 +6,10 @@ applied to the step's rewards, with statistics over every rank's completions.
   over the batch (``gdpo``). reinforce_pp's are its advantages without the KL term: the rewards
   normalised over the counted tokens (what every token gets when beta is 0).
 - Per token (``token_advantages``), once the reference log-probs exist: reinforce_pp with
-  beta > 0 folds the KL of the sampling policy to the reference into the token rewards, and the
-  loss then carries no KL term (``loss_beta``).
+  beta > 0 folds the KL of the proximal policy to the reference into the token rewards, and
+  the loss then carries no KL term (``loss_beta``). The proximal policy is the weights at the
+  start of the step: the sampler's at ``rollout.max_staleness`` 0, but not at k >= 1, where
+  the rollouts come from older weights (docs/ahead.md, the decoupled objective).
 - ppo (``critic_advantages``), once the critic has scored the step: GAE over the same token
   rewards (KL folded in as reinforce_pp's), whitened over the batch's counted tokens, and the
   critic's targets. Its per-completion ones (for metrics and dynamic sampling's choice) are
@@ -106,8 +108,8 @@ def loss_beta(algo: AlgorithmConfig) -> float:
 
 
 def needs_old_logprobs(algo: AlgorithmConfig) -> bool:
-    """Whether the step needs the sampling policy's log-probs before its first update: for
-    mu > 1, and for a KL folded into the rewards (the sampling policy's KL)."""
+    """Whether the step needs the proximal policy's log-probs (the weights at the start of the
+    step) before its first update: for mu > 1, and for a KL folded into the rewards (its KL)."""
     return algo.num_iterations > 1 or (algo.estimator in KL_IN_REWARDS and algo.beta > 0)
 
 
@@ -120,8 +122,8 @@ def token_advantages(
 ) -> Tensor | None:
     """This rank's [N, T] per-token advantages, or None where the [N] ones hold for every token.
 
-    rewards: [N]; counted: [N, T] the loss's tokens; old_logp, ref_logp: [N, T] (the sampling
-    policy's and the reference's). Only reinforce_pp with beta > 0 is per token.
+    rewards: [N]; counted: [N, T] the loss's tokens; old_logp, ref_logp: [N, T] (the proximal
+    policy's, the weights at the start of the step, and the reference's). Only reinforce_pp with beta > 0 is per token.
     """
     if algo.estimator != "reinforce_pp" or ref_logp is None or old_logp is None:
         return None
@@ -145,7 +147,8 @@ def critic_advantages(
 ) -> tuple[Tensor, Tensor]:
     """ppo: ([N, T] advantages whitened over the batch's counted tokens, [N, T] the critic's
     targets). rewards: [N]; counted: [N, T]; values: [N, T] the critic's before the update;
-    old_logp, ref_logp: [N, T] when beta > 0 (the KL of the sampling policy in the rewards)."""
+    old_logp, ref_logp: [N, T] when beta > 0 (the KL of the proximal policy, the weights at the
+    start of the step, in the rewards)."""
     device = values.device
     counted = counted.to(device)
     shaped = None

@@ -68,8 +68,9 @@ class Prepared:
 
     batches: the micro-batches on the device, longest first; their advantages are [b], or
     [b, T'] where the estimator gives one per token.
-    ref_logp, old_logp: [N, T] the reference's (beta > 0) and the sampling policy's (mu > 1,
-    or a KL folded into the rewards) log-probs, or None.
+    ref_logp, old_logp: [N, T] the reference's (beta > 0) and the proximal policy's (the
+    weights at the start of the step; mu > 1, or a KL folded into the rewards) log-probs, or
+    None.
     sampler_logp: [N, T] the sampling engine's own log-probs on the device, or None.
     counted: [N, T] bool on the device, the tokens the loss counts.
     normalizer: the step's counts, so that the micro-batch losses sum to the step's loss.
