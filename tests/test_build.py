@@ -29,6 +29,20 @@ def _config(model: Path, **rewards: object):
     )
 
 
+@pytest.fixture
+def closed(monkeypatch) -> list[bool]:
+    """One True per close of a reward runner (the real close runs too)."""
+    calls: list[bool] = []
+    real_close = RewardRunner.close
+
+    def close(self: RewardRunner) -> None:
+        calls.append(True)
+        real_close(self)
+
+    monkeypatch.setattr(RewardRunner, "close", close)
+    return calls
+
+
 def test_a_bad_reward_is_refused_before_the_model_loads(tiny_model_dir: Path, monkeypatch) -> None:
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model loaded before the rewards were checked")
@@ -46,19 +60,11 @@ def test_a_bad_reward_is_refused_before_the_model_loads(tiny_model_dir: Path, mo
 
 
 def test_the_rewards_are_closed_when_the_model_fails_to_load(
-    tiny_model_dir: Path, monkeypatch
+    tiny_model_dir: Path, monkeypatch, closed: list[bool]
 ) -> None:
-    closed: list[bool] = []
-    real_close = RewardRunner.close
-
-    def close(self: RewardRunner) -> None:
-        closed.append(True)
-        real_close(self)
-
     def broken(*args: object, **kwargs: object) -> None:
         raise ModelError("weights are damaged")
 
-    monkeypatch.setattr(RewardRunner, "close", close)
     monkeypatch.setattr(grpo.build, "load_policy", broken)
     with pytest.raises(ModelError, match="damaged"):
         build_for_sampling(_config(tiny_model_dir), [])
@@ -74,20 +80,14 @@ def test_eval_parts_hold_no_engine_and_a_model_in_eval_mode(tiny_model_dir: Path
         parts.rewards.close()
 
 
-def test_a_trainer_that_fails_to_build_stops_its_reward_workers(tiny_config, monkeypatch) -> None:
+def test_a_trainer_that_fails_to_build_stops_its_reward_workers(
+    tiny_config, monkeypatch, closed: list[bool]
+) -> None:
     from grpo.training import Trainer
-
-    closed: list[bool] = []
-    real_close = RewardRunner.close
-
-    def close(self: RewardRunner) -> None:
-        closed.append(True)
-        real_close(self)
 
     def broken(*args: object, **kwargs: object) -> None:
         raise ModelError("weights are damaged")
 
-    monkeypatch.setattr(RewardRunner, "close", close)
     monkeypatch.setattr(grpo.build, "load_policy", broken)
     with pytest.raises(ModelError, match="damaged"):
         Trainer(tiny_config())
@@ -128,10 +128,9 @@ def test_the_reference_follows_beta_its_refreshes_and_autocast() -> None:
     assert mixing.alpha == 0.5 and mixing.copy.weight.dtype == torch.float32
 
 
-def test_a_reward_that_needs_a_missing_column_is_closed_with_its_error(monkeypatch) -> None:
-    closed: list[bool] = []
-    real_close = RewardRunner.close
-    monkeypatch.setattr(RewardRunner, "close", lambda self: closed.append(True) or real_close(self))
+def test_a_reward_that_needs_a_missing_column_is_closed_with_its_error(
+    monkeypatch, closed: list[bool]
+) -> None:
     config = build_config({"rewards": {"functions": [{"name": "accuracy"}]}})
     with pytest.raises(RewardError, match="reads the column 'answer', which no row"):
         grpo.build.reward_runner(config, [{"prompt": "1 + 1?"}])
@@ -176,22 +175,14 @@ def test_run_parts_claims_the_run_between_the_inputs_and_the_model(
 
 
 def test_a_refused_claim_stops_the_reward_workers_and_loads_no_model(
-    tiny_model_dir: Path, monkeypatch
+    tiny_model_dir: Path, monkeypatch, closed: list[bool]
 ) -> None:
-    closed: list[bool] = []
-    real_close = RewardRunner.close
-
-    def close(self: RewardRunner) -> None:
-        closed.append(True)
-        real_close(self)
-
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model loaded after the claim was refused")
 
     def refused(config: object, inputs: object) -> None:
         raise DataError("the run directory holds another run")
 
-    monkeypatch.setattr(RewardRunner, "close", close)
     monkeypatch.setattr(grpo.build, "load_policy", never)
     with pytest.raises(DataError, match="another run"):
         grpo.build.run_parts(

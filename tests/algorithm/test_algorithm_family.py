@@ -22,6 +22,7 @@ from grpo.algorithm import (
 )
 from grpo.config import AlgorithmConfig, Config, ConfigError, build_config, dump_config
 from grpo.config.presets import PRESETS
+from grpo.training.update import loss_knobs
 
 # ----------------------------------------------------------------------------- presets resolve
 
@@ -175,14 +176,7 @@ def preset_loss(preset: str) -> float:
         adv,
         MASK,
         REF if cfg.beta else None,
-        knobs=LossKnobs(
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            beta=cfg.beta,
-            loss_type=cfg.loss_type,
-            ratio_level=cfg.ratio_level,
-            kl_estimator=cfg.kl_estimator,
-        ),
+        knobs=loss_knobs(cfg, entropy_coef=0.0),  # the trainer's knobs from the preset
         normalizer=norm,
     )
     return float(loss)

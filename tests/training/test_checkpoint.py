@@ -18,7 +18,13 @@ from grpo.models import load_policy, load_tokenizer
 from grpo.runs.directory import Checkpoint, RunDir, RunDirError
 from grpo.runtime.distributed import DistInfo
 from grpo.training import producer_process
-from grpo.training.checkpoint import load_checkpoint, load_torch, save_checkpoint, save_torch
+from grpo.training.checkpoint import (
+    WrittenWith,
+    load_checkpoint,
+    load_torch,
+    save_checkpoint,
+    save_torch,
+)
 from grpo.training.entropy_bonus import EntropyBonus
 from grpo.training.hack_watch import HackWatch
 from grpo.training.optimizer import build_optimizer
@@ -67,8 +73,8 @@ def _trainer(model_dir: Path, run_dir: Path) -> SimpleNamespace:
     )
 
 
-def written_with(t: SimpleNamespace) -> dict:
-    return {"dist": t.dist, "tokenizer": t.tokenizer, "config": t.config, "inputs": t.inputs}
+def written_with(t: SimpleNamespace) -> WrittenWith:
+    return WrittenWith(t.dist, t.tokenizer, t.config, t.inputs)
 
 
 def test_a_checkpoint_restores_weights_optimizer_schedule_rng_and_the_run_state(
@@ -89,7 +95,7 @@ def test_a_checkpoint_restores_weights_optimizer_schedule_rng_and_the_run_state(
     saved.state.hack_watch.format.append(0.25)
     saved.state.hack_watch.length.add(30.0, window=4)
     saved.state.hack_watch.raised.add("hack/format_only")
-    save_checkpoint(saved.state, saved.run, **written_with(saved))
+    save_checkpoint(saved.state, saved.run, written_with(saved))
     next_draws = (torch.rand(3), random.random())  # what the run draws after its checkpoint
 
     path = saved.run.checkpoints / "step-3"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,32 +59,35 @@ def load_torch(path: Path) -> Any:
     return torch.load(path, weights_only=False, pickle_module=_MovedPickle)
 
 
-def manifest_meta(dist: DistInfo, config: Config, inputs: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "world_size": dist.world_size,
-        "run_config": config.model_dump(mode="json"),
-        "inputs": inputs,
-    }
+@dataclass(frozen=True)
+class WrittenWith:
+    """What a checkpoint or the final model is written with besides the training state: the
+    ranks, the tokenizer saved beside the weights, the run's config and its inputs' fingerprints
+    (for the manifest)."""
+
+    dist: DistInfo
+    tokenizer: PreTrainedTokenizerBase
+    config: Config
+    inputs: dict[str, Any]
+
+    def manifest_meta(self) -> dict[str, Any]:
+        return {
+            "world_size": self.dist.world_size,
+            "run_config": self.config.model_dump(mode="json"),
+            "inputs": self.inputs,
+        }
 
 
-def save_checkpoint(
-    state: TrainingState,
-    run: RunDir,
-    *,
-    dist: DistInfo,
-    tokenizer: PreTrainedTokenizerBase,
-    config: Config,
-    inputs: dict[str, Any],
-) -> None:
+def save_checkpoint(state: TrainingState, run: RunDir, written: WrittenWith) -> None:
     """Write ``checkpoints/step-N`` of ``state`` (all ranks take part; rank 0 seals and renames
-    it); ``inputs``: the run's fingerprints, for the manifest."""
-    step, main = state.step, dist.is_main
+    it)."""
+    step, dist, main = state.step, written.dist, written.dist.is_main
     tmp = run.checkpoint_temp(step)
     if main:
         run.fresh_temp(tmp)
     distributed.barrier()  # tmp exists before any rank writes into it
     with run.cleanup_on_error(tmp) if main else contextlib.nullcontext():
-        save_model(state.policy, tokenizer, tmp, dist)
+        save_model(state.policy, written.tokenizer, tmp, written.dist)
         optimizer = distributed.optimizer_state(state.policy, state.optimizer)  # all ranks
         if main:
             trainer_state = {**state.state_dict(optimizer), "world_size": dist.world_size}
@@ -93,30 +97,22 @@ def save_checkpoint(
             save_torch({"rng": capture_rng()}, tmp / f"rng-rank{dist.rank}.pt")
         distributed.barrier()  # every rank's files are in tmp
         if main:
-            meta = manifest_meta(dist, config, inputs)
-            run.commit_checkpoint(step, meta, config.train.keep_last)
+            run.commit_checkpoint(step, written.manifest_meta(), written.config.train.keep_last)
     distributed.barrier()
     run.intact = run.checkpoints / f"step-{step}"  # on every rank
 
 
-def save_final(
-    state: TrainingState,
-    run: RunDir,
-    *,
-    dist: DistInfo,
-    tokenizer: PreTrainedTokenizerBase,
-    config: Config,
-    inputs: dict[str, Any],
-) -> None:
+def save_final(state: TrainingState, run: RunDir, written: WrittenWith) -> None:
     """Write ``final/`` the way checkpoints are written (temp name, manifest, rename)."""
+    dist = written.dist
     tmp = run.final_temp()
     if dist.is_main:
         run.fresh_temp(tmp)
     distributed.barrier()
     with run.cleanup_on_error(tmp) if dist.is_main else contextlib.nullcontext():
-        save_model(state.policy, tokenizer, tmp, dist)
+        save_model(state.policy, written.tokenizer, tmp, written.dist)
         if dist.is_main:
-            run.commit_final(state.step, manifest_meta(dist, config, inputs))
+            run.commit_final(state.step, written.manifest_meta())
     distributed.barrier()  # the run is complete on disk before any rank returns
 
 

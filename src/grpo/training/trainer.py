@@ -40,7 +40,7 @@ from grpo.scoring.chunked_head import chunked_head_slot, full_logits
 from grpo.scoring.logprobs import scoring_path
 from grpo.step_data import Scored
 from grpo.training.caller_parts import Given, RewardItem, given_parts
-from grpo.training.checkpoint import load_checkpoint, save_checkpoint, save_final
+from grpo.training.checkpoint import WrittenWith, load_checkpoint, save_checkpoint, save_final
 from grpo.training.console import TransformersBars, warn_about
 from grpo.training.critic import Critic
 from grpo.training.entropy_bonus import EntropyBonus
@@ -230,17 +230,12 @@ class Trainer:
 
     def save(self) -> None:
         """A checkpoint of the step just done."""
-        save_checkpoint(self.state, self.run, **self._saving())
+        save_checkpoint(self.state, self.run, self._written_with())
         self.saved_step = self.state.step
 
-    def _saving(self) -> dict[str, Any]:
+    def _written_with(self) -> WrittenWith:
         """What a checkpoint or the final model is written with besides the state."""
-        return {
-            "dist": self.dist,
-            "tokenizer": self.tokenizer,
-            "config": self.config,
-            "inputs": self.fingerprints,
-        }
+        return WrittenWith(self.dist, self.tokenizer, self.config, self.fingerprints)
 
     # ----------------------------------------------------------------------------- loop
 
@@ -292,7 +287,7 @@ class Trainer:
             if self.saved_step != self.state.step:
                 self.save()
             if distributed.from_main(self.run.final_step) != self.state.step:
-                save_final(self.state, self.run, **self._saving())
+                save_final(self.state, self.run, self._written_with())
         finally:
             bar.close()
             if logger:
