@@ -262,6 +262,15 @@ def test_config_changes_name_every_key_and_both_values() -> None:
     assert [k for k in changes if changes_math(k)] == ["optim.lr", "train.seed"]
     for free in ("train.save_every", "train.sinks", "train.eval_every", "optim.micro_batch_size"):
         assert not changes_math(free)
+    # operational: how generation elsewhere is reached and waited for
+    for free in (
+        "rollout.producer_timeout_s",
+        "rollout.server_url",
+        "rollout.server_token",
+        "rollout.server_timeout_s",
+        "rollout.server_weights_host",
+    ):
+        assert not changes_math(free)
     for math_key in ("model.name", "data.task", "rollout.group_size", "rewards.functions"):
         assert changes_math(math_key)
 

@@ -140,6 +140,20 @@ def test_a_free_key_change_is_allowed_and_described(run: RunDir, capsys) -> None
     }
 
 
+def test_a_restarted_server_or_a_longer_wait_resumes_without_force(run: RunDir) -> None:
+    # the run stopped because its producer or server was lost: the same command with another
+    # server address and longer timeouts resumes (they change how generation is reached, not
+    # what is computed)
+    rollout = {"server_url": "http://127.0.0.1:9001", "producer_timeout_s": 1800.0}
+    plan = plan_resume(run, _config(rollout={**rollout, "server_timeout_s": 60.0}), 1, INPUTS)
+    assert plan.step == 3 and plan.forced == {}
+    assert set(plan.changes) == {
+        "rollout.server_url",
+        "rollout.producer_timeout_s",
+        "rollout.server_timeout_s",
+    }
+
+
 def test_a_changed_input_fingerprint_is_refused(run: RunDir) -> None:
     with pytest.raises(ConfigError) as refused:
         plan_resume(run, _config(), 1, {**INPUTS, "data": "d1"})

@@ -28,6 +28,13 @@ FREE_KEYS = {
     "optim.micro_batch_size",
     "rollout.vllm_gpu_memory_utilization",
     "rewards.workers",
+    # where and how patiently generation elsewhere is reached: a run stopped because its
+    # producer or server was lost resumes with a longer wait or a restarted server's address
+    "rollout.producer_timeout_s",
+    "rollout.server_url",
+    "rollout.server_token",
+    "rollout.server_timeout_s",
+    "rollout.server_weights_host",
 }
 
 # Keys that decide which parameters exist, and so what a checkpoint's weights fit: no resume can
