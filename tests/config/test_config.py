@@ -184,3 +184,12 @@ def test_a_knob_with_its_setting_is_taken() -> None:
         {"algorithm": {"estimator": "ppo", "lam": 0.9, "loss_type": "sapo", "sapo_tau_pos": 2.0}}
     ).algorithm
     assert (algo.lam, algo.sapo_tau_pos) == (0.9, 2.0)
+
+
+@pytest.mark.parametrize("value", [True, 1.5, "1"])
+def test_max_staleness_is_a_whole_number_not_a_yes(value: object) -> None:
+    # YAML's `true` would otherwise be read as 1 step of staleness without a word
+    with pytest.raises(ConfigError, match=r"^config 'rollout.max_staleness': Input should be a"):
+        build_config({"rollout": {"max_staleness": value}, "algorithm": {"tis_cap": 2.0}})
+    config = load_config(None, ["rollout.max_staleness=2", "algorithm.tis_cap=2.0"])
+    assert config.rollout.max_staleness == 2

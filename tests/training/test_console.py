@@ -6,7 +6,12 @@ import pytest
 import transformers
 
 from grpo.config import build_config
-from grpo.training.console import K1_WARNING, TransformersBars, warn_about
+from grpo.training.console import (
+    K1_WARNING,
+    TransformersBars,
+    staleness_beyond_the_run,
+    warn_about,
+)
 
 bars = transformers.utils.logging
 
@@ -43,3 +48,23 @@ def test_progress_on_leaves_the_bars_alone(bars_on) -> None:
 def test_k1_in_the_loss_is_warned_about(capsys, beta: float, estimator: str, warned: bool) -> None:
     warn_about(build_config({"algorithm": {"beta": beta, "kl_estimator": estimator}}))
     assert capsys.readouterr().err == (K1_WARNING + "\n" if warned else "")
+
+
+@pytest.mark.parametrize(
+    ("staleness", "steps", "warned"),
+    # 30 steps: step 30 samples with the weights after step 29 - k, trained ones for k <= 28
+    [(0, 30, False), (1, 30, False), (28, 30, False), (29, 30, True), (1000, 30, True)],
+)
+def test_a_staleness_no_step_can_use_is_one_line(
+    capsys, staleness: int, steps: int, warned: bool
+) -> None:
+    tree = {"rollout": {"max_staleness": staleness}, "train": {"steps": steps}}
+    config = build_config({**tree, "algorithm": {"tis_cap": 2.0}})
+    warn_about(config)
+    err = capsys.readouterr().err
+    if warned:
+        assert err == staleness_beyond_the_run(staleness, steps) + "\n"
+        assert f"max_staleness={staleness} with train.steps={steps}" in err
+        assert "at most 28 lets a step sample with trained weights" in err
+    else:
+        assert err == ""

@@ -186,7 +186,7 @@ class RolloutConfig(Section):
     """Wall-clock (and CPU) limit of one tool call; a call cut here is reported to the model as an error."""
     tool_max_output_chars: int = Field(1000, ge=1)
     """Characters of a call's output shown to the model; longer output is cut and reported as an error."""
-    max_staleness: int = Field(0, ge=0)
+    max_staleness: int = Field(0, ge=0, strict=True)  # `true` is not 1 step
     """k: rollouts generated ahead of training by a producer process (docs/ahead.md). Step t trains on rollouts sampled with the weights after step t-1-k (or the first weights): 0 = one synchronous process, as before; k >= 1 needs an importance correction (algorithm.tis_cap or tis_low)."""
     producer_threads: int | None = Field(None, ge=1)
     """max_staleness >= 1: CPU threads of the producer process; the trainer keeps the rest (null: half of the threads, at least 1 each)."""

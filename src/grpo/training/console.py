@@ -24,6 +24,21 @@ def warn_about(config: Config) -> None:
     # reinforce_pp puts the KL into the rewards, where k1 is the paper's estimator
     if algo.beta > 0 and algo.kl_estimator == "k1" and advantages.loss_beta(algo) > 0:
         print(K1_WARNING, file=sys.stderr)
+    if line := staleness_beyond_the_run(config.rollout.max_staleness, config.train.steps):
+        print(line, file=sys.stderr)
+
+
+def staleness_beyond_the_run(staleness: int, steps: int) -> str | None:
+    """The line for a ``rollout.max_staleness`` the run's schedule cannot use: step t samples with
+    the weights after step t-1-k (the first weights while that is below 0), so from k = steps - 1
+    on no step of the run samples with weights it trained."""
+    if staleness < 1 or staleness < steps - 1:
+        return None
+    return (
+        f"warning: rollout.max_staleness={staleness} with train.steps={steps}: every step "
+        "trains on rollouts of the first weights (a step samples with the weights after step "
+        f"t-1-k); at most {max(steps - 2, 0)} lets a step sample with trained weights"
+    )
 
 
 class TransformersBars:
