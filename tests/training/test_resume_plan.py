@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from grpo.build import Given
-from grpo.config import Config, ConfigError, build_config
+from grpo.config import Config, ConfigError, build_config, dump_config
 from grpo.runs.directory import RunDir, RunDirError, model_digest, rows_digest
 from grpo.training.resume import (
     ResumePlan,
@@ -223,6 +223,27 @@ def test_a_run_without_a_checkpoint_is_never_started_over_unasked(tmp_path: Path
     with pytest.raises(ConfigError) as refused:
         plan_resume(run, _config(train={"resume": "force"}), 1, INPUTS)
     assert str(refused.value) == f"train.resume=force: no checkpoint in {run.checkpoints}"
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_over_with_the_same_config(
+    tmp_path: Path, capsys
+) -> None:
+    # killed after step 1, before a checkpoint: the same command starts over and says so;
+    # another config (one that changes the math) is still refused
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.metrics.write_text('{"step": 1, "loss": 0.5}\n')
+    (run.path / "config.yaml").write_text(dump_config(_config()))
+    assert plan_resume(run, _config(), 1, INPUTS).checkpoint is None
+    assert capsys.readouterr().out == (
+        f"grpo: {run.path} holds the steps of a run of this config stopped before its first "
+        "checkpoint: starting over (the same seed computes them again)\n"
+    )
+    with pytest.raises(RunDirError, match=r"holds a run \(metrics.jsonl\) with no checkpoint"):
+        plan_resume(run, _config(optim={"lr": 1e-4}), 1, INPUTS)
+    (run.path / "config.yaml").write_text("- not a config\n")
+    with pytest.raises(RunDirError, match=r"holds a run \(metrics.jsonl\) with no checkpoint"):
+        plan_resume(run, _config(), 1, INPUTS)
 
 
 def test_another_runs_checkpoint_does_not_resume_into_a_run_of_its_own(

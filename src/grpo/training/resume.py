@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from grpo.build import Given
 from grpo.config import Config, ConfigError
 from grpo.config.diff import config_changes, describe_changes, flatten
@@ -141,7 +143,7 @@ def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, 
     mode = config.train.resume
     if mode == "never":
         return ResumePlan()
-    checkpoint = _checkpoint_to_resume(run, mode, world_size)
+    checkpoint = _checkpoint_to_resume(run, mode, world_size, config)
     if checkpoint is None:
         return ResumePlan()
     new = config.model_dump(mode="json")
@@ -178,7 +180,9 @@ def plan_resume(run: RunDir, config: Config, world_size: int, inputs: dict[str, 
     return ResumePlan(checkpoint, changes, forced)
 
 
-def _checkpoint_to_resume(run: RunDir, mode: str, world_size: int) -> Checkpoint | None:
+def _checkpoint_to_resume(
+    run: RunDir, mode: str, world_size: int, config: Config
+) -> Checkpoint | None:
     """The checkpoint ``train.resume`` (``auto``, ``force`` or a path) names in ``run``, or None
     for a fresh start; refused where the run directory or the world size does not fit it."""
     checkpoint = (
@@ -186,6 +190,13 @@ def _checkpoint_to_resume(run: RunDir, mode: str, world_size: int) -> Checkpoint
     )
     left = run.previous_run()
     if checkpoint is None:
+        if left == ["metrics.jsonl"] and mode == "auto" and _stopped_before_saving(run, config):
+            print(
+                f"grpo: {run.path} holds the steps of a run of this config stopped before its "
+                "first checkpoint: starting over (the same seed computes them again)",
+                flush=True,
+            )
+            return None
         if left:  # a fresh start would delete them: the user decides
             raise RunDirError(
                 f"{run.path} holds a run ({', '.join(left)}) with no checkpoint to resume; "
@@ -205,6 +216,19 @@ def _checkpoint_to_resume(run: RunDir, mode: str, world_size: int) -> Checkpoint
             f"resume it with the same number (this run has {world_size})"
         )
     return checkpoint
+
+
+def _stopped_before_saving(run: RunDir, config: Config) -> bool:
+    """Whether the run ``run`` recorded (its ``config.yaml``) computes what ``config`` does: then
+    its steps, logged before any checkpoint, are what a fresh start of ``config`` logs again."""
+    try:
+        recorded = yaml.safe_load((run.path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    if not isinstance(recorded, dict):
+        return False
+    new, defaults = config.model_dump(mode="json"), Config().model_dump(mode="json")
+    return not math_changes(recorded, new, defaults)
 
 
 def _math_changes(
