@@ -189,3 +189,28 @@ def test_a_refused_claim_stops_the_reward_workers_and_loads_no_model(
             _config(tiny_model_dir), grpo.build.Given(), torch.device("cpu"), refused
         )
     assert closed == [True]
+
+
+def test_a_prompt_past_the_models_positions_is_one_line_before_training(tiny_config) -> None:
+    # the tiny model has 512 positions: 12 new tokens leave 500 for a prompt; its tokenizer
+    # spells "7 " as two tokens, so 300 of them render as 603 tokens (20 of them as 43)
+    from grpo import train
+
+    rows = [{"prompt": "1 + 1", "answer": "2"}] * 3 + [{"prompt": "7 " * 300, "answer": "7"}]
+    config = tiny_config()
+    with pytest.raises(DataError) as refused:
+        train(config, dataset=rows)
+    said = str(refused.value)
+    assert said.startswith("data row 3: its prompt is 603 tokens") and "\n" not in said
+    assert "with rollout.max_new_tokens=12 it does not fit the model's 512 positions" in said
+    assert not (config.run_dir / "metrics.jsonl").exists()
+    # a prompt that fits trains as before
+    short = [{"prompt": "7 " * 20, "answer": "7"}] * 4
+    grpo.build.check_prompt_lengths(
+        short,
+        prompt_format_for(DataConfig(), None),
+        load_tokenizer(config.model.name),
+        SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512)),
+        config.rollout,
+        "data",
+    )

@@ -10,7 +10,7 @@ training run's parts in that order, in one call.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from grpo.config import Config, ModelConfig, RewardsConfig
+from grpo.config import Config, ModelConfig, RewardsConfig, RolloutConfig
 from grpo.data import (
     DataError,
     Rows,
@@ -294,11 +294,38 @@ def run_parts(
             else load_model(config.model, inputs.model_path, fmt, rows, device)
         )
         policy.train()
+        for name, checked in (("data", rows), ("held-out", inputs.eval_rows)):
+            check_prompt_lengths(checked, fmt, tokenizer, policy, config.rollout, name)
         reference = reference_of(config, policy)
     except BaseException:
         inputs.close()
         raise
     return RunParts(config, inputs, tokenizer, policy, reference)
+
+
+def check_prompt_lengths(
+    rows: Sequence[dict[str, Any]],
+    fmt: PromptFormat,
+    tokenizer: PreTrainedTokenizerBase,
+    policy: nn.Module,
+    rollout: RolloutConfig,
+    what: str,
+) -> None:
+    """Refuse, in one line naming the first such row, a prompt whose tokens and
+    ``rollout.max_new_tokens`` do not fit the model's positions: past them a rotary model
+    samples and trains on positions it never learned, without an error."""
+    limit = getattr(policy.config, "max_position_embeddings", None)
+    if not limit:
+        return
+    room = limit - rollout.max_new_tokens
+    for index, row in enumerate(rows):
+        length = len(tokenizer(fmt.render(tokenizer, row), add_special_tokens=False).input_ids)
+        if length > room:
+            raise DataError(
+                f"{what} row {index}: its prompt is {length} tokens, and with "
+                f"rollout.max_new_tokens={rollout.max_new_tokens} it does not fit the model's "
+                f"{limit} positions; shorten the prompt (or lower rollout.max_new_tokens)"
+            )
 
 
 @dataclass
