@@ -191,26 +191,33 @@ def test_a_refused_claim_stops_the_reward_workers_and_loads_no_model(
     assert closed == [True]
 
 
-def test_a_prompt_past_the_models_positions_is_one_line_before_training(tiny_config) -> None:
-    # the tiny model has 512 positions: 12 new tokens leave 500 for a prompt; its tokenizer
-    # spells "7 " as two tokens, so 300 of them render as 603 tokens (20 of them as 43)
+def test_a_prompt_past_the_models_positions_is_one_line_before_training(
+    tiny_config, capsys
+) -> None:
+    # the tiny model has 512 positions; its tokenizer spells "7 " as two tokens, so 300 of them
+    # render as 603 tokens, 240 as 483 and 20 as 43
     from grpo import train
 
     rows = [{"prompt": "1 + 1", "answer": "2"}] * 3 + [{"prompt": "7 " * 300, "answer": "7"}]
     config = tiny_config()
     with pytest.raises(DataError) as refused:
         train(config, dataset=rows)
-    said = str(refused.value)
-    assert said.startswith("data row 3: its prompt is 603 tokens") and "\n" not in said
-    assert "with rollout.max_new_tokens=12 it does not fit the model's 512 positions" in said
-    assert not (config.run_dir / "metrics.jsonl").exists()
-    # a prompt that fits trains as before
-    short = [{"prompt": "7 " * 20, "answer": "7"}] * 4
-    grpo.build.check_prompt_lengths(
-        short,
-        prompt_format_for(DataConfig(), None),
-        load_tokenizer(config.model.name),
-        SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512)),
-        config.rollout,
-        "data",
+    assert str(refused.value) == (
+        "data row 3: its prompt is 603 tokens, as many as the model's 512 positions or more; "
+        "shorten it"
     )
+    assert not (config.run_dir / "metrics.jsonl").exists()
+    fmt, tokenizer = prompt_format_for(DataConfig(), None), load_tokenizer(config.model.name)
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512))
+
+    def check(prompts: list[str]) -> str:
+        rows = [{"prompt": p} for p in prompts]
+        grpo.build.check_prompt_lengths(rows, fmt, tokenizer, model, config.rollout, "data")
+        return capsys.readouterr().err
+
+    # 483 + 12 new tokens fit: nothing said; 483 + 40 can pass the positions: one line
+    assert check(["7 " * 20, "7 " * 240]) == ""
+    config.rollout.max_new_tokens = 40
+    said = check(["7 " * 20, "7 " * 240])
+    assert said.startswith("warning: data row 1's prompt is 483 tokens: with ")
+    assert said.count("\n") == 1 and "rollout.max_new_tokens=40" in said

@@ -311,21 +311,31 @@ def check_prompt_lengths(
     rollout: RolloutConfig,
     what: str,
 ) -> None:
-    """Refuse, in one line naming the first such row, a prompt whose tokens and
-    ``rollout.max_new_tokens`` do not fit the model's positions: past them a rotary model
-    samples and trains on positions it never learned, without an error."""
+    """Past the model's positions a rotary model samples and trains on positions it never
+    learned, without an error: a prompt that alone fills them is refused in one line naming its
+    row; one that leaves less room than ``rollout.max_new_tokens`` is said in one line."""
     limit = getattr(policy.config, "max_position_embeddings", None)
     if not limit:
         return
-    room = limit - rollout.max_new_tokens
-    for index, row in enumerate(rows):
-        length = len(tokenizer(fmt.render(tokenizer, row), add_special_tokens=False).input_ids)
-        if length > room:
+    lengths = [
+        len(tokenizer(fmt.render(tokenizer, row), add_special_tokens=False).input_ids)
+        for row in rows
+    ]
+    for index, length in enumerate(lengths):
+        if length >= limit:
             raise DataError(
-                f"{what} row {index}: its prompt is {length} tokens, and with "
-                f"rollout.max_new_tokens={rollout.max_new_tokens} it does not fit the model's "
-                f"{limit} positions; shorten the prompt (or lower rollout.max_new_tokens)"
+                f"{what} row {index}: its prompt is {length} tokens, as many as the model's "
+                f"{limit} positions or more; shorten it"
             )
+    longest = max(lengths, default=0)
+    if longest + rollout.max_new_tokens > limit:
+        print(
+            f"warning: {what} row {lengths.index(longest)}'s prompt is {longest} tokens: with "
+            f"rollout.max_new_tokens={rollout.max_new_tokens} a completion can pass the model's "
+            f"{limit} positions (its tokens past them are sampled and trained on positions the "
+            "model never learned)",
+            file=sys.stderr,
+        )
 
 
 @dataclass
