@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from run_logs import step_rows
+from run_logs import kill_chain, step_rows
 from safetensors.torch import load_file
 
 from grpo.cli import main
@@ -101,16 +101,7 @@ def test_killed_at_random_points_resumes_bit_identical(tree: dict, tmp_path: Pat
     # one process imports the trainer once and forks every life (tests/integration/kill_chain.py): the
     # uninterrupted run, then lives each SIGKILLed at a random fsync / rename / torch.save /
     # step phase, each resuming the last, until one reaches the end
-    script = Path(__file__).with_name("kill_chain.py")
-    chain_tree = {**tree, "train": {**tree["train"], "output_dir": str(tmp_path)}}
-    done = subprocess.run(
-        [sys.executable, str(script), json.dumps(chain_tree), "0"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lives = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    lives = kill_chain(tree, tmp_path, seed=0, timeout=900)
     killed = [life for life in lives[1:] if life["killed"]]
     assert lives[-1]["exit"] == 0 and all(life["killed"] or life["exit"] == 0 for life in lives)
     assert len(killed) >= 5, lives

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_logs import kill_chain
 from run_logs import step_rows as rows
 from safetensors.torch import load_file
 
@@ -403,16 +404,7 @@ def test_k1_with_dynamic_sampling_and_lora(tree: dict, tiny_model_dir: Path) -> 
 def test_killed_at_random_points_resumes_bit_identical_with_k1(tree: dict, tmp_path: Path) -> None:
     # tests/integration/kill_chain.py with a producer process: every life SIGKILLs the trainer
     # at a random fsync / rename / torch.save / update / log, its producer follows it
-    script = Path(__file__).parents[1] / "integration" / "kill_chain.py"
-    chain_tree = {**tree, "train": {**tree["train"], "output_dir": str(tmp_path)}}
-    done = subprocess.run(
-        [sys.executable, str(script), json.dumps(chain_tree), "1"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lives = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    lives = kill_chain(tree, tmp_path, seed=1, timeout=1800)
     assert lives[-1]["exit"] == 0 and sum(life["killed"] for life in lives[1:]) >= 3, lives
     straight, chain = tmp_path / "straight", tmp_path / "chain"
     assert rows(chain) == rows(straight)
