@@ -292,8 +292,12 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header("WWW-Authenticate", 'Bearer realm="grpo serve"')
             self.end_headers()
             self.wfile.write(body)
-        except OSError:  # the client hung up or stopped reading: nothing to tell it
+        except OSError as err:  # the client hung up or stopped reading
             self.close_connection = True
+            why = err.strerror or type(err).__name__  # "Broken pipe", not "[Errno 32] ..."
+            self._say(
+                f"{self.command} {self.path}: the answer ({status}) was not delivered ({why})"
+            )
 
     def _json(self, status: int, value: Any) -> None:
         self._reply(status, json.dumps(value).encode(), "application/json")
@@ -307,21 +311,25 @@ class Handler(BaseHTTPRequestHandler):
                 f"(rollout.server_token or {TOKEN_ENV})",
             )
         scheme, _, value = given.partition(" ")
-        if scheme != "Bearer" or not hmac.compare_digest(value.strip().encode(), self.expected):
+        # latin-1 is how http.server decoded the header: the bytes the client sent
+        token = value.strip().encode("latin-1", errors="replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token, self.expected):
             raise Refused(403, "wrong token: give the run grpo serve's token")
 
     def _body(self) -> dict[str, Any]:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.strip().isdigit():
+        length = (self.headers.get("Content-Length") or "").strip()
+        # ASCII digits only ("²".isdigit() is True), and few enough for int()
+        if not (length.isascii() and length.isdigit()) or len(length) > 18:
             raise Refused(400, "a request needs a Content-Length of 0 or more bytes")
-        if int(length) > MAX_BODY:
-            raise Refused(413, f"a request of {int(length)} bytes (at most {MAX_BODY})")
+        size = int(length)
+        if size > MAX_BODY:
+            raise Refused(413, f"a request of {size} bytes (at most {MAX_BODY})")
         try:
-            data = self.rfile.read(int(length))
+            data = self.rfile.read(size)
         except OSError:  # a pause past READ_S
             data = b""
         self.server.arrived(self.connection)
-        if len(data) < int(length):
+        if len(data) < size:
             raise Refused(
                 408,
                 f"the request's body did not arrive in full (a pause over {READ_S:g} s, or "
@@ -348,20 +356,22 @@ class Handler(BaseHTTPRequestHandler):
     def _discard(self) -> None:
         """Read (and drop) what a refused client still sends, for a second at most: closing
         on unread bytes resets the connection, and the client could lose the answer."""
+        deadline = time.monotonic() + 1.0  # in all: a trickle cannot hold the thread longer
         with contextlib.suppress(OSError):
             self.connection.shutdown(socket.SHUT_WR)  # the answer is whole
-            self.connection.settimeout(1.0)
             for _ in range(16):  # 1 MiB at most
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.connection.settimeout(left)
                 if not self.connection.recv(1 << 16):
                     break
 
+    def _say(self, what: str) -> None:
+        print(f"grpo serve: {what} (from {self.client_address[0]})", file=sys.stderr, flush=True)
+
     def _fail(self, status: int, said: str) -> None:
-        print(
-            f"grpo serve: {self.command} {self.path} from {self.client_address[0]} "
-            f"failed ({status}): {said}",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._say(f"{self.command} {self.path} failed ({status}): {said}")
         self._json(status, {"error": said})
 
     def do_GET(self) -> None:
@@ -371,10 +381,10 @@ class Handler(BaseHTTPRequestHandler):
             self._answer(self._get)
 
     def _get(self) -> None:
-        self.server.arrived(self.connection)
-        self._authorized()
+        self._authorized()  # before ``arrived``: a refused client stays one the server may cut
         if self.path != "/info":
             raise Refused(404, f"no {self.path}")
+        self.server.arrived(self.connection)
         self._json(200, self.served.info())
 
     def do_POST(self) -> None:
@@ -402,6 +412,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would bury the server's own lines
+
+    def log_error(self, format: str, *args: Any) -> None:
+        # what http.server refuses itself (a bad request line, too many headers, a timeout)
+        self._say(f"request refused: {format % args}")
 
 
 def handler_for(
@@ -480,6 +494,9 @@ def listen(host: str, port: int, token: str | None, weights_hosts: list[str]) ->
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     if token is not None and len(token) < MIN_TOKEN:
         raise ConfigError(f"grpo serve: a token of at least {MIN_TOKEN} characters")
+    if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
+        # an HTTP header carries it: anything else could never match what a client sends
+        raise ConfigError("grpo serve: a token of printable ASCII characters without spaces")
     if token is None and not is_loopback(host):
         raise ConfigError(
             f"grpo serve --host {host} answers beyond this machine: give it a token "
