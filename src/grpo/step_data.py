@@ -49,6 +49,13 @@ class Rollout:
     decoding: Decoding = field(default_factory=Decoding)
     policy_version: int | None = None
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # pickled (a checkpoint's steps made ahead) when the decoding controls were ``sampling``
+        if "sampling" in state:
+            state = {**state, "decoding": state["sampling"]}
+            del state["sampling"]
+        self.__dict__.update(state)
+
     @property
     def num_completions(self) -> int:
         return self.completion_ids.shape[0]

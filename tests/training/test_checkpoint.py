@@ -13,10 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo import step_data
 from grpo.config import build_config
 from grpo.models import load_policy, load_tokenizer
 from grpo.runs.directory import Checkpoint, RunDir, RunDirError
 from grpo.runtime.distributed import DistInfo
+from grpo.scoring import distribution
 from grpo.training import producer_process
 from grpo.training.checkpoint import (
     WrittenWith,
@@ -182,3 +184,34 @@ def test_steps_made_ahead_in_a_checkpoint_from_before_producer_process_load(
     assert (loaded.step, loaded.version, loaded.state) == (2, 1, {"consumed": 8})
     assert loaded.made == ProducedStep("groups", 0.7, rollout_s=1.0, reward_s=2.0, skipped=3.0)
     assert loaded.wait_train_s == 4.0
+
+
+def test_rollouts_in_a_checkpoint_from_before_step_data_and_decoding_load(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # written when the step's data types lived in grpo.containers, the decoding controls were the
+    # class Sampling and a rollout held them as ``sampling``
+    @dataclass
+    class Rollout:
+        group_size: int
+        sampling: object
+
+    @dataclass(frozen=True)
+    class Sampling:
+        temperature: float = 1.0
+        top_p: float = 1.0
+
+    old = types.ModuleType("grpo.containers")
+    Rollout.__module__, Rollout.__qualname__, old.Rollout = old.__name__, "Rollout", Rollout
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    Sampling.__module__, Sampling.__qualname__ = "grpo.scoring.distribution", "Sampling"
+    monkeypatch.setattr(distribution, "Sampling", Sampling, raising=False)
+    save_torch({"ahead": [Rollout(4, Sampling(temperature=0.7))]}, tmp_path / "s.pt")
+    monkeypatch.delitem(sys.modules, old.__name__)
+    monkeypatch.delattr(distribution, "Sampling")
+
+    (loaded,) = load_torch(tmp_path / "s.pt")["ahead"]
+    assert type(loaded) is step_data.Rollout and loaded.group_size == 4
+    assert "sampling" not in vars(loaded)
+    assert type(loaded.decoding) is distribution.Decoding
+    assert (loaded.decoding.temperature, loaded.decoding.top_p) == (0.7, 1.0)

@@ -30,14 +30,18 @@ from grpo.runtime.distributed import DistInfo
 from grpo.training.optimizer import apply_optim_config
 from grpo.training.state import TrainingState, capture_rng
 
-# modules renamed since a checkpoint may have been written: its steps made ahead (``ahead``) are
-# pickled objects of the producer process's module
-MOVED = {"grpo.training.ahead": "grpo.training.producer_process"}
+# modules and classes renamed since a checkpoint may have been written: its steps made ahead
+# (``ahead``) are pickled objects (the producer process's, holding scored rollouts)
+MOVED = {
+    "grpo.training.ahead": "grpo.training.producer_process",
+    "grpo.containers": "grpo.step_data",
+}
+RENAMED = {("grpo.scoring.distribution", "Sampling"): "Decoding"}
 
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        return super().find_class(MOVED.get(module, module), name)
+        return super().find_class(MOVED.get(module, module), RENAMED.get((module, name), name))
 
 
 class _MovedPickle:
