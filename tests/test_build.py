@@ -203,7 +203,7 @@ def test_a_prompt_past_the_models_positions_is_one_line_before_training(
     with pytest.raises(DataError) as refused:
         train(config, dataset=rows)
     assert str(refused.value) == (
-        "data row 3: its prompt is 603 tokens, as many as the model's 512 positions or more; "
+        "data row 4: its prompt is 603 tokens, as many as the model's 512 positions or more; "
         "shorten it"
     )
     assert not (config.run_dir / "metrics.jsonl").exists()
@@ -219,5 +219,15 @@ def test_a_prompt_past_the_models_positions_is_one_line_before_training(
     assert check(["7 " * 20, "7 " * 240]) == ""
     config.rollout.max_new_tokens = 40
     said = check(["7 " * 20, "7 " * 240])
-    assert said.startswith("warning: data row 1's prompt is 483 tokens: with ")
+    assert said.startswith("warning: data row 2's prompt is 483 tokens: with ")
     assert said.count("\n") == 1 and "rollout.max_new_tokens=40" in said
+
+
+def test_a_run_takes_the_thread_count_it_is_given() -> None:
+    # the tests run with one thread (conftest): train.threads must still set the count
+    before = torch.get_num_threads()
+    try:
+        grpo.build.prepare_process(build_config({"train": {"threads": 3}}))
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

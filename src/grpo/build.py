@@ -262,11 +262,14 @@ def run_inputs(config: Config, given: Given) -> RunInputs:
     rows, eval_rows = training_rows(config, given)
     fmt = prompt_format(config)
     rewards = reward_runner(config, rows, given.rewards)
+    verifier = None
     try:
         verifier = verifier_runner(config) if config.train.eval_every else None
         model_path = None if given.model else resolve_model_path(config.model.name)
     except BaseException:
         rewards.close()
+        if verifier is not None:  # a model name that does not resolve stops its workers too
+            verifier.close()
         raise
     return RunInputs(rows, eval_rows, fmt, rewards, verifier, model_path)
 
@@ -321,7 +324,7 @@ def check_prompt_lengths(
         len(tokenizer(fmt.render(tokenizer, row), add_special_tokens=False).input_ids)
         for row in rows
     ]
-    for index, length in enumerate(lengths):
+    for index, length in enumerate(lengths, start=1):  # rows counted from 1, as fmt.check does
         if length >= limit:
             raise DataError(
                 f"{what} row {index}: its prompt is {length} tokens, as many as the model's "
@@ -330,7 +333,7 @@ def check_prompt_lengths(
     longest = max(lengths, default=0)
     if longest + rollout.max_new_tokens > limit:
         print(
-            f"warning: {what} row {lengths.index(longest)}'s prompt is {longest} tokens: with "
+            f"warning: {what} row {lengths.index(longest) + 1}'s prompt is {longest} tokens: with "
             f"rollout.max_new_tokens={rollout.max_new_tokens} a completion can pass the model's "
             f"{limit} positions (its tokens past them are sampled and trained on positions the "
             "model never learned)",
