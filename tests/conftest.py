@@ -48,9 +48,9 @@ def _warm_up_for_mutation() -> None:
 
 # One torch thread here and in the processes the tests start, unless the environment says
 # otherwise: the tiny model's products are too small to split, and two threads waiting on each
-# other spin while the other is descheduled. On 2 cores under a load of 12,
-# tests/training/test_trainer.py took 109 s of CPU and 519 s with two, 12 s and 58 s with one
-# (at a load of 7 the two were alike).
+# other spin while the other is descheduled (on a loaded 2-core machine the trainer tests took
+# several times the CPU with two threads; idle, the two were alike). train.threads still sets a
+# run's count (tests/test_build.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
