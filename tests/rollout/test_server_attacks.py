@@ -26,6 +26,7 @@ from grpo.config import ConfigError, ModelConfig, RolloutConfig
 from grpo.models import load_policy, load_tokenizer
 from grpo.rollout import server_http
 from grpo.rollout.server import ServerEngine, ServerLost, pushed_weights
+from grpo.runtime.weight_sync import SECRET_BYTES
 from grpo.training.trainer import train
 
 STACK_MARKS = ("Traceback", "frame #", "Exception raised from", "[W", "[E")
@@ -105,7 +106,13 @@ def never_answering(host: str = "127.0.0.1") -> Iterator[tuple[int, list[socket.
 def weights_init(tiny_model_dir: Path, host: str, port: int, timeout_s: float) -> dict:
     model = load_policy(ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir))
     names = [[name, list(t.shape)] for name, t in pushed_weights(model).items()]
-    return {"host": host, "port": port, "timeout_s": timeout_s, "names": names}
+    return {
+        "host": host,
+        "port": port,
+        "timeout_s": timeout_s,
+        "names": names,
+        "secret": "00" * SECRET_BYTES,
+    }
 
 
 def console(server: Running, saying: str = "", seconds: float = 10.0) -> list[str]:
@@ -331,7 +338,7 @@ def test_the_weights_host_is_the_clients_own_or_an_allowed_one() -> None:
     import ipaddress
 
     client = ipaddress.ip_address("127.0.0.1")
-    request = {"port": 5, "timeout_s": 1, "names": []}
+    request = {"port": 5, "timeout_s": 1, "names": [], "secret": "ab" * SECRET_BYTES}
     assert server_http.weights_address({**request, "host": "localhost"}, client, set()) == (
         "127.0.0.1"
     )
@@ -340,7 +347,15 @@ def test_the_weights_host_is_the_clients_own_or_an_allowed_one() -> None:
         server_http.weights_address(other, client, set())
     allowed = {ipaddress.ip_address("127.0.0.2")}
     assert server_http.weights_address(other, client, allowed) == "127.0.0.2"
-    for bad in ({"port": 0}, {"port": "1"}, {"timeout_s": float("inf")}, {"names": None}):
+    bad_requests = (
+        {"port": 0},
+        {"port": "1"},
+        {"timeout_s": float("inf")},
+        {"names": None},
+        {"secret": "ab"},
+        {"secret": "zz" * SECRET_BYTES},
+    )
+    for bad in bad_requests:
         with pytest.raises(ValueError, match="/weights/init needs"):
             server_http.weights_address({**other, **bad}, client, allowed)
 

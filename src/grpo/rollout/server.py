@@ -264,19 +264,21 @@ class ServerEngine:
         if self.sender is None:
             timeout = self.config.server_timeout_s
             rendezvous = weight_sync.store(self.config.server_weights_host, 0, True, timeout)
+            secret = weight_sync.new_secret()
             names = [[name, list(t.shape)] for name, t in weights.items()]
             init = {
                 "host": self.config.server_weights_host,
                 "port": rendezvous.port,
                 "timeout_s": timeout,
                 "names": names,
+                "secret": secret.hex(),
             }
             # the server joins the group while answering; this process joins it meanwhile, on
             # a thread, so that a server that refuses (another model) is said at once rather
             # than after the group's timeout
             joined: list[Any] = []
             thread = threading.Thread(
-                target=self._join_into, args=(rendezvous, timeout, joined), daemon=True
+                target=self._join_into, args=(rendezvous, timeout, secret, joined), daemon=True
             )
             thread.start()
             answer = self._answer("/weights/init", init)
@@ -321,9 +323,9 @@ class ServerEngine:
             )
 
     @staticmethod
-    def _join_into(rendezvous: Any, timeout: float, out: list) -> None:
+    def _join_into(rendezvous: Any, timeout: float, secret: bytes, out: list) -> None:
         try:
-            out.append(weight_sync.group(rendezvous, weight_sync.TRAINER, timeout))
+            out.append(weight_sync.group(rendezvous, weight_sync.TRAINER, timeout, secret))
         except BaseException as err:
             out.append(err)
 

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import queue
+import re
 import secrets
 import socket
 import sys
@@ -46,6 +47,7 @@ from grpo.config import Config, ConfigError
 from grpo.rollout.server import DECODING_KEYS, TOKEN_ENV, encode_rollout, tokenizer_fingerprint
 from grpo.runtime import weight_sync
 from grpo.runtime.precision import bf16_autocast
+from grpo.runtime.weight_sync import SECRET_BYTES
 
 HANDLERS = 64  # connections served at once, each on a thread
 READ_S = 10.0  # the longest pause while a request arrives
@@ -98,7 +100,7 @@ def quiet_torch_logs() -> None:
         pass
 
 
-def join_weights_group(address: str, port: int, timeout_s: float) -> Any:
+def join_weights_group(address: str, port: int, timeout_s: float, secret: bytes) -> Any:
     """The server's side of the client's weights group, or ``TimeoutError`` after
     ``timeout_s``. A store that accepts and never answers holds torch's connect for ever: the
     join runs on a daemon thread, abandoned past the limit."""
@@ -107,7 +109,8 @@ def join_weights_group(address: str, port: int, timeout_s: float) -> Any:
     def join() -> None:
         try:
             rendezvous = weight_sync.store(address, port, False, timeout_s)
-            joined.append(weight_sync.group(rendezvous, weight_sync.PRODUCER, timeout_s))
+            pg = weight_sync.group(rendezvous, weight_sync.PRODUCER, timeout_s, secret)
+            joined.append(pg)
         except Exception as err:
             joined.append(err)
 
@@ -180,7 +183,8 @@ class Served:
             )
         # the client's limit, within this server's own
         timeout = min(float(request["timeout_s"]), self.config.rollout.server_timeout_s)
-        pg = join_weights_group(address, request["port"], timeout)
+        secret = bytes.fromhex(request["secret"])
+        pg = join_weights_group(address, request["port"], timeout, secret)
         self.receiver = (pg, params)
         self.session, self.version = secrets.token_hex(8), 0
         return {"session": self.session}
@@ -219,6 +223,9 @@ def weights_address(request: dict[str, Any], client: Address, allowed: set[Addre
         raise ValueError("/weights/init needs a positive timeout_s")
     if not isinstance(request.get("names"), list):
         raise ValueError("/weights/init needs the names and shapes of the weights")
+    secret = request.get("secret")
+    if not isinstance(secret, str) or not re.fullmatch(f"[0-9a-f]{{{2 * SECRET_BYTES}}}", secret):
+        raise ValueError(f"/weights/init needs the group's secret ({SECRET_BYTES} bytes, hex)")
     try:
         named = addresses(host)
     except OSError as err:

@@ -2,6 +2,13 @@
 two-process gloo group of their own (a ``TCPStore`` on a free port, not the default group, so it
 never meets ``torchrun``'s collectives).
 
+Only the run's own peer gets the weights: the trainer's store and its gloo listener bind to the
+one address the peer uses (loopback for the producer process; ``rollout.server_weights_host``
+for ``grpo serve``), not to every interface as torch's own would, and the peer proves it holds
+the run's ``secret`` (passed over the channel that started it: the spawn pipe, or grpo serve's
+token-checked ``/weights/init``) before the first push, so a process that raced it into the
+group receives nothing.
+
 Only the parameters that train move (``trainable``): full weights, or a LoRA policy's adapters;
 the frozen rest is loaded the same way on both sides. Buffers travel in float32 or the
 parameter's own dtype, as they are: the producer samples with exactly the trainer's weights.
@@ -14,6 +21,8 @@ from __future__ import annotations
 
 import datetime
 import queue
+import secrets
+import socket
 import threading
 from collections.abc import Callable
 
@@ -46,20 +55,61 @@ def unflatten_into(flat: Tensor, params: list[Tensor]) -> None:
         raise ValueError(f"a weight push of {flat.numel()} values for {offset} parameters")
 
 
+SECRET_BYTES = 32
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def listener(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host`` only (torch's store would listen on every interface)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (a UDP connect sends nothing)."""
+    family, _, _, _, where = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(where)
+        return probe.getsockname()[0]
+
+
 def store(host: str, port: int, is_trainer: bool, timeout_s: float) -> dist.TCPStore:
     """The rendezvous of the two processes (the trainer's: ``port`` 0 picks a free one)."""
+    own = listener(host, port) if is_trainer else None
     return dist.TCPStore(
         host,
-        port,
+        own.getsockname()[1] if own else port,
         2,
         is_trainer,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=own.detach() if own else None,  # the store owns the socket from here
     )
 
 
-def group(rendezvous: dist.TCPStore, rank: int, timeout_s: float) -> dist.ProcessGroup:
-    return dist.ProcessGroupGloo(rendezvous, rank, 2, datetime.timedelta(seconds=timeout_s))
+def group(
+    rendezvous: dist.TCPStore, rank: int, timeout_s: float, secret: bytes
+) -> dist.ProcessGroup:
+    """The two processes' gloo group, once the producer has shown the trainer ``secret``
+    (``PermissionError`` when the process that joined does not hold it)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    # the trainer listens where its store does; the peer on its address towards the trainer
+    host = rendezvous.host if rank == TRAINER else address_towards(rendezvous.host)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    pg = dist.ProcessGroupGloo(rendezvous, rank, 2, options)
+    shown = torch.frombuffer(bytearray(secret), dtype=torch.uint8)
+    if rank == TRAINER:
+        shown = torch.zeros(SECRET_BYTES, dtype=torch.uint8)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = PRODUCER
+    pg.broadcast([shown], opts).wait()
+    if rank == TRAINER and not secrets.compare_digest(shown.numpy().tobytes(), secret):
+        raise PermissionError("a process without the run's secret joined the weights group")
+    return pg
 
 
 def broadcast(pg: dist.ProcessGroup, flat: Tensor) -> None:

@@ -123,6 +123,7 @@ class ProducerSpec:
     device: torch.device
     deterministic: bool  # the trainer's torch.use_deterministic_algorithms, for the same sums
     port: int
+    secret: bytes  # shown to the trainer when joining the weights group
     parent: int
 
 
@@ -176,7 +177,7 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
         rendezvous = weight_sync.store(HOST, spec.port, False, timeout)
         # the trainer may take long (an evaluation) before the weights we wait for: no limit
         # of ours; a trainer that died ends this process (_exit_with_parent)
-        pg = weight_sync.group(rendezvous, weight_sync.PRODUCER, WAIT_FOR_TRAINER_S)
+        pg = weight_sync.group(rendezvous, weight_sync.PRODUCER, WAIT_FOR_TRAINER_S, spec.secret)
         weights = weight_sync.WeightReceiver(pg, weight_sync.trainable(policy), len(CONTROLS))
         # the trainer's weights now (version first_version), and the temperature after them
         controls = weights.receive()
@@ -269,6 +270,7 @@ class ProducerProcess:
             device=producer_device(self.device),
             deterministic=torch.are_deterministic_algorithms_enabled(),
             port=rendezvous.port,
+            secret=weight_sync.new_secret(),
             parent=os.getpid(),
         )
         context = mp.get_context("spawn")
@@ -291,7 +293,7 @@ class ProducerProcess:
         # a producer that takes no weights is seen hung by _receive first (producer_timeout_s)
         limit = 2 * rollout.producer_timeout_s
         self.sender = weight_sync.WeightSender(
-            lambda: weight_sync.group(rendezvous, weight_sync.TRAINER, limit)
+            lambda: weight_sync.group(rendezvous, weight_sync.TRAINER, limit, spec.secret)
         )
         self._push()
 
