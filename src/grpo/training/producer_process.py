@@ -48,6 +48,7 @@ from grpo.training.temperature import TemperatureController
 HOST = "127.0.0.1"
 CONTROLS = ("temperature",)  # what a weight push carries besides the weights
 WAIT_FOR_TRAINER_S = 7 * 24 * 3600.0
+CLOSE_WAIT_S = 10.0  # for the weight sender's thread to end once the producer is gone
 
 
 def sampling_version(step: int, staleness: int, first: int = 0) -> int:
@@ -300,14 +301,14 @@ class ProducerProcess:
         self.sender.push(weight_sync.trainable(self.policy), [self.temperature.current])
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
         if self.process is not None and self.process.is_alive():
             self.process.terminate()
             self.process.join(3)  # a stopped (SIGSTOP) producer takes only SIGKILL
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(3)
+        if self.sender is not None:  # after the producer: a push it never took fails at once
+            self.sender.close(CLOSE_WAIT_S)
         torch.set_num_threads(self.threads)
 
     # --------------------------------------------------------------- the producer's interface
