@@ -38,6 +38,14 @@ class ForkServer:
             # one datagram per run: the names, and the descriptors as SCM_RIGHTS
             socket.send_fds(self._sock, [json.dumps(list(fds)).encode()], list(fds.values()))
 
+    def replace(self) -> None:
+        """A new server, the old one killed (it died, or stopped answering)."""
+        with self._lock:
+            if self._owner == os.getpid() and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            self._start()
+
     def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._proc = subprocess.Popen(
