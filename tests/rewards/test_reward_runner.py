@@ -17,6 +17,7 @@ from typing import ClassVar
 import pytest
 import torch
 import yaml
+from faults import record
 
 import grpo.rewards.runner
 from grpo.config import RewardsConfig, RewardSpec
@@ -85,6 +86,26 @@ def balloon(completions, **kw):
     block = b"x" * (300 << 20)
     time.sleep(30)
     return [len(block)]
+def fault(completions, **kw):
+    # the fault matrix's cells: the worker killed, stopped, or answering garbage on its pipe
+    import signal, struct, sys
+    from multiprocessing.connection import Connection
+    to_trainer = int(sys.argv[2])  # the worker's end of its answers' pipe
+    if completions[0] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if completions[0] == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if completions[0] == "garbage":
+        os.write(to_trainer, struct.pack("!i", 7) + b"garbage")
+        time.sleep(30)
+    if completions[0] == "not-an-answer":
+        Connection(to_trainer, readable=False).send(("ok", "1.0"))
+        time.sleep(30)
+    if completions[0] in ("too-many", "strings"):
+        values = [1.0, 2.0] if completions[0] == "too-many" else ["1.0"]
+        Connection(to_trainer, readable=False).send(("ok", values))
+        time.sleep(30)
+    return [1.0]
 def sleepy(completions, *, log, **kw):
     start = time.time()
     time.sleep(0.3)
@@ -446,6 +467,60 @@ def test_a_call_past_the_memory_ceiling_is_killed(user_module: Path, capsys):
         runner.close()
     assert out.errors == {"balloon": 1}
     assert "passed rewards.max_worker_rss_mb=150 during a call" in capsys.readouterr().err
+
+
+LATER = "(first time; later ones are counted per step)"
+
+
+@pytest.mark.parametrize(
+    ("fault", "line"),
+    [
+        ("kill", f"reward 'fault': its worker process died (killed by SIGKILL); replaced {LATER}"),
+        (
+            "stop",
+            "reward 'fault': a call still ran after rewards.timeout_s=2 s; its worker was killed "
+            f"and replaced {LATER}",
+        ),
+        (
+            "garbage",
+            "reward 'fault': its worker process sent garbage, not an answer; killed and "
+            f"replaced {LATER}",
+        ),
+        (
+            "not-an-answer",
+            "reward 'fault': its worker process sent garbage, not an answer; killed and "
+            f"replaced {LATER}",
+        ),
+        (
+            "strings",
+            "reward 'fault': its worker process sent garbage, not an answer; killed and "
+            f"replaced {LATER}",
+        ),
+        (
+            "too-many",
+            "reward 'fault': its worker process sent garbage, not an answer; killed and "
+            f"replaced {LATER}",
+        ),
+    ],
+)
+def test_a_worker_killed_stopped_or_answering_garbage_fails_its_call_in_one_line(
+    user_module: Path, capsys, fault: str, line: str
+):
+    # the fault matrix's cells for reward workers (docs/checkpoints.md): the call scores the
+    # fallback within rewards.timeout_s, one line names the function and the cause, and the
+    # next call is served (by a replaced worker); the run goes on
+    runner = _runner(RewardSpec(name=f"{user_module}:fault"), timeout_s=2.0, workers=1)
+    try:
+        t0 = time.monotonic()
+        out = _score(runner, [fault])
+        seconds = time.monotonic() - t0
+        assert out.errors == {"fault": 1} and out.per_function[:, 0].tolist() == [0.0]
+        assert seconds < 2.0 + 5.0, seconds  # the step's limit, and a replacement's start
+        assert _score(runner, ["ok"]).per_function[:, 0].tolist() == [1.0]
+    finally:
+        runner.close()
+    assert capsys.readouterr().err.splitlines() == [line]
+    record(f"reward workers/{fault}", seconds, line)
 
 
 def test_error_watch_prints_counts_and_stops_when_patience_runs_out(capsys):

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
+import pytest
+from faults import record
+
+import grpo.sandbox.process
 from grpo.rollout.tools import PythonTool, last_error_line, notebook_source
+from grpo.sandbox.fork_server import FORK_SERVER
 
 
 def test_python_tool_prints_output_and_the_last_expression() -> None:
@@ -79,3 +87,54 @@ def test_the_tool_cannot_reach_the_network_or_the_trainers_files(tmp_path: Path)
     assert wrote.error is not None and secret.read_text() == "s3cret"
     net = tool("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
     assert net.error is not None
+
+
+# ---------------------------------------------------------------- the fault matrix's cells
+# (docs/checkpoints.md): the tool's program, and the trainer's fork server behind it, killed,
+# stopped, or answering garbage. A call ends within its limit and tells the model why; the
+# rollout (and the run) goes on
+
+
+@pytest.mark.parametrize(
+    ("fault", "program", "error"),
+    [
+        (
+            "kill",
+            "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+            "killed by SIGKILL (CPU time or memory limit, or a kill)",
+        ),
+        ("stop", "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)", "timed out after 2 s"),
+    ],
+)
+def test_a_killed_or_stopped_program_is_an_error_for_the_model(
+    fault: str, program: str, error: str
+) -> None:
+    result = PythonTool(timeout_s=2)(program)
+    assert result.error == error and result.output == ""
+    assert result.time_s < 2 + 5, result.time_s  # its limit, and a few seconds (generous)
+    record(f"python tool/{fault}", result.time_s, result.observation)
+
+
+def test_garbage_output_reaches_the_model_as_text() -> None:
+    # every byte value, invalid UTF-8 included: decoded with replacement characters
+    result = PythonTool(timeout_s=2)("import sys\n_ = sys.stdout.buffer.write(bytes(range(256)))")
+    assert result.error is None
+    assert result.output == bytes(range(128)).decode() + "\ufffd" * 128
+    record("python tool/garbage", result.time_s, result.observation[:40])
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_killed_or_stopped_fork_server_is_replaced(fault: str, monkeypatch) -> None:
+    tool = PythonTool(timeout_s=2)
+    assert tool("1 + 1").output == "2"
+    monkeypatch.setattr(grpo.sandbox.process, "STARTUP_TIMEOUT_S", 3.0)
+    os.kill(FORK_SERVER._proc.pid, {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[fault])
+    old = FORK_SERVER._proc
+    t0 = time.monotonic()
+    result = tool("2 + 2")
+    seconds = time.monotonic() - t0
+    # a killed one fails the next run's start at once; a stopped one after the start's limit
+    assert result.output == "4" and result.error is None
+    assert FORK_SERVER._proc is not old and old.poll() is not None  # replaced, and gone
+    assert seconds < 3.0 + 5, seconds
+    record(f"python tool/fork server {fault}", seconds, result.observation)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import record
 from run_logs import step_rows as rows
 from served import ROLLOUT, TOKEN, start_server
 
@@ -161,6 +162,89 @@ def test_a_server_that_dies_stops_the_run_with_a_checkpoint(
     ), said
     assert time.monotonic() - t0 < 60
     assert [r["step"] for r in rows(config.run_dir)] == [1, 2]
+
+
+def _garble(running) -> HTTPServer:
+    """Another server in its place, on its port, answering every request with garbage."""
+    running.stop()
+    other = HTTPServer(("127.0.0.1", int(running.url.rsplit(":", 1)[1])), _Garbage)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    return other
+
+
+# the fault matrix's cells for grpo serve (docs/checkpoints.md), in step 2's update: the
+# weights' push after it fails, step 2 is kept and saved, and the same command resumes on a
+# restarted server (its address changes: an operational key)
+SERVER_FAULTS = {
+    "kill": lambda r: (os.kill(r.process.pid, signal.SIGKILL), r.process.wait()),
+    "stop": lambda r: os.kill(r.process.pid, signal.SIGSTOP),
+    "garbage": _garble,
+}
+# the push's first request asks whether the server still holds this run's weights
+SERVER_LINES = {
+    "kill": "did not answer /info (rollout.server_timeout_s 5): [Errno 111] Connection refused",
+    "stop": "did not answer /info (rollout.server_timeout_s 5): timed out",
+    "garbage": "answered /info with something other than grpo serve's JSON: is "
+    "rollout.server_url a grpo serve?",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop", "garbage"])
+def test_a_lost_server_stops_the_run_with_a_checkpoint_and_the_same_command_resumes(
+    tiny_config, tiny_model_dir: Path, monkeypatch, fault: str
+) -> None:
+    running = start_server(tiny_model_dir)
+    injected: list[float] = []
+    left: list = []  # what a fault leaves running
+    update = Trainer.optimize
+
+    def optimize(self: Trainer, scored):
+        if self.state.step == 2:
+            left.append(SERVER_FAULTS[fault](running))
+            injected.append(time.monotonic())
+        return update(self, scored)
+
+    monkeypatch.setattr(Trainer, "optimize", optimize)
+    served = {**ROLLOUT, "engine": "server", "server_url": running.url, "server_timeout_s": 5.0}
+    train_keys = {"steps": 4, "save_every": 0, "threads": 1, "run_name": f"lost-{fault}"}
+    config = tiny_config(rollout=served, train=train_keys)
+    try:
+        with pytest.raises(ServerLost) as lost:
+            train(config)
+    finally:
+        running.stop()
+        if isinstance(left[0], HTTPServer):
+            left[0].shutdown()
+    seconds = time.monotonic() - injected[0]
+    said = str(lost.value)
+    step_2 = config.run_dir / "checkpoints" / "step-2"
+    line = f"the rollout server at {running.url} {SERVER_LINES[fault]}"
+    assert said == f"{line} after step 2: {step_2} is complete", said
+    assert seconds < 5.0 + 30, seconds  # the update, then the timeout at most (generous)
+    record(f"grpo serve/{fault}", seconds, said)
+    monkeypatch.setattr(Trainer, "optimize", update)
+    again = start_server(tiny_model_dir)
+    try:
+        served = {**served, "server_url": again.url}
+        run_dir = train(tiny_config(rollout=served, train={**train_keys, "resume": "auto"}))
+    finally:
+        again.stop()
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]
+
+
+class _Garbage(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"\x00garbage\xff"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args) -> None:
+        pass
 
 
 def test_a_producer_process_generates_on_the_server(tiny_config, server: str) -> None:

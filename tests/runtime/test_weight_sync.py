@@ -1,5 +1,6 @@
-"""The weights group's edges: the trainer's store listens on its own address only, and a process
-that joins without the run's secret receives no weights."""
+"""The weights group's edges: the trainer's store listens on its own address only, a process
+that joins without the run's secret receives no weights, and a closed sender has ended its
+thread and group before ``close`` returns."""
 
 from __future__ import annotations
 
@@ -74,3 +75,29 @@ def test_a_peer_without_the_secret_is_refused_before_any_push() -> None:
 def test_the_peer_listens_on_its_address_towards_the_trainer() -> None:
     assert weight_sync.address_towards("127.0.0.1") == "127.0.0.1"
     assert weight_sync.address_towards("127.0.0.2") == "127.0.0.1"  # the loopback's own
+
+
+def test_a_closed_sender_has_ended_its_thread_and_group() -> None:
+    # the producer's rank in a thread of this process: the same group as across two processes
+    rendezvous = weight_sync.store("127.0.0.1", 0, True, 30)
+    secret = weight_sync.new_secret()
+    got: list[list[float]] = []
+    target = [torch.zeros(5)]
+
+    def producer() -> None:
+        peer = weight_sync.store("127.0.0.1", rendezvous.port, False, 30)
+        pg = weight_sync.group(peer, weight_sync.PRODUCER, 30, secret)
+        got.append(weight_sync.WeightReceiver(pg, target, 1).receive())
+
+    receiver = threading.Thread(target=producer)
+    receiver.start()
+    sender = weight_sync.WeightSender(
+        lambda: weight_sync.group(rendezvous, weight_sync.TRAINER, 30, secret)
+    )
+    sender.push([torch.arange(5.0)], [0.5])
+    receiver.join(30)
+    assert got == [[0.5]] and torch.equal(target[0], torch.arange(5.0))
+    sender.close(10)
+    # a thread still inside the group's C++ destructor when Python exits aborts the process
+    # (exit 134 after "run finished"): close waits for it
+    assert not sender.thread.is_alive() and sender.failure is None

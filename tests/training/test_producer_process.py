@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import queue
 import signal
 import subprocess
 import sys
@@ -15,18 +17,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import record
 from run_logs import kill_chain
 from run_logs import step_rows as rows
 from safetensors.torch import load_file
 
 from grpo import algorithm
 from grpo.config import ConfigError, ModelConfig, build_config
-from grpo.models import load_policy
+from grpo.models import build_tiny_model, load_policy
 from grpo.runtime import weight_sync
 from grpo.training import importance
 from grpo.training.producer import InProcessProducer
 from grpo.training.producer_process import (
     ProducerLost,
+    ProducerProcess,
     producer_device,
     sampling_version,
     split_threads,
@@ -324,48 +328,96 @@ def _producer_at_step(monkeypatch, at_step: int, act) -> None:
     monkeypatch.setattr(Trainer, "optimize", optimize)
 
 
+def _garble(producer) -> None:
+    producer.queue.put(b"\x80\x05not a pickled step")  # read before anything it sends later
+
+
+# the fault matrix's cells for the producer process (docs/checkpoints.md): each fault in step
+# 1's update, once step 2's groups (made ahead) arrived; the stop comes when step 3's are due
+PRODUCER_FAULTS = {
+    "kill": (lambda p: os.kill(p.process.pid, signal.SIGKILL), "exited with code -9"),
+    "stop": (
+        lambda p: os.kill(p.process.pid, signal.SIGSTOP),
+        "sent nothing for 5 s (rollout.producer_timeout_s)",
+    ),
+    "garbage": (_garble, "sent a message that is not a step (garbage on its queue)"),
+}
+
+
 @pytest.mark.device
-def test_a_producer_that_dies_stops_the_run_with_a_checkpoint(
-    tree: dict, monkeypatch, capsys
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "kill",
+        pytest.param("stop", marks=pytest.mark.slow),
+        pytest.param("garbage", marks=pytest.mark.slow),
+    ],
+)
+def test_a_lost_producer_stops_the_run_with_a_checkpoint_and_the_same_command_resumes(
+    tree: dict, monkeypatch, capsys, fault: str
 ) -> None:
-    _producer_at_step(monkeypatch, 1, lambda p: os.kill(p.process.pid, signal.SIGKILL))
-    t0 = time.monotonic()
+    inject, cause = PRODUCER_FAULTS[fault]
+    injected: list[tuple[int, float]] = []
+
+    def act(producer) -> None:
+        assert producer.timeout_s == 900  # the knob's default; loading a model counts in it
+        producer.timeout_s = 5.0  # rollout.producer_timeout_s, which a resume may change
+        inject(producer)
+        injected.append((producer.process.pid, time.monotonic()))
+
+    _producer_at_step(monkeypatch, 1, act)
+    config = make(tree, f"lost-{fault}")
     with pytest.raises(ProducerLost) as lost:
-        train(make(tree, "dies"))
+        train(config)
+    pid, at = injected[0]
+    seconds = time.monotonic() - at
     said = str(lost.value)
-    assert "\n" not in said and "exited with code -9" in said, said
-    assert said.endswith("checkpoints/step-2 is complete"), said
-    assert time.monotonic() - t0 < 120
+    step_2 = config.run_dir / "checkpoints" / "step-2"
+    assert said == f"the producer process {cause} before step 3: {step_2} is complete", said
+    # step 2's update and save, then one wait of the timeout at most (a generous bound)
+    assert seconds < 60, seconds
+    assert gone_within(pid, 10)  # a stopped producer is killed, not left behind
+    record(f"producer/{fault}", seconds, said)
     monkeypatch.undo()
-    # saving step 2 found the producer gone: said as it happened
+    # saving step 2 found the producer lost: said as it happened, once
     said_then = capsys.readouterr().err
-    assert (
-        "exited with code -9: this checkpoint holds the rollouts made ahead up to step 2, not to 3"
-        in said_then
-    )
-    # the checkpoint lacks step 3's rollouts: the resume samples them with its own weights
-    run_dir = train(make(tree, "dies", resume="auto"))
+    line = f"{cause}: this checkpoint holds the rollouts made ahead up to step 2, not to 3"
+    assert said_then.count(line) == 1, said_then
+    # the same command resumes: step 3's rollouts, lost with the producer, are sampled with
+    # the resumed weights
+    run_dir = train(make(tree, f"lost-{fault}", resume="auto"))
     assert "no rollouts made ahead for steps 3-3" in capsys.readouterr().err
     assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]
     assert [r["staleness/max"] for r in rows(run_dir)] == [0, 1, 0, 1]
 
 
-def test_a_producer_that_hangs_stops_the_run_within_its_timeout(tree: dict, monkeypatch) -> None:
-    stopped: list[int] = []
+def _unstarted(tree: dict) -> ProducerProcess:
+    cpu = torch.device("cpu")
+    return ProducerProcess(make(tree, "unstarted"), [], {}, None, None, None, cpu)
 
-    def stop(producer) -> None:
-        assert producer.timeout_s == 900  # the knob's default; loading a model counts in it
-        producer.timeout_s = 3.0
-        os.kill(producer.process.pid, signal.SIGSTOP)
-        stopped.append(producer.process.pid)
 
-    # SIGSTOP once step 2's groups (made ahead) arrived: step 3's never do
-    _producer_at_step(monkeypatch, 1, stop)
+def test_a_lost_producer_is_not_waited_for_twice(tree: dict) -> None:
+    # found lost while saving a checkpoint, the next step's wait fails at once (it waited
+    # another timeout, then said gloo's "Timed out waiting 20000ms for send")
+    producer = _unstarted(tree)
+    producer.lost = "the producer process sent nothing for 10 s (rollout.producer_timeout_s)"
     t0 = time.monotonic()
-    with pytest.raises(ProducerLost, match=r"sent nothing for 3 s \(rollout.producer_timeout_s\)"):
-        train(make(tree, "hangs", save_every=0))
-    assert time.monotonic() - t0 < 120
-    assert gone_within(stopped[0], 10)  # stopped producers are killed, not left behind
+    with pytest.raises(ProducerLost, match=r"^the producer process sent nothing for 10 s"):
+        producer._receive()
+    assert time.monotonic() - t0 < 1
+
+
+@pytest.mark.parametrize(
+    "message",
+    [b"", b"\x80\x05garbage", pickle.dumps(42), pickle.dumps({"step": 3}), 7],
+    ids=["empty", "not-a-pickle", "a-number", "a-dict", "not-bytes"],
+)
+def test_garbage_from_the_producer_is_one_line(tree: dict, message: object) -> None:
+    producer = _unstarted(tree)
+    producer.queue = queue.Queue()  # the multiprocessing queue's interface, in this process
+    producer.queue.put(message)
+    with pytest.raises(ProducerLost, match=r"^the producer process sent a message that is not a"):
+        producer._receive()
 
 
 def test_a_given_engine_or_an_unpicklable_reward_is_one_line(tree: dict) -> None:
@@ -445,3 +497,35 @@ def test_held_out_evaluation_samples_the_trainers_own_weights(tree: dict) -> Non
     finally:
         trainer.run.release()
         trainer.bars.restore()
+
+
+@pytest.mark.slow
+def test_a_finished_run_with_long_prompts_exits_0(tmp_path: Path) -> None:
+    # The reproduction of exit 134 after "run finished" ("terminate called without an active
+    # exception"): 8 prompts of ~3,000 characters, k = 1, through the command line. The weight
+    # sender's thread was still destroying its gloo group when the interpreter exited; with
+    # these prompts that happened in 5 of 6 runs, so three runs all exiting 0 mean it is gone
+    model = build_tiny_model(tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    data = tmp_path / "long.jsonl"
+    words = ("apple", "pear", "sum", "two", "plus")
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": " ".join(words[(i + j) % 5] for j in range(600)), "answer": "1"})
+            + "\n"
+            for i in range(8)
+        )
+    )
+    command = [sys.executable, "-m", "grpo.cli", "train", f"model.name={model}"]
+    command += [f"data.path={data}", f"data.eval_path={data}", "data.task=null"]
+    command += ["rewards.functions=[{name: accuracy}]", "rollout.prompts_per_step=2"]
+    command += ["rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.max_staleness=1"]
+    command += ["algorithm.tis_cap=2.0", "train.steps=2", "train.progress=false"]
+    command += [f"train.output_dir={tmp_path / 'runs'}", "train.sinks=[jsonl]"]
+    for life in range(3):
+        done = subprocess.run(
+            [*command, f"train.run_name=long-{life}"], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "terminate called" not in done.stderr

@@ -33,7 +33,8 @@ class WorkerStartError(RuntimeError):
 
 @dataclass
 class Outcome:
-    """The result of one call. kind: ok | bad (malformed return) | raised | timeout | memory.
+    """The result of one call. kind: ok | bad (malformed return) | raised | timeout | memory |
+    died (the worker process ended or sent garbage).
     ``values`` for ok; otherwise ``detail`` says what happened (a traceback for raised).
     ``recycled``: the worker passed the memory ceiling after this call and was replaced."""
 
@@ -50,6 +51,17 @@ def rss_mb(pid: int) -> float:
             return int(f.read().split()[1]) * PAGE / 2**20
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def _is_answer(message: Any, completions: int) -> bool:
+    """A worker's answer to a call on ``completions`` completions, as
+    ``_reward_worker.main`` sends them (its values went through ``check_values``)."""
+    if not isinstance(message, tuple) or len(message) != 2:
+        return False
+    kind, payload = message
+    if kind == "ok" and isinstance(payload, list) and len(payload) == completions:
+        return all(value is None or type(value) is float for value in payload)
+    return kind in ("bad", "raised") and isinstance(payload, str)
 
 
 class _Worker:
@@ -174,7 +186,8 @@ class WorkerPool:
             by_conn = {self.workers[slot].recv: slot for slot in busy}
             for conn in wait(list(by_conn), timeout=min(deadline - now, POLL_S)):
                 slot = by_conn[conn]
-                outcomes[busy.pop(slot)] = self._receive(slot)
+                j = busy.pop(slot)
+                outcomes[j] = self._receive(slot, len(calls[j][1]))
             for slot in list(busy):
                 used = rss_mb(self.workers[slot].proc.pid)
                 if used > self.max_rss_mb:
@@ -209,20 +222,30 @@ class WorkerPool:
             return Outcome("bad", detail=f"its arguments cannot be sent to a worker: {err}")
         except OSError as err:  # the worker died between calls
             self._retire(slot)
-            return Outcome("raised", detail=f"its worker process died ({err})")
+            return Outcome("died", detail=f"its worker process died ({err}); replaced")
         except WorkerStartError as err:
             return Outcome("raised", detail=f"a replacement worker failed to start: {err}")
         return None
 
-    def _receive(self, slot: int) -> Outcome:
+    def _receive(self, slot: int, completions: int) -> Outcome:
         worker = self.workers[slot]
         try:
-            kind, payload = worker.recv.recv()
+            message = worker.recv.recv()
         except EOFError:
             worker.proc.wait()
             code = worker.proc.returncode
             self._retire(slot)
-            return Outcome("raised", detail=f"its worker process died (exit code {code})")
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            return Outcome("died", detail=f"its worker process died ({how}); replaced")
+        # unpickling garbage raises whatever the bytes lead it to (pickle names no closed set)
+        except Exception:
+            message = None
+        if not _is_answer(message, completions):
+            self._retire(slot)
+            return Outcome(
+                "died", detail="its worker process sent garbage, not an answer; killed and replaced"
+            )
+        kind, payload = message
         outcome = Outcome(kind, payload) if kind == "ok" else Outcome(kind, detail=payload)
         if rss_mb(worker.proc.pid) > self.max_rss_mb:
             self._retire(slot)

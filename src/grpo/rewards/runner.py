@@ -206,6 +206,7 @@ class RewardRunner:
             "bad": f"{detail} (its first malformed value; {later})",
             "timeout": f"reward '{name}': {detail} (first time; {later})",
             "memory": f"reward '{name}': {detail} (first time; {later})",
+            "died": f"reward '{name}': {detail} (first time; {later})",
             "recycled": f"reward '{name}': its worker {detail}, so it was replaced",
         }[kind]
         print(line, file=sys.stderr, flush=True)

@@ -304,11 +304,12 @@ class ServerEngine:
         thread.start()
         try:
             weight_sync.broadcast(pg, flat)
-        except Exception as err:
+        except Exception:  # gloo's words name a socket, not the side: ours say which
             thread.join(1)
             self._raise_from(replies)  # the server's own reason, when it refused the push
             raise ServerLost(
-                f"the rollout server at {self.url} stopped taking weights: {err}"
+                f"the rollout server at {self.url} stopped taking weights (their connection "
+                f"broke or waited rollout.server_timeout_s {self.config.server_timeout_s:g})"
             ) from None
         thread.join()
         self._raise_from(replies)

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from grpo.sandbox import run_python
 
 # exit by a signal: the sandbox's CPU limit sends SIGXCPU (or SIGKILL past the hard limit)
-SIGNAL_NAMES = {-9: "killed (CPU time or memory limit)", -24: "CPU time limit"}
+SIGNAL_NAMES = {
+    -9: "killed by SIGKILL (CPU time or memory limit, or a kill)",
+    -24: "CPU time limit",
+}
 
 
 @dataclass(frozen=True)

@@ -142,8 +142,14 @@ class WeightSender:
         except BaseException as err:  # the producer is gone; the trainer reads this
             self.failure = err
 
-    def close(self) -> None:
-        self.pending.put(None)  # a thread blocked on a dead peer is a daemon: never joined
+    def close(self, wait_s: float) -> None:
+        """No more pushes: the thread ends within ``wait_s`` (at once when idle), and its group
+        is destroyed there before this returns. Left to end by itself, the thread could still
+        be inside the group's C++ destructor when the interpreter exits, which aborts the
+        process (exit 134 after a finished run). A thread blocked on a live peer stays (a
+        daemon); stop the peer first."""
+        self.pending.put(None)
+        self.thread.join(wait_s)
 
 
 class WeightReceiver:

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from grpo.sandbox.cgroups import Cgroup, make_cgroup
-from grpo.sandbox.fork_server import FORK_SERVER, SCRUBBED_ENV
+from grpo.sandbox.fork_server import FORK_SERVER, SCRUBBED_ENV, ForkServerLost
 from grpo.sandbox.limits import Limits, SandboxResult
 from grpo.sandbox.mounts import cached_mount_plan
 
@@ -129,6 +129,18 @@ class Process:
 
 
 def start(role: str, source: str, stdin: str, limits: Limits, fds: dict[str, int]) -> Process:
+    """A sandboxed process tree running ``role``; a fork server that was killed or stopped since
+    the last run is replaced, and the run started again, once."""
+    try:
+        return _start(role, source, stdin, limits, fds, last_try=False)
+    except ForkServerLost as lost:
+        FORK_SERVER.replace(lost.server)
+        return _start(role, source, stdin, limits, fds, last_try=True)
+
+
+def _start(
+    role: str, source: str, stdin: str, limits: Limits, fds: dict[str, int], last_try: bool
+) -> Process:
     as_root = os.geteuid() == 0
     uid = _SLOTS.acquire() if as_root else None
     cgroup = make_cgroup(limits)
@@ -153,16 +165,29 @@ def start(role: str, source: str, stdin: str, limits: Limits, fds: dict[str, int
     process = Process(_Ctl(ours), out_r, err_r, uid, cgroup)
     try:
         try:
-            FORK_SERVER.send({"ctl": theirs.fileno(), "stdout": out_w, "stderr": err_w, **fds})
-        finally:
-            for fd in (theirs.fileno(), out_w, err_w):
-                os.close(fd)
-            theirs.detach()
-        data = json.dumps(spec).encode()
-        ours.settimeout(STARTUP_TIMEOUT_S)
-        with contextlib.suppress(OSError):  # a keeper that failed says why below
-            ours.sendall(len(data).to_bytes(8, "big") + data)
-        started = process.ctl.message()
+            try:
+                server = FORK_SERVER.send(
+                    {"ctl": theirs.fileno(), "stdout": out_w, "stderr": err_w, **fds}
+                )
+            finally:
+                for fd in (theirs.fileno(), out_w, err_w):
+                    os.close(fd)
+                theirs.detach()
+            data = json.dumps(spec).encode()
+            ours.settimeout(STARTUP_TIMEOUT_S)
+            with contextlib.suppress(OSError):  # a keeper that failed says why below
+                ours.sendall(len(data).to_bytes(8, "big") + data)
+            started = process.ctl.message()
+        except ForkServerLost:  # dead before it took the run
+            if not last_try:
+                raise
+            started = {"error": "the fork server died as it started"}
+        except OSError as err:  # a reset, a broken pipe or STARTUP_TIMEOUT_S: no keeper
+            if not last_try:
+                raise ForkServerLost(server) from None
+            started = {"error": f"the fork server took no run: {err}"}
+        if not started and not last_try:  # closed without a word: the run died with it
+            raise ForkServerLost(server)
         if "pid" in started:
             process.keeper_fd = os.pidfd_open(started["keeper"])
             process.first_fd = os.pidfd_open(started["pid"])  # PID 1 waits for the go

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.multiprocessing as mp
@@ -48,6 +48,7 @@ from grpo.training.temperature import TemperatureController
 HOST = "127.0.0.1"
 CONTROLS = ("temperature",)  # what a weight push carries besides the weights
 WAIT_FOR_TRAINER_S = 7 * 24 * 3600.0
+CLOSE_WAIT_S = 10.0  # for the producer, then the weight sender's thread, to end
 
 
 def sampling_version(step: int, staleness: int, first: int = 0) -> int:
@@ -204,6 +205,18 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
         rewards.close()
 
 
+def _produced(message: Any) -> Produced | None:
+    """A step the producer sent, or None for bytes that are none."""
+    if not isinstance(message, bytes):
+        return None
+    try:
+        produced = pickle.loads(message)
+    # unpickling garbage raises whatever the bytes lead it to (pickle names no closed set)
+    except Exception:
+        return None
+    return produced if isinstance(produced, Produced) else None
+
+
 # ------------------------------------------------------------------------- trainer's side
 
 
@@ -302,14 +315,12 @@ class ProducerProcess:
         self.sender.push(weight_sync.trainable(self.policy), [self.temperature.current])
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
         if self.process is not None and self.process.is_alive():
-            self.process.terminate()
-            self.process.join(3)  # a stopped (SIGSTOP) producer takes only SIGKILL
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(3)
+            # SIGTERM's default is as abrupt, and a stopped (SIGSTOP) producer takes only SIGKILL
+            self.process.kill()
+            self.process.join(CLOSE_WAIT_S)
+        if self.sender is not None:  # after the producer: a push it never took fails at once
+            self.sender.close(CLOSE_WAIT_S)
         torch.set_num_threads(self.threads)
 
     # --------------------------------------------------------------- the producer's interface
@@ -378,6 +389,8 @@ class ProducerProcess:
 
     def _receive(self) -> None:
         """One message from the producer, or ProducerLost after one line saying why."""
+        if self.lost is not None:  # found lost while saving: no second wait
+            raise ProducerLost(self.lost)
         timeout = self.timeout_s
         t0 = time.perf_counter()
         while True:
@@ -388,7 +401,9 @@ class ProducerProcess:
                 if not self.process.is_alive():
                     why = f"exited with code {self.process.exitcode}"
                 elif self.sender is not None and self.sender.failure is not None:
-                    why = f"stopped taking weights ({self.sender.failure})"
+                    # gloo's own words name a socket, not the side: ours say which
+                    why = "stopped taking the trainer's weights (their connection broke or "
+                    why += "waited 2 x rollout.producer_timeout_s)"
                 elif time.perf_counter() - t0 > timeout:
                     why = f"sent nothing for {timeout:.0f} s (rollout.producer_timeout_s)"
                 else:
@@ -396,11 +411,13 @@ class ProducerProcess:
                 self._lose(why)
         if isinstance(message, str):  # the producer's own error, in one line
             self._lose(f"failed: {message}")
-        produced: Produced = pickle.loads(message)
+        produced = _produced(message)
+        if produced is None:
+            self._lose("sent a message that is not a step (garbage on its queue)")
         self.ready[produced.step] = produced
         self.state = produced.state
         self.spec = None  # the producer has built its stack: a given model's copy can go
 
-    def _lose(self, why: str) -> None:
+    def _lose(self, why: str) -> NoReturn:
         self.lost = f"the producer process {' '.join(why.split())[:400]}"
         raise ProducerLost(self.lost)
