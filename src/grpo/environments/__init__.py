@@ -21,7 +21,12 @@ The turn loop (``grpo.rollout.turns``) drives every environment the same way; th
    then ``episode.close()``.
 
 Calls of one round (every completion's ``start``, ``step``, ``reward`` and ``close``) run
-concurrently in a bounded thread pool. The turns column that rewards receive records, per
+concurrently on a bounded number of threads (``grpo.environments.calls``), each within
+``rollout.environment_timeout_s``: a call that raises or hangs is one line, never a traceback
+or a hung run. A ``start`` that fails stops the run (``EnvironmentFailure``: the data or the
+environment is broken); a failed ``step`` is shown to the model as an error and ends that
+completion; a failed ``reward`` or ``close`` is counted (``env/errors``). Episode outcomes
+(reward, done, failures, time) travel with the rollout as ``grpo.step_data.EpisodeRecord``. The turns column that rewards receive records, per
 model turn, its ``text``, the ``call`` (``Action.call``), the ``output`` (``Step.output``, else
 the observation), the ``error`` (``Action.error`` or ``Step.error``) and the step's ``time_s``.
 
@@ -72,6 +77,10 @@ class Step:
 
 class Episode(Protocol):
     """One completion's episode (state lives here, across turns)."""
+
+    # what reward functions receive for it in the ``environments`` column (TRL's environment
+    # instance), in the process that made it; None: nothing to give
+    instance: Any
 
     def start(self, row: dict[str, Any], seed: int) -> str | None:
         """Begin on a dataset row, under the prompt's seed (the same for the G episodes of a
