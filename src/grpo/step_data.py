@@ -22,7 +22,9 @@ class EpisodeRecord:
     reward: what the episode's ``reward()`` returned (None: no reward, or it failed);
     done: the environment ended the completion; failures: one line for each environment call
     that raised or timed out outside a model's call (start, reward, close, a step that hung);
-    time_s: seconds in environment calls; instance: the live object reward functions receive in
+    time_s: seconds in environment calls; wall_s: its share of the wall time of the rounds of
+    environment calls it took part in (a round's split evenly among its calls: summed over a
+    batch, the batch's wall time in environment calls); instance: the live object reward functions receive in
     the ``environments`` column (TRL's environment instance; None for none). The instance stays
     in the process that made it: it is left out when the record is pickled.
     """
@@ -31,6 +33,7 @@ class EpisodeRecord:
     done: bool = False
     failures: list[str] = field(default_factory=list)
     time_s: float = 0.0
+    wall_s: float = 0.0
     instance: Any = field(default=None, compare=False, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:

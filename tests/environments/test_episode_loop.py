@@ -47,6 +47,7 @@ class CountEnvironment:
     name: str = "count"
     tools: list = field(default_factory=list)
     stop: list = field(default_factory=list)
+    has_reward: bool = True
 
     def action(self, text):
         return Action(text)

@@ -32,8 +32,12 @@ the observation), the ``error`` (``Action.error`` or ``Step.error``) and the ste
 
 How an adapter plugs in: write a class with ``name``, ``tools`` (JSON schemas given to the chat
 template as ``tools=`` when calls use the template's syntax; [] otherwise), ``stop``,
-``action(text)`` and ``episode()``; and an episode class with ``start``, ``step``, ``reward``
-and ``close``. Neither may raise for anything a model or an environment does wrong: a bad call
+``has_reward``, ``action(text)`` and ``episode()``; and an episode class with ``instance``,
+``start``, ``step``, ``reward`` and ``close``; then return it from
+``grpo.build.environment_of`` for the ``rollout.environment`` values it serves (the class
+adapter, ``grpo.environments.classes``, is the worked example). ``reward()``'s value reaches
+the reward function ``environment`` (``rewards.functions: [{name: environment}]``) through the
+column ``environment_reward``; ``instance`` reaches reward functions as ``environments``. Neither may raise for anything a model or an environment does wrong: a bad call
 or a failing environment becomes ``Action.error`` / ``Step.error`` (shown to the model, counted
 in ``env/errors``). Raise ``EnvironmentFailure`` only where the run cannot go on (a server that
 is gone): the run stops with one line. An adapter that treats every turn as an action (an
@@ -107,6 +111,7 @@ class Environment(Protocol):
     name: str
     tools: list[dict[str, Any]]  # schemas for the chat template's tools=; [] without
     stop: list[str]  # strings that end a model turn early (the end of a call)
+    has_reward: bool  # its episodes score themselves (the reward function ``environment``)
 
     def action(self, text: str) -> Action | None:
         """The action a model turn's text holds, or None (an answer, or a stray stop)."""

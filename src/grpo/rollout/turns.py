@@ -33,6 +33,8 @@ import hashlib
 import json
 import math
 import re
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -205,6 +207,7 @@ class PythonEnvironment:
     tool: PythonTool
     call_format: str = "fence"
     name: str = "python"
+    has_reward: bool = False
 
     @property
     def tools(self) -> list[dict[str, Any]]:
@@ -339,6 +342,7 @@ class MultiTurnEngine:
                 "a tool list, so it has no tool-call syntax (use fence)"
             )
         self.eos_texts = {tokenizer.decode([i]) for i in engine.eos}
+        self.reported: set[str] = set()  # kinds of environment failure already said
 
     @property
     def tool(self) -> PythonTool | None:
@@ -425,10 +429,14 @@ class MultiTurnEngine:
         return joined
 
     def _timed(self, paths: list[Trajectory], calls: list[Callable[[], Any]]) -> list[Outcome]:
-        """Run one call per path; each path's environment time counts its call's."""
+        """Run one call per path; each path's environment time counts its call's, and its share
+        of the round's wall time."""
+        t0 = time.perf_counter()
         outcomes = self.run_calls(calls)
+        share = (time.perf_counter() - t0) / max(1, len(calls))
         for path, outcome in zip(paths, outcomes, strict=True):
             path.record.time_s += outcome.time_s
+            path.record.wall_s += share
         return outcomes
 
     def _finish(self, paths: list[Trajectory]) -> None:
@@ -438,11 +446,21 @@ class MultiTurnEngine:
         for path, reward, close in zip(paths, rewards, closes, strict=True):
             path.record.reward = reward.value
             path.record.instance = path.episode.instance
-            path.record.failures += [
-                f"{what}: {o.error}"
-                for what, o in (("reward", reward), ("close", close))
-                if o.error is not None
-            ]
+            for what, outcome in (("reward", reward), ("close", close)):
+                if outcome.error is not None:
+                    self._fail(path, what, outcome.error)
+
+    def _fail(self, path: Trajectory, what: str, error: str) -> None:
+        """Record an environment call that failed; say the first of each kind in one line."""
+        path.record.failures.append(f"{what}: {error}")
+        if what not in self.reported:
+            self.reported.add(what)
+            print(
+                f"environment {self.environment.name}: {what} failed ({error}); the first "
+                "such failure, later ones are counted in env/errors",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _generate(
         self,
@@ -570,7 +588,7 @@ class MultiTurnEngine:
             if outcome is None:  # the action's own error: shown, nothing ran
                 step, time_s = Step(f"Error: {action.error}", "", action.error), 0.0
             elif failed:  # the episode's state is unknown now: this completion ends here
-                path.record.failures.append(f"step: {outcome.error}")
+                self._fail(path, "step", outcome.error)
                 step, time_s = Step(f"Error: {outcome.error}", "", outcome.error), outcome.time_s
             else:
                 step, time_s = outcome.value, outcome.time_s
@@ -633,4 +651,21 @@ def tool_metrics(turns: list[list[dict[str, Any]]]) -> dict[str, float]:
         "tools/error_rate": errors / calls if calls else math.nan,
         "tools/time_s": sum(t["time_s"] for r in ran for t in r),
         "tools/turns_per_completion": sum(len(path) for path in turns) / n,
+    }
+
+
+def env_metrics(
+    turns: list[list[dict[str, Any]]], episodes: list[EpisodeRecord]
+) -> dict[str, float]:
+    """``env/*`` metrics of a batch of multi-turn completions (docs/metrics.md)."""
+    n = len(turns)
+    # a failed step is already a turn answered with its error
+    outside = sum(not f.startswith("step:") for e in episodes for f in e.failures)
+    return {
+        "env/turns": sum(len(path) for path in turns) / n,
+        "env/errors": float(sum(t["error"] is not None for p in turns for t in p) + outside),
+        "env/failed_frac": sum(bool(e.failures) for e in episodes) / n,
+        "env/done_frac": sum(e.done for e in episodes) / n,
+        "env/time_s": sum(e.time_s for e in episodes),
+        "time/env_s": sum(e.wall_s for e in episodes),
     }
