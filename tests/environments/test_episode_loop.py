@@ -10,10 +10,10 @@ import pytest
 from echo_engine import EchoEngine
 
 from grpo.config import RolloutConfig
-from grpo.environments import Action, EnvironmentFailure, Step
+from grpo.environments import Action, Step
 from grpo.models import load_tokenizer
 from grpo.rollout import render_prompt
-from grpo.rollout.turns import MultiTurnEngine
+from grpo.rollout.turns import EnvironmentLost, MultiTurnEngine
 
 
 @dataclass
@@ -21,6 +21,7 @@ class CountEpisode:
     log: list[str]
     start_text: str | None
     steps: int = 0
+    instance: object = "live"
 
     def start(self, row, seed):
         self.log.append(f"start {row['prompt']} {seed}")
@@ -46,6 +47,7 @@ class CountEnvironment:
     name: str = "count"
     tools: list = field(default_factory=list)
     stop: list = field(default_factory=list)
+    has_reward: bool = True
 
     def action(self, text):
         return Action(text)
@@ -72,15 +74,19 @@ def test_every_turn_is_stepped_until_the_episode_is_done(tiny_model_dir) -> None
     assert rollout.answers == ["hi", "hi"]
     assert not rollout.truncated.any()
     assert environment.log == ["start q 5", "start q 5", "close", "close"]
+    # the episode's reward (two steps), done, no failures, and the instance rewards receive
+    assert [(r.reward, r.done, r.failures, r.instance) for r in rollout.episodes] == [
+        (2.0, True, [], "live")
+    ] * 2
     shown = engine.engine.contexts[-1]
     assert shown.endswith("<|tool|>seen hi 1<|end|><|assistant|>")
 
 
 def test_start_text_joins_the_prompt_and_must_agree_within_a_group(tiny_model_dir) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
-    engine = _engine(tokenizer, CountEnvironment(start_text="Guess 1-10."))
+    engine = _engine(tokenizer, CountEnvironment(start_text=" Guess 1-10."))
     rollout = engine.generate(["q"], [{"prompt": "q"}], 2, seeds=[5])
-    assert rollout.prompts == [render_prompt(tokenizer, "q\n\nGuess 1-10.", None)] * 2
+    assert rollout.prompts == [render_prompt(tokenizer, "q Guess 1-10.", None)] * 2
     assert engine.engine.contexts[0] == rollout.prompts[0]
 
     class Drifting(CountEnvironment):  # each episode starts with its own number
@@ -90,6 +96,6 @@ def test_start_text_joins_the_prompt_and_must_agree_within_a_group(tiny_model_di
             return super().episode()
 
     environment = Drifting()
-    with pytest.raises(EnvironmentFailure, match="started with different texts"):
+    with pytest.raises(EnvironmentLost, match="started with different texts"):
         _engine(tokenizer, environment).generate(["q"], [{"prompt": "q"}], 2, seeds=[5])
     assert environment.log.count("close") == 2  # closed all the same

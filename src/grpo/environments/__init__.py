@@ -21,14 +21,23 @@ The turn loop (``grpo.rollout.turns``) drives every environment the same way; th
    then ``episode.close()``.
 
 Calls of one round (every completion's ``start``, ``step``, ``reward`` and ``close``) run
-concurrently in a bounded thread pool. The turns column that rewards receive records, per
+concurrently on a bounded number of threads (``grpo.environments.calls``), each within
+``rollout.environment_timeout_s``: a call that raises or hangs is one line, never a traceback
+or a hung run. A ``start`` that fails stops the run (``EnvironmentFailure``: the data or the
+environment is broken); a failed ``step`` is shown to the model as an error and ends that
+completion; a failed ``reward`` or ``close`` is counted (``env/errors``). Episode outcomes
+(reward, done, failures, time) travel with the rollout as ``grpo.step_data.EpisodeRecord``. The turns column that rewards receive records, per
 model turn, its ``text``, the ``call`` (``Action.call``), the ``output`` (``Step.output``, else
 the observation), the ``error`` (``Action.error`` or ``Step.error``) and the step's ``time_s``.
 
 How an adapter plugs in: write a class with ``name``, ``tools`` (JSON schemas given to the chat
 template as ``tools=`` when calls use the template's syntax; [] otherwise), ``stop``,
-``action(text)`` and ``episode()``; and an episode class with ``start``, ``step``, ``reward``
-and ``close``. Neither may raise for anything a model or an environment does wrong: a bad call
+``has_reward``, ``action(text)`` and ``episode()``; and an episode class with ``instance``,
+``start``, ``step``, ``reward`` and ``close``; then return it from
+``grpo.build.environment_of`` for the ``rollout.environment`` values it serves (the class
+adapter, ``grpo.environments.classes``, is the worked example). ``reward()``'s value reaches
+the reward function ``environment`` (``rewards.functions: [{name: environment}]``) through the
+column ``environment_reward``; ``instance`` reaches reward functions as ``environments``. Neither may raise for anything a model or an environment does wrong: a bad call
 or a failing environment becomes ``Action.error`` / ``Step.error`` (shown to the model, counted
 in ``env/errors``). Raise ``EnvironmentFailure`` only where the run cannot go on (a server that
 is gone): the run stops with one line. An adapter that treats every turn as an action (an
@@ -73,6 +82,10 @@ class Step:
 class Episode(Protocol):
     """One completion's episode (state lives here, across turns)."""
 
+    # what reward functions receive for it in the ``environments`` column (TRL's environment
+    # instance), in the process that made it; None: nothing to give
+    instance: Any
+
     def start(self, row: dict[str, Any], seed: int) -> str | None:
         """Begin on a dataset row, under the prompt's seed (the same for the G episodes of a
         group, and on every run with that seed: seed any randomness from it); text to join the
@@ -98,6 +111,7 @@ class Environment(Protocol):
     name: str
     tools: list[dict[str, Any]]  # schemas for the chat template's tools=; [] without
     stop: list[str]  # strings that end a model turn early (the end of a call)
+    has_reward: bool  # its episodes score themselves (the reward function ``environment``)
 
     def action(self, text: str) -> Action | None:
         """The action a model turn's text holds, or None (an answer, or a stray stop)."""

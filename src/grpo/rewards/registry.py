@@ -71,7 +71,15 @@ def check_user_spec(spec: RewardSpec) -> None:
         raise RewardError(f"reward '{spec.name}': args are only for built-in rewards")
 
 
-BUILTIN_MODULES = ("builtin", "accuracy", "code", "countdown", "length", "reward_model")
+BUILTIN_MODULES = (
+    "builtin",
+    "accuracy",
+    "code",
+    "countdown",
+    "environment",
+    "length",
+    "reward_model",
+)
 
 
 def load_builtins() -> None:

@@ -33,9 +33,9 @@ import hashlib
 import json
 import math
 import re
+import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -44,10 +44,11 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
 from grpo.environments import Action, Environment, EnvironmentFailure, Episode, Step
-from grpo.rollout import close_engine, decoding_of, grouped_rollout, prompt_seeds
+from grpo.environments.calls import Outcome, run_calls
+from grpo.rollout import RolloutLost, close_engine, decoding_of, grouped_rollout, prompt_seeds
 from grpo.rollout.padding import left_pad, right_pad
 from grpo.rollout.tools import TOOLS, PythonTool, ToolResult
-from grpo.step_data import Rollout
+from grpo.step_data import EpisodeRecord, Rollout
 
 # environment calls of one round run concurrently (a Python tool call: its own sandbox process)
 ENV_THREADS = 4
@@ -182,6 +183,7 @@ class PythonEpisode:
     """An episode of the Python tool: stateless, each call a fresh sandbox process."""
 
     tool: PythonTool
+    instance = None  # nothing for reward functions
 
     def start(self, row: dict[str, Any], seed: int) -> None:
         return None
@@ -205,6 +207,7 @@ class PythonEnvironment:
     tool: PythonTool
     call_format: str = "fence"
     name: str = "python"
+    has_reward: bool = False
 
     @property
     def tools(self) -> list[dict[str, Any]]:
@@ -275,7 +278,7 @@ class Trajectory:
     truncated: bool = False
     sampler_logprobs: bool = True  # the engine reported a log-prob for every sampled token
     episode: Episode | None = None
-    done: bool = False  # the episode ended it
+    record: EpisodeRecord = field(default_factory=EpisodeRecord)
 
     def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
         self.ids += ids
@@ -292,19 +295,20 @@ def turn_seed(seed: int, member: int, request: int) -> int:
 
 
 def joined_row(row: dict[str, Any], text: str) -> dict[str, Any]:
-    """``row`` with an episode's start ``text`` appended to its prompt (to the last user message
-    of a conversation), as TRL joins a reset's text."""
+    """``row`` with an episode's start ``text`` appended to its prompt (to the last message of a
+    conversation), as TRL's trainer joins a reset's text: as it is, no separator added."""
     prompt = row["prompt"]
     if isinstance(prompt, str):
-        return {**row, "prompt": f"{prompt}\n\n{text}"}
-    last = max(i for i, m in enumerate(prompt) if m["role"] == "user")
-    message = {**prompt[last], "content": f"{prompt[last]['content']}\n\n{text}"}
-    return {**row, "prompt": [*prompt[:last], message, *prompt[last + 1 :]]}
+        return {**row, "prompt": prompt + text}
+    return {
+        **row,
+        "prompt": [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + text}],
+    }
 
 
-def unshown_step(action: Action) -> Step:
-    """What an action that cannot be done answers: its error, nothing run."""
-    return Step(f"Error: {action.error}", "", action.error)
+class EnvironmentLost(RolloutLost):
+    """An environment that cannot go on (``EnvironmentFailure``): the run stops with a
+    checkpoint and this one line."""
 
 
 class MultiTurnEngine:
@@ -338,6 +342,7 @@ class MultiTurnEngine:
                 "a tool list, so it has no tool-call syntax (use fence)"
             )
         self.eos_texts = {tokenizer.decode([i]) for i in engine.eos}
+        self.reported: set[str] = set()  # kinds of environment failure already said
 
     @property
     def tool(self) -> PythonTool | None:
@@ -362,10 +367,10 @@ class MultiTurnEngine:
             text = inline_observation(step.observation)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def run_calls(self, calls: list[Callable[[], Any]]) -> list[Any]:
-        """The calls' results, run concurrently (at most ``ENV_THREADS`` at once)."""
-        with ThreadPoolExecutor(max_workers=ENV_THREADS) as pool:
-            return list(pool.map(lambda call: call(), calls))
+    def run_calls(self, calls: list[Callable[[], Any]]) -> list[Outcome]:
+        """The calls' outcomes: concurrent (``ENV_THREADS`` at once), each within
+        ``rollout.environment_timeout_s``."""
+        return run_calls(calls, ENV_THREADS, self.config.environment_timeout_s)
 
     def session(self) -> contextlib.AbstractContextManager:
         """The engine's sampling session (``HFEngine.session``), where it has one."""
@@ -393,29 +398,69 @@ class MultiTurnEngine:
     ) -> list[str]:
         """Start every path's episode on its prompt's row and seed; the prompts, with the text
         the episodes add joined."""
-        texts = self.run_calls(
+        name = self.environment.name
+        outcomes = self._timed(
+            paths,
             [
                 functools.partial(path.episode.start, rows[i // group_size], seeds[i // group_size])
                 for i, path in enumerate(paths)
-            ]
+            ],
         )
         joined = list(prompts)
         for g, row in enumerate(rows):
-            group = texts[g * group_size : (g + 1) * group_size]
-            if any(text != group[0] for text in group):
+            group = outcomes[g * group_size : (g + 1) * group_size]
+            failed = next((o.error for o in group if o.error is not None), None)
+            if failed is not None:
+                raise EnvironmentFailure(f"environment {name}: start failed ({failed})")
+            text = group[0].value
+            if any(o.value != text for o in group):
                 raise EnvironmentFailure(
-                    f"environment {self.environment.name}: the episodes of one prompt started "
-                    "with different texts (a group must face one problem: seed the episode "
-                    "from the seed start() receives)"
+                    f"environment {name}: the episodes of one prompt started with different "
+                    "texts (a group must face one problem: seed the episode from the seed start() "
+                    "receives)"
                 )
-            if group[0] is not None:
+            if text is not None:
                 if self.render is None:
                     raise ConfigError(
-                        f"environment {self.environment.name}: its start text joins the prompt, "
-                        "and this engine was given no prompt format to render it"
+                        f"environment {name}: its start text joins the prompt, and this engine "
+                        "was given no prompt format to render it"
                     )
-                joined[g] = self.render(joined_row(row, group[0]))
+                joined[g] = self.render(joined_row(row, text))
         return joined
+
+    def _timed(self, paths: list[Trajectory], calls: list[Callable[[], Any]]) -> list[Outcome]:
+        """Run one call per path; each path's environment time counts its call's, and its share
+        of the round's wall time."""
+        t0 = time.perf_counter()
+        outcomes = self.run_calls(calls)
+        share = (time.perf_counter() - t0) / max(1, len(calls))
+        for path, outcome in zip(paths, outcomes, strict=True):
+            path.record.time_s += outcome.time_s
+            path.record.wall_s += share
+        return outcomes
+
+    def _finish(self, paths: list[Trajectory]) -> None:
+        """Each episode's reward, then its close; failures recorded on the path."""
+        rewards = self._timed(paths, [path.episode.reward for path in paths])
+        closes = self._timed(paths, [path.episode.close for path in paths])
+        for path, reward, close in zip(paths, rewards, closes, strict=True):
+            path.record.reward = reward.value
+            path.record.instance = path.episode.instance
+            for what, outcome in (("reward", reward), ("close", close)):
+                if outcome.error is not None:
+                    self._fail(path, what, outcome.error)
+
+    def _fail(self, path: Trajectory, what: str, error: str) -> None:
+        """Record an environment call that failed; say the first of each kind in one line."""
+        path.record.failures.append(f"{what}: {error}")
+        if what not in self.reported:
+            self.reported.add(what)
+            print(
+                f"environment {self.environment.name}: {what} failed ({error}); the first "
+                "such failure, later ones are counted in env/errors",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _generate(
         self,
@@ -429,54 +474,68 @@ class MultiTurnEngine:
         seeds = prompt_seeds(seeds, len(prompts))
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: one seed a prompt")
-        budget = self.config.max_new_tokens
-        eos = set(self.engine.eos)
         paths = [
             Trajectory(episode=self.environment.episode()) for _ in range(len(prompts) * group_size)
         ]
         try:
             prompts = self._start(paths, prompts, rows, group_size, seeds)
             prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-            first = self.engine.generate_turns(
-                [
-                    TurnRequest(ids, group_size, s, budget)
-                    for ids, s in zip(prompt_ids, seeds, strict=True)
-                ],
-                self.format.stop,
-                greedy,
-                temperature,
-            )
-            pending = [(i, sample) for i, sample in enumerate(s for group in first for s in group)]
-            while pending:
-                calls: list[tuple[int, Action, bool]] = []
-                going_on: list[int] = []
-                for i, sample in pending:
-                    after, action, ended_with_eos = self._take_turn(paths[i], sample, budget, eos)
-                    if after == "call":
-                        calls.append((i, action, ended_with_eos))
-                    elif after == "more":
-                        going_on.append(i)
-                going_on += self._observe_calls(paths, calls, budget)
-                going_on.sort()
-                requests = [
-                    TurnRequest(
-                        prompt_ids[i // group_size] + paths[i].ids,
-                        1,
-                        turn_seed(seeds[i // group_size], i % group_size, paths[i].requests),
-                        budget - len(paths[i].ids),
-                    )
-                    for i in going_on
-                ]
-                samples = (
-                    self.engine.generate_turns(requests, self.format.stop, greedy, temperature)
-                    if requests
-                    else []
-                )
-                pending = [(i, out[0]) for i, out in zip(going_on, samples, strict=True)]
-        finally:
+            self._play(paths, prompt_ids, group_size, seeds, greedy, temperature)
+            self._finish(paths)
+        except EnvironmentFailure as failure:
             self.run_calls([path.episode.close for path in paths])
+            raise EnvironmentLost(str(failure)) from None
         rollout = self.assemble(prompt_ids, prompts, rows, group_size, paths)
         return replace(rollout, decoding=decoding_of(self.config, temperature))
+
+    def _play(
+        self,
+        paths: list[Trajectory],
+        prompt_ids: list[list[int]],
+        group_size: int,
+        seeds: list[int],
+        greedy: bool,
+        temperature: float | None,
+    ) -> None:
+        """The turns: every path's, round by round, until each has ended."""
+        budget = self.config.max_new_tokens
+        eos = set(self.engine.eos)
+        first = self.engine.generate_turns(
+            [
+                TurnRequest(ids, group_size, s, budget)
+                for ids, s in zip(prompt_ids, seeds, strict=True)
+            ],
+            self.format.stop,
+            greedy,
+            temperature,
+        )
+        pending = [(i, sample) for i, sample in enumerate(s for group in first for s in group)]
+        while pending:
+            calls: list[tuple[int, Action, bool]] = []
+            going_on: list[int] = []
+            for i, sample in pending:
+                after, action, ended_with_eos = self._take_turn(paths[i], sample, budget, eos)
+                if after == "call":
+                    calls.append((i, action, ended_with_eos))
+                elif after == "more":
+                    going_on.append(i)
+            going_on += self._observe_calls(paths, calls, budget)
+            going_on.sort()
+            requests = [
+                TurnRequest(
+                    prompt_ids[i // group_size] + paths[i].ids,
+                    1,
+                    turn_seed(seeds[i // group_size], i % group_size, paths[i].requests),
+                    budget - len(paths[i].ids),
+                )
+                for i in going_on
+            ]
+            samples = (
+                self.engine.generate_turns(requests, self.format.stop, greedy, temperature)
+                if requests
+                else []
+            )
+            pending = [(i, out[0]) for i, out in zip(going_on, samples, strict=True)]
 
     def _take_turn(
         self, path: Trajectory, sample: TurnSample, budget: int, eos: set[int]
@@ -508,30 +567,35 @@ class MultiTurnEngine:
         path.truncated = room <= 0 and not ended_with_eos
         return "end", action, ended_with_eos
 
-    def _step(self, path: Trajectory, action: Action) -> tuple[Step, float]:
-        """The episode's step on ``action`` and its time (none when the action cannot run)."""
-        if action.error is not None:
-            return unshown_step(action), 0.0
-        t0 = time.perf_counter()
-        step = path.episode.step(action)
-        return step, time.perf_counter() - t0
-
     def _observe_calls(
         self, paths: list[Trajectory], calls: list[tuple[int, Action, bool]], budget: int
     ) -> list[int]:
         """Send the actions (path index, action, whether its turn ended with EOS) to their
         episodes, add each observation to its path within the budget, and return the paths
-        with room left to answer."""
+        with room left to answer. An action that cannot be done is answered with its error,
+        nothing run; a step that raises or times out is shown as an error and ends its path."""
         going_on = []
-        results = self.run_calls(
-            [functools.partial(self._step, paths[i], action) for i, action, _ in calls]
+        stepped = [(i, action, eos) for i, action, eos in calls if action.error is None]
+        outcomes = self._timed(
+            [paths[i] for i, _, _ in stepped],
+            [functools.partial(paths[i].episode.step, action) for i, action, _ in stepped],
         )
-        for (i, _, ended_with_eos), (step, time_s) in zip(calls, results, strict=True):
+        steps = {i: outcome for (i, _, _), outcome in zip(stepped, outcomes, strict=True)}
+        for i, action, ended_with_eos in calls:
             path = paths[i]
+            outcome = steps.get(i)
+            failed = outcome is not None and outcome.error is not None
+            if outcome is None:  # the action's own error: shown, nothing ran
+                step, time_s = Step(f"Error: {action.error}", "", action.error), 0.0
+            elif failed:  # the episode's state is unknown now: this completion ends here
+                self._fail(path, "step", outcome.error)
+                step, time_s = Step(f"Error: {outcome.error}", "", outcome.error), outcome.time_s
+            else:
+                step, time_s = outcome.value, outcome.time_s
             output = step.observation if step.output is None else step.output
             path.turns[-1].update(output=output, error=step.error, time_s=time_s)
-            if step.done:
-                path.done = True
+            if step.done or failed:
+                path.record.done = step.done
                 continue
             ids = self.observation_ids(step, ended_with_eos)
             room = budget - len(path.ids)
@@ -567,7 +631,12 @@ class MultiTurnEngine:
             group_size,
             logp if all(p.sampler_logprobs for p in paths) else None,
         )
-        return replace(rollout, sampled_mask=sampled_mask, turns=[p.turns for p in paths])
+        return replace(
+            rollout,
+            sampled_mask=sampled_mask,
+            turns=[p.turns for p in paths],
+            episodes=[p.record for p in paths],
+        )
 
 
 def tool_metrics(turns: list[list[dict[str, Any]]]) -> dict[str, float]:
@@ -582,4 +651,21 @@ def tool_metrics(turns: list[list[dict[str, Any]]]) -> dict[str, float]:
         "tools/error_rate": errors / calls if calls else math.nan,
         "tools/time_s": sum(t["time_s"] for r in ran for t in r),
         "tools/turns_per_completion": sum(len(path) for path in turns) / n,
+    }
+
+
+def env_metrics(
+    turns: list[list[dict[str, Any]]], episodes: list[EpisodeRecord]
+) -> dict[str, float]:
+    """``env/*`` metrics of a batch of multi-turn completions (docs/metrics.md)."""
+    n = len(turns)
+    # a failed step is already a turn answered with its error
+    outside = sum(not f.startswith("step:") for e in episodes for f in e.failures)
+    return {
+        "env/turns": sum(len(path) for path in turns) / n,
+        "env/errors": float(sum(t["error"] is not None for p in turns for t in p) + outside),
+        "env/failed_frac": sum(bool(e.failures) for e in episodes) / n,
+        "env/done_frac": sum(e.done for e in episodes) / n,
+        "env/time_s": sum(e.time_s for e in episodes),
+        "time/env_s": sum(e.wall_s for e in episodes),
     }
