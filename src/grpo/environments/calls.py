@@ -5,7 +5,8 @@ never return. ``run_calls`` runs a round's calls on at most ``threads`` threads 
 within ``timeout_s`` of its own start; a call still running then is abandoned (a daemon thread:
 Python cannot stop a thread, but an abandoned one neither holds back the round nor keeps the
 process alive at exit) and reported as timed out. Every outcome is an ``Outcome``: a value, or
-one line saying what went wrong.
+one line saying what went wrong; but an ``EnvironmentFailure`` (an environment that cannot go
+on) is raised once the round's calls are over.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from grpo.environments import EnvironmentFailure
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,14 @@ def run_calls(
     outcomes: list[Outcome | None] = [None] * len(calls)
     finished = threading.Condition()
 
+    lost: list[EnvironmentFailure] = []  # the run cannot go on: raised once the round is over
+
     def run(i: int, t0: float) -> None:
         try:
             value, error = calls[i](), None
+        except EnvironmentFailure as err:
+            lost.append(err)
+            value, error = None, str(err)
         except Exception as err:  # environment code: any failure is reported, never raised
             value, error = None, error_line(err)
         with finished:
@@ -69,4 +77,6 @@ def run_calls(
             if running and (len(running) >= threads or not waiting):
                 earliest = min(running.values()) - now
                 finished.wait(earliest if earliest < math.inf else None)
+    if lost:
+        raise lost[0]
     return [o for o in outcomes if o is not None]

@@ -53,6 +53,7 @@ from grpo.environments import Action, EnvironmentFailure, Step
 SCHEME = "openenv+"
 RETRIES = 3  # attempts at opening a session (the first included)
 BACKOFF_S = 0.5  # doubled after each failed attempt
+WAIT_FRAC = 0.9  # of rollout.environment_timeout_s: a session's limit on one answer
 ACTIONS = ("text", "tool")
 REWARDS = ("sum", "last")
 OBSERVATION_KEYS = {"done", "reward", "metadata"}  # not the observation's text
@@ -157,6 +158,15 @@ class OpenEnvEnvironment:
         self.spec = spec
         self.address = parse_address(spec)
         self.timeout_s = timeout_s
+        # a session gives up before the loop abandons its call: a silent server stops the run
+        # (a call abandoned mid-message would leave the session reading a stale answer)
+        self.wait_s = WAIT_FRAC * timeout_s
+        try:
+            import openenv.core  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                f"rollout.environment: {spec} needs openenv-core (pip install 'grpo[envs]')"
+            ) from None
         url = self.address.url
         try:
             get_json(f"{url}/health", timeout_s)
@@ -221,6 +231,11 @@ class OpenEnvEnvironment:
             ) from None
 
     @property
+    def has_reward(self) -> bool:
+        """A served environment's own answer; any other server's steps may carry rewards."""
+        return True if self.served is None else self.served["has_reward"]
+
+    @property
     def tools(self) -> list[dict[str, Any]]:
         if self.served is not None:
             return self.served["tools"]
@@ -268,22 +283,30 @@ class OpenEnvEnvironment:
 class OpenEnvEpisode:
     """One session of an ``OpenEnvEnvironment``."""
 
+    instance = None  # the environment lives in the server's process: nothing to hand rewards
+
     def __init__(self, environment: OpenEnvEnvironment) -> None:
         self.env = environment
         self.client: Any = None
         self.rewards: list[float] = []
+        self.lost: str | None = None  # why the session cannot go on
 
     def _run(self, work: Coroutine, doing: str) -> Any:
-        """``work`` on the environment's loop; a lost or silent server fails in one line."""
+        """``work`` on the environment's loop; a lost or silent server fails in one line, and
+        the session is not used again."""
+        if self.lost is not None:
+            work.close()
+            raise EnvironmentFailure(self.lost)
         try:
-            return self.env.events.run(work, self.env.timeout_s)
+            return self.env.events.run(work, self.env.wait_s)
         except TimeoutError:
-            raise EnvironmentFailure(
-                f"{self.env.name}: no answer to {doing} within {self.env.timeout_s:g} s "
-                "(rollout.environment_timeout_s)"
-            ) from None
+            self.lost = (
+                f"{self.env.name}: no answer to {doing} in {self.env.wait_s:g} s "
+                f"(rollout.environment_timeout_s: {self.env.timeout_s:g})"
+            )
         except lost_errors() as err:
-            raise EnvironmentFailure(f"{self.env.name}: {doing} failed ({err})") from None
+            self.lost = f"{self.env.name}: {doing} failed ({err})"
+        raise EnvironmentFailure(self.lost)
 
     def start(self, row: dict[str, Any], seed: int) -> str | None:
         from openenv.core import GenericEnvClient
@@ -292,9 +315,10 @@ class OpenEnvEpisode:
         for attempt in range(RETRIES):
             self.client = GenericEnvClient(
                 base_url=self.env.address.url,
-                connect_timeout_s=self.env.timeout_s,
-                message_timeout_s=self.env.timeout_s,
+                connect_timeout_s=self.env.wait_s,
+                message_timeout_s=self.env.wait_s,
             )
+            self.lost = None
             try:
                 result = self._run(self.client.reset(**{**columns, "seed": seed}), "reset")
                 break
@@ -337,12 +361,12 @@ class OpenEnvEpisode:
         return sum(self.rewards) if self.env.address.reward == "sum" else self.rewards[-1]
 
     def close(self) -> None:
-        if self.client is None:
+        if self.client is None or self.lost is not None:  # a lost session: the run stops
             return
         client, self.client = self.client, None
         # the session is over either way: a server that does not answer reaps it itself
         with contextlib.suppress(TimeoutError, RuntimeError, *lost_errors()):
-            self.env.events.run(closed(client), self.env.timeout_s)
+            self.env.events.run(closed(client), self.env.wait_s)
 
 
 def lost_errors() -> tuple[type[BaseException], ...]:

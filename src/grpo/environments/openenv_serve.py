@@ -82,7 +82,12 @@ def app_for(environment: GrpoEnvironment, sessions: int) -> Any:
 
     @app.get("/grpo/environment")
     def describe() -> dict[str, Any]:
-        return {"name": environment.name, "tools": environment.tools, "stop": environment.stop}
+        return {
+            "name": environment.name,
+            "tools": environment.tools,
+            "stop": environment.stop,
+            "has_reward": environment.has_reward,
+        }
 
     @app.post("/grpo/action")
     def read_action(body: dict[str, Any]) -> dict[str, Any]:
