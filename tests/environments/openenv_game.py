@@ -4,8 +4,10 @@ fixture-side server: ``openenv-core``'s own app under uvicorn on 127.0.0.1, on a
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,3 +91,23 @@ def serving(app: Any, port: int | None = None) -> Iterator[str]:
 
 def game_app(factory: Callable[[], Environment] = HiddenNumber, sessions: int = 64) -> Any:
     return create_app(factory, GuessAction, GuessObservation, max_concurrent_envs=sessions)
+
+
+class DyingNumber(HiddenNumber):
+    """The game, whose server process dies at its ``die_at``-th reset."""
+
+    resets = 0
+    die_at = 0
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **row: Any):
+        DyingNumber.resets += 1
+        if DyingNumber.resets == DyingNumber.die_at:
+            os._exit(1)
+        return super().reset(seed, episode_id, **row)
+
+
+if __name__ == "__main__":  # python openenv_game.py PORT DIE_AT: a server that dies mid-run
+    DyingNumber.die_at = int(sys.argv[2])
+    uvicorn.run(
+        game_app(DyingNumber), host="127.0.0.1", port=int(sys.argv[1]), log_level="critical"
+    )

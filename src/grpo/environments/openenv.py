@@ -279,6 +279,17 @@ class OpenEnvEnvironment:
     def episode(self) -> OpenEnvEpisode:
         return OpenEnvEpisode(self)
 
+    def why_refused(self) -> str:
+        """Why sessions fail, as far as the server's health says."""
+        try:
+            get_json(f"{self.address.url}/health", self.wait_s)
+        except (OSError, ValueError):
+            return "the server is gone"
+        return (
+            "the server answers but refuses sessions: it holds at most its max_concurrent_envs "
+            "at once, and a rollout holds one per completion"
+        )
+
 
 class OpenEnvEpisode:
     """One session of an ``OpenEnvEnvironment``."""
@@ -305,7 +316,7 @@ class OpenEnvEpisode:
                 f"(rollout.environment_timeout_s: {self.env.timeout_s:g})"
             )
         except lost_errors() as err:
-            self.lost = f"{self.env.name}: {doing} failed ({err})"
+            self.lost = f"{self.env.name}: {doing} failed ({one_line(err)})"
         raise EnvironmentFailure(self.lost)
 
     def start(self, row: dict[str, Any], seed: int) -> str | None:
@@ -326,9 +337,8 @@ class OpenEnvEpisode:
                 self.close()
                 if attempt + 1 == RETRIES:
                     raise EnvironmentFailure(
-                        f"{self.env.name}: no session after {RETRIES} attempts ({err}); a "
-                        "server holds at most its max_concurrent_envs sessions at once, and a "
-                        "rollout holds one per completion"
+                        f"{self.env.name}: no session after {RETRIES} attempts "
+                        f"({one_line(err)}); {self.env.why_refused()}"
                     ) from None
                 time.sleep(BACKOFF_S * 2**attempt)
         if self.env.served is not None:
@@ -367,6 +377,11 @@ class OpenEnvEpisode:
         # the session is over either way: a server that does not answer reaps it itself
         with contextlib.suppress(TimeoutError, RuntimeError, *lost_errors()):
             self.env.events.run(closed(client), self.env.wait_s)
+
+
+def one_line(err: BaseException) -> str:
+    """An error's message as one short line."""
+    return " ".join(str(err).split())[:300]
 
 
 def lost_errors() -> tuple[type[BaseException], ...]:
