@@ -19,10 +19,10 @@ from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards._reward_worker import check_values
 from grpo.rewards.pool import WorkerPool, WorkerStartError
 from grpo.rewards.registry import (
-    REGISTRY,
     RewardError,
     RewardFn,
     check_user_spec,
+    is_builtin,
     load_builtins,
     resolve_reward,
 )
@@ -95,7 +95,7 @@ class RewardRunner:
         given = dict(given or {})
         if live_environments:
             for spec in config.functions:
-                if spec.name not in REGISTRY and spec.name not in given and ":" in spec.name:
+                if not is_builtin(spec.name) and spec.name not in given and ":" in spec.name:
                     fn = resolve_reward(spec)
                     if takes_environments(fn):
                         given[spec.name] = fn
@@ -108,7 +108,7 @@ class RewardRunner:
         user = [
             k
             for k, spec in enumerate(config.functions)
-            if spec.name not in REGISTRY and spec.name not in given
+            if not is_builtin(spec.name) and spec.name not in given
         ]
         self.builtins = {
             k: given[spec.name] if spec.name in given else resolve_reward(spec)
