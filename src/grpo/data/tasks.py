@@ -238,8 +238,8 @@ def humaneval_rows(split: str = "test", seed: int = 0) -> list[dict[str, Any]]:
 
 
 def verifiers_rows(split: str = "train", seed: int = 0, taskset: str = "") -> list[dict[str, Any]]:
-    """A verifiers taskset's tasks (grpo.environments.verifiers; needs the envs extra)."""
-    from grpo.environments.verifiers import taskset_rows
+    """A verifiers taskset's tasks (grpo.data.verifiers; needs the envs extra)."""
+    from grpo.data.verifiers import taskset_rows
 
     return taskset_rows(split, seed, taskset)
 

@@ -11,10 +11,11 @@ import pytest
 
 pytest.importorskip("verifiers.v1", reason="the envs extra (make test installs it)")
 
-from grpo.config import ConfigError, RewardSpec
-from grpo.data import get_task
-from grpo.environments.verifiers import reward_names, score, taskset_rows
+from grpo.config import RewardSpec
+from grpo.data import DataError, get_task
+from grpo.data.verifiers import taskset_rows
 from grpo.rewards.registry import resolve_reward
+from grpo.rewards.verifiers import reward_names, score
 from grpo.training.trainer import train
 
 SPEC = f"{Path(__file__).parent / 'vf_tasks.py'}:load_taskset"
@@ -62,11 +63,11 @@ def test_a_taskset_that_does_not_load_is_one_line(tmp_path) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("import nothing_here\nx = 3\n")
     said = r"verifiers taskset .*broken.py:x: importing .* failed \(ModuleNotFoundError"
-    with pytest.raises(ConfigError, match=said):
+    with pytest.raises(DataError, match=said):
         taskset_rows(taskset=f"{broken}:x")
     other = tmp_path / "other.py"
     other.write_text("x = 3\n")
-    with pytest.raises(ConfigError, match=r"other.py:x: not a verifiers.v1.Taskset \(int\)"):
+    with pytest.raises(DataError, match=r"other.py:x: not a verifiers.v1.Taskset \(int\)"):
         taskset_rows(taskset=f"{other}:x")
 
 
