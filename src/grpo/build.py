@@ -32,6 +32,7 @@ from grpo.data.prompts import PromptFormat, prompt_format_for
 from grpo.environments import Environment
 from grpo.environments.classes import ClassEnvironment, load_class
 from grpo.environments.openenv import OpenEnvEnvironment, is_openenv
+from grpo.environments.verifiers import VerifiersEnvironment, is_verifiers
 from grpo.models import (
     Reference,
     load_policy,
@@ -130,6 +131,8 @@ def environment_of(config: Config, given: type | None = None) -> Environment | N
         return python_environment(rollout)
     if given is None and rollout.environment and is_openenv(rollout.environment):
         return OpenEnvEnvironment(rollout.environment, rollout.environment_timeout_s)
+    if given is None and rollout.environment and is_verifiers(rollout.environment):
+        return VerifiersEnvironment(rollout.environment, rollout.environment_timeout_s)
     cls = given or (load_class(rollout.environment) if rollout.environment else None)
     return None if cls is None else ClassEnvironment(cls, rollout.tool_call_format)
 
