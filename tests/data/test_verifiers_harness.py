@@ -98,3 +98,22 @@ def test_an_unknown_harness_is_one_line() -> None:
         ConfigError, match=r"rollout.environment: verifiers\+no_such_harness: no verifiers harness"
     ):
         VerifiersEnvironment("verifiers+no_such_harness", timeout_s=5)
+
+
+def test_a_run_trains_on_harness_driven_episodes(tiny_config) -> None:
+    from grpo.training.trainer import train
+
+    config = tiny_config(
+        data={"task": "verifiers", "task_args": {"taskset": SPEC}},
+        rollout={"environment": "verifiers+vf_harness", "max_new_tokens": 24, "max_turns": 3},
+        rewards={"functions": [{"name": "environment"}, {"name": "verifiers:correct"}]},
+    )
+    run_dir = train(config)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if "event" not in r)
+    # the harness asks twice, so each completion is two turns (or one cut by the token budget)
+    assert 1.0 <= row["env/turns"] <= 2.0 and row["env/errors"] == 0.0
+    assert row["reward/environment/errors"] == 0.0 and row["reward/correct/errors"] == 0.0
+    # the random model never answers a sum: verifiers' weighted reward is the "short" part only
+    assert row["reward/correct/mean"] == 0.0
+    assert 0.0 <= row["reward/environment/mean"] <= 0.5

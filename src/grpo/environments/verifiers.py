@@ -14,7 +14,9 @@ at the endpoint until the loop has sampled that turn, and is answered with the t
   brings the messages it added (tool results, a user's reply): their text is the observation;
   a harness that ends instead ends the completion (``done``);
 - ``reward``: the trace's reward as verifiers weighs the task's rewards (``trace.reward``);
-  ``instance`` is the ``vf.Trace``.
+  ``instance`` is the ``vf.Trace``. A completion the loop's limits cut (``rollout.max_turns``,
+  the token budget) has its harness's waiting call refused, and its trace, without the cut
+  turn, is scored as it stands.
 
 Token in, token out: the loop keeps the token ids it sampled and appends the observation's
 template tokens after them; the text a harness sends back for the model's earlier turns is never
@@ -30,6 +32,7 @@ import asyncio
 import hmac
 import itertools
 import json
+import logging
 import queue
 import secrets
 import threading
@@ -138,6 +141,8 @@ class VerifiersEnvironment:
             raise ConfigError(
                 f"rollout.environment: {spec}: no verifiers harness {self.harness_id} ({err})"
             ) from None
+        # a cut episode's refused call is expected: verifiers would warn of each one
+        logging.getLogger("verifiers.v1.interception").setLevel(logging.ERROR)
         self.timeout_s = timeout_s
         self.endpoint = PolicyEndpoint(timeout_s)
         os.environ[KEY_VAR] = self.endpoint.token  # verifiers' client reads its key by name
@@ -162,6 +167,7 @@ class VerifiersEpisode:
         self.seen = 0  # messages of the conversation already shown
         self.instance: Any = None  # the vf.Trace, once the run is over
         self.run: Any = None
+        self.task: Any = None
         self.ended = False
 
     def model_call(self, messages: list[dict[str, Any]]) -> str | None:
@@ -205,7 +211,7 @@ class VerifiersEpisode:
             raise EnvironmentFailure(
                 f"{self.env.name}: the rows are not a verifiers taskset's (data.task: verifiers)"
             )
-        task = tasks(row["verifiers_taskset"])[int(row["verifiers_task"])]
+        task = self.task = tasks(row["verifiers_taskset"])[int(row["verifiers_task"])]
         self.env.endpoint.episodes[self.model] = self
         self.run = asyncio.run_coroutine_threadsafe(self._play(task), self.env.events.loop)
         event = self._next()
@@ -236,7 +242,12 @@ class VerifiersEpisode:
     def reward(self) -> float | None:
         self._finish()
         trace = self.instance
-        return None if trace is None or not trace.rewards else float(trace.reward)
+        if trace is None:
+            return None
+        if not trace.rewards:  # cut by the loop's limits (its last call refused): as it stands
+            work = self.task.score(trace)
+            asyncio.run_coroutine_threadsafe(work, self.env.events.loop).result(self.env.timeout_s)
+        return float(trace.reward) if trace.rewards else None
 
     def _finish(self) -> None:
         """The run's end: a call still waiting (the loop's limits ended the completion) is
