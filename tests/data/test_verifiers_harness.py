@@ -46,9 +46,7 @@ class ScriptEngine:
         return out
 
 
-def test_a_harness_plays_its_episodes_through_the_turn_loop(tiny_model_dir) -> None:
-    tokenizer = load_tokenizer(tiny_model_dir)
-    environment = VerifiersEnvironment("verifiers+vf_harness", timeout_s=60)
+def _play(tokenizer, environment):
     rows = taskset_rows(taskset=SPEC)[1:2]  # "What is 2 + 2?"
     prompts = [render_prompt(tokenizer, row["prompt"], None) for row in rows]
     engine = MultiTurnEngine(
@@ -57,7 +55,13 @@ def test_a_harness_plays_its_episodes_through_the_turn_loop(tiny_model_dir) -> N
         RolloutConfig(max_new_tokens=100, max_turns=5),
         environment,
     )
-    rollout = engine.generate(prompts, rows, 2, seeds=[3])
+    return engine, engine.generate(prompts, rows, 2, seeds=[3])
+
+
+def test_a_harness_plays_its_episodes_through_the_turn_loop(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    environment = VerifiersEnvironment("verifiers+vf_harness", timeout_s=60)
+    engine, rollout = _play(tokenizer, environment)
     # the harness asked twice: the second call's new message is the observation; then it ended
     assert [[(t["call"], t["output"]) for t in turns] for turns in rollout.turns] == [
         [("5", "Sure? Say it again."), ("4", "the harness ended")]
@@ -117,3 +121,10 @@ def test_a_run_trains_on_harness_driven_episodes(tiny_config) -> None:
     # the random model never answers a sum: verifiers' weighted reward is the "short" part only
     assert row["reward/correct/mean"] == 0.0
     assert 0.0 <= row["reward/environment/mean"] <= 0.5
+
+
+def test_two_environments_keep_their_own_tokens(tiny_model_dir) -> None:
+    first = VerifiersEnvironment("verifiers+vf_harness", timeout_s=60)
+    VerifiersEnvironment("verifiers+vf_harness", timeout_s=60)  # a run may build it again
+    _, rollout = _play(load_tokenizer(tiny_model_dir), first)
+    assert [e.reward for e in rollout.episodes] == [1.5, 1.5]

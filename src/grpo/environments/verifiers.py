@@ -43,7 +43,7 @@ from grpo.config import ConfigError
 from grpo.environments import Action, EnvironmentFailure, Step
 
 SCHEME = "verifiers+"
-KEY_VAR = "GRPO_POLICY_ENDPOINT_KEY"  # where verifiers' client reads the endpoint's token
+KEY_VAR = "GRPO_POLICY_ENDPOINT_KEY"  # + _PORT: where verifiers' client reads the token
 
 
 def is_verifiers(spec: str) -> bool:
@@ -145,7 +145,10 @@ class VerifiersEnvironment:
         logging.getLogger("verifiers.v1.interception").setLevel(logging.ERROR)
         self.timeout_s = timeout_s
         self.endpoint = PolicyEndpoint(timeout_s)
-        os.environ[KEY_VAR] = self.endpoint.token  # verifiers' client reads its key by name
+        # verifiers' client reads its key from a variable it is given the name of: one for each
+        # endpoint (a run may build its environment more than once)
+        self.key_var = f"{KEY_VAR}_{self.endpoint.server.server_address[1]}"
+        os.environ[self.key_var] = self.endpoint.token
         self.events = EventLoop()
         self.count = itertools.count()
 
@@ -187,7 +190,7 @@ class VerifiersEpisode:
         config = vf.AgentConfig(
             model=self.model,
             harness=self.env.harness_config,
-            client=EvalClientConfig(base_url=self.env.endpoint.url, api_key_var=KEY_VAR),
+            client=EvalClientConfig(base_url=self.env.endpoint.url, api_key_var=self.env.key_var),
             runtime=SubprocessConfig(),
         )
         try:
