@@ -30,7 +30,7 @@ def test_the_recipe_resolves_its_environment_and_data() -> None:
     assert Path(config.data.path).is_file() and Path(config.data.eval_path).is_file()
     environment = environment_of(config)
     assert environment.name == "GuessNumber" and list(environment.signatures) == ["guess"]
-    assert environment.has_reward and environment.stop == ["```\n"]
+    assert environment.has_reward and environment.stop == ["\n```\n"]
 
 
 def test_only_a_policy_that_reads_the_answers_wins_every_game() -> None:
