@@ -37,7 +37,7 @@ def test_documented_public_methods_are_the_tools_with_transformers_schemas() -> 
     fence = ClassEnvironment(trl_envs.GuessNumber)
     # reset and get_reward are the trainer's; _helper is private; peek has no docstring
     assert list(fence.signatures) == ["guess"]
-    assert fence.tools == [] and fence.stop == ["```\n"] and fence.has_reward
+    assert fence.tools == [] and fence.stop == ["\n```\n"] and fence.has_reward
     template = ClassEnvironment(trl_envs.GuessNumber, "template")
     assert template.tools == [get_json_schema(trl_envs.GuessNumber().guess)]
     assert template.tools[0]["function"]["parameters"]["properties"]["n"]["type"] == "integer"

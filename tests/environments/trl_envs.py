@@ -140,3 +140,10 @@ class Closing(GuessNumber):
 
     def close(self):
         Closing.closed += 1
+
+
+class HighNumber(GuessNumber):
+    """Rewards a hidden number above 4: the same for every completion of a prompt (one seed)."""
+
+    def get_reward(self) -> float:
+        return float(self.target > 4)

@@ -57,7 +57,9 @@ from grpo.environments.calls import error_line
 LIFECYCLE = ("reset", "get_reward", "close")
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
-STOPS = {"fence": ["```\n"], "template": ["</tool_call>"]}
+# a fence's closing line ends the turn; its opening line ("```\n" at the turn's start, no tag
+# needed) must not, or every call would cost the model a second request
+STOPS = {"fence": ["\n```\n"], "template": ["</tool_call>"]}
 # global generators are seeded around each reset: one reset at a time
 SEEDED = threading.Lock()
 
