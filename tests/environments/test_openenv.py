@@ -250,7 +250,7 @@ class CountEpisode:
 
     def start(self, row, seed):
         self.seed = seed
-        return f"Count to {row['target']}."
+        return f"Count to {row['target']} (row seed {row['seed']})."
 
     def step(self, action):
         self.steps += 1
@@ -285,7 +285,7 @@ class CountEnvironment:
 def test_a_served_environment_plays_as_it_does_in_process(tiny_model_dir) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
     script = ["count x!", "count 1!", "count 2!", "done"]
-    rows = [{"prompt": "q", "target": 2}]
+    rows = [{"prompt": "q", "target": 2, "seed": 9}]  # a column called seed reaches start too
 
     def play(environment):
         engine = _loop(tokenizer, environment, script)
@@ -305,6 +305,7 @@ def test_a_served_environment_plays_as_it_does_in_process(tiny_model_dir) -> Non
         assert (environment.tools, environment.stop) == ([], ["!"])
         served, served_reward = play(environment)
     assert served.prompts == local.prompts
+    assert "Count to 2 (row seed 9)." in served.prompts[0]
     assert served.turns == [
         [{**t, "time_s": s["time_s"]} for t, s in zip(turns, served_turns, strict=True)]
         for turns, served_turns in zip(local.turns, served.turns, strict=True)

@@ -7,6 +7,10 @@ dataset row's columns (a server's ``reset`` takes the keywords its signature nam
 observation text joins the prompt; each model turn is one ``step``; the observation text is the
 next message; ``done`` ends the completion; the session closes at the end.
 
+A server that ``grpo env-serve`` started gets the row whole (``reset(seed, row=...)``); any
+other server gets the columns as keywords, the prompt's seed taking the place of a ``seed``
+column.
+
 How a turn becomes an action, and what else is read, is set in the URL's query
 (``openenv+http://127.0.0.1:8000?action=tool&reward=last``):
 
@@ -279,12 +283,14 @@ class OpenEnvEnvironment:
     def episode(self) -> OpenEnvEpisode:
         return OpenEnvEpisode(self)
 
-    def why_refused(self) -> str:
-        """Why sessions fail, as far as the server's health says."""
+    def why_no_session(self, err: BaseException) -> str:
+        """Why sessions fail (``err``: the last attempt's error), as far as the server says."""
         try:
             get_json(f"{self.address.url}/health", self.wait_s)
         except (OSError, ValueError):
             return "the server is gone"
+        if str(err).startswith("Server error"):  # the environment's own reset failed
+            return "the server's environment failed to reset"
         return (
             "the server answers but refuses sessions: it holds at most its max_concurrent_envs "
             "at once, and a rollout holds one per completion"
@@ -331,14 +337,17 @@ class OpenEnvEpisode:
             )
             self.lost = None
             try:
-                result = self._run(self.client.reset(**{**columns, "seed": seed}), "reset")
+                # a served environment gets the row whole (a column may be called "seed");
+                # another server's reset takes the columns its signature names
+                given = {"row": columns} if self.env.served is not None else columns
+                result = self._run(self.client.reset(**{**given, "seed": seed}), "reset")
                 break
             except (EnvironmentFailure, RuntimeError) as err:
                 self.close()
                 if attempt + 1 == RETRIES:
                     raise EnvironmentFailure(
                         f"{self.env.name}: no session after {RETRIES} attempts "
-                        f"({one_line(err)}); {self.env.why_refused()}"
+                        f"({one_line(err)}); {self.env.why_no_session(err)}"
                     ) from None
                 time.sleep(BACKOFF_S * 2**attempt)
         if self.env.served is not None:

@@ -2,7 +2,7 @@
 ``openenv-core``'s own server, so a run reaches it as ``openenv+http://HOST:PORT`` and plays it
 as it does in process (``grpo.environments.openenv``).
 
-Each OpenEnv session holds one episode of the environment: ``reset(seed, **row)`` starts it
+Each OpenEnv session holds one episode of the environment: ``reset(seed, row=...)`` starts it
 (the observation's ``text``: the start text, or None), ``step`` acts on the call the run's side
 read from the model's turn, and the session's ``state`` carries the episode's ``reward``
 (computed when asked, as the loop asks once after the last turn); closing the session closes
@@ -44,12 +44,16 @@ class EpisodeSession(Environment):
         self._state = State()
 
     def reset(
-        self, seed: int | None = None, episode_id: str | None = None, **row: Any
+        self,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        row: dict[str, Any] | None = None,
+        **_: Any,
     ) -> TurnObservation:
         self.close()
         self.episode = self.environment.episode()
         self._state = State(episode_id=episode_id)
-        return TurnObservation(text=self.episode.start(row, 0 if seed is None else seed))
+        return TurnObservation(text=self.episode.start(row or {}, 0 if seed is None else seed))
 
     def step(self, action: TurnAction, timeout_s: float | None = None, **_: Any) -> TurnObservation:
         if self.episode is None:
