@@ -186,7 +186,9 @@ def reward_runner(
             f"reward 'environment' is an environment's own reward (get_reward): {what} "
             "(set rollout.environment to a class with one)"
         )
-    rewards = RewardRunner(config.rewards, given, live_environments=environment is not None)
+    # environment classes hand reward functions their live instances (TRL's contract)
+    live = isinstance(environment, ClassEnvironment)
+    rewards = RewardRunner(config.rewards, given, live_environments=live)
     if rows is not None:
         try:
             rewards.check_columns(rows)
