@@ -3,6 +3,7 @@
 PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
+ENVS_STAMP := .venv/.installed-envs
 
 .PHONY: train test test-slow gpu-check gpu-check-cpu lint format docs bench mutate vllm gemma clean
 
@@ -14,16 +15,22 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
+# the environment adapters' packages (pyproject's `envs` extra), for their tests; one pip call,
+# so the resolver sees both (see the extra's comment). `make train` does not need them
+$(ENVS_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[dev,envs]'
+	touch $(ENVS_STAMP)
+
 # the recipe's HF engine, vLLM installed or not: which engine is faster depends on the CPU
 # (whole steps 0.82x the HF engine's on an AMD EPYC, 1.40x on an AMX Xeon:
 # README, "Rollout engine"); `make train ARGS=rollout.engine=vllm` after measuring yours
 train: $(STAMP)
 	.venv/bin/grpo train $(ARGS)
 
-test: $(STAMP)
+test: $(ENVS_STAMP)
 	$(PY) -m pytest -q
 
-test-slow: $(STAMP)
+test-slow: $(ENVS_STAMP)
 	$(PY) -m pytest -q -m slow
 
 # on a machine with an NVIDIA GPU and a CUDA build of torch in .venv: the device-dependent tests

@@ -9,6 +9,7 @@ training run's parts in that order, in one call.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,10 @@ from grpo.data import (
     verifier_of,
 )
 from grpo.data.prompts import PromptFormat, prompt_format_for
+from grpo.environments import Environment
+from grpo.environments.classes import ClassEnvironment, load_class
+from grpo.environments.openenv import OpenEnvEnvironment, is_openenv
+from grpo.environments.verifiers import VerifiersEnvironment, is_verifiers
 from grpo.models import (
     Reference,
     load_policy,
@@ -40,7 +45,7 @@ from grpo.models import (
 from grpo.rewards import RewardError, RewardRunner
 from grpo.rewards.registry import RewardFn
 from grpo.rollout import RolloutEngine
-from grpo.rollout.turns import MultiTurnEngine, chat_tools
+from grpo.rollout.turns import MultiTurnEngine, python_environment
 from grpo.runtime import distributed
 from grpo.runtime.host_memory import bound_kernel_caches
 from grpo.runtime.precision import choose_precision, measure_rates, precision_line
@@ -114,6 +119,22 @@ class Given:
     eval_rows: Rows | None = None
     model: nn.Module | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
+    environment: type | None = None  # an environment class (``grpo.train(environment=...)``)
+
+
+def environment_of(config: Config, given: type | None = None) -> Environment | None:
+    """What a run's completions play (``grpo.environments``): the Python tool of
+    ``rollout.tools``, an environment class (the one given, else ``rollout.environment``'s),
+    or None (one turn). A class that does not load or cannot be used is refused here."""
+    rollout = config.rollout
+    if rollout.tools:
+        return python_environment(rollout)
+    if given is None and rollout.environment and is_openenv(rollout.environment):
+        return OpenEnvEnvironment(rollout.environment, rollout.environment_timeout_s)
+    if given is None and rollout.environment and is_verifiers(rollout.environment):
+        return VerifiersEnvironment(rollout.environment, rollout.environment_timeout_s)
+    cls = given or (load_class(rollout.environment) if rollout.environment else None)
+    return None if cls is None else ClassEnvironment(cls, rollout.tool_call_format)
 
 
 def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, Any]]]:
@@ -121,11 +142,13 @@ def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, An
     given ones, else those the config names."""
     train = config.train
     rows = given.rows if given.rows is not None else load_dataset_rows(config.data, train.seed)
-    if config.rollout.tools and any("turns" in row for row in rows):
-        raise DataError(
-            f"{config.data.path or config.data.task or 'dataset'}: column 'turns' has the name "
-            "of the argument rewards get a tool rollout's turns in; rename it"
-        )
+    if config.rollout.tools or config.rollout.environment:
+        taken = next((c for c in TURN_COLUMNS if any(c in row for row in rows)), None)
+        if taken is not None:
+            raise DataError(
+                f"{config.data.path or config.data.task or 'dataset'}: column '{taken}' has the "
+                "name of an argument rewards get a multi-turn rollout's episodes in; rename it"
+            )
     if not train.eval_every:
         return rows, []
     if given.eval_rows is not None:
@@ -133,21 +156,39 @@ def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, An
     return rows, heldout_rows(config.data, train.seed, train.eval_examples)
 
 
-def prompt_format(config: Config) -> PromptFormat:
-    """How a row becomes the text the model continues (template, system prompt, tools)."""
-    return prompt_format_for(
-        config.data, system_prompt_for(config.data), chat_tools(config.rollout)
-    )
+# the columns reward functions get a multi-turn rollout's episodes in (grpo.rewards.inputs)
+TURN_COLUMNS = ("turns", "environments", "environment_reward")
+
+
+def prompt_format(config: Config, environment: Environment | None = None) -> PromptFormat:
+    """How a row becomes the text the model continues (template, system prompt, and the tools
+    of ``environment``, default the config's, where the chat template lists them)."""
+    environment = environment or environment_of(config)
+    tools = environment.tools if environment is not None else []
+    return prompt_format_for(config.data, system_prompt_for(config.data), tools)
 
 
 def reward_runner(
     config: Config,
     rows: list[dict[str, Any]] | None = None,
     given: dict[str, RewardFn] | None = None,
+    environment: Environment | None = None,
 ) -> RewardRunner:
     """The recipe's reward functions (``given``: callables the caller holds, by spec name),
-    checked against the columns of ``rows`` when given."""
-    rewards = RewardRunner(config.rewards, given)
+    checked against the columns of ``rows`` when given and against the ``environment``
+    completions play (default the config's): the ``environment`` reward needs one that scores
+    its episodes."""
+    environment = environment or environment_of(config)
+    scored = environment is not None and environment.has_reward
+    if any(spec.name == "environment" for spec in config.rewards.functions) and not scored:
+        what = "there is no environment" if environment is None else f"{environment.name} has none"
+        raise RewardError(
+            f"reward 'environment' is an environment's own reward (get_reward): {what} "
+            "(set rollout.environment to a class with one)"
+        )
+    # environment classes hand reward functions their live instances (TRL's contract)
+    live = isinstance(environment, ClassEnvironment)
+    rewards = RewardRunner(config.rewards, given, live_environments=live)
     if rows is not None:
         try:
             rewards.check_columns(rows)
@@ -212,14 +253,19 @@ def engine_of(
     policy: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     engine: RolloutEngine | None = None,
+    environment: Environment | None = None,
 ) -> RolloutEngine:
-    """The rollout engine of ``rollout.engine`` (or the one given), inside the multi-turn tool
-    loop when the recipe has tools: the wrapper is applied here, once."""
+    """The rollout engine of ``rollout.engine`` (or the one given), inside the multi-turn loop
+    when the recipe has an environment (``environment``, default the config's: the Python tool,
+    an environment class): the wrapper is applied here, once."""
     rollout = config.rollout
     if engine is None:
         engine = build_engine(rollout.engine, model=policy, tokenizer=tokenizer, config=rollout)
-    if rollout.tools and not isinstance(engine, MultiTurnEngine):
-        engine = MultiTurnEngine(engine, tokenizer, rollout)
+    environment = environment or environment_of(config)
+    if environment is not None and not isinstance(engine, MultiTurnEngine):
+        fmt = prompt_format(config, environment)
+        render = functools.partial(fmt.render, tokenizer)
+        engine = MultiTurnEngine(engine, tokenizer, rollout, environment, render)
     return engine
 
 
@@ -227,8 +273,9 @@ def engine_of(
 class RunInputs:
     """What a training run is checked against before anything is written: the rows it trains
     on, its held-out rows (none without ``train.eval_every``), the prompt format, the reward
-    runner, the verifier evaluation judges by (None without ``train.eval_every``) and the
-    model's resolved folder or hub id (None for a given model)."""
+    runner, the verifier evaluation judges by (None without ``train.eval_every``), the
+    model's resolved folder or hub id (None for a given model) and the environment completions
+    play (None: one turn)."""
 
     rows: Rows
     eval_rows: list[dict[str, Any]]
@@ -236,6 +283,7 @@ class RunInputs:
     rewards: RewardRunner
     verifier: RewardRunner | None
     model_path: str | None
+    environment: Environment | None = None
 
     def close(self) -> None:
         """Stop the reward (and verifier) workers."""
@@ -260,8 +308,9 @@ class RunParts:
 def run_inputs(config: Config, given: Given) -> RunInputs:
     """``RunInputs`` from the config and the given parts; a bad one is refused here."""
     rows, eval_rows = training_rows(config, given)
-    fmt = prompt_format(config)
-    rewards = reward_runner(config, rows, given.rewards)
+    environment = environment_of(config, given.environment)
+    fmt = prompt_format(config, environment)
+    rewards = reward_runner(config, rows, given.rewards, environment)
     verifier = None
     try:
         verifier = verifier_runner(config) if config.train.eval_every else None
@@ -271,7 +320,7 @@ def run_inputs(config: Config, given: Given) -> RunInputs:
         if verifier is not None:  # a model name that does not resolve stops its workers too
             verifier.close()
         raise
-    return RunInputs(rows, eval_rows, fmt, rewards, verifier, model_path)
+    return RunInputs(rows, eval_rows, fmt, rewards, verifier, model_path, environment)
 
 
 def run_parts(
@@ -343,13 +392,15 @@ def check_prompt_lengths(
 
 @dataclass
 class Parts:
-    """What eval and curate run with: a model in eval mode, its tokenizer, the prompt format and
-    the reward runner (close it when done). Curate adds its engine (``engine_of``)."""
+    """What eval and curate run with: a model in eval mode, its tokenizer, the prompt format,
+    the reward runner (close it when done) and the environment completions play (None: one
+    turn). Curate adds its engine (``engine_of``)."""
 
     tokenizer: PreTrainedTokenizerBase
     policy: nn.Module
     prompt_format: PromptFormat
     rewards: RewardRunner
+    environment: Environment | None = None
 
 
 def build_for_sampling(config: Config, rows: list[dict[str, Any]]) -> Parts:
@@ -357,8 +408,9 @@ def build_for_sampling(config: Config, rows: list[dict[str, Any]]) -> Parts:
     as training builds it: for ``grpo eval`` and ``grpo curate``. The rewards are set up (and a
     bad one refused) before the model loads; they are closed when the model fails to."""
     prepare_process(config)
-    fmt = prompt_format(config)
-    rewards = reward_runner(config)
+    environment = environment_of(config)
+    fmt = prompt_format(config, environment)
+    rewards = reward_runner(config, None, None, environment)
     try:
         path = resolve_model_path(config.model.name)
         model = ModelConfig(name=path, dtype=config.model.dtype)
@@ -366,4 +418,4 @@ def build_for_sampling(config: Config, rows: list[dict[str, Any]]) -> Parts:
     except BaseException:
         rewards.close()
         raise
-    return Parts(tokenizer, policy.eval(), fmt, rewards)
+    return Parts(tokenizer, policy.eval(), fmt, rewards, environment)

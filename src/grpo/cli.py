@@ -263,9 +263,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env_serve(args: argparse.Namespace) -> int:
+    from grpo.environments.classes import ClassEnvironment, load_class
+
+    try:
+        from grpo.environments.openenv_serve import serve
+    except ImportError:
+        raise ConfigError("grpo env-serve needs openenv-core (pip install 'grpo[envs]')") from None
+    environment = ClassEnvironment(load_class(args.environment), args.tool_call_format)
+    print(f"serving {environment.name} as openenv+http://{args.host}:{args.port}", flush=True)
+    serve(environment, args.host, args.port, args.sessions)
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": cmd_train,
     "serve": cmd_serve,
+    "env-serve": cmd_env_serve,
     "eval": cmd_eval,
     "report": cmd_report,
     "curate": cmd_curate,
@@ -397,6 +411,32 @@ def _serve_parser(sub: Subparsers) -> None:
     )
 
 
+def _env_serve_parser(sub: Subparsers) -> None:
+    srv = sub.add_parser(
+        "env-serve",
+        help="serve an environment class as an OpenEnv server",
+        description="Serve an environment class (TRL's environment_factory contract) through "
+        "openenv-core's server, one episode per session: a run reaches it with "
+        "rollout.environment=openenv+http://HOST:PORT and plays it as it does in process "
+        "(docs/environments.md).",
+    )
+    srv.add_argument("environment", help="path/to/file.py:ClassName or module:ClassName")
+    srv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
+    srv.add_argument("--port", type=int, default=8001, help="default: 8001")
+    srv.add_argument(
+        "--sessions",
+        type=int,
+        default=256,
+        help="episodes at once at most; a run holds one per completion (default: 256)",
+    )
+    srv.add_argument(
+        "--tool-call-format",
+        choices=["fence", "template"],
+        default="fence",
+        help="how the model calls tools: the run's rollout.tool_call_format (default: fence)",
+    )
+
+
 def _report_parser(sub: Subparsers) -> None:
     report = sub.add_parser("report", help="write report.html for a run directory")
     report.add_argument("run_dir")
@@ -417,6 +457,7 @@ PARSERS: dict[str, Callable[[Subparsers], None]] = {
     "eval": _eval_parser,
     "curate": _curate_parser,
     "serve": _serve_parser,
+    "env-serve": _env_serve_parser,
     "report": _report_parser,
     "models": _models_parser,
     "tasks": _tasks_parser,

@@ -496,7 +496,7 @@ def sample_and_score(
     parts = build_for_sampling(config, [rows[i] for i in todo])
     tokenizer, prompt_format, rewards = parts.tokenizer, parts.prompt_format, parts.rewards
     try:
-        engine = engine_of(config, parts.policy, tokenizer)
+        engine = engine_of(config, parts.policy, tokenizer, None, parts.environment)
     except BaseException:
         rewards.close()
         raise

@@ -48,7 +48,7 @@ from grpo.rewards import RewardError, RewardOutput, RewardRunner
 from grpo.rewards.accuracy import extract_answer
 from grpo.rewards.inputs import per_function_metrics, reward_inputs
 from grpo.rollout import RolloutEngine, close_engine
-from grpo.rollout.turns import tool_metrics
+from grpo.rollout.turns import env_metrics, tool_metrics
 from grpo.runtime.precision import bf16_autocast
 from grpo.step_data import Rollout, concat_rollouts
 
@@ -194,6 +194,8 @@ def evaluate(
     }
     if greedy.turns is not None:
         out.update(tool_metrics(greedy.turns))
+    if greedy.episodes is not None:
+        out.update(env_metrics(greedy.turns, greedy.episodes))
     if judged:
         correct, failed = verdicts(verifier, greedy)
         out["accuracy"] = sum(correct) / len(rows)
@@ -230,7 +232,7 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     engine = None
     try:
         config = build.concrete_precision(config, parts.policy.config, parts.policy.device)
-        engine = build.engine_of(config, parts.policy, parts.tokenizer)
+        engine = build.engine_of(config, parts.policy, parts.tokenizer, None, parts.environment)
         with bf16_autocast(parts.policy.device, config.model.autocast):
             return evaluate(
                 engine,

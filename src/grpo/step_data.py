@@ -16,6 +16,31 @@ from grpo.scoring.distribution import Decoding
 
 
 @dataclass
+class EpisodeRecord:
+    """How a multi-turn completion's environment episode went (``grpo.environments``).
+
+    reward: what the episode's ``reward()`` returned (None: no reward, or it failed);
+    done: the environment ended the completion; failures: one line for each environment call
+    that raised or timed out outside a model's call (start, reward, close, a step that hung);
+    time_s: seconds in environment calls; wall_s: its share of the wall time of the rounds of
+    environment calls it took part in (a round's split evenly among its calls: summed over a
+    batch, the batch's wall time in environment calls); instance: the live object reward functions receive in
+    the ``environments`` column (TRL's environment instance; None for none). The instance stays
+    in the process that made it: it is left out when the record is pickled.
+    """
+
+    reward: Any = None
+    done: bool = False
+    failures: list[str] = field(default_factory=list)
+    time_s: float = 0.0
+    wall_s: float = 0.0
+    instance: Any = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "instance": None}
+
+
+@dataclass
 class Rollout:
     """What a rollout engine returns.
 
@@ -32,6 +57,7 @@ class Rollout:
     turns: multi-turn rollouts only: each completion's turns, dicts with the turn's ``text``, its
         tool ``call`` (code or None), the tool's ``output``, ``error`` and ``time_s`` (None when
         no call ran). The last turn's text is the completion's answer.
+    episodes: multi-turn rollouts only: each completion's ``EpisodeRecord``.
     """
 
     prompt_ids: Tensor
@@ -48,6 +74,7 @@ class Rollout:
     turns: list[list[dict[str, Any]]] | None = None
     decoding: Decoding = field(default_factory=Decoding)
     policy_version: int | None = None
+    episodes: list[EpisodeRecord] | None = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # pickled (a checkpoint's steps made ahead) when the decoding controls were ``sampling``
@@ -92,6 +119,7 @@ class Rollout:
             sampled_mask=None if self.sampled_mask is None else self.sampled_mask[idx],
             turns=None if self.turns is None else [self.turns[i] for i in idx.tolist()],
             decoding=self.decoding,
+            episodes=None if self.episodes is None else [self.episodes[i] for i in idx.tolist()],
         )
 
 
@@ -150,4 +178,5 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         else None,
         turns=[x for p in parts for x in p.turns or []] if multi_turn else None,
         decoding=parts[0].decoding,
+        episodes=[x for p in parts for x in p.episodes or []] if multi_turn else None,
     )

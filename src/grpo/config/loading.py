@@ -194,8 +194,8 @@ def _drop_other_task_args(tree: dict[str, Any], extra: dict[str, Any]) -> dict[s
 
 def resolve_recipe_paths(tree: dict[str, Any], folder: Path) -> dict[str, Any]:
     """A recipe's relative file paths as paths from the recipe's folder, so a recipe runs the
-    same from any working directory: data files, reward files (`file.py:function`) and a model
-    that is a folder or file next to the recipe (aliases and hub ids stay as they are).
+    same from any working directory: data files, reward and environment files (`file.py:name`)
+    and a model that is a folder or file next to the recipe (aliases and hub ids stay as they are).
     Command-line overrides stay relative to the working directory; so does train.output_dir."""
 
     def local(value: Any) -> Any:
@@ -212,6 +212,11 @@ def resolve_recipe_paths(tree: dict[str, Any], folder: Path) -> dict[str, Any]:
         candidate = folder / model["name"]
         if not Path(model["name"]).is_absolute() and candidate.exists():
             tree["model"] = {**model, "name": str(candidate)}
+    rollout = tree.get("rollout")
+    environment = rollout.get("environment") if isinstance(rollout, dict) else None
+    if isinstance(environment, str) and ".py:" in environment:
+        file, _, cls = environment.rpartition(":")
+        tree["rollout"] = {**rollout, "environment": f"{local(file)}:{cls}"}
     rewards = tree.get("rewards")
     functions = rewards.get("functions") if isinstance(rewards, dict) else None
     if isinstance(functions, list):

@@ -77,6 +77,16 @@ def _refuse_contradictions(config: Config) -> None:
             "rollout.tools runs its turn loop around a local engine: not with rollout.engine "
             "server (use hf or vllm)"
         )
+    if config.rollout.tools and config.rollout.environment:
+        raise ValueError(
+            "rollout.tools and rollout.environment: one environment a run (the Python tool is "
+            "one); set one of them"
+        )
+    if config.rollout.engine == "server" and config.rollout.environment:
+        raise ValueError(
+            "rollout.environment runs its turn loop around a local engine: not with "
+            "rollout.engine server (use hf or vllm)"
+        )
     if config.rollout.max_staleness and unbounded:
         raise ValueError(
             f"rollout.max_staleness={config.rollout.max_staleness} trains on rollouts of older "

@@ -186,6 +186,10 @@ class RolloutConfig(Section):
     """Wall-clock (and CPU) limit of one tool call; a call cut here is reported to the model as an error."""
     tool_max_output_chars: int = Field(1000, ge=1)
     """Characters of a call's output shown to the model; longer output is cut and reported as an error."""
+    environment: str | None = None
+    """An environment the policy plays, multi-turn (docs/environments.md): `path/to/file.py:ClassName` or `module:ClassName`, a class written to TRL's `environment_factory` contract (one instance per completion; its documented public methods are its tools); or `openenv+http://HOST:PORT[?action=text|tool&field=F&observation=F&reward=sum|last]`, an OpenEnv server (one session per completion; `grpo env-serve` serves a class as one); or `verifiers+HARNESS`, a verifiers harness driving each completion on `data.task: verifiers` rows. Not with `tools`."""
+    environment_timeout_s: float = Field(30.0, gt=0)
+    """Wall-clock limit of one call into an environment (start, a step or tool, reward, close; the Python tool's own limit is tool_timeout_s): a call past it is abandoned and counted in env/errors."""
     max_staleness: int = Field(0, ge=0, strict=True)  # `true` is not 1 step
     """k: rollouts generated ahead of training by a producer process (docs/ahead.md). Step t trains on rollouts sampled with the weights after step t-1-k (or the first weights): 0 = one synchronous process, as before; k >= 1 needs an importance correction (algorithm.tis_cap or tis_low)."""
     producer_threads: int | None = Field(None, ge=1)

@@ -237,6 +237,13 @@ def humaneval_rows(split: str = "test", seed: int = 0) -> list[dict[str, Any]]:
     ]
 
 
+def verifiers_rows(split: str = "train", seed: int = 0, taskset: str = "") -> list[dict[str, Any]]:
+    """A verifiers taskset's tasks (grpo.data.verifiers; needs the envs extra)."""
+    from grpo.data.verifiers import taskset_rows
+
+    return taskset_rows(split, seed, taskset)
+
+
 TASKS: dict[str, Task] = {
     "arithmetic": Task(
         name="arithmetic",
@@ -280,5 +287,15 @@ TASKS: dict[str, Task] = {
         default_rewards=[{"name": "code"}],
         verifier={"name": "code"},
         splits=("test",),
+    ),
+    "verifiers": Task(
+        name="verifiers",
+        description="a verifiers taskset's tasks (task_args: {taskset: path/to/file.py:NAME}); "
+        "rewards verifiers (their weighted sum) or verifiers:NAME (one)",
+        rows=verifiers_rows,
+        system_prompt=None,  # the task's own, in its prompt's messages
+        default_rewards=[{"name": "verifiers"}],
+        verifier={"name": "verifiers"},
+        splits=("train",),
     ),
 }

@@ -17,8 +17,10 @@ def reward_inputs(
 ) -> tuple[list[str], list[Any], dict[str, list[Any]], list[list[int]]]:
     """What the reward functions get for a rollout's N = P*G completions: the texts judged (the
     last turn of a multi-turn completion; a single-turn completion with the tag its prompt
-    opened), each one's dataset prompt, the dataset columns (and ``turns``) repeated per
-    completion, and the counted completion token ids."""
+    opened), each one's dataset prompt, the dataset columns repeated per completion (and, of a
+    multi-turn rollout: ``turns``; ``environment_reward``, what each episode's reward() gave;
+    ``environments``, the live environment instances, in the process that made them), and the
+    counted completion token ids."""
     g = rollout.group_size
     columns: dict[str, list[Any]] = {}
     keys = dict.fromkeys(key for row in rollout.rows for key in row)  # every row's, in order
@@ -27,6 +29,11 @@ def reward_inputs(
             columns[key] = [row.get(key) for row in rollout.rows for _ in range(g)]
     if rollout.turns is not None:
         columns["turns"] = rollout.turns
+    episodes = rollout.episodes or []
+    if any(e.reward is not None for e in episodes):  # the reward function ``environment``'s
+        columns["environment_reward"] = [e.reward for e in episodes]
+    if any(e.instance is not None for e in episodes):  # TRL's environment instances
+        columns["environments"] = [e.instance for e in episodes]
     ids = [
         ids[mask].tolist()
         for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)

@@ -21,6 +21,9 @@ KINDS: dict[str, str] = {}
 REWARD_KINDS = ("format", "accuracy")
 
 
+VERIFIERS_PREFIX = "verifiers:"  # verifiers:NAME, the reward NAME of the rows' verifiers tasks
+
+
 class RewardError(ValueError):
     """A reward function that cannot be set up; one line for the user."""
 
@@ -42,6 +45,13 @@ def register(
     return wrap
 
 
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is a reward this process runs itself (a built-in or a verifiers one)
+    rather than a user function run in the worker processes."""
+    load_builtins()
+    return name in REGISTRY or name.startswith(VERIFIERS_PREFIX)
+
+
 def registered_kind(name: str) -> str | None:
     """The kind a built-in reward was registered with (None: another, or not a built-in)."""
     load_builtins()
@@ -56,6 +66,10 @@ def resolve_reward(spec: RewardSpec) -> RewardFn:
             return REGISTRY[spec.name](**spec.args)
         except TypeError as err:
             raise RewardError(f"reward '{spec.name}': bad args {spec.args}: {err}") from None
+    if spec.name.startswith(VERIFIERS_PREFIX):  # one reward of a verifiers taskset
+        from grpo.rewards.verifiers import verifiers_reward
+
+        return verifiers_reward(spec.name.removeprefix(VERIFIERS_PREFIX), **spec.args)
     if ":" in spec.name:
         check_user_spec(spec)
         try:
@@ -71,7 +85,16 @@ def check_user_spec(spec: RewardSpec) -> None:
         raise RewardError(f"reward '{spec.name}': args are only for built-in rewards")
 
 
-BUILTIN_MODULES = ("builtin", "accuracy", "code", "countdown", "length", "reward_model")
+BUILTIN_MODULES = (
+    "builtin",
+    "accuracy",
+    "code",
+    "countdown",
+    "environment",
+    "length",
+    "verifiers",
+    "reward_model",
+)
 
 
 def load_builtins() -> None:

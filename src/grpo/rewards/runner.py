@@ -4,6 +4,7 @@ watch that stops a run whose reward keeps failing."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import traceback
@@ -18,13 +19,24 @@ from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards._reward_worker import check_values
 from grpo.rewards.pool import WorkerPool, WorkerStartError
 from grpo.rewards.registry import (
-    REGISTRY,
     RewardError,
     RewardFn,
     check_user_spec,
+    is_builtin,
     load_builtins,
     resolve_reward,
 )
+
+# the column of live environment instances (grpo.rewards.inputs): for this process only
+LIVE = "environments"
+
+
+def takes_environments(fn: RewardFn) -> bool:
+    """Whether ``fn`` names a parameter ``environments`` (then it reads live instances)."""
+    try:
+        return LIVE in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read
+        return False
 
 
 @dataclass
@@ -69,9 +81,24 @@ class RewardRunner:
     function is printed with its traceback or reason.
     """
 
-    def __init__(self, config: RewardsConfig, given: dict[str, RewardFn] | None = None) -> None:
-        """``given``: spec name -> a callable the caller holds, run in this process."""
-        given = given or {}
+    def __init__(
+        self,
+        config: RewardsConfig,
+        given: dict[str, RewardFn] | None = None,
+        live_environments: bool = False,
+    ) -> None:
+        """``given``: spec name -> a callable the caller holds, run in this process.
+        ``live_environments``: the rollouts' episodes carry live environment instances (the
+        column ``environments``, TRL's): a user function with a parameter named
+        ``environments`` runs in this process too, on the reward threads (an instance cannot
+        cross into a worker process); the worker processes never receive the column."""
+        given = dict(given or {})
+        if live_environments:
+            for spec in config.functions:
+                if not is_builtin(spec.name) and spec.name not in given and ":" in spec.name:
+                    fn = resolve_reward(spec)
+                    if takes_environments(fn):
+                        given[spec.name] = fn
         self.config = config
         self.names = [function_name(spec) for spec in config.functions]
         if len(set(self.names)) != len(self.names):
@@ -81,7 +108,7 @@ class RewardRunner:
         user = [
             k
             for k, spec in enumerate(config.functions)
-            if spec.name not in REGISTRY and spec.name not in given
+            if not is_builtin(spec.name) and spec.name not in given
         ]
         self.builtins = {
             k: given[spec.name] if spec.name in given else resolve_reward(spec)
@@ -159,7 +186,7 @@ class RewardRunner:
                 (
                     j,
                     [completions[i] for i in idx],
-                    {key: [v[i] for i in idx] for key, v in kwargs.items()},
+                    {key: [v[i] for i in idx] for key, v in kwargs.items() if key != LIVE},
                 )
                 for j, idx in which
             ]
@@ -221,24 +248,26 @@ class RewardRunner:
 class ErrorWatch:
     """Per step: one console line with each function's error count, and the stop rule: a function
     that fails on more than ``max_frac`` of a step's completions ``patience`` steps in a row
-    stops the run with ``RewardFailure``."""
+    stops the run with ``RewardFailure``. ``what`` the functions are: rewards, or an
+    environment (its failed episodes)."""
 
-    def __init__(self, max_frac: float, patience: int) -> None:
+    def __init__(self, max_frac: float, patience: int, what: str = "reward") -> None:
         self.max_frac = max_frac
         self.patience = patience
+        self.what = what
         self.streak: dict[str, int] = {}
 
     def observe(self, step: int, errors: dict[str, int], completions: int, announce: bool) -> None:
         failing = {name: count for name, count in errors.items() if count}
         if failing and announce:
             counts = ", ".join(f"{name} {count}/{completions}" for name, count in failing.items())
-            print(f"step {step}: reward errors: {counts}", file=sys.stderr, flush=True)
+            print(f"step {step}: {self.what} errors: {counts}", file=sys.stderr, flush=True)
         for name, count in errors.items():
             over = count > self.max_frac * completions
             self.streak[name] = self.streak.get(name, 0) + 1 if over else 0
             if self.streak[name] >= self.patience:
                 raise RewardFailure(
-                    f"reward '{name}' failed on more than rewards.max_error_frac="
+                    f"{self.what} '{name}' failed on more than rewards.max_error_frac="
                     f"{self.max_frac:g} of the completions for {self.patience} steps in a row "
                     f"(step {step}: {count}/{completions}); its first error is printed above"
                 )

@@ -3,8 +3,8 @@ user passes them (``GRPOTrainer(model=..., reward_funcs=[fn], train_dataset=ds)`
 
 ``grpo.train(config, rewards=[fn], dataset=ds, model=m, tokenizer=t)`` turns them into a
 ``Given`` and a config that records them: each callable becomes the reward spec
-``module:qualname`` (its metrics are ``reward/<name>/...``), a dataset sets ``data.task`` to
-none, a model sets ``model.name`` and ``model.dtype`` to its own. Resume fingerprints cover them
+``module:qualname`` (its metrics are ``reward/<name>/...``), an environment class sets
+``rollout.environment`` to its ``module:qualname``, a dataset sets ``data.task`` to none, a model sets ``model.name`` and ``model.dtype`` to its own. Resume fingerprints cover them
 (``fingerprints``): a callable by its qualified name and source, a dataset by its rows, a model
 by its weights, a tokenizer by its vocabulary and chat template, so a changed part under the same
 name is refused, never resumed silently.
@@ -147,10 +147,18 @@ def given_parts(
     eval_dataset: Any = None,
     model: nn.Module | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    environment: type | None = None,
 ) -> tuple[Config, Given]:
     """The config that records the given parts, and the parts (see the module docstring)."""
     tree = config.model_dump(mode="json")
-    given = Given(model=model, tokenizer=tokenizer)
+    given = Given(model=model, tokenizer=tokenizer, environment=environment)
+    if environment is not None:
+        if not inspect.isclass(environment):
+            raise ConfigError(
+                f"environment: a class (TRL's environment_factory contract), got "
+                f"{type(environment).__name__}"
+            )
+        tree["rollout"]["environment"] = f"{environment.__module__}:{environment.__qualname__}"
     if rewards is not None:
         specs = []
         for item in rewards:

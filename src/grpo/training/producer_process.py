@@ -114,6 +114,7 @@ class ProducerSpec:
     config: Config
     rows: list[dict[str, Any]]
     rewards: dict[str, Any]  # given reward callables, by spec name
+    environment: type | None  # a given environment class (pickled by reference)
     model_path: str | None  # loaded as the trainer loaded it; else ``policy`` is a copy
     policy: nn.Module | None
     tokenizer: PreTrainedTokenizerBase | None
@@ -157,9 +158,11 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
     torch.set_num_threads(spec.threads)
     torch.use_deterministic_algorithms(spec.deterministic)
     hf_logging.disable_progress_bar()  # the trainer already showed its model loading
-    fmt = build.prompt_format(config)
-    rewards = build.reward_runner(config, None, spec.rewards)
     producer = None
+    # the environment's class is imported here again (or unpickled: a given one by reference)
+    environment = build.environment_of(config, spec.environment)
+    fmt = build.prompt_format(config, environment)
+    rewards = build.reward_runner(config, None, spec.rewards, environment)
     try:
         if spec.policy is not None:
             tokenizer, policy = spec.tokenizer, spec.policy.to(spec.device)
@@ -168,7 +171,7 @@ def _produce(spec: ProducerSpec, out: Any) -> None:
                 config.model, spec.model_path, fmt, spec.rows, spec.device
             )
         policy.train()  # as the trainer's policy samples
-        engine = build.engine_of(config, policy, tokenizer)
+        engine = build.engine_of(config, policy, tokenizer, None, environment)
         here = DistInfo(device=spec.device)
         producer = InProcessProducer(
             config, here, spec.rows, fmt, tokenizer, policy, engine, rewards
@@ -233,8 +236,10 @@ class ProducerProcess:
         policy: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
         device: torch.device,
+        environment: type | None = None,
     ) -> None:
         self.config, self.rows, self.rewards = config, rows, rewards
+        self.environment = environment
         self.model_path, self.policy, self.tokenizer = model_path, policy, tokenizer
         self.device = device  # the trainer's
         self.staleness = config.rollout.max_staleness
@@ -271,6 +276,7 @@ class ProducerProcess:
             config=self.config,
             rows=self.rows,
             rewards=self.rewards,
+            environment=self.environment,
             model_path=self.model_path,
             # a given model travels as a copy (on the host): a pickled tensor would share the
             # trainer's memory
@@ -297,8 +303,8 @@ class ProducerProcess:
         except (pickle.PicklingError, TypeError, AttributeError) as err:  # a given part
             raise ProducerLost(
                 f"rollout.max_staleness: the producer process cannot receive this run's parts "
-                f"({' '.join(str(err).split())[:200]}); reward functions and datasets must be "
-                "importable (module:function), not defined in a notebook"
+                f"({' '.join(str(err).split())[:200]}); reward functions, environment classes and "
+                "datasets must be importable (module:name), not defined in a notebook"
             ) from None
         self.spec = spec  # its shared tensors live until the producer has read them
         self.rendezvous = rendezvous

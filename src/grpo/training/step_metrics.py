@@ -9,7 +9,7 @@ from typing import Any
 from grpo import algorithm
 from grpo.config import Config
 from grpo.rewards.inputs import per_function_metrics
-from grpo.rollout.turns import tool_metrics
+from grpo.rollout.turns import env_metrics, tool_metrics
 from grpo.runs.metrics import reflection_rate
 from grpo.step_data import Scored
 from grpo.training.producer import ProducedStep
@@ -31,6 +31,8 @@ def step_metrics(scored: Scored) -> dict[str, float]:
     }
     if rollout.turns is not None:
         out.update(tool_metrics(rollout.turns))
+    if rollout.episodes is not None:
+        out.update(env_metrics(rollout.turns, rollout.episodes))
     functions = per_function_metrics(scored.per_function, scored.function_names)
     for name in scored.function_names:
         out[f"reward/{name}/mean"] = functions[f"reward/{name}/mean"]

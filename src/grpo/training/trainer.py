@@ -82,6 +82,10 @@ class Trainer:
         self.reward_errors = ErrorWatch(
             config.rewards.max_error_frac, config.rewards.error_patience
         )
+        # an environment whose code keeps failing stops the run by the same rule
+        self.env_errors = ErrorWatch(
+            config.rewards.max_error_frac, config.rewards.error_patience, "environment"
+        )
         self.run = RunDir(config.run_dir)
         self.bars = TransformersBars(config.train.progress)  # until train() ends
         parts: RunParts | None = None
@@ -179,7 +183,7 @@ class Trainer:
         the one held-out evaluation samples with (with a producer process: built only for it)."""
         config, inputs, policy, tokenizer = self.config, parts.inputs, parts.policy, parts.tokenizer
         if not config.rollout.max_staleness:
-            self.engine = build.engine_of(config, policy, tokenizer, engine)
+            self.engine = build.engine_of(config, policy, tokenizer, engine, inputs.environment)
             return InProcessProducer(
                 config,
                 self.dist,
@@ -201,7 +205,11 @@ class Trainer:
         # engine over the policy itself
         hf = config.rollout.model_copy(update={"engine": "hf"})
         here = config.model_copy(update={"rollout": hf})
-        self.engine = build.engine_of(here, policy, tokenizer) if config.train.eval_every else None
+        self.engine = (
+            build.engine_of(here, policy, tokenizer, None, inputs.environment)
+            if config.train.eval_every
+            else None
+        )
         return ProducerProcess(
             config,
             inputs.rows,
@@ -210,6 +218,7 @@ class Trainer:
             policy,
             tokenizer,
             self.dist.device,
+            self.given.environment,
         )
 
     # ----------------------------------------------------------------------------- update
@@ -399,9 +408,12 @@ class Trainer:
         counted: metrics are over these (the kept ones are biased)."""
         everyone = batch.seen if self.config.sampling.dynamic else gather_scored(batch.seen)
         # every rank sees the same gathered counts, so every rank stops at the same step
-        self.reward_errors.observe(
-            self.state.step, everyone.errors, everyone.rewards.numel(), announce=self.dist.is_main
-        )
+        n, main = everyone.rewards.numel(), self.dist.is_main
+        self.reward_errors.observe(self.state.step, everyone.errors, n, announce=main)
+        if everyone.rollout.episodes is not None:
+            failed = sum(bool(e.failures) for e in everyone.rollout.episodes)
+            name = self.config.rollout.environment or "python"
+            self.env_errors.observe(self.state.step, {name: failed}, n, announce=main)
         return everyone
 
     def _sync_weights(self, changed: bool) -> None:
@@ -432,18 +444,22 @@ def train(
     eval_dataset: Any = None,
     model: nn.Module | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    environment: type | None = None,
 ) -> Path:
     """Train with ``config`` (a Config, a recipe's path, or None: the default recipe); returns
     the run directory.
 
     ``rewards`` (callables, reward names or specs), ``dataset`` and ``eval_dataset``
-    (``datasets.Dataset`` or lists of dicts), ``model`` and ``tokenizer`` replace what the
-    config names (``grpo.training.caller_parts``). Under ``torchrun`` every process calls this; the
+    (``datasets.Dataset`` or lists of dicts), ``model``, ``tokenizer`` and ``environment`` (a
+    class written to TRL's ``environment_factory`` contract, docs/environments.md) replace what
+    the config names (``grpo.training.caller_parts``). Under ``torchrun`` every process calls this; the
     process group is closed at the end.
     """
     if not isinstance(config, Config):
         config = load_config(config)
-    config, given = given_parts(config, rewards, dataset, eval_dataset, model, tokenizer)
+    config, given = given_parts(
+        config, rewards, dataset, eval_dataset, model, tokenizer, environment
+    )
     try:
         return Trainer(config, engine, given).train()
     finally:

@@ -1,0 +1,261 @@
+"""Environment classes written to TRL's ``environment_factory`` contract, run unchanged.
+
+The contract (TRL's ``GRPOTrainer(environment_factory=...)``): a class with a no-argument
+constructor; ``reset(**row)`` gets the dataset row's columns and returns None or text, which is
+appended to the prompt's last message as it is; every public method (a name without a leading
+underscore) is a tool, described to the model by the JSON schema ``transformers.utils.
+get_json_schema`` makes of its signature and docstring (Google style, an ``Args:`` line per
+parameter); the tool's return value, as ``str()`` writes it, is what the model sees next;
+``get_reward()`` (optional) scores the finished episode. Here, as the issue asks and TRL does not:
+``close()`` (optional) is called when the episode ends, and public methods without a docstring
+are helpers, not tools (TRL would fail on them).
+
+One instance per completion, made in the episode's ``start`` (``ClassEpisode``), where its
+``reset`` runs with Python's, NumPy's and torch's global generators seeded from the prompt's
+seed (and given back their state after): the G completions of a group get the same episode, and
+a run with a seed repeats. Resets therefore run one at a time; tools run concurrently.
+
+How the model calls a tool (``rollout.tool_call_format``):
+
+- ``template``: the chat template's own syntax,
+  ``<tool_call>{"name": "guess", "arguments": {"n": 50}}</tool_call>`` (Hermes, Qwen), with the
+  tools listed in the prompt through the template (``tools=``);
+- ``fence``: a fenced block ending the turn that holds one call written as Python,
+  ````` ```\\nguess(50)\\n``` ````` or ``guess(n=50)`` (arguments are literals; any language tag).
+  The prompt must describe the tools (nothing lists them).
+
+A call that names no tool, or whose arguments do not fit the method's signature, is answered
+with an error and never reaches the instance; a tool that raises is answered with the error
+line (TRL does the same). Both count in ``env/errors``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import json
+import random
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.utils import get_json_schema
+
+from grpo.config import ConfigError
+from grpo.environments import Action, Step
+from grpo.environments.calls import error_line
+
+# lifecycle methods: the trainer calls them, the model does not
+LIFECYCLE = ("reset", "get_reward", "close")
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
+# a fence's closing line ends the turn; its opening line ("```\n" at the turn's start, no tag
+# needed) must not, or every call would cost the model a second request
+STOPS = {"fence": ["\n```\n"], "template": ["</tool_call>"]}
+# global generators are seeded around each reset: one reset at a time
+SEEDED = threading.Lock()
+
+
+def load_class(spec: str) -> type:
+    """``path/to/file.py:ClassName`` or ``module:ClassName``; ConfigError (one line) if not."""
+    where = f"rollout.environment={spec}"
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise ConfigError(f"{where}: expected path/to/file.py:ClassName or module:ClassName")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ConfigError(f"{where}: file {path} not found")
+        module_spec = importlib.util.spec_from_file_location(f"grpo_environment_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as err:  # user code: any failure is one line
+            raise ConfigError(f"{where}: importing {path} failed ({error_line(err)})") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as err:  # an ImportError, or the module's own code failing
+            raise ConfigError(f"{where}: cannot import {target} ({error_line(err)})") from None
+    cls = getattr(module, name, None)
+    if not inspect.isclass(cls):
+        raise ConfigError(f"{where}: {target} has no class {name}")
+    return cls
+
+
+def tool_methods(instance: Any) -> dict[str, Callable[..., Any]]:
+    """The instance's tools: its public methods with a docstring, lifecycle methods aside."""
+    return {
+        name: method
+        for name, method in inspect.getmembers(instance, predicate=inspect.ismethod)
+        if not name.startswith("_") and name not in LIFECYCLE and inspect.getdoc(method)
+    }
+
+
+def make_instance(cls: type) -> Any:
+    """``cls()``, or ConfigError naming the class (a constructor that needs arguments, or
+    raises)."""
+    try:
+        return cls()
+    except Exception as err:  # user code: any failure is one line
+        raise ConfigError(
+            f"rollout.environment: {cls.__name__}() failed ({error_line(err)}); an environment "
+            "class is constructed without arguments"
+        ) from None
+
+
+@dataclass
+class ClassEnvironment:
+    """An environment class as an ``Environment``: ``cls`` probed once here (constructed, its
+    ``reset`` and tools checked, the tools' schemas made), then one instance per episode."""
+
+    cls: type
+    call_format: str = "fence"
+    name: str = field(init=False)
+    tools: list[dict[str, Any]] = field(init=False)
+    stop: list[str] = field(init=False)
+    signatures: dict[str, inspect.Signature] = field(init=False)
+    has_reward: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = self.cls.__name__
+        probe = make_instance(self.cls)
+        if not callable(getattr(probe, "reset", None)):
+            raise ConfigError(f"rollout.environment: {self.name} has no reset method")
+        methods = tool_methods(probe)
+        if not methods:
+            raise ConfigError(
+                f"rollout.environment: {self.name} has no tools (public methods with a docstring)"
+            )
+        schemas = {}
+        for name, method in methods.items():
+            try:
+                schemas[name] = get_json_schema(method)
+            except Exception as err:  # transformers' schema errors (docstring, type hints)
+                raise ConfigError(
+                    f"rollout.environment: {self.name}.{name}: no tool schema ({error_line(err)})"
+                ) from None
+        self.signatures = {name: inspect.signature(method) for name, method in methods.items()}
+        self.tools = list(schemas.values()) if self.call_format == "template" else []
+        self.stop = STOPS[self.call_format]
+        self.has_reward = callable(getattr(probe, "get_reward", None))  # optional, as in TRL
+        close = getattr(probe, "close", None)
+        if callable(close):
+            close()
+
+    def action(self, text: str) -> Action | None:
+        parse = template_call if self.call_format == "template" else fence_call
+        call = parse(text)
+        if call is None or call.error is not None:
+            return call
+        name, given = call.call
+        if name not in self.signatures:
+            return Action(None, f"unknown tool '{name}' (tools: {', '.join(self.signatures)})")
+        try:
+            bound = self.signatures[name].bind(*given[0], **given[1])
+        except TypeError as err:
+            return Action(None, f"bad arguments for {name}: {err}")
+        return Action({"name": name, "arguments": dict(bound.arguments)})
+
+    def episode(self) -> ClassEpisode:
+        return ClassEpisode(self.cls)
+
+
+def template_call(text: str) -> Action | None:
+    """A ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` that ends the turn, as an
+    action whose call is (name, (args, kwargs))."""
+    stripped = text.rstrip()
+    matches = list(TOOL_CALL_RE.finditer(stripped))
+    if not matches or matches[-1].end() != len(stripped):
+        return None
+    try:
+        payload = json.loads(matches[-1].group(1))
+        arguments = payload.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        name = payload["name"]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return Action(None, 'a tool call is {"name": "...", "arguments": {...}}')
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return Action(None, 'a tool call is {"name": "...", "arguments": {...}}')
+    return Action((name, ((), arguments)))
+
+
+def fence_call(text: str) -> Action | None:
+    """A fenced block ending the turn that holds one call, ``name(literal, key=literal)``, as an
+    action whose call is (name, (args, kwargs))."""
+    stripped = text.rstrip()
+    match = next((m for m in FENCE_RE.finditer(stripped) if m.end() == len(stripped)), None)
+    if match is None:
+        return None
+    try:
+        node = ast.parse(match.group(1).strip(), mode="eval").body
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+            raise ValueError("not a call")
+        args = tuple(ast.literal_eval(a) for a in node.args)
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+        if len(kwargs) != len(node.keywords):
+            raise ValueError("**arguments")
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return Action(None, "a call is one tool and its arguments as literals: name(1, key='x')")
+    return Action((node.func.id, (args, kwargs)))
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Python's, NumPy's and torch's global generators seeded from ``seed`` inside, their own
+    state back after (the run's draws do not depend on what the environment drew)."""
+    with SEEDED:
+        states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.random.set_rng_state(states[2])
+
+
+@dataclass
+class ClassEpisode:
+    """One instance of the class, for one completion."""
+
+    cls: type
+    instance: Any = None
+
+    def start(self, row: dict[str, Any], seed: int) -> str | None:
+        with seeded(seed):
+            self.instance = self.cls()
+            text = self.instance.reset(**row)
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"reset returned {type(text).__name__}, expected a string or None")
+        return text
+
+    def step(self, action: Action) -> Step:
+        name, arguments = action.call["name"], action.call["arguments"]
+        try:
+            # the tool's return value, as str() writes it (a __str__ that raises counts too)
+            output = str(getattr(self.instance, name)(**arguments))
+        except Exception as err:  # the tool's own failure: shown to the model, as TRL does
+            line = error_line(err)
+            return Step(f"Error: {line}", "", line)
+        return Step(output)
+
+    def reward(self) -> Any:
+        get_reward = getattr(self.instance, "get_reward", None)
+        return get_reward() if callable(get_reward) else None
+
+    def close(self) -> None:
+        close = getattr(self.instance, "close", None)
+        if callable(close):
+            close()
