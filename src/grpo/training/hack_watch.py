@@ -6,7 +6,8 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
   the rendered prompt with the row's question cut out, so the template, system prompt, few-shot
   turns and chat markup, whatever the recipe uses. R1-Zero's placeholder copy
   ``reasoning process here </think> <answer> answer here </answer>`` is 8 such tokens; an honest
-  ``... </think> <answer> 30 </answer>`` shares 2 in a row.
+  ``... </think> <answer> 30 </answer>`` shares 2 in a row. Its warning counts without the
+  ``data.few_shot`` turns' text: a worked example is there to be imitated.
 - ``hack/question_restated``: share of completions whose answer (the accuracy reward's
   extraction: ``<answer>``, ``\\boxed{}``, ``####``, "the answer is") restates the question: its
   tokens (words, numbers, symbols) appear in a row in the question's, and it is none of the
@@ -29,9 +30,11 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
 
 A signal warns when it goes above its threshold (the shares: ``copy_above``,
 ``restated_above``; the flags: when they turn 1), once per crossing: it warns again only after
-it has come back down. The windows and the raised set are saved in checkpoints
-(``state_dict``), so a resumed run compares with the same early steps and does not repeat a
-warning it already gave.
+it has come back down. A collapse while the accuracy rewards' mean of the last ``window`` steps
+is more than ``accuracy_rise`` above that of the first ``window`` is a policy settling on what it
+learned: it is said as a note, not a warning. The metrics are the same either way; only the
+line differs. The windows and the raised set are saved in checkpoints (``state_dict``), so a
+resumed run compares with the same early steps and does not repeat a line it already gave.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ ANSWER_TOKEN_RE = re.compile(r"\w+|[^\w\s]")  # words, numbers and single symbol
 # what each signal's warning says; formatted with the value and the config's fields
 MESSAGES = {
     "hack/template_copy": "{value:.0%} of completions repeat {copy_ngram}+ words of the prompt's "
-    "own text (template, system prompt, examples)",
+    "own text (template, system prompt; data.few_shot's examples aside)",
     "hack/question_restated": "{value:.0%} of completions answer by restating the question",
     "hack/format_only": "the format reward rose over the last {window} steps while accuracy did "
     "not",
@@ -72,6 +75,8 @@ MESSAGES = {
     "hack/entropy_collapse": "policy entropy of the last {window} steps is below "
     "{collapse_below:.0%} of the first {window} steps'",
 }
+# signals that a run learning the task shows too: a note when the accuracy rose with them
+SETTLING = {"hack/length_collapse", "hack/entropy_collapse"}
 
 
 # --------------------------------------------------------------------------- template copies
@@ -86,13 +91,15 @@ def row_texts(prompt: Any) -> list[str]:
     return []
 
 
-def template_copy_share(rollout: Rollout, n: int) -> float:
+def template_copy_share(rollout: Rollout, n: int, examples: Sequence[str] = ()) -> float:
     """Share of the rollout's completions (the text rewards judge) that copy their prompt's own
-    text: ``n`` or more tokens in a row."""
+    text: ``n`` or more tokens in a row, the texts of ``examples`` (worked examples) cut out
+    like the row's question."""
     g = rollout.group_size
     flags = []
     for i, row in enumerate(rollout.rows):
-        template = template_ngrams(rollout.prompts[i * g], row_texts(row.get("prompt")), n)
+        cut = [*examples, *row_texts(row.get("prompt"))]  # an example may hold a question
+        template = template_ngrams(rollout.prompts[i * g], cut, n)
         flags += [copies(text, template, n) for text in rollout.answers[i * g : (i + 1) * g]]
     return sum(flags) / len(flags) if flags else 0.0
 
@@ -213,13 +220,28 @@ def reward_names_of_kind(
     return list(chosen)
 
 
-class HackWatch:
-    """The signals of each step (``observe``) and their warnings; ``state_dict`` /
-    ``load_state_dict`` for checkpoints. Every rank observes the same gathered step, so every
-    rank holds the same state; only the announcing one prints."""
+@dataclass(frozen=True)
+class Said:
+    """A line the watch gives at ``step`` for signal ``key``: a warning of possible reward
+    hacking, or a note (``warning`` False) that a collapse came with the accuracy rising."""
 
-    def __init__(self, config: HackWatchConfig, rewards: list[RewardSpec]) -> None:
+    step: int
+    key: str
+    warning: bool
+    text: str
+
+
+class HackWatch:
+    """The signals of each step (``observe``) and their lines (``speak``); ``state_dict`` /
+    ``load_state_dict`` for checkpoints. Every rank observes the same gathered step, so every
+    rank holds the same state; only the announcing one prints. ``examples``: the texts of the
+    worked examples the prompt asks the model to follow (``data.few_shot``)."""
+
+    def __init__(
+        self, config: HackWatchConfig, rewards: list[RewardSpec], examples: Sequence[str] = ()
+    ) -> None:
         self.cfg = config
+        self.examples = [text for text in examples if text.strip()]
         key = "train.hack_watch"
         self.format_names = reward_names_of_kind(
             rewards, config.format_rewards, "format", f"{key}.format_rewards"
@@ -231,6 +253,7 @@ class HackWatch:
         self.accuracy: list[float] = []
         self.length = Levels()
         self.entropy = Levels()
+        self.learned = Levels()  # the accuracy rewards' mean, early and recent
         self.raised: set[str] = set()  # signals above their threshold at the last step
 
     @property
@@ -248,13 +271,15 @@ class HackWatch:
     def observe(
         self, step: int, scored: Scored, metrics: dict[str, float], announce: bool
     ) -> dict[str, float]:
-        """The step's ``hack/*`` metrics from its completions and its other ``metrics``."""
+        """The step's ``hack/*`` metrics from its completions and its other ``metrics``; the
+        announcing rank prints the step's lines."""
         cfg = self.cfg
         if not cfg.enabled:
             return {}
         window = cfg.window
+        copied = template_copy_share(scored.rollout, cfg.copy_ngram)
         out = {
-            "hack/template_copy": template_copy_share(scored.rollout, cfg.copy_ngram),
+            "hack/template_copy": copied,
             "hack/question_restated": question_restated_share(scored.rollout),
         }
         if self.format_names and self.accuracy_names:
@@ -270,27 +295,56 @@ class HackWatch:
         self.entropy.add(metrics.get("entropy", math.nan), window)
         out["hack/length_collapse"] = float(self.length.collapsed(window, cfg.collapse_below))
         out["hack/entropy_collapse"] = float(self.entropy.collapsed(window, cfg.collapse_below))
-        self.warn(step, out, announce)
+        own = copied
+        if self.examples:
+            own = template_copy_share(scored.rollout, cfg.copy_ngram, self.examples)
+        for said in self.speak(step, out, metrics, own):
+            if announce:
+                print(said.text, file=sys.stderr if said.warning else sys.stdout, flush=True)
         return out
 
-    def warn(self, step: int, values: dict[str, float], announce: bool) -> None:
-        """One line for each signal that went above its threshold at this step."""
-        thresholds = self.thresholds
-        for key, value in values.items():
+    def accuracy_rose(self) -> tuple[float, float] | None:
+        """The accuracy rewards' mean over the first and the last ``window`` steps, when the
+        last is more than ``accuracy_rise`` above the first; None when it is not (or unknown)."""
+        early, recent = self.learned.early, self.learned.recent
+        if len(early) < self.cfg.window:
+            return None
+        first, last = sum(early) / len(early), sum(recent) / len(recent)
+        return (first, last) if last - first > self.cfg.accuracy_rise else None
+
+    def speak(
+        self, step: int, values: dict[str, float], metrics: dict[str, float], own_copy: float
+    ) -> list[Said]:
+        """The lines of a step whose signals are ``values`` (the ``hack/*`` metrics) and whose
+        other metrics are ``metrics``: one for each signal that went above its threshold.
+        ``own_copy``: the share of completions that copy the template without its worked
+        examples, which decides the template-copy line."""
+        if self.accuracy_names:
+            self.learned.add(kind_mean(metrics, self.accuracy_names), self.cfg.window)
+        decided = {**values, "hack/template_copy": own_copy}
+        thresholds, rose, lines = self.thresholds, self.accuracy_rose(), []
+        for key, value in decided.items():
             if not value > thresholds[key]:
                 self.raised.discard(key)
                 continue
             if key in self.raised:
                 continue
             self.raised.add(key)
-            if announce:
-                said = MESSAGES[key].format(value=value, **self.cfg.model_dump())
-                print(
-                    f"grpo: warning: step {step}: possible reward hacking: {said} ({key}; "
-                    "train.hack_watch, docs/rewards.md#reward-hacking)",
-                    file=sys.stderr,
-                    flush=True,
+            said = MESSAGES[key].format(value=value, **self.cfg.model_dump())
+            if key in SETTLING and rose is not None:
+                text = (
+                    f"grpo: step {step}: {said}, while accuracy rose from {rose[0]:.2f} to "
+                    f"{rose[1]:.2f}: the policy settling on what it learned, not reward hacking "
+                    f"({key}; train.hack_watch)"
                 )
+                lines.append(Said(step, key, False, text))
+                continue
+            text = (
+                f"grpo: warning: step {step}: possible reward hacking: {said} ({key}; "
+                "train.hack_watch, docs/rewards.md#reward-hacking)"
+            )
+            lines.append(Said(step, key, True, text))
+        return lines
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -298,6 +352,7 @@ class HackWatch:
             "accuracy": list(self.accuracy),
             "length": dataclasses.asdict(self.length),
             "entropy": dataclasses.asdict(self.entropy),
+            "learned": dataclasses.asdict(self.learned),
             "raised": sorted(self.raised),
         }
 
@@ -306,4 +361,6 @@ class HackWatch:
         self.accuracy = [float(x) for x in state["accuracy"]]
         self.length = Levels(**state["length"])
         self.entropy = Levels(**state["entropy"])
+        # a checkpoint from before the accuracy levels: they start at the resumed step
+        self.learned = Levels(**state.get("learned", {}))
         self.raised = set(state["raised"])
