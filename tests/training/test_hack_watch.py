@@ -102,6 +102,32 @@ def test_template_copy_reads_the_system_prompt_through_the_chat_template(tiny_mo
     assert template_copy_share(rollout_of(prompts, rows, completions), n=8) == 0.5
 
 
+def test_text_of_a_worked_example_is_no_template_copy_for_the_warning(capsys) -> None:
+    # data.few_shot's worked example, rendered in the prompt; completions that follow it share
+    # its 9-token opening: the metric counts them, the warning does not
+    example = "To convert multiply by how many small units make one large unit. 3 x 1000 = 3000"
+    system = "Convert the quantity and put the number in answer tags at the very end please."
+    question = "Convert 5 kilograms to grams."
+    prompt = f"{system}\nConvert 3 kilograms to grams.\n{example}\n{question}\n"
+    row = {"prompt": question, "answer": "5000"}
+    following = "To convert multiply by how many small units make one large unit. 5 x 1000"
+    placeholder = "put the number in answer tags at the very end please"  # the system prompt's
+    rollout = rollout_of([prompt], [row], [following, following, following, "5000"])
+    examples = ["Convert 3 kilograms to grams.", example]
+    assert template_copy_share(rollout, n=8) == 0.75  # the metric: as before
+    assert template_copy_share(rollout, n=8, examples=examples) == 0.0
+    steps = [step_metrics(10) for _ in range(2)]
+    watch = HackWatch(HackWatchConfig(window=3), SPECS, examples)
+    assert watch.observe(1, scored_of(rollout), steps[0], True)["hack/template_copy"] == 0.75
+    assert not warnings(capsys.readouterr().err)
+    # a copy of the template's own text is still one, examples or not
+    copied = rollout_of([prompt], [row], [placeholder, placeholder, following, "5000"])
+    assert template_copy_share(copied, n=8, examples=examples) == 0.5
+    watch.observe(2, scored_of(copied), steps[1], True)
+    said = warnings(capsys.readouterr().err)
+    assert len(said) == 1 and "step 2: possible reward hacking: 50% of completions" in said[0]
+
+
 # --------------------------------------------------------------------------- restated questions
 
 
@@ -219,6 +245,41 @@ def test_a_collapse_warns_once_per_crossing(capsys) -> None:
     said = warnings(capsys.readouterr().err)
     assert len(said) == 2, said
     assert "step 6:" in said[0] and "step 13:" in said[1] and "hack/length_collapse" in said[0]
+
+
+def test_a_collapse_while_accuracy_rises_is_a_note_not_a_warning(capsys) -> None:
+    # entropy halves while accuracy climbs: the first 3 steps' accuracy mean is 0.3, steps 4-6's
+    # 0.7 (a rise of 0.4 > accuracy_rise 0.02); the signal's metric is 1 all the same
+    watch = HackWatch(HackWatchConfig(window=3), SPECS)
+    steps = [(2.0, 0.2), (2.0, 0.3), (2.0, 0.4), (0.5, 0.6), (0.5, 0.7), (0.5, 0.8)]
+    flags = [
+        watch.observe(s, HONEST, step_metrics(10, acc=a, entropy=e), True)
+        for s, (e, a) in enumerate(steps, start=1)
+    ]
+    assert [f["hack/entropy_collapse"] for f in flags] == [0, 0, 0, 0, 0, 1]
+    out, err = capsys.readouterr()
+    assert not warnings(err)
+    # steps 4-6: (0.5 * 3) / 3 = 0.5 < 0.5 * 2.0; accuracy 0.3 -> 0.7
+    assert out.splitlines() == [
+        "grpo: step 6: policy entropy of the last 3 steps is below 50% of the first 3 steps', "
+        "while accuracy rose from 0.30 to 0.70: the policy settling on what it learned, not "
+        "reward hacking (hack/entropy_collapse; train.hack_watch)"
+    ]
+    # the same collapse with the accuracy flat (within accuracy_rise) is a warning
+    flat = HackWatch(HackWatchConfig(window=3), SPECS)
+    for s, (e, a) in enumerate(steps, start=1):
+        flat.observe(s, HONEST, step_metrics(10, acc=0.3 + a / 100, entropy=e), True)
+    said = warnings(capsys.readouterr().err)
+    assert len(said) == 1 and "step 6:" in said[0] and "hack/entropy_collapse" in said[0]
+
+
+def test_a_length_collapse_without_an_accuracy_reward_still_warns(capsys) -> None:
+    # nothing tells learning from a shortcut: the warning stays
+    watch = HackWatch(HackWatchConfig(window=3), SPECS[:2])
+    for step, length in enumerate([10, 10, 10, 4, 4, 4], start=1):
+        watch.observe(step, HONEST, step_metrics(length), True)
+    said = warnings(capsys.readouterr().err)
+    assert len(said) == 1 and "hack/length_collapse" in said[0]
 
 
 def test_format_rising_alone_warns_and_accuracy_rising_with_it_does_not(capsys) -> None:
@@ -418,6 +479,30 @@ def test_honest_runs_stay_silent(tiny_config, tiny_model_dir, capfd) -> None:
             "entropy_collapse",
         ):
             assert run_metrics(run_dir, f"hack/{key}") == [0.0] * 5, (run_dir, key)
+    assert not warnings(capfd.readouterr().err)
+
+
+WORKED = "I add the first number to the second number and write the sum in the tags"
+
+
+def follows_the_example(step: int, row: dict, j: int) -> str:
+    """Every completion opens with the worked example's 16-token sentence, then answers."""
+    return f" {WORKED}: <answer>{row['answer']}</answer>"
+
+
+def test_a_run_that_follows_its_worked_example_is_not_warned(
+    tiny_config, tiny_model_dir, capfd
+) -> None:
+    # data.few_shot's assistant turn holds the sentence every completion repeats: the metric
+    # counts each one as a copy (1.0), the trainer hands the example to the watch, which is silent
+    few_shot = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": f"{WORKED}: <answer>5</answer>"},
+    ]
+    config = tiny_config(data={"few_shot": few_shot}, train={"steps": 3})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    run_dir = train(config, ScriptedEngine(tokenizer, follows_the_example))
+    assert run_metrics(run_dir, "hack/template_copy") == [1.0, 1.0, 1.0]
     assert not warnings(capfd.readouterr().err)
 
 
