@@ -117,9 +117,7 @@ def crossings(steps: list[dict[str, Any]], thresholds: dict[str, float]) -> list
     return lines
 
 
-def replay(
-    steps: list[dict[str, Any]], watch: HackWatch, own_copy: dict[int, float]
-) -> list[Said]:
+def replay(steps: list[dict[str, Any]], watch: HackWatch, own_copy: dict[int, float]) -> list[Said]:
     """The lines ``watch`` gives over recorded ``steps``; ``own_copy``: a step's template-copy
     share without the worked examples, where it differs from ``hack/template_copy``."""
     lines: list[Said] = []

@@ -333,6 +333,29 @@ def test_the_state_a_checkpoint_keeps_continues_the_windows(capsys) -> None:
     assert entropies(fresh, [0.5, 0.5], 7) == [0, 0]
 
 
+def test_the_accuracy_levels_survive_a_checkpoint_and_an_older_one_loads(capsys) -> None:
+    # accuracy 0.2 over steps 1-3, then entropy and accuracy move: the resumed watch still
+    # compares with steps 1-3 and says a note at step 6, as the straight one does
+    def step(watch: HackWatch, s: int, acc: float, entropy: float) -> None:
+        watch.observe(s, HONEST, step_metrics(10, acc=acc, entropy=entropy), True)
+
+    straight = HackWatch(HackWatchConfig(window=3), SPECS)
+    for s in (1, 2, 3):
+        step(straight, s, 0.2, 2.0)
+    resumed = HackWatch(HackWatchConfig(window=3), SPECS)
+    resumed.load_state_dict(json.loads(json.dumps(straight.state_dict())))
+    assert resumed.learned.early == [0.2, 0.2, 0.2]
+    for watch in (straight, resumed):
+        for s in (4, 5, 6):
+            step(watch, s, 0.8, 0.5)
+    out, err = capsys.readouterr()
+    assert not warnings(err) and [line[:13] for line in out.splitlines()] == ["grpo: step 6:"] * 2
+    older = {k: v for k, v in straight.state_dict().items() if k != "learned"}
+    from_before = HackWatch(HackWatchConfig(window=3), SPECS)
+    from_before.load_state_dict(older)  # a checkpoint from before the accuracy levels
+    assert from_before.learned.early == [] and from_before.raised == straight.raised
+
+
 def test_reward_kinds_come_from_the_registry_or_the_config() -> None:
     watch = HackWatch(HackWatchConfig(), SPECS)
     assert watch.format_names == ["format", "tag_count"]
