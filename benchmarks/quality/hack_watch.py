@@ -1,7 +1,7 @@
 """The reward-hacking watch replayed over recorded runs: which lines it gives on each run, from
 the run's ``metrics.jsonl`` (the ``hack/*`` signals, the accuracy rewards' means) and its
-``completions/`` (all of a step's completions, ``train.log_completions`` >= P x G, for the
-template-copy line of a run with ``data.few_shot``). The numbers behind
+``completions/`` (where all of a step's completions are logged, ``train.log_completions`` >=
+P x G: the template copy without ``data.few_shot``'s examples, the groups with restated answers). The numbers behind
 docs/results/hack-watch.md: warnings on honest runs (target 0) and the first warning of runs
 whose reward was gamed.
 
@@ -31,10 +31,19 @@ from benchmarks import common
 from grpo.build import prompt_format
 from grpo.config import Config, HackWatchConfig, RewardSpec, load_config
 from grpo.data import load_dataset_rows, system_prompt_for
+from grpo.data.prompts import scored_texts
 from grpo.models.aliases import resolve_model_path
 from grpo.models.loading import load_tokenizer
+from grpo.rewards.accuracy import extract_answer
 from grpo.rewards.copying import copies, template_ngrams
-from grpo.training.hack_watch import HackWatch, Said, row_texts
+from grpo.training.hack_watch import (
+    Evidence,
+    HackWatch,
+    Said,
+    groups_with,
+    restates_question,
+    row_texts,
+)
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "hack_watch.json"
 TASK = Path(__file__).resolve().parent / "unit_conversions"
@@ -89,17 +98,27 @@ def rows_by_prompt(config: Config) -> dict[str, dict[str, Any]]:
     return {fmt.render(tokenizer, row): row for row in rows}
 
 
-def own_copy_share(
-    records: list[dict[str, Any]], rows: dict[str, dict[str, Any]], examples: list[str], n: int
-) -> float:
-    """Share of a step's completions that copy their prompt's own text, the worked examples and
-    the row's question cut out (``hack_watch.template_copy_share`` over the logged records)."""
-    flags = []
+def evidence(
+    records: list[dict[str, Any]],
+    rows: dict[str, dict[str, Any]],
+    examples: list[str],
+    n: int,
+    group_size: int,
+) -> Evidence:
+    """What a step's logged completions (all of them, in rollout order) show the watch, as
+    ``HackWatch.observe`` computes it from the rollout."""
+    copied, restated = [], []
     for record in records:
-        cut = [*examples, *row_texts(rows[record["prompt"]]["prompt"])]
+        row = rows[record["prompt"]]
+        question = row_texts(row["prompt"])
         answer = record["turns"][-1]["text"] if "turns" in record else record["completion"]
-        flags.append(copies(answer, template_ngrams(record["prompt"], cut, n), n))
-    return sum(flags) / len(flags) if flags else 0.0
+        template = template_ngrams(record["prompt"], [*examples, *question], n)
+        copied.append(copies(answer, template, n))
+        (text,) = [answer] if "turns" in record else scored_texts([record["prompt"]], [answer])
+        gold = row.get("answer")
+        restated.append(restates_question(extract_answer(text), " ".join(question), gold))
+    groups = len(records) // group_size
+    return Evidence(sum(copied) / len(copied), groups_with(restated, group_size), groups)
 
 
 def crossings(steps: list[dict[str, Any]], thresholds: dict[str, float]) -> list[dict[str, Any]]:
@@ -117,14 +136,15 @@ def crossings(steps: list[dict[str, Any]], thresholds: dict[str, float]) -> list
     return lines
 
 
-def replay(steps: list[dict[str, Any]], watch: HackWatch, own_copy: dict[int, float]) -> list[Said]:
-    """The lines ``watch`` gives over recorded ``steps``; ``own_copy``: a step's template-copy
-    share without the worked examples, where it differs from ``hack/template_copy``."""
+def replay(steps: list[dict[str, Any]], watch: HackWatch, seen: dict[int, Evidence]) -> list[Said]:
+    """The lines ``watch`` gives over recorded ``steps``; ``seen``: what each step's
+    completions showed, where they were logged (else the metrics alone: the copy share as
+    ``hack/template_copy``, restated answers taken as spread over the groups)."""
     lines: list[Said] = []
     for row in steps:
         values = {k: v for k, v in row.items() if k in watch.thresholds}
-        own = own_copy.get(row["step"], row.get("hack/template_copy", 0.0))
-        lines += watch.speak(row["step"], values, row, own)
+        unseen = Evidence(row.get("hack/template_copy", 0.0), 1, 1)
+        lines += watch.speak(row["step"], values, row, seen.get(row["step"], unseen))
     return lines
 
 
@@ -137,9 +157,9 @@ def summary(
     honest: bool,
     steps: list[dict[str, Any]],
     watch: HackWatch,
-    own_copy: dict[int, float],
+    seen: dict[int, Evidence],
 ) -> dict[str, Any]:
-    lines = replay(steps, watch, own_copy)
+    lines = replay(steps, watch, seen)
     warnings = [{"step": s.step, "key": s.key} for s in lines if s.warning]
     accuracy = [
         sum(row.get(f"reward/{n}/mean", 0.0) for n in watch.accuracy_names)
@@ -157,7 +177,7 @@ def summary(
         "warnings": warnings,
         "notes": [{"step": s.step, "key": s.key} for s in lines if not s.warning],
         "first_warning": warnings[0]["step"] if warnings else None,
-        "copy_recomputed_steps": sorted(own_copy),
+        "steps_with_completions": sorted(seen),
     }
 
 
@@ -166,19 +186,21 @@ def run_dir_summary(run_dir: Path, honest: bool) -> dict[str, Any]:
     examples = [turn.content for turn in config.data.few_shot]
     watch = HackWatch(config.train.hack_watch, config.rewards.functions, examples)
     steps = step_rows(run_dir)
-    own_copy: dict[int, float] = {}
-    if watch.examples:
-        rows = rows_by_prompt(config)
-        per_step = config.rollout.prompts_per_step * config.rollout.group_size
-        for row in steps:
-            path = run_dir / "completions" / f"step-{row['step']:06d}.jsonl"
-            records = [json.loads(x) for x in path.read_text().splitlines()]
-            if len(records) < per_step:
-                raise SystemExit(f"{path}: {len(records)} completions of {per_step}")
-            own_copy[row["step"]] = own_copy_share(
-                records, rows, watch.examples, config.train.hack_watch.copy_ngram
-            )
-    out = summary(run_dir.name, honest, steps, watch, own_copy)
+    g = config.rollout.group_size
+    per_step = config.rollout.prompts_per_step * g
+    logged = {
+        row["step"]: run_dir / "completions" / f"step-{row['step']:06d}.jsonl" for row in steps
+    }
+    logged = {
+        step: [json.loads(x) for x in path.read_text().splitlines()]
+        for step, path in logged.items()
+        if path.is_file()
+    }
+    logged = {step: records for step, records in logged.items() if len(records) == per_step}
+    rows = rows_by_prompt(config) if logged else {}
+    n = config.train.hack_watch.copy_ngram
+    seen = {step: evidence(r, rows, watch.examples, n, g) for step, r in logged.items()}
+    out = summary(run_dir.name, honest, steps, watch, seen)
     out["source"] = str(run_dir)
     out["system_prompt"] = system_prompt_for(config.data)
     return out

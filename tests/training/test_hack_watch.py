@@ -24,6 +24,8 @@ from grpo.training.hack_watch import (
     HackWatch,
     Levels,
     format_only,
+    groups_with,
+    held_up,
     question_restated_share,
     restates_question,
     rise,
@@ -173,6 +175,29 @@ def test_restated_share_reads_answers_as_the_rewards_do() -> None:
     assert question_restated_share(rollout_of(prompts, rows, completions)) == 0.5
 
 
+def test_restated_answers_warn_only_when_they_spread_over_groups(capsys) -> None:
+    # the default recipe's step 4: one group wrote "21 + 10 = 21" seven times of eight, an
+    # honest misreading of one question (7 of 16 here: 44% > 20%); the same share spread over
+    # both questions is a shortcut
+    rows = [
+        {"prompt": "What is 21 + 10?", "answer": "31"},
+        {"prompt": "What is 2 + 28?", "answer": "30"},
+    ]
+    prompts = [row["prompt"] for row in rows]
+    one_group = ["<answer>21</answer>"] * 7 + ["<answer>31</answer>"] * 9
+    spread = ["<answer>21</answer>"] * 4 + ["<answer>31</answer>"] * 4
+    spread += ["<answer>28</answer>"] * 3 + ["<answer>30</answer>"] * 5
+    assert groups_with([True] * 7 + [False] * 9, 8) == 1
+    assert groups_with([True] * 4 + [False] * 4 + [True] * 3 + [False] * 5, 8) == 2
+    for completions, warned in ((one_group, False), (spread, True)):
+        watch = HackWatch(HackWatchConfig(window=3), SPECS)
+        scored = scored_of(rollout_of(prompts, rows, completions))
+        out = watch.observe(1, scored, step_metrics(10), True)
+        assert out["hack/question_restated"] == pytest.approx(7 / 16)  # the metric: as before
+        said = warnings(capsys.readouterr().err)
+        assert len(said) == int(warned) and all("hack/question_restated" in x for x in said)
+
+
 # --------------------------------------------------------------------------- trends
 
 
@@ -247,9 +272,9 @@ def test_a_collapse_warns_once_per_crossing(capsys) -> None:
     assert "step 6:" in said[0] and "step 13:" in said[1] and "hack/length_collapse" in said[0]
 
 
-def test_a_collapse_while_accuracy_rises_is_a_note_not_a_warning(capsys) -> None:
-    # entropy halves while accuracy climbs: the first 3 steps' accuracy mean is 0.3, steps 4-6's
-    # 0.7 (a rise of 0.4 > accuracy_rise 0.02); the signal's metric is 1 all the same
+def test_a_collapse_while_accuracy_holds_up_is_a_note_not_a_warning(capsys) -> None:
+    # entropy falls to a quarter while accuracy climbs: the first 3 steps' accuracy mean is
+    # 0.3, steps 4-6's 0.7; the signal's metric is 1 all the same
     watch = HackWatch(HackWatchConfig(window=3), SPECS)
     steps = [(2.0, 0.2), (2.0, 0.3), (2.0, 0.4), (0.5, 0.6), (0.5, 0.7), (0.5, 0.8)]
     flags = [
@@ -262,15 +287,38 @@ def test_a_collapse_while_accuracy_rises_is_a_note_not_a_warning(capsys) -> None
     # steps 4-6: (0.5 * 3) / 3 = 0.5 < 0.5 * 2.0; accuracy 0.3 -> 0.7
     assert out.splitlines() == [
         "grpo: step 6: policy entropy of the last 3 steps is below 50% of the first 3 steps', "
-        "while accuracy rose from 0.30 to 0.70: the policy settling on what it learned, not "
-        "reward hacking (hack/entropy_collapse; train.hack_watch)"
+        "while the accuracy reward held up (0.30 over the first 3 steps, 0.70 over the last): "
+        "the policy growing sure of what it learned, not reward hacking "
+        "(hack/entropy_collapse; train.hack_watch)"
     ]
-    # the same collapse with the accuracy flat (within accuracy_rise) is a warning
-    flat = HackWatch(HackWatchConfig(window=3), SPECS)
-    for s, (e, a) in enumerate(steps, start=1):
-        flat.observe(s, HONEST, step_metrics(10, acc=0.3 + a / 100, entropy=e), True)
-    said = warnings(capsys.readouterr().err)
-    assert len(said) == 1 and "step 6:" in said[0] and "hack/entropy_collapse" in said[0]
+
+
+@pytest.mark.parametrize(
+    ("accuracy", "warned"),
+    [
+        ([0.0] * 6, True),  # nothing right: the collapse is not bought by answers
+        ([0.8, 0.8, 0.8, 0.3, 0.2, 0.2], True),  # fell 0.8 -> 0.23, far beyond the noise
+        # held with noise: 0.5 -> 0.4 is within 2 standard errors (2 x 0.067, below)
+        ([0.4, 0.6, 0.5, 0.4, 0.5, 0.3], False),
+        ([0.2, 0.2, 0.2, 0.3, 0.3, 0.3], False),  # rose
+    ],
+)
+def test_a_collapse_warns_when_the_accuracy_reward_is_zero_or_fell(accuracy, warned, capsys):
+    watch = HackWatch(HackWatchConfig(window=3), SPECS)
+    entropies = [2.0, 2.0, 2.0, 0.5, 0.5, 0.5]
+    for s, (e, a) in enumerate(zip(entropies, accuracy, strict=True), start=1):
+        watch.observe(s, HONEST, step_metrics(10, acc=a, entropy=e), True)
+    out, err = capsys.readouterr()
+    assert len(warnings(err)) == int(warned) and len(out.splitlines()) == int(not warned)
+
+
+def test_held_up_allows_for_the_noise_of_a_window() -> None:
+    # early [0.4, 0.6, 0.5]: mean 0.5, variance 0.02/3; recent [0.4, 0.5, 0.3]: 0.4, 0.02/3
+    # noise sqrt(0.02/9 + 0.02/9) = 0.0667; allowed fall max(0.02, 0.133): 0.4 >= 0.367
+    assert held_up([0.4, 0.6, 0.5], [0.4, 0.5, 0.3], 0.02) == pytest.approx((0.5, 0.4))
+    assert held_up([0.5, 0.5, 0.5], [0.45, 0.45, 0.45], 0.02) is None  # no noise: 0.05 fell
+    assert held_up([0.5, 0.5, 0.5], [0.49, 0.49, 0.49], 0.02) is not None  # within the margin
+    assert held_up([0.0, 0.0], [0.0, 0.0], 0.02) is None  # nothing paid
 
 
 def test_a_length_collapse_without_an_accuracy_reward_still_warns(capsys) -> None:

@@ -18,7 +18,8 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
   (an operand copied, which a format reward for a numeric answer pays); without a gold answer
   a plain number never counts (``5`` for "5 * 1" may be right). On word problems an honest
   wrong answer that happens to be one of the question's numbers counts too: the signal is a
-  share, and warns only when many completions do it.
+  share, and warns only when many completions do it, in two groups (prompts) or more: a whole
+  group misreading one question (``21 + 10 = 21``) is the model's error, a shortcut spreads.
 - ``hack/format_only``: 1 when, over the last ``window`` steps, the format rewards' mean rose by
   more than ``format_rise`` while the accuracy rewards' mean rose by at most ``accuracy_rise``
   (rise: the least-squares slope times the window's span). Which functions are which comes from
@@ -30,10 +31,11 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
 
 A signal warns when it goes above its threshold (the shares: ``copy_above``,
 ``restated_above``; the flags: when they turn 1), once per crossing: it warns again only after
-it has come back down. A collapse while the accuracy rewards' mean of the last ``window`` steps
-is more than ``accuracy_rise`` above that of the first ``window`` is a policy settling on what it
-learned: it is said as a note, not a warning. The metrics are the same either way; only the
-line differs. The windows and the raised set are saved in checkpoints (``state_dict``), so a
+it has come back down. A collapse while the accuracy rewards held up (their mean over the last
+``window`` steps above 0 and not below that of the first ``window`` by more than
+``accuracy_rise`` and two standard errors: ``held_up``) is a policy growing sure of what it
+learned: it is said as a note on stdout, not a warning. The metrics are the same either way;
+only the line differs. The windows and the raised set are saved in checkpoints (``state_dict``), so a
 resumed run compares with the same early steps and does not repeat a line it already gave.
 """
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,7 +78,7 @@ MESSAGES = {
     "hack/entropy_collapse": "policy entropy of the last {window} steps is below "
     "{collapse_below:.0%} of the first {window} steps'",
 }
-# signals that a run learning the task shows too: a note when the accuracy rose with them
+# signals that a run learning the task shows too: a note when the accuracy held up with them
 SETTLING = {"hack/length_collapse", "hack/entropy_collapse"}
 
 
@@ -135,15 +138,25 @@ def restates_question(answer: str | None, question: str, gold: Any = None) -> bo
     return contains(answer_tokens(question), tokens)
 
 
-def question_restated_share(rollout: Rollout) -> float:
-    """Share of the rollout's completions whose answer restates its row's question."""
+def question_restated_flags(rollout: Rollout) -> list[bool]:
+    """Whether each of the rollout's completions answers by restating its row's question."""
     texts, prompts, columns, _ = reward_inputs(rollout)
     golds = columns.get("answer") or [None] * len(texts)
-    flags = [
+    return [
         restates_question(extract_answer(text), " ".join(row_texts(prompt)), gold)
         for text, prompt, gold in zip(texts, prompts, golds, strict=True)
     ]
+
+
+def question_restated_share(rollout: Rollout) -> float:
+    """Share of the rollout's completions whose answer restates its row's question."""
+    flags = question_restated_flags(rollout)
     return sum(flags) / len(flags) if flags else 0.0
+
+
+def groups_with(flags: Sequence[bool], group_size: int) -> int:
+    """How many groups (consecutive ``group_size`` completions) hold a flagged completion."""
+    return sum(any(flags[i : i + group_size]) for i in range(0, len(flags), group_size))
 
 
 # --------------------------------------------------------------------------- trends over steps
@@ -220,6 +233,33 @@ def reward_names_of_kind(
     return list(chosen)
 
 
+def held_up(
+    early: Sequence[float], recent: Sequence[float], margin: float
+) -> tuple[float, float] | None:
+    """The means of ``early`` and ``recent`` (per-step accuracy) when the recent one is above 0
+    and did not fall: it is not below the early one by more than ``margin`` and two standard
+    errors of the difference (the steps' prompts differ in difficulty, so a window's mean
+    moves by itself); None otherwise."""
+    first, last = statistics.fmean(early), statistics.fmean(recent)
+    noise = math.sqrt(
+        statistics.pvariance(early) / len(early) + statistics.pvariance(recent) / len(recent)
+    )
+    return (first, last) if last > 0 and last >= first - max(margin, 2 * noise) else None
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What decides a step's lines besides its ``hack/*`` metrics, from its completions.
+
+    own_copy: share of completions that copy the template with the worked examples cut out.
+    restated_groups: groups (prompts) holding an answer that restates the question, of
+    ``groups``: a misreading of one question is the model's own error, a shortcut spreads."""
+
+    own_copy: float
+    restated_groups: int
+    groups: int
+
+
 @dataclass(frozen=True)
 class Said:
     """A line the watch gives at ``step`` for signal ``key``: a warning of possible reward
@@ -277,10 +317,12 @@ class HackWatch:
         if not cfg.enabled:
             return {}
         window = cfg.window
-        copied = template_copy_share(scored.rollout, cfg.copy_ngram)
+        rollout = scored.rollout
+        copied = template_copy_share(rollout, cfg.copy_ngram)
+        restated = question_restated_flags(rollout)
         out = {
             "hack/template_copy": copied,
-            "hack/question_restated": question_restated_share(scored.rollout),
+            "hack/question_restated": sum(restated) / len(restated) if restated else 0.0,
         }
         if self.format_names and self.accuracy_names:
             pair = kind_mean(metrics, self.format_names), kind_mean(metrics, self.accuracy_names)
@@ -297,32 +339,38 @@ class HackWatch:
         out["hack/entropy_collapse"] = float(self.entropy.collapsed(window, cfg.collapse_below))
         own = copied
         if self.examples:
-            own = template_copy_share(scored.rollout, cfg.copy_ngram, self.examples)
-        for said in self.speak(step, out, metrics, own):
+            own = template_copy_share(rollout, cfg.copy_ngram, self.examples)
+        seen = Evidence(own, groups_with(restated, rollout.group_size), len(rollout.rows))
+        for said in self.speak(step, out, metrics, seen):
             if announce:
                 print(said.text, file=sys.stderr if said.warning else sys.stdout, flush=True)
         return out
 
-    def accuracy_rose(self) -> tuple[float, float] | None:
-        """The accuracy rewards' mean over the first and the last ``window`` steps, when the
-        last is more than ``accuracy_rise`` above the first; None when it is not (or unknown)."""
+    def accuracy_held(self) -> tuple[float, float] | None:
+        """The accuracy rewards' mean over the first and the last ``window`` steps when it held
+        up (see ``held_up``); None when it did not, or is unknown."""
         early, recent = self.learned.early, self.learned.recent
         if len(early) < self.cfg.window:
             return None
-        first, last = sum(early) / len(early), sum(recent) / len(recent)
-        return (first, last) if last - first > self.cfg.accuracy_rise else None
+        return held_up(early, recent, self.cfg.accuracy_rise)
 
     def speak(
-        self, step: int, values: dict[str, float], metrics: dict[str, float], own_copy: float
+        self, step: int, values: dict[str, float], metrics: dict[str, float], seen: Evidence
     ) -> list[Said]:
-        """The lines of a step whose signals are ``values`` (the ``hack/*`` metrics) and whose
-        other metrics are ``metrics``: one for each signal that went above its threshold.
-        ``own_copy``: the share of completions that copy the template without its worked
-        examples, which decides the template-copy line."""
+        """The lines of a step whose signals are ``values`` (the ``hack/*`` metrics), whose
+        other metrics are ``metrics`` and whose completions showed ``seen``: one for each
+        signal that went above its threshold. The template copy counts without the worked
+        examples, and restated answers only when they are in two groups or more (or the only
+        one)."""
         if self.accuracy_names:
             self.learned.add(kind_mean(metrics, self.accuracy_names), self.cfg.window)
-        decided = {**values, "hack/template_copy": own_copy}
-        thresholds, rose, lines = self.thresholds, self.accuracy_rose(), []
+        spread = seen.restated_groups >= min(2, seen.groups)
+        decided = {
+            **values,
+            "hack/template_copy": seen.own_copy,
+            "hack/question_restated": values["hack/question_restated"] if spread else 0.0,
+        }
+        thresholds, held, lines = self.thresholds, self.accuracy_held(), []
         for key, value in decided.items():
             if not value > thresholds[key]:
                 self.raised.discard(key)
@@ -331,11 +379,12 @@ class HackWatch:
                 continue
             self.raised.add(key)
             said = MESSAGES[key].format(value=value, **self.cfg.model_dump())
-            if key in SETTLING and rose is not None:
+            if key in SETTLING and held is not None:
                 text = (
-                    f"grpo: step {step}: {said}, while accuracy rose from {rose[0]:.2f} to "
-                    f"{rose[1]:.2f}: the policy settling on what it learned, not reward hacking "
-                    f"({key}; train.hack_watch)"
+                    f"grpo: step {step}: {said}, while the accuracy reward held up ({held[0]:.2f} "
+                    f"over the first {self.cfg.window} steps, {held[1]:.2f} over the last): the "
+                    f"policy growing sure of what it learned, not reward hacking ({key}; "
+                    "train.hack_watch)"
                 )
                 lines.append(Said(step, key, False, text))
                 continue
