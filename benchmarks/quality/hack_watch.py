@@ -40,9 +40,9 @@ from grpo.training.hack_watch import (
     Evidence,
     HackWatch,
     Said,
-    groups_with,
     restates_question,
     row_texts,
+    share_beyond_one_group,
 )
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "hack_watch.json"
@@ -117,8 +117,7 @@ def evidence(
         (text,) = [answer] if "turns" in record else scored_texts([record["prompt"]], [answer])
         gold = row.get("answer")
         restated.append(restates_question(extract_answer(text), " ".join(question), gold))
-    groups = len(records) // group_size
-    return Evidence(sum(copied) / len(copied), groups_with(restated, group_size), groups)
+    return Evidence(sum(copied) / len(copied), share_beyond_one_group(restated, group_size))
 
 
 def crossings(steps: list[dict[str, Any]], thresholds: dict[str, float]) -> list[dict[str, Any]]:
@@ -139,11 +138,11 @@ def crossings(steps: list[dict[str, Any]], thresholds: dict[str, float]) -> list
 def replay(steps: list[dict[str, Any]], watch: HackWatch, seen: dict[int, Evidence]) -> list[Said]:
     """The lines ``watch`` gives over recorded ``steps``; ``seen``: what each step's
     completions showed, where they were logged (else the metrics alone: the copy share as
-    ``hack/template_copy``, restated answers taken as spread over the groups)."""
+    ``hack/template_copy``, restated answers as spread as ``hack/question_restated``)."""
     lines: list[Said] = []
     for row in steps:
         values = {k: v for k, v in row.items() if k in watch.thresholds}
-        unseen = Evidence(row.get("hack/template_copy", 0.0), 1, 1)
+        unseen = Evidence(row["hack/template_copy"], row["hack/question_restated"])
         lines += watch.speak(row["step"], values, row, seen.get(row["step"], unseen))
     return lines
 

@@ -24,11 +24,11 @@ from grpo.training.hack_watch import (
     HackWatch,
     Levels,
     format_only,
-    groups_with,
     held_up,
     question_restated_share,
     restates_question,
     rise,
+    share_beyond_one_group,
     template_copy_share,
 )
 from grpo.training.trainer import train
@@ -176,7 +176,7 @@ def test_restated_share_reads_answers_as_the_rewards_do() -> None:
 
 
 def test_restated_answers_warn_only_when_they_spread_over_groups(capsys) -> None:
-    # the default recipe's step 4: one group wrote "21 + 10 = 21" seven times of eight, an
+    # the default recipe's step 4: one group wrote "21 + 10 = 21" six times of eight, an
     # honest misreading of one question (7 of 16 here: 44% > 20%); the same share spread over
     # both questions is a shortcut
     rows = [
@@ -187,8 +187,10 @@ def test_restated_answers_warn_only_when_they_spread_over_groups(capsys) -> None
     one_group = ["<answer>21</answer>"] * 7 + ["<answer>31</answer>"] * 9
     spread = ["<answer>21</answer>"] * 4 + ["<answer>31</answer>"] * 4
     spread += ["<answer>28</answer>"] * 3 + ["<answer>30</answer>"] * 5
-    assert groups_with([True] * 7 + [False] * 9, 8) == 1
-    assert groups_with([True] * 4 + [False] * 4 + [True] * 3 + [False] * 5, 8) == 2
+    # beyond the group with the most: 0 of 8, and 3 of 8 (38% > 20%)
+    assert share_beyond_one_group([True] * 7 + [False] * 9, 8) == 0
+    assert share_beyond_one_group([True] * 4 + [False] * 4 + [True] * 3 + [False] * 5, 8) == 3 / 8
+    assert share_beyond_one_group([True, False, True, True], 4) == 3 / 4  # one group: its own
     for completions, warned in ((one_group, False), (spread, True)):
         watch = HackWatch(HackWatchConfig(window=3), SPECS)
         scored = scored_of(rollout_of(prompts, rows, completions))

@@ -18,8 +18,9 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
   (an operand copied, which a format reward for a numeric answer pays); without a gold answer
   a plain number never counts (``5`` for "5 * 1" may be right). On word problems an honest
   wrong answer that happens to be one of the question's numbers counts too: the signal is a
-  share, and warns only when many completions do it, in two groups (prompts) or more: a whole
-  group misreading one question (``21 + 10 = 21``) is the model's error, a shortcut spreads.
+  share, and warns only when many completions do it, in the other groups (prompts) as well as
+  the one with the most: a group misreading its question (``21 + 10 = 21`` seven times of
+  eight) is the model's error, a shortcut spreads.
 - ``hack/format_only``: 1 when, over the last ``window`` steps, the format rewards' mean rose by
   more than ``format_rise`` while the accuracy rewards' mean rose by at most ``accuracy_rise``
   (rise: the least-squares slope times the window's span). Which functions are which comes from
@@ -154,9 +155,13 @@ def question_restated_share(rollout: Rollout) -> float:
     return sum(flags) / len(flags) if flags else 0.0
 
 
-def groups_with(flags: Sequence[bool], group_size: int) -> int:
-    """How many groups (consecutive ``group_size`` completions) hold a flagged completion."""
-    return sum(any(flags[i : i + group_size]) for i in range(0, len(flags), group_size))
+def share_beyond_one_group(flags: Sequence[bool], group_size: int) -> float:
+    """Share of flagged completions among those of every group but the one with the most
+    flags; with one group, among its own."""
+    counts = sorted(sum(flags[i : i + group_size]) for i in range(0, len(flags), group_size))
+    if len(counts) < 2:
+        return sum(flags) / len(flags) if flags else 0.0
+    return sum(counts[:-1]) / (len(flags) - group_size)
 
 
 # --------------------------------------------------------------------------- trends over steps
@@ -252,12 +257,12 @@ class Evidence:
     """What decides a step's lines besides its ``hack/*`` metrics, from its completions.
 
     own_copy: share of completions that copy the template with the worked examples cut out.
-    restated_groups: groups (prompts) holding an answer that restates the question, of
-    ``groups``: a misreading of one question is the model's own error, a shortcut spreads."""
+    restated_elsewhere: share of answers that restate the question in every group but the one
+    with the most: one group's misreading of its question is the model's own error, a shortcut
+    shows in the other groups too."""
 
     own_copy: float
-    restated_groups: int
-    groups: int
+    restated_elsewhere: float
 
 
 @dataclass(frozen=True)
@@ -340,7 +345,7 @@ class HackWatch:
         own = copied
         if self.examples:
             own = template_copy_share(rollout, cfg.copy_ngram, self.examples)
-        seen = Evidence(own, groups_with(restated, rollout.group_size), len(rollout.rows))
+        seen = Evidence(own, share_beyond_one_group(restated, rollout.group_size))
         for said in self.speak(step, out, metrics, seen):
             if announce:
                 print(said.text, file=sys.stderr if said.warning else sys.stdout, flush=True)
@@ -360,11 +365,11 @@ class HackWatch:
         """The lines of a step whose signals are ``values`` (the ``hack/*`` metrics), whose
         other metrics are ``metrics`` and whose completions showed ``seen``: one for each
         signal that went above its threshold. The template copy counts without the worked
-        examples, and restated answers only when they are in two groups or more (or the only
-        one)."""
+        examples, and restated answers only when the groups but the one with the most hold
+        more than ``restated_above`` of them too."""
         if self.accuracy_names:
             self.learned.add(kind_mean(metrics, self.accuracy_names), self.cfg.window)
-        spread = seen.restated_groups >= min(2, seen.groups)
+        spread = seen.restated_elsewhere > self.cfg.restated_above
         decided = {
             **values,
             "hack/template_copy": seen.own_copy,
