@@ -159,7 +159,7 @@ def summary(
     seen: dict[int, Evidence],
 ) -> dict[str, Any]:
     lines = replay(steps, watch, seen)
-    warnings = [{"step": s.step, "key": s.key} for s in lines if s.warning]
+    warnings = [{"step": s.step, "key": s.key, "text": s.text} for s in lines if s.warning]
     accuracy = [
         sum(row.get(f"reward/{n}/mean", 0.0) for n in watch.accuracy_names)
         / len(watch.accuracy_names)
@@ -174,7 +174,7 @@ def summary(
         "accuracy_reward_last_5": mean(accuracy[-5:]),
         "before": crossings(steps, watch.thresholds),
         "warnings": warnings,
-        "notes": [{"step": s.step, "key": s.key} for s in lines if not s.warning],
+        "notes": [{"step": s.step, "key": s.key, "text": s.text} for s in lines if not s.warning],
         "first_warning": warnings[0]["step"] if warnings else None,
         "steps_with_completions": sorted(seen),
     }
