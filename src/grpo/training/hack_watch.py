@@ -268,7 +268,7 @@ class Evidence:
 @dataclass(frozen=True)
 class Said:
     """A line the watch gives at ``step`` for signal ``key``: a warning of possible reward
-    hacking, or a note (``warning`` False) that a collapse came with the accuracy rising."""
+    hacking, or a note (``warning`` False) that a collapse came with the accuracy holding up."""
 
     step: int
     key: str
