@@ -29,7 +29,8 @@ from typing import Any
 
 from benchmarks import common
 from grpo.build import prompt_format
-from grpo.config import Config, HackWatchConfig, RewardSpec, load_config
+from grpo.config import Config, HackWatchConfig, RewardSpec
+from grpo.config.loading import build_config, read_recipe
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.data.prompts import scored_texts
 from grpo.models.aliases import resolve_model_path
@@ -181,7 +182,8 @@ def summary(
 
 
 def run_dir_summary(run_dir: Path, honest: bool) -> dict[str, Any]:
-    config = load_config(run_dir / "config.yaml")
+    # the run wrote its paths as it used them, from its working directory: not the file's
+    config = build_config(read_recipe(run_dir / "config.yaml"))
     examples = [turn.content for turn in config.data.few_shot]
     watch = HackWatch(config.train.hack_watch, config.rewards.functions, examples)
     steps = step_rows(run_dir)
