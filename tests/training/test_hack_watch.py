@@ -24,9 +24,11 @@ from grpo.training.hack_watch import (
     HackWatch,
     Levels,
     format_only,
+    held_up,
     question_restated_share,
     restates_question,
     rise,
+    share_beyond_one_group,
     template_copy_share,
 )
 from grpo.training.trainer import train
@@ -102,6 +104,32 @@ def test_template_copy_reads_the_system_prompt_through_the_chat_template(tiny_mo
     assert template_copy_share(rollout_of(prompts, rows, completions), n=8) == 0.5
 
 
+def test_text_of_a_worked_example_is_no_template_copy_for_the_warning(capsys) -> None:
+    # data.few_shot's worked example, rendered in the prompt; completions that follow it share
+    # its 9-token opening: the metric counts them, the warning does not
+    example = "To convert multiply by how many small units make one large unit. 3 x 1000 = 3000"
+    system = "Convert the quantity and put the number in answer tags at the very end please."
+    question = "Convert 5 kilograms to grams."
+    prompt = f"{system}\nConvert 3 kilograms to grams.\n{example}\n{question}\n"
+    row = {"prompt": question, "answer": "5000"}
+    following = "To convert multiply by how many small units make one large unit. 5 x 1000"
+    placeholder = "put the number in answer tags at the very end please"  # the system prompt's
+    rollout = rollout_of([prompt], [row], [following, following, following, "5000"])
+    examples = ["Convert 3 kilograms to grams.", example]
+    assert template_copy_share(rollout, n=8) == 0.75  # the metric: as before
+    assert template_copy_share(rollout, n=8, examples=examples) == 0.0
+    steps = [step_metrics(10) for _ in range(2)]
+    watch = HackWatch(HackWatchConfig(window=3), SPECS, examples)
+    assert watch.observe(1, scored_of(rollout), steps[0], True)["hack/template_copy"] == 0.75
+    assert not warnings(capsys.readouterr().err)
+    # a copy of the template's own text is still one, examples or not
+    copied = rollout_of([prompt], [row], [placeholder, placeholder, following, "5000"])
+    assert template_copy_share(copied, n=8, examples=examples) == 0.5
+    watch.observe(2, scored_of(copied), steps[1], True)
+    said = warnings(capsys.readouterr().err)
+    assert len(said) == 1 and "step 2: possible reward hacking: 50% of completions" in said[0]
+
+
 # --------------------------------------------------------------------------- restated questions
 
 
@@ -145,6 +173,31 @@ def test_restated_share_reads_answers_as_the_rewards_do() -> None:
         "<answer>20</answer>",
     ]
     assert question_restated_share(rollout_of(prompts, rows, completions)) == 0.5
+
+
+def test_restated_answers_warn_only_when_they_spread_over_groups(capsys) -> None:
+    # the default recipe's step 4: one group wrote "21 + 10 = 21" six times of eight, an
+    # honest misreading of one question (7 of 16 here: 44% > 20%); the same share spread over
+    # both questions is a shortcut
+    rows = [
+        {"prompt": "What is 21 + 10?", "answer": "31"},
+        {"prompt": "What is 2 + 28?", "answer": "30"},
+    ]
+    prompts = [row["prompt"] for row in rows]
+    one_group = ["<answer>21</answer>"] * 7 + ["<answer>31</answer>"] * 9
+    spread = ["<answer>21</answer>"] * 4 + ["<answer>31</answer>"] * 4
+    spread += ["<answer>28</answer>"] * 3 + ["<answer>30</answer>"] * 5
+    # beyond the group with the most: 0 of 8, and 3 of 8 (38% > 20%)
+    assert share_beyond_one_group([True] * 7 + [False] * 9, 8) == 0
+    assert share_beyond_one_group([True] * 4 + [False] * 4 + [True] * 3 + [False] * 5, 8) == 3 / 8
+    assert share_beyond_one_group([True, False, True, True], 4) == 3 / 4  # one group: its own
+    for completions, warned in ((one_group, False), (spread, True)):
+        watch = HackWatch(HackWatchConfig(window=3), SPECS)
+        scored = scored_of(rollout_of(prompts, rows, completions))
+        out = watch.observe(1, scored, step_metrics(10), True)
+        assert out["hack/question_restated"] == pytest.approx(7 / 16)  # the metric: as before
+        said = warnings(capsys.readouterr().err)
+        assert len(said) == int(warned) and all("hack/question_restated" in x for x in said)
 
 
 # --------------------------------------------------------------------------- trends
@@ -221,6 +274,64 @@ def test_a_collapse_warns_once_per_crossing(capsys) -> None:
     assert "step 6:" in said[0] and "step 13:" in said[1] and "hack/length_collapse" in said[0]
 
 
+def test_a_collapse_while_accuracy_holds_up_is_a_note_not_a_warning(capsys) -> None:
+    # entropy falls to a quarter while accuracy climbs: the first 3 steps' accuracy mean is
+    # 0.3, steps 4-6's 0.7; the signal's metric is 1 all the same
+    watch = HackWatch(HackWatchConfig(window=3), SPECS)
+    steps = [(2.0, 0.2), (2.0, 0.3), (2.0, 0.4), (0.5, 0.6), (0.5, 0.7), (0.5, 0.8)]
+    flags = [
+        watch.observe(s, HONEST, step_metrics(10, acc=a, entropy=e), True)
+        for s, (e, a) in enumerate(steps, start=1)
+    ]
+    assert [f["hack/entropy_collapse"] for f in flags] == [0, 0, 0, 0, 0, 1]
+    out, err = capsys.readouterr()
+    assert not warnings(err)
+    # steps 4-6: (0.5 * 3) / 3 = 0.5 < 0.5 * 2.0; accuracy 0.3 -> 0.7
+    assert out.splitlines() == [
+        "grpo: step 6: policy entropy of the last 3 steps is below 50% of the first 3 steps', "
+        "while the accuracy reward held up (0.30 over the first 3 steps, 0.70 over the last): "
+        "the policy growing sure of what it learned, not reward hacking "
+        "(hack/entropy_collapse; train.hack_watch)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("accuracy", "warned"),
+    [
+        ([0.0] * 6, True),  # nothing right: the collapse is not bought by answers
+        ([0.8, 0.8, 0.8, 0.3, 0.2, 0.2], True),  # fell 0.8 -> 0.23, far beyond the noise
+        # held with noise: 0.5 -> 0.4 is within 2 standard errors (2 x 0.067, below)
+        ([0.4, 0.6, 0.5, 0.4, 0.5, 0.3], False),
+        ([0.2, 0.2, 0.2, 0.3, 0.3, 0.3], False),  # rose
+    ],
+)
+def test_a_collapse_warns_when_the_accuracy_reward_is_zero_or_fell(accuracy, warned, capsys):
+    watch = HackWatch(HackWatchConfig(window=3), SPECS)
+    entropies = [2.0, 2.0, 2.0, 0.5, 0.5, 0.5]
+    for s, (e, a) in enumerate(zip(entropies, accuracy, strict=True), start=1):
+        watch.observe(s, HONEST, step_metrics(10, acc=a, entropy=e), True)
+    out, err = capsys.readouterr()
+    assert len(warnings(err)) == int(warned) and len(out.splitlines()) == int(not warned)
+
+
+def test_held_up_allows_for_the_noise_of_a_window() -> None:
+    # early [0.4, 0.6, 0.5]: mean 0.5, variance 0.02/3; recent [0.4, 0.5, 0.3]: 0.4, 0.02/3
+    # noise sqrt(0.02/9 + 0.02/9) = 0.0667; allowed fall max(0.02, 0.133): 0.4 >= 0.367
+    assert held_up([0.4, 0.6, 0.5], [0.4, 0.5, 0.3], 0.02) == pytest.approx((0.5, 0.4))
+    assert held_up([0.5, 0.5, 0.5], [0.45, 0.45, 0.45], 0.02) is None  # no noise: 0.05 fell
+    assert held_up([0.5, 0.5, 0.5], [0.49, 0.49, 0.49], 0.02) is not None  # within the margin
+    assert held_up([0.0, 0.0], [0.0, 0.0], 0.02) is None  # nothing paid
+
+
+def test_a_length_collapse_without_an_accuracy_reward_still_warns(capsys) -> None:
+    # nothing tells learning from a shortcut: the warning stays
+    watch = HackWatch(HackWatchConfig(window=3), SPECS[:2])
+    for step, length in enumerate([10, 10, 10, 4, 4, 4], start=1):
+        watch.observe(step, HONEST, step_metrics(length), True)
+    said = warnings(capsys.readouterr().err)
+    assert len(said) == 1 and "hack/length_collapse" in said[0]
+
+
 def test_format_rising_alone_warns_and_accuracy_rising_with_it_does_not(capsys) -> None:
     watch = HackWatch(HackWatchConfig(window=3), SPECS)
     out = [
@@ -270,6 +381,29 @@ def test_the_state_a_checkpoint_keeps_continues_the_windows(capsys) -> None:
     assert not warnings(capsys.readouterr().err)  # raised at step 6, before the save
     # without the state, the resumed steps would be the early level: no collapse seen
     assert entropies(fresh, [0.5, 0.5], 7) == [0, 0]
+
+
+def test_the_accuracy_levels_survive_a_checkpoint_and_an_older_one_loads(capsys) -> None:
+    # accuracy 0.2 over steps 1-3, then entropy and accuracy move: the resumed watch still
+    # compares with steps 1-3 and says a note at step 6, as the straight one does
+    def step(watch: HackWatch, s: int, acc: float, entropy: float) -> None:
+        watch.observe(s, HONEST, step_metrics(10, acc=acc, entropy=entropy), True)
+
+    straight = HackWatch(HackWatchConfig(window=3), SPECS)
+    for s in (1, 2, 3):
+        step(straight, s, 0.2, 2.0)
+    resumed = HackWatch(HackWatchConfig(window=3), SPECS)
+    resumed.load_state_dict(json.loads(json.dumps(straight.state_dict())))
+    assert resumed.learned.early == [0.2, 0.2, 0.2]
+    for watch in (straight, resumed):
+        for s in (4, 5, 6):
+            step(watch, s, 0.8, 0.5)
+    out, err = capsys.readouterr()
+    assert not warnings(err) and [line[:13] for line in out.splitlines()] == ["grpo: step 6:"] * 2
+    older = {k: v for k, v in straight.state_dict().items() if k != "learned"}
+    from_before = HackWatch(HackWatchConfig(window=3), SPECS)
+    from_before.load_state_dict(older)  # a checkpoint from before the accuracy levels
+    assert from_before.learned.early == [] and from_before.raised == straight.raised
 
 
 def test_reward_kinds_come_from_the_registry_or_the_config() -> None:
@@ -418,6 +552,30 @@ def test_honest_runs_stay_silent(tiny_config, tiny_model_dir, capfd) -> None:
             "entropy_collapse",
         ):
             assert run_metrics(run_dir, f"hack/{key}") == [0.0] * 5, (run_dir, key)
+    assert not warnings(capfd.readouterr().err)
+
+
+WORKED = "I add the first number to the second number and write the sum in the tags"
+
+
+def follows_the_example(step: int, row: dict, j: int) -> str:
+    """Every completion opens with the worked example's 16-token sentence, then answers."""
+    return f" {WORKED}: <answer>{row['answer']}</answer>"
+
+
+def test_a_run_that_follows_its_worked_example_is_not_warned(
+    tiny_config, tiny_model_dir, capfd
+) -> None:
+    # data.few_shot's assistant turn holds the sentence every completion repeats: the metric
+    # counts each one as a copy (1.0), the trainer hands the example to the watch, which is silent
+    few_shot = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": f"{WORKED}: <answer>5</answer>"},
+    ]
+    config = tiny_config(data={"few_shot": few_shot}, train={"steps": 3})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    run_dir = train(config, ScriptedEngine(tokenizer, follows_the_example))
+    assert run_metrics(run_dir, "hack/template_copy") == [1.0, 1.0, 1.0]
     assert not warnings(capfd.readouterr().err)
 
 

@@ -351,13 +351,13 @@ class HackWatchConfig(Section):
     copy_ngram: int = Field(8, ge=2)
     """A completion copies the template when it holds this many consecutive words, numbers or tags (`</think>`) of its prompt's own text: the prompt with the row's question cut out (R1-Zero's placeholder copy `reasoning process here </think> <answer> answer here </answer>` is 8)."""
     copy_above: float = Field(0.2, ge=0, le=1)
-    """Warn when the share of completions that copy the template (`hack/template_copy`) rises above this."""
+    """Warn when the share of completions that copy the template rises above this: `hack/template_copy`'s share, counted without the text of `data.few_shot`'s worked examples (a completion that follows them is not a copy)."""
     restated_above: float = Field(0.2, ge=0, le=1)
-    """Warn when the share of completions whose answer restates the question (`hack/question_restated`) rises above this."""
+    """Warn when the share of completions whose answer restates the question (`hack/question_restated`) rises above this, and so does that share in the step's groups but the one with the most (one group misreading its question is no shortcut)."""
     format_rise: float = Field(0.2, gt=0)
     """`hack/format_only`: the format rewards' mean rose by more than this over the window (least-squares fit)..."""
     accuracy_rise: float = Field(0.02, ge=0)
-    """... while the accuracy rewards' mean rose by at most this."""
+    """... while the accuracy rewards' mean rose by at most this. Also: a length or entropy collapse while the accuracy rewards held up (their mean over the last `window` steps above 0 and not below the first `window` steps' by more than this and two standard errors) is said as a note (learning), not a warning."""
     collapse_below: float = Field(0.5, gt=0, lt=1)
     """`hack/length_collapse`, `hack/entropy_collapse`: the mean completion length (entropy) of the last `window` steps is below this share of the first `window` steps' mean."""
     format_rewards: list[str] | None = None

@@ -6,7 +6,8 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
   the rendered prompt with the row's question cut out, so the template, system prompt, few-shot
   turns and chat markup, whatever the recipe uses. R1-Zero's placeholder copy
   ``reasoning process here </think> <answer> answer here </answer>`` is 8 such tokens; an honest
-  ``... </think> <answer> 30 </answer>`` shares 2 in a row.
+  ``... </think> <answer> 30 </answer>`` shares 2 in a row. Its warning counts without the
+  ``data.few_shot`` turns' text: a worked example is there to be imitated.
 - ``hack/question_restated``: share of completions whose answer (the accuracy reward's
   extraction: ``<answer>``, ``\\boxed{}``, ``####``, "the answer is") restates the question: its
   tokens (words, numbers, symbols) appear in a row in the question's, and it is none of the
@@ -17,7 +18,9 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
   (an operand copied, which a format reward for a numeric answer pays); without a gold answer
   a plain number never counts (``5`` for "5 * 1" may be right). On word problems an honest
   wrong answer that happens to be one of the question's numbers counts too: the signal is a
-  share, and warns only when many completions do it.
+  share, and warns only when many completions do it, in the other groups (prompts) as well as
+  the one with the most: a group misreading its question (``21 + 10 = 21`` seven times of
+  eight) is the model's error, a shortcut spreads.
 - ``hack/format_only``: 1 when, over the last ``window`` steps, the format rewards' mean rose by
   more than ``format_rise`` while the accuracy rewards' mean rose by at most ``accuracy_rise``
   (rise: the least-squares slope times the window's span). Which functions are which comes from
@@ -29,9 +32,12 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
 
 A signal warns when it goes above its threshold (the shares: ``copy_above``,
 ``restated_above``; the flags: when they turn 1), once per crossing: it warns again only after
-it has come back down. The windows and the raised set are saved in checkpoints
-(``state_dict``), so a resumed run compares with the same early steps and does not repeat a
-warning it already gave.
+it has come back down. A collapse while the accuracy rewards held up (their mean over the last
+``window`` steps above 0 and not below that of the first ``window`` by more than
+``accuracy_rise`` and two standard errors: ``held_up``) is a policy growing sure of what it
+learned: it is said as a note on stdout, not a warning. The metrics are the same either way;
+only the line differs. The windows and the raised set are saved in checkpoints (``state_dict``), so a
+resumed run compares with the same early steps and does not repeat a line it already gave.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,7 +70,7 @@ ANSWER_TOKEN_RE = re.compile(r"\w+|[^\w\s]")  # words, numbers and single symbol
 # what each signal's warning says; formatted with the value and the config's fields
 MESSAGES = {
     "hack/template_copy": "{value:.0%} of completions repeat {copy_ngram}+ words of the prompt's "
-    "own text (template, system prompt, examples)",
+    "own text (template, system prompt; data.few_shot's examples aside)",
     "hack/question_restated": "{value:.0%} of completions answer by restating the question",
     "hack/format_only": "the format reward rose over the last {window} steps while accuracy did "
     "not",
@@ -72,6 +79,8 @@ MESSAGES = {
     "hack/entropy_collapse": "policy entropy of the last {window} steps is below "
     "{collapse_below:.0%} of the first {window} steps'",
 }
+# signals that a run learning the task shows too: a note when the accuracy held up with them
+SETTLING = {"hack/length_collapse", "hack/entropy_collapse"}
 
 
 # --------------------------------------------------------------------------- template copies
@@ -86,13 +95,15 @@ def row_texts(prompt: Any) -> list[str]:
     return []
 
 
-def template_copy_share(rollout: Rollout, n: int) -> float:
+def template_copy_share(rollout: Rollout, n: int, examples: Sequence[str] = ()) -> float:
     """Share of the rollout's completions (the text rewards judge) that copy their prompt's own
-    text: ``n`` or more tokens in a row."""
+    text: ``n`` or more tokens in a row, the texts of ``examples`` (worked examples) cut out
+    like the row's question."""
     g = rollout.group_size
     flags = []
     for i, row in enumerate(rollout.rows):
-        template = template_ngrams(rollout.prompts[i * g], row_texts(row.get("prompt")), n)
+        cut = [*examples, *row_texts(row.get("prompt"))]  # an example may hold a question
+        template = template_ngrams(rollout.prompts[i * g], cut, n)
         flags += [copies(text, template, n) for text in rollout.answers[i * g : (i + 1) * g]]
     return sum(flags) / len(flags) if flags else 0.0
 
@@ -128,15 +139,29 @@ def restates_question(answer: str | None, question: str, gold: Any = None) -> bo
     return contains(answer_tokens(question), tokens)
 
 
-def question_restated_share(rollout: Rollout) -> float:
-    """Share of the rollout's completions whose answer restates its row's question."""
+def question_restated_flags(rollout: Rollout) -> list[bool]:
+    """Whether each of the rollout's completions answers by restating its row's question."""
     texts, prompts, columns, _ = reward_inputs(rollout)
     golds = columns.get("answer") or [None] * len(texts)
-    flags = [
+    return [
         restates_question(extract_answer(text), " ".join(row_texts(prompt)), gold)
         for text, prompt, gold in zip(texts, prompts, golds, strict=True)
     ]
+
+
+def question_restated_share(rollout: Rollout) -> float:
+    """Share of the rollout's completions whose answer restates its row's question."""
+    flags = question_restated_flags(rollout)
     return sum(flags) / len(flags) if flags else 0.0
+
+
+def share_beyond_one_group(flags: Sequence[bool], group_size: int) -> float:
+    """Share of flagged completions among those of every group but the one with the most
+    flags; with one group, among its own."""
+    counts = sorted(sum(flags[i : i + group_size]) for i in range(0, len(flags), group_size))
+    if len(counts) < 2:
+        return sum(flags) / len(flags) if flags else 0.0
+    return sum(counts[:-1]) / (len(flags) - group_size)
 
 
 # --------------------------------------------------------------------------- trends over steps
@@ -213,13 +238,55 @@ def reward_names_of_kind(
     return list(chosen)
 
 
-class HackWatch:
-    """The signals of each step (``observe``) and their warnings; ``state_dict`` /
-    ``load_state_dict`` for checkpoints. Every rank observes the same gathered step, so every
-    rank holds the same state; only the announcing one prints."""
+def held_up(
+    early: Sequence[float], recent: Sequence[float], margin: float
+) -> tuple[float, float] | None:
+    """The means of ``early`` and ``recent`` (per-step accuracy) when the recent one is above 0
+    and did not fall: it is not below the early one by more than ``margin`` and two standard
+    errors of the difference (the steps' prompts differ in difficulty, so a window's mean
+    moves by itself); None otherwise."""
+    first, last = statistics.fmean(early), statistics.fmean(recent)
+    noise = math.sqrt(
+        statistics.pvariance(early) / len(early) + statistics.pvariance(recent) / len(recent)
+    )
+    return (first, last) if last > 0 and last >= first - max(margin, 2 * noise) else None
 
-    def __init__(self, config: HackWatchConfig, rewards: list[RewardSpec]) -> None:
+
+@dataclass(frozen=True)
+class Evidence:
+    """What decides a step's lines besides its ``hack/*`` metrics, from its completions.
+
+    own_copy: share of completions that copy the template with the worked examples cut out.
+    restated_elsewhere: share of answers that restate the question in every group but the one
+    with the most: one group's misreading of its question is the model's own error, a shortcut
+    shows in the other groups too."""
+
+    own_copy: float
+    restated_elsewhere: float
+
+
+@dataclass(frozen=True)
+class Said:
+    """A line the watch gives at ``step`` for signal ``key``: a warning of possible reward
+    hacking, or a note (``warning`` False) that a collapse came with the accuracy holding up."""
+
+    step: int
+    key: str
+    warning: bool
+    text: str
+
+
+class HackWatch:
+    """The signals of each step (``observe``) and their lines (``speak``); ``state_dict`` /
+    ``load_state_dict`` for checkpoints. Every rank observes the same gathered step, so every
+    rank holds the same state; only the announcing one prints. ``examples``: the texts of the
+    worked examples the prompt asks the model to follow (``data.few_shot``)."""
+
+    def __init__(
+        self, config: HackWatchConfig, rewards: list[RewardSpec], examples: Sequence[str] = ()
+    ) -> None:
         self.cfg = config
+        self.examples = [text for text in examples if text.strip()]
         key = "train.hack_watch"
         self.format_names = reward_names_of_kind(
             rewards, config.format_rewards, "format", f"{key}.format_rewards"
@@ -231,6 +298,7 @@ class HackWatch:
         self.accuracy: list[float] = []
         self.length = Levels()
         self.entropy = Levels()
+        self.learned = Levels()  # the accuracy rewards' mean, early and recent
         self.raised: set[str] = set()  # signals above their threshold at the last step
 
     @property
@@ -248,14 +316,18 @@ class HackWatch:
     def observe(
         self, step: int, scored: Scored, metrics: dict[str, float], announce: bool
     ) -> dict[str, float]:
-        """The step's ``hack/*`` metrics from its completions and its other ``metrics``."""
+        """The step's ``hack/*`` metrics from its completions and its other ``metrics``; the
+        announcing rank prints the step's lines."""
         cfg = self.cfg
         if not cfg.enabled:
             return {}
         window = cfg.window
+        rollout = scored.rollout
+        copied = template_copy_share(rollout, cfg.copy_ngram)
+        restated = question_restated_flags(rollout)
         out = {
-            "hack/template_copy": template_copy_share(scored.rollout, cfg.copy_ngram),
-            "hack/question_restated": question_restated_share(scored.rollout),
+            "hack/template_copy": copied,
+            "hack/question_restated": sum(restated) / len(restated) if restated else 0.0,
         }
         if self.format_names and self.accuracy_names:
             pair = kind_mean(metrics, self.format_names), kind_mean(metrics, self.accuracy_names)
@@ -270,27 +342,63 @@ class HackWatch:
         self.entropy.add(metrics.get("entropy", math.nan), window)
         out["hack/length_collapse"] = float(self.length.collapsed(window, cfg.collapse_below))
         out["hack/entropy_collapse"] = float(self.entropy.collapsed(window, cfg.collapse_below))
-        self.warn(step, out, announce)
+        own = copied
+        if self.examples:
+            own = template_copy_share(rollout, cfg.copy_ngram, self.examples)
+        seen = Evidence(own, share_beyond_one_group(restated, rollout.group_size))
+        for said in self.speak(step, out, metrics, seen):
+            if announce:
+                print(said.text, file=sys.stderr if said.warning else sys.stdout, flush=True)
         return out
 
-    def warn(self, step: int, values: dict[str, float], announce: bool) -> None:
-        """One line for each signal that went above its threshold at this step."""
-        thresholds = self.thresholds
-        for key, value in values.items():
+    def accuracy_held(self) -> tuple[float, float] | None:
+        """The accuracy rewards' mean over the first and the last ``window`` steps when it held
+        up (see ``held_up``); None when it did not, or is unknown."""
+        early, recent = self.learned.early, self.learned.recent
+        if len(early) < self.cfg.window:
+            return None
+        return held_up(early, recent, self.cfg.accuracy_rise)
+
+    def speak(
+        self, step: int, values: dict[str, float], metrics: dict[str, float], seen: Evidence
+    ) -> list[Said]:
+        """The lines of a step whose signals are ``values`` (the ``hack/*`` metrics), whose
+        other metrics are ``metrics`` and whose completions showed ``seen``: one for each
+        signal that went above its threshold. The template copy counts without the worked
+        examples, and restated answers only when the groups but the one with the most hold
+        more than ``restated_above`` of them too."""
+        if self.accuracy_names:
+            self.learned.add(kind_mean(metrics, self.accuracy_names), self.cfg.window)
+        spread = seen.restated_elsewhere > self.cfg.restated_above
+        decided = {
+            **values,
+            "hack/template_copy": seen.own_copy,
+            "hack/question_restated": values["hack/question_restated"] if spread else 0.0,
+        }
+        thresholds, held, lines = self.thresholds, self.accuracy_held(), []
+        for key, value in decided.items():
             if not value > thresholds[key]:
                 self.raised.discard(key)
                 continue
             if key in self.raised:
                 continue
             self.raised.add(key)
-            if announce:
-                said = MESSAGES[key].format(value=value, **self.cfg.model_dump())
-                print(
-                    f"grpo: warning: step {step}: possible reward hacking: {said} ({key}; "
-                    "train.hack_watch, docs/rewards.md#reward-hacking)",
-                    file=sys.stderr,
-                    flush=True,
+            said = MESSAGES[key].format(value=value, **self.cfg.model_dump())
+            if key in SETTLING and held is not None:
+                text = (
+                    f"grpo: step {step}: {said}, while the accuracy reward held up ({held[0]:.2f} "
+                    f"over the first {self.cfg.window} steps, {held[1]:.2f} over the last): the "
+                    f"policy growing sure of what it learned, not reward hacking ({key}; "
+                    "train.hack_watch)"
                 )
+                lines.append(Said(step, key, False, text))
+                continue
+            text = (
+                f"grpo: warning: step {step}: possible reward hacking: {said} ({key}; "
+                "train.hack_watch, docs/rewards.md#reward-hacking)"
+            )
+            lines.append(Said(step, key, True, text))
+        return lines
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -298,6 +406,7 @@ class HackWatch:
             "accuracy": list(self.accuracy),
             "length": dataclasses.asdict(self.length),
             "entropy": dataclasses.asdict(self.entropy),
+            "learned": dataclasses.asdict(self.learned),
             "raised": sorted(self.raised),
         }
 
@@ -306,4 +415,6 @@ class HackWatch:
         self.accuracy = [float(x) for x in state["accuracy"]]
         self.length = Levels(**state["length"])
         self.entropy = Levels(**state["entropy"])
+        # a checkpoint from before the accuracy levels: they start at the resumed step
+        self.learned = Levels(**state.get("learned", {}))
         self.raised = set(state["raised"])

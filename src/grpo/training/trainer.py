@@ -78,7 +78,8 @@ class Trainer:
         random.seed(config.train.seed)
         # everything that can fail on bad input happens before the run directory is touched
         self.given = given or Given()
-        hack_watch = HackWatch(config.train.hack_watch, config.rewards.functions)
+        examples = [turn.content for turn in config.data.few_shot]
+        hack_watch = HackWatch(config.train.hack_watch, config.rewards.functions, examples)
         self.reward_errors = ErrorWatch(
             config.rewards.max_error_frac, config.rewards.error_patience
         )
