@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo.data.reasoning_gym import GymError
 from grpo.data.tasks import TASKS, Task
 
 if TYPE_CHECKING:
@@ -167,12 +168,17 @@ class Rows(list):
 
 
 def normalise_rows(
-    rows: list[dict[str, Any]], prompt_field: str, answer_field: str, source: str
+    rows: list[dict[str, Any]],
+    prompt_field: str,
+    answer_field: str,
+    source: str,
+    gold_required: bool = True,
 ) -> Rows:
     """Map the configured fields to ``prompt``/``answer``; a malformed row is an error naming it.
 
     When the data has a gold-answer column, a row whose gold answer cannot be parsed is skipped
-    and counted (``Rows.skipped``, and a warning) instead of failing the run.
+    and counted (``Rows.skipped``, and a warning) instead of failing the run; with
+    ``gold_required`` False it is kept with ``answer`` None (a task whose verifier judges by rule).
     """
     has_answers = any(answer_field in row for row in rows)
     taken = sorted({key for row in rows if isinstance(row, dict) for key in row} & REWARD_ARGUMENTS)
@@ -200,7 +206,7 @@ def normalise_rows(
         new["prompt"] = prompt
         if has_answers:
             gold = parse_gold(row.get(answer_field))
-            if gold is None:
+            if gold is None and gold_required:
                 skipped_rows.append(i)
                 continue
             new["answer"] = gold
@@ -243,8 +249,11 @@ def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -
             raise DataError(
                 f"task '{config.task}': bad data.task_args {config.task_args}: {err}"
             ) from None
+        except GymError as err:
+            raise DataError(str(err)) from None
         source = f"task '{config.task}'"
-    rows = normalise_rows(rows, config.prompt_field, config.answer_field, source)
+    gold_required = config.path is not None or TASKS[config.task].gold_required
+    rows = normalise_rows(rows, config.prompt_field, config.answer_field, source, gold_required)
     return first_rows(rows, config.num_examples)
 
 

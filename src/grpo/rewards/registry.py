@@ -19,6 +19,9 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {}
 # format rewards with accuracy rewards: grpo.training.hack_watch)
 KINDS: dict[str, str] = {}
 REWARD_KINDS = ("format", "accuracy")
+# name -> "module:factory" of a built-in that runs in the user functions' worker processes (its
+# work is third-party code that may hang): each worker calls the factory with the spec's args
+IN_WORKERS: dict[str, str] = {}
 
 
 class RewardError(ValueError):
@@ -37,6 +40,20 @@ def register(
         REGISTRY[name] = factory
         if kind is not None:
             KINDS[name] = kind
+        return factory
+
+    return wrap
+
+
+def register_in_workers(
+    name: str, kind: str | None = None
+) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    """``register``, for a built-in whose calls run in worker processes, as user functions'
+    do: bounded by ``rewards.timeout_s``, the worker killed and replaced when one overruns."""
+
+    def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        register(name, kind)(factory)
+        IN_WORKERS[name] = f"{factory.__module__}:{factory.__name__}"
         return factory
 
     return wrap
@@ -71,7 +88,15 @@ def check_user_spec(spec: RewardSpec) -> None:
         raise RewardError(f"reward '{spec.name}': args are only for built-in rewards")
 
 
-BUILTIN_MODULES = ("builtin", "accuracy", "code", "countdown", "length", "reward_model")
+BUILTIN_MODULES = (
+    "builtin",
+    "accuracy",
+    "code",
+    "countdown",
+    "length",
+    "reward_model",
+    "reasoning_gym",
+)
 
 
 def load_builtins() -> None:
