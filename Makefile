@@ -20,10 +20,16 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	.venv/bin/grpo train $(ARGS)
 
-test: $(STAMP)
+# the tests also cover the optional reasoning-gym task, against the real package
+GYM_STAMP := .venv/.installed-reasoning-gym
+$(GYM_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[dev,reasoning-gym]'
+	touch $(GYM_STAMP)
+
+test: $(GYM_STAMP)
 	$(PY) -m pytest -q
 
-test-slow: $(STAMP)
+test-slow: $(GYM_STAMP)
 	$(PY) -m pytest -q -m slow
 
 # on a machine with an NVIDIA GPU and a CUDA build of torch in .venv: the device-dependent tests

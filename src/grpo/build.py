@@ -20,8 +20,10 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from grpo.config import Config, ModelConfig, RewardsConfig, RolloutConfig
 from grpo.data import (
+    Curriculum,
     DataError,
     Rows,
+    curriculum_of,
     heldout_rows,
     load_dataset_rows,
     system_prompt_for,
@@ -227,8 +229,9 @@ def engine_of(
 class RunInputs:
     """What a training run is checked against before anything is written: the rows it trains
     on, its held-out rows (none without ``train.eval_every``), the prompt format, the reward
-    runner, the verifier evaluation judges by (None without ``train.eval_every``) and the
-    model's resolved folder or hub id (None for a given model)."""
+    runner, the verifier evaluation judges by (None without ``train.eval_every``), the
+    model's resolved folder or hub id (None for a given model) and the curriculum (None without
+    ``data.curriculum``)."""
 
     rows: Rows
     eval_rows: list[dict[str, Any]]
@@ -236,6 +239,7 @@ class RunInputs:
     rewards: RewardRunner
     verifier: RewardRunner | None
     model_path: str | None
+    curriculum: Curriculum | None = None
 
     def close(self) -> None:
         """Stop the reward (and verifier) workers."""
@@ -259,7 +263,10 @@ class RunParts:
 
 def run_inputs(config: Config, given: Given) -> RunInputs:
     """``RunInputs`` from the config and the given parts; a bad one is refused here."""
+    if given.rows is not None and config.data.curriculum.enabled:
+        raise DataError("data.curriculum draws the task's rows: not with a dataset given")
     rows, eval_rows = training_rows(config, given)
+    curriculum = curriculum_of(config.data, config.train.seed)
     fmt = prompt_format(config)
     rewards = reward_runner(config, rows, given.rewards)
     verifier = None
@@ -271,7 +278,7 @@ def run_inputs(config: Config, given: Given) -> RunInputs:
         if verifier is not None:  # a model name that does not resolve stops its workers too
             verifier.close()
         raise
-    return RunInputs(rows, eval_rows, fmt, rewards, verifier, model_path)
+    return RunInputs(rows, eval_rows, fmt, rewards, verifier, model_path, curriculum)
 
 
 def run_parts(

@@ -123,7 +123,9 @@ class CurriculumConfig(Section):
     @model_validator(mode="after")
     def _bounds(self) -> CurriculumConfig:
         if self.lower >= self.upper:
-            raise ValueError(f"data.curriculum: lower ({self.lower:g}) must be below upper ({self.upper:g})")
+            raise ValueError(
+                f"data.curriculum: lower ({self.lower:g}) must be below upper ({self.upper:g})"
+            )
         if self.max_level is not None and self.start_level > self.max_level:
             raise ValueError(
                 f"data.curriculum: start_level {self.start_level} is above max_level {self.max_level}"

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo.data.curriculum import Curriculum, Levels, levels_of
 from grpo.data.reasoning_gym import GymError
 from grpo.data.tasks import TASKS, Task
 
@@ -244,7 +245,12 @@ def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -
                 f"task '{config.task}' has splits {', '.join(task.splits)}, not '{split}'"
             )
         try:
-            rows = task.rows(split, seed, **config.task_args)
+            if config.curriculum.enabled:  # the first level's rows; held-out: the top level's
+                levels = curriculum_levels(config, seed)
+                level = config.curriculum.start_level if split == "train" else levels.top
+                rows = levels.rows(split, level, config.task_args.get("size", 1000))
+            else:
+                rows = task.rows(split, seed, **config.task_args)
         except TypeError as err:
             raise DataError(
                 f"task '{config.task}': bad data.task_args {config.task_args}: {err}"
@@ -255,6 +261,21 @@ def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -
     gold_required = config.path is not None or TASKS[config.task].gold_required
     rows = normalise_rows(rows, config.prompt_field, config.answer_field, source, gold_required)
     return first_rows(rows, config.num_examples)
+
+
+def curriculum_levels(config: DataConfig, seed: int) -> Levels:
+    """The levels of ``data.curriculum`` over a reasoning_gym task, each checked; DataError."""
+    try:
+        return levels_of(config.task_args, config.curriculum, seed)
+    except GymError as err:
+        raise DataError(str(err)) from None
+
+
+def curriculum_of(config: DataConfig, seed: int) -> Curriculum | None:
+    """The run's curriculum at its start level (None without ``data.curriculum``)."""
+    if not config.curriculum.enabled:
+        return None
+    return Curriculum(config.curriculum, curriculum_levels(config, seed))
 
 
 def first_rows(rows: Rows, n: int | None) -> Rows:

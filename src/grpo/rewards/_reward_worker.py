@@ -125,7 +125,7 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
     refs = init["refs"]
     arglists = init.get("args") or [None] * len(refs)
     functions = []
-    for ref, args in zip(refs, arglists):
+    for ref, args in zip(refs, arglists, strict=True):
         try:
             fn = load_function(ref)
             functions.append(fn if args is None else fn(**args))
@@ -136,7 +136,7 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
     # a factory's function is named as its reward (``reasoning_gym``), a user function by its ref
     names = [
         ref.rpartition(":")[2] if args is None else fn.__name__
-        for ref, args, fn in zip(refs, arglists, functions)
+        for ref, args, fn in zip(refs, arglists, functions, strict=True)
     ]
     by_name = [_names_completions(fn) for fn in functions]
     while True:
