@@ -4,6 +4,7 @@ the ``reasoning_gym`` reward (the generator's own score_answer) in the reward wo
 
 from __future__ import annotations
 
+import itertools
 import json
 import pickle
 from pathlib import Path
@@ -18,7 +19,6 @@ from grpo.data import DataError, load_dataset_rows  # noqa: E402
 from grpo.data.reasoning_gym import (  # noqa: E402
     SEED_SPAN,
     SPLITS,
-    GymError,
     reasoning_gym_rows,
     registry,
     split_seed,
@@ -53,7 +53,7 @@ def test_splits_draw_from_disjoint_seed_ranges() -> None:
     # item i of a dataset seeded s is drawn from Random(s + i): ranges [base, base + SEED_SPAN)
     for seed in range(200):
         bases = sorted(split_seed(split, seed) for split in SPLITS)
-        assert all(b - a >= SEED_SPAN for a, b in zip(bases, bases[1:], strict=False)), seed
+        assert all(b - a >= SEED_SPAN for a, b in itertools.pairwise(bases)), seed
         assert bases[-1] + SEED_SPAN <= 2**32  # numpy takes seeds below 2**32
     train = load_dataset_rows(sums(), seed=0)
     test = load_dataset_rows(sums(), seed=0, split="test")
@@ -184,7 +184,7 @@ def test_a_verifier_value_that_is_no_number_is_refused(monkeypatch) -> None:
     )
     # the worker checks what the function returns: a string is a malformed value, counted
     with pytest.raises(
-        ValueError, match="reward 'reasoning_gym' returned a str '1.0' at position 0"
+        ValueError, match=r"reward 'reasoning_gym' returned a str '1\.0' at position 0"
     ):
         check_values("reasoning_gym", values, 1)
 
