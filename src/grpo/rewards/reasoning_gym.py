@@ -58,4 +58,5 @@ def reasoning_gym_reward(
         ]
 
     reasoning_gym.columns = (COLUMN,)  # type: ignore[attr-defined]
+    reasoning_gym.strategies = strategies  # type: ignore[attr-defined]  # maj@k votes by them
     return reasoning_gym
