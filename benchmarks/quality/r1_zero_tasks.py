@@ -40,7 +40,7 @@ CANDIDATES = [
     "decimal_chain_sum",
     "spell_backward",
 ]
-EXAMPLES, SAMPLES = 24, 8
+EXAMPLES, SAMPLES = 12, 8
 OUT = Path(__file__).parents[1] / "results" / "r1_zero_tasks.json"
 JUDGES = {"strict": {}, "lenient": {"last_number": True}}
 

@@ -226,3 +226,14 @@ def test_every_generators_rows_travel_and_score_their_own_answer() -> None:
             assert out.per_function[:, 0].tolist() == [1.0] * len(graded), name
     finally:
         runner.close()
+
+
+def test_maj_at_k_votes_by_the_verifiers_own_extraction() -> None:
+    from grpo.eval import answer_strategies
+
+    lenient = RewardsConfig(functions=[{"name": "reasoning_gym", "args": {"last_number": True}}])
+    runner = RewardRunner(lenient)
+    try:
+        assert answer_strategies(runner) == ("answer", "last_number")
+    finally:
+        runner.close()
