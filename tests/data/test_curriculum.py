@@ -179,6 +179,10 @@ def test_a_curriculum_with_a_single_level_exits_2(capsys) -> None:
             "data.curriculum.reward 'accuracy' is not one of the run's rewards (format, reasoning_gym)",
         ),
         ({"data": {"curriculum": {"lower": 0.5, "upper": 0.5}}}, "lower (0.5) must be below upper"),
+        (
+            {"data": {"curriculum": {"enabled": False, "window": 4}}},
+            "data.curriculum.window is set but not used: set data.curriculum.enabled",
+        ),
     ],
 )
 def test_config_refuses_a_curriculum_it_cannot_run(tree: dict, said: str) -> None:

@@ -96,6 +96,13 @@ def _refuse_curriculum(config: Config) -> None:
     the trainer's step order (``grpo.data.curriculum``)."""
     curriculum = config.data.curriculum
     if not curriculum.enabled:
+        fields = type(curriculum).model_fields
+        # off its default, as USED_ONLY_WITH: a saved run's config spells out every default
+        changed = [k for k in fields if getattr(curriculum, k) != fields[k].default]
+        if changed:
+            raise ValueError(
+                f"data.curriculum.{changed[0]} is set but not used: set data.curriculum.enabled"
+            )
         return
     if config.data.path is not None or config.data.task != "reasoning_gym":
         raise ValueError("data.curriculum needs data.task: reasoning_gym (and no data.path)")
