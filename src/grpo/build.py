@@ -21,8 +21,10 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from grpo.config import Config, ModelConfig, RewardsConfig, RolloutConfig
 from grpo.data import (
+    Curriculum,
     DataError,
     Rows,
+    curriculum_of,
     heldout_rows,
     load_dataset_rows,
     system_prompt_for,
@@ -274,8 +276,8 @@ class RunInputs:
     """What a training run is checked against before anything is written: the rows it trains
     on, its held-out rows (none without ``train.eval_every``), the prompt format, the reward
     runner, the verifier evaluation judges by (None without ``train.eval_every``), the
-    model's resolved folder or hub id (None for a given model) and the environment completions
-    play (None: one turn)."""
+    model's resolved folder or hub id (None for a given model), the environment completions
+    play (None: one turn) and the curriculum (None without ``data.curriculum``)."""
 
     rows: Rows
     eval_rows: list[dict[str, Any]]
@@ -284,6 +286,7 @@ class RunInputs:
     verifier: RewardRunner | None
     model_path: str | None
     environment: Environment | None = None
+    curriculum: Curriculum | None = None
 
     def close(self) -> None:
         """Stop the reward (and verifier) workers."""
@@ -307,7 +310,10 @@ class RunParts:
 
 def run_inputs(config: Config, given: Given) -> RunInputs:
     """``RunInputs`` from the config and the given parts; a bad one is refused here."""
+    if given.rows is not None and config.data.curriculum.enabled:
+        raise DataError("data.curriculum draws the task's rows: not with a dataset given")
     rows, eval_rows = training_rows(config, given)
+    curriculum = curriculum_of(config.data, config.train.seed)
     environment = environment_of(config, given.environment)
     fmt = prompt_format(config, environment)
     rewards = reward_runner(config, rows, given.rewards, environment)
@@ -320,7 +326,7 @@ def run_inputs(config: Config, given: Given) -> RunInputs:
         if verifier is not None:  # a model name that does not resolve stops its workers too
             verifier.close()
         raise
-    return RunInputs(rows, eval_rows, fmt, rewards, verifier, model_path, environment)
+    return RunInputs(rows, eval_rows, fmt, rewards, verifier, model_path, environment, curriculum)
 
 
 def run_parts(

@@ -103,10 +103,34 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_tasks(args: argparse.Namespace) -> int:
     from grpo.data.tasks import TASKS
 
+    if args.task == "reasoning_gym":
+        return _gym_generators()
+    if args.task is not None:
+        raise ConfigError(f"grpo tasks lists the generators of reasoning_gym, not '{args.task}'")
     for name, task in sorted(TASKS.items()):
         print(
             f"{name:14s} {task.description}  [rewards: {', '.join(r['name'] for r in task.default_rewards)}]"
         )
+    return 0
+
+
+def _gym_generators() -> int:
+    """One line per reasoning-gym generator: its config's fields and its curriculum's
+    attributes (levels each), for ``data.task_args`` and ``data.curriculum``."""
+    import dataclasses
+
+    from grpo.data import DataError
+    from grpo.data.reasoning_gym import OWN_FIELDS, GymError, curricula, registry
+
+    try:
+        known, levelled = registry(), curricula()
+    except GymError as err:
+        raise DataError(str(err)) from None
+    for name, (_, config_cls) in sorted(known.items()):
+        fields = [f.name for f in dataclasses.fields(config_cls) if f.name not in OWN_FIELDS]
+        attrs = levelled[name]().attributes.values() if name in levelled else []
+        levels = ", ".join(f"{a.name} ({len(a.levels)})" for a in attrs) or "none"
+        print(f"{name:28s} config: {', '.join(fields)}; curriculum levels: {levels}")
     return 0
 
 
@@ -447,7 +471,10 @@ def _models_parser(sub: Subparsers) -> None:
 
 
 def _tasks_parser(sub: Subparsers) -> None:
-    sub.add_parser("tasks", help="list built-in tasks")
+    tasks = sub.add_parser("tasks", help="list built-in tasks (and reasoning-gym's generators)")
+    tasks.add_argument(
+        "task", nargs="?", help="reasoning_gym: list its generators, configs and curricula"
+    )
 
 
 # in the order `grpo --help` lists them

@@ -155,7 +155,8 @@ def generate(
 def answer_strategies(verifier: RewardRunner) -> tuple[str, ...] | None:
     """How the verifier extracts an answer (``accuracy``'s strategies); None for verifiers that
     judge otherwise (unit tests, countdown's equation, a user function)."""
-    return getattr(next(iter(verifier.builtins.values()), None), "strategies", None)
+    judges = [*verifier.builtins.values(), *verifier.in_workers.values()]
+    return getattr(next(iter(judges), None), "strategies", None)
 
 
 def verdicts(verifier: RewardRunner, rollout: Rollout) -> tuple[list[bool], int]:

@@ -279,7 +279,9 @@ class ScriptedPool:
 
     script: ClassVar[list[Outcome]] = []
 
-    def __init__(self, names: list[str], workers: int, max_rss_mb: float) -> None:
+    def __init__(
+        self, names: list[str], workers: int, max_rss_mb: float, args: list | None = None
+    ) -> None:
         self.batched = [False] * len(names)
 
     def run(self, calls: list, timeout_s: float) -> list[Outcome]:

@@ -93,10 +93,46 @@ def _refuse_contradictions(config: Config) -> None:
             "weights: set algorithm.tis_cap (e.g. 2.0) so they are importance-weighted "
             "(docs/ahead.md)"
         )
+    _refuse_curriculum(config)
     if algo.ref_mix_alpha < 1 and config.model.lora.enabled:
         raise ValueError(
             "algorithm.ref_mix_alpha < 1 needs full weights "
             "(mixing LoRA factors does not mix the weights)"
+        )
+
+
+def _refuse_curriculum(config: Config) -> None:
+    """A curriculum needs a reasoning-gym task, a reward to count passes by, and rows drawn in
+    the trainer's step order (``grpo.data.curriculum``)."""
+    curriculum = config.data.curriculum
+    if not curriculum.enabled:
+        fields = type(curriculum).model_fields
+        # off its default, as USED_ONLY_WITH: a saved run's config spells out every default
+        changed = [k for k in fields if getattr(curriculum, k) != fields[k].default]
+        if changed:
+            raise ValueError(
+                f"data.curriculum.{changed[0]} is set but not used: set data.curriculum.enabled"
+            )
+        return
+    if config.data.path is not None or config.data.task != "reasoning_gym":
+        raise ValueError("data.curriculum needs data.task: reasoning_gym (and no data.path)")
+    names = [spec.name.rpartition(":")[2] for spec in config.rewards.functions]
+    if curriculum.reward not in names:
+        raise ValueError(
+            f"data.curriculum.reward '{curriculum.reward}' is not one of the run's rewards "
+            f"({', '.join(names)})"
+        )
+    # the level of a step's prompts is the one after the step before: a producer making steps
+    # ahead would have to wait for it, which is what it must not do
+    if config.rollout.max_staleness:
+        raise ValueError(
+            "data.curriculum needs rollout.max_staleness: 0 (steps made ahead would be drawn "
+            "before the level they depend on is known)"
+        )
+    if config.sampling.greso:
+        raise ValueError(
+            "data.curriculum draws new rows at every level: sampling.greso, which remembers "
+            "rows by their index, does not apply"
         )
 
 

@@ -100,6 +100,39 @@ class RewardSpec(Section):
     """Keyword arguments for a built-in reward's constructor."""
 
 
+class CurriculumConfig(Section):
+    enabled: bool = False
+    """Move the difficulty of a `reasoning_gym` task by the measured pass rate (docs/tasks.md, "Curriculum"): each level is reasoning-gym's curriculum for the generator (every generator of a mix, at the same level), over `data.task_args`'s config."""
+    start_level: int = Field(0, ge=0)
+    """The level of the first step's prompts (0: the easiest)."""
+    max_level: int | None = Field(None, ge=0)
+    """The top level; null: the last level of the generator's curriculum (its longest attribute's)."""
+    attributes: list[str] | None = None
+    """The curriculum attributes that move with the level (e.g. `[num_terms]`); null: all. The others keep `task_args.config`'s value, else the generator's default."""
+    window: int = Field(8, ge=1)
+    """Steps at the current level whose pass rate is pooled; the level moves only with a full window, which then starts empty."""
+    lower: float = Field(0.2, ge=0, le=1)
+    """One level down when the window's pass rate is below this (0: never down)."""
+    upper: float = Field(0.8, ge=0, le=1)
+    """One level up when the window's pass rate is above this (1: never up)."""
+    reward: str = "reasoning_gym"
+    """The reward function whose score decides a pass (its metric name, one of the run's rewards)."""
+    pass_score: float = 1.0
+    """A completion passes when that reward's score is at least this."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> CurriculumConfig:
+        if self.lower >= self.upper:
+            raise ValueError(
+                f"data.curriculum: lower ({self.lower:g}) must be below upper ({self.upper:g})"
+            )
+        if self.max_level is not None and self.start_level > self.max_level:
+            raise ValueError(
+                f"data.curriculum: start_level {self.start_level} is above max_level {self.max_level}"
+            )
+        return self
+
+
 class DataConfig(Section):
     task: str | None = "arithmetic"
     """Built-in task (see `grpo tasks`); ignored when `path` is set."""
@@ -131,6 +164,8 @@ class DataConfig(Section):
     """Keyword arguments for the built-in task's generator (size, digit ranges, ...). An override that switches `data.task` to another task drops the recipe's task_args (task_args given with it apply alone); `data.task_args={}` clears them (another mapping merges key by key)."""
     eval_path: str | None = None
     """Held-out data for evaluation (training's `eval/*` and `grpo eval`), same format and fields as `path`; default: the task's or the `datasets` folder's test split."""
+    curriculum: CurriculumConfig = CurriculumConfig()
+    """A curriculum over a `reasoning_gym` task's difficulty levels, moved by the rolling pass rate."""
     verifier: RewardSpec | None = None
     """How evaluation judges a held-out completion correct (`eval/accuracy`, pass@k, maj@k): a reward function that pays 1 (or more) for a correct one, as in `rewards.functions`. Default: the task's own verifier (`grpo tasks`), else `accuracy` with its default arguments."""
 

@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo.data.curriculum import Curriculum, Levels, levels_of
+from grpo.data.reasoning_gym import GymError
 from grpo.data.tasks import TASKS, Task
 
 if TYPE_CHECKING:
@@ -167,12 +169,17 @@ class Rows(list):
 
 
 def normalise_rows(
-    rows: list[dict[str, Any]], prompt_field: str, answer_field: str, source: str
+    rows: list[dict[str, Any]],
+    prompt_field: str,
+    answer_field: str,
+    source: str,
+    gold_required: bool = True,
 ) -> Rows:
     """Map the configured fields to ``prompt``/``answer``; a malformed row is an error naming it.
 
     When the data has a gold-answer column, a row whose gold answer cannot be parsed is skipped
-    and counted (``Rows.skipped``, and a warning) instead of failing the run.
+    and counted (``Rows.skipped``, and a warning) instead of failing the run; with
+    ``gold_required`` False it is kept with ``answer`` None (a task whose verifier judges by rule).
     """
     has_answers = any(answer_field in row for row in rows)
     taken = sorted({key for row in rows if isinstance(row, dict) for key in row} & REWARD_ARGUMENTS)
@@ -200,7 +207,7 @@ def normalise_rows(
         new["prompt"] = prompt
         if has_answers:
             gold = parse_gold(row.get(answer_field))
-            if gold is None:
+            if gold is None and gold_required:
                 skipped_rows.append(i)
                 continue
             new["answer"] = gold
@@ -238,14 +245,37 @@ def load_dataset_rows(config: DataConfig, seed: int, split: str | None = None) -
                 f"task '{config.task}' has splits {', '.join(task.splits)}, not '{split}'"
             )
         try:
-            rows = task.rows(split, seed, **config.task_args)
+            if config.curriculum.enabled:  # the first level's rows; held-out: the top level's
+                levels = curriculum_levels(config, seed)
+                level = config.curriculum.start_level if split == "train" else levels.top
+                rows = levels.rows(split, level, config.task_args.get("size", 1000))
+            else:
+                rows = task.rows(split, seed, **config.task_args)
         except TypeError as err:
             raise DataError(
                 f"task '{config.task}': bad data.task_args {config.task_args}: {err}"
             ) from None
+        except GymError as err:
+            raise DataError(str(err)) from None
         source = f"task '{config.task}'"
-    rows = normalise_rows(rows, config.prompt_field, config.answer_field, source)
+    gold_required = config.path is not None or TASKS[config.task].gold_required
+    rows = normalise_rows(rows, config.prompt_field, config.answer_field, source, gold_required)
     return first_rows(rows, config.num_examples)
+
+
+def curriculum_levels(config: DataConfig, seed: int) -> Levels:
+    """The levels of ``data.curriculum`` over a reasoning_gym task, each checked; DataError."""
+    try:
+        return levels_of(config.task_args, config.curriculum, seed)
+    except GymError as err:
+        raise DataError(str(err)) from None
+
+
+def curriculum_of(config: DataConfig, seed: int) -> Curriculum | None:
+    """The run's curriculum at its start level (None without ``data.curriculum``)."""
+    if not config.curriculum.enabled:
+        return None
+    return Curriculum(config.curriculum, curriculum_levels(config, seed))
 
 
 def first_rows(rows: Rows, n: int | None) -> Rows:

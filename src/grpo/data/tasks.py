@@ -39,6 +39,8 @@ class Task:
     # what held-out evaluation judges correctness by (data.verifier overrides it)
     verifier: dict[str, Any] = field(default_factory=lambda: EXACT_ACCURACY)
     splits: tuple[str, ...] = ("train", "test")
+    # False: a row without a gold answer is kept (its verifier judges by rule), not skipped
+    gold_required: bool = True
 
 
 SPLIT_SALT = {"train": 0, "test": 1_000_003, "validation": 2_000_003}
@@ -244,6 +246,16 @@ def verifiers_rows(split: str = "train", seed: int = 0, taskset: str = "") -> li
     return taskset_rows(split, seed, taskset)
 
 
+def reasoning_gym_rows(split: str = "train", seed: int = 0, **args: Any) -> list[dict[str, Any]]:
+    """reasoning-gym's generators (``grpo.data.reasoning_gym``; imported when used)."""
+    from grpo.data.reasoning_gym import reasoning_gym_rows as rows
+
+    return rows(split, seed, **args)
+
+
+# reasoning-gym's verifier scores the answer inside <answer>, in the reward workers
+REASONING_GYM: dict[str, Any] = {"name": "reasoning_gym"}
+
 TASKS: dict[str, Task] = {
     "arithmetic": Task(
         name="arithmetic",
@@ -297,5 +309,15 @@ TASKS: dict[str, Task] = {
         default_rewards=[{"name": "verifiers"}],
         verifier={"name": "verifiers"},
         splits=("train",),
+    ),
+    "reasoning_gym": Task(
+        name="reasoning_gym",
+        description="reasoning-gym's procedural generators (task_args: name and config, or "
+        "datasets), scored by their own score_answer; list: grpo tasks reasoning_gym",
+        rows=reasoning_gym_rows,
+        default_rewards=[{"name": "format"}, REASONING_GYM],
+        verifier=REASONING_GYM,
+        splits=("train", "test", "validation"),
+        gold_required=False,
     ),
 }

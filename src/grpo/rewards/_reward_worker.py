@@ -5,7 +5,8 @@ in torch). The parent also imports this module for ``load_function`` and ``check
 in-process and worker paths judge a return value the same way.
 
 Protocol over two inherited pipe fds (``multiprocessing.connection`` framing, pickled messages):
-parent -> worker ``{"refs": [...], "sys_path": [...]}``, then ``(k, completions, kwargs)`` per
+parent -> worker ``{"refs": [...], "args": [...], "sys_path": [...]}`` (``args[j]`` a dict:
+``refs[j]`` is a factory, called with it), then ``(k, completions, kwargs)`` per
 call; worker -> parent ``("ready", [each function's batched flag])`` or ``("import_error", line)``, then per call one of
 ``("ok", values)``, ``("bad", line)`` (a malformed return value), ``("raised", traceback)``.
 """
@@ -122,15 +123,21 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
     init = inbox.recv()
     sys.path[:] = init["sys_path"]
     refs = init["refs"]
+    arglists = init.get("args") or [None] * len(refs)
     functions = []
-    for ref in refs:
+    for ref, args in zip(refs, arglists, strict=True):
         try:
-            functions.append(load_function(ref))
+            fn = load_function(ref)
+            functions.append(fn if args is None else fn(**args))
         except ValueError as err:
             outbox.send(("import_error", f"reward '{ref}': {err}"))
             return
     outbox.send(("ready", [bool(getattr(fn, "batched", False)) for fn in functions]))
-    names = [ref.rpartition(":")[2] for ref in refs]
+    # a factory's function is named as its reward (``reasoning_gym``), a user function by its ref
+    names = [
+        ref.rpartition(":")[2] if args is None else fn.__name__
+        for ref, args, fn in zip(refs, arglists, functions, strict=True)
+    ]
     by_name = [_names_completions(fn) for fn in functions]
     while True:
         try:

@@ -65,7 +65,7 @@ def _is_answer(message: Any, completions: int) -> bool:
 
 
 class _Worker:
-    def __init__(self, refs: list[str]) -> None:
+    def __init__(self, refs: list[str], args: list[dict[str, Any] | None]) -> None:
         """Start the process; ``wait_ready`` then waits for its imports."""
         self.refs = refs
         to_worker, from_parent = os.pipe()
@@ -81,7 +81,7 @@ class _Worker:
         os.close(to_parent)
         self.send = Connection(from_parent, readable=False)
         self.recv = Connection(from_worker, writable=False)
-        self.send.send({"refs": refs, "sys_path": list(sys.path)})
+        self.send.send({"refs": refs, "args": args, "sys_path": list(sys.path)})
 
     def wait_ready(self, startup_s: float) -> None:
         """Return once the functions are imported; else stop and raise WorkerStartError."""
@@ -118,12 +118,20 @@ class _Worker:
 
 
 class WorkerPool:
-    """``size`` worker processes for the user reward functions ``refs`` (module:fn or file.py:fn)."""
+    """``size`` worker processes for the user reward functions ``refs`` (module:fn or file.py:fn);
+    where ``args[j]`` is a dict, ``refs[j]`` is a factory each worker calls with it (a built-in
+    run in the workers)."""
 
     def __init__(
-        self, refs: list[str], size: int, max_rss_mb: float, startup_s: float = 120.0
+        self,
+        refs: list[str],
+        size: int,
+        max_rss_mb: float,
+        startup_s: float = 120.0,
+        args: list[dict[str, Any] | None] | None = None,
     ) -> None:
         self.refs = refs
+        self.args = args or [None] * len(refs)
         self.max_rss_mb = max_rss_mb
         self.startup_s = startup_s
         self.workers: list[_Worker | None] = [None] * size
@@ -139,7 +147,7 @@ class WorkerPool:
         """Start a worker in every empty slot, all at once (imports overlap), and wait for them."""
         empty = [slot for slot, worker in enumerate(self.workers) if worker is None]
         for slot in empty:
-            self.workers[slot] = _Worker(self.refs)
+            self.workers[slot] = _Worker(self.refs, self.args)
         failure = None
         for slot in empty:
             try:

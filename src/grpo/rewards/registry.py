@@ -19,6 +19,9 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {}
 # format rewards with accuracy rewards: grpo.training.hack_watch)
 KINDS: dict[str, str] = {}
 REWARD_KINDS = ("format", "accuracy")
+# name -> "module:factory" of a built-in that runs in the user functions' worker processes (its
+# work is third-party code that may hang): each worker calls the factory with the spec's args
+IN_WORKERS: dict[str, str] = {}
 
 
 VERIFIERS_PREFIX = "verifiers:"  # verifiers:NAME, the reward NAME of the rows' verifiers tasks
@@ -50,6 +53,20 @@ def is_builtin(name: str) -> bool:
     rather than a user function run in the worker processes."""
     load_builtins()
     return name in REGISTRY or name.startswith(VERIFIERS_PREFIX)
+
+
+def register_in_workers(
+    name: str, kind: str | None = None
+) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    """``register``, for a built-in whose calls run in worker processes, as user functions'
+    do: bounded by ``rewards.timeout_s``, the worker killed and replaced when one overruns."""
+
+    def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        register(name, kind)(factory)
+        IN_WORKERS[name] = f"{factory.__module__}:{factory.__name__}"
+        return factory
+
+    return wrap
 
 
 def registered_kind(name: str) -> str | None:
@@ -94,6 +111,7 @@ BUILTIN_MODULES = (
     "length",
     "verifiers",
     "reward_model",
+    "reasoning_gym",
 )
 
 

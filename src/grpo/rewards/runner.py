@@ -19,6 +19,7 @@ from grpo.config import RewardsConfig, RewardSpec
 from grpo.rewards._reward_worker import check_values
 from grpo.rewards.pool import WorkerPool, WorkerStartError
 from grpo.rewards.registry import (
+    IN_WORKERS,
     RewardError,
     RewardFn,
     check_user_spec,
@@ -73,7 +74,8 @@ class RewardRunner:
 
     Built-ins run in this process on ``workers`` threads, one call per completion (``batched``
     ones once per step); each bounds its own work (math-verify in killable worker processes, code
-    in the sandbox, the rest are pure and cheap). User functions (module:fn, file.py:fn) run in a
+    in the sandbox, the rest are pure and cheap). User functions (module:fn, file.py:fn), and
+    built-ins registered to (``register_in_workers``: ``reasoning_gym``), run in a
     ``WorkerPool`` of ``workers`` processes, one call per completion; a step's calls all end
     within ``timeout_s`` of the phase's start: still running then, a call is stopped by killing
     its worker. A call that raises, returns a malformed value, times out or is killed for memory
@@ -108,14 +110,22 @@ class RewardRunner:
         user = [
             k
             for k, spec in enumerate(config.functions)
-            if not is_builtin(spec.name) and spec.name not in given
+            if spec.name not in given and (not is_builtin(spec.name) or spec.name in IN_WORKERS)
         ]
         self.builtins = {
             k: given[spec.name] if spec.name in given else resolve_reward(spec)
             for k, spec in enumerate(config.functions)
             if k not in user
         }
+        # built-ins run in the workers: made here once too, so bad args fail now, in one line
+        self.in_workers = {
+            k: resolve_reward(config.functions[k])
+            for k in user
+            if config.functions[k].name in IN_WORKERS
+        }
         for k in user:
+            if k in self.in_workers:
+                continue
             if ":" not in config.functions[k].name:
                 resolve_reward(config.functions[k])  # the "unknown reward" error
             check_user_spec(config.functions[k])
@@ -123,11 +133,13 @@ class RewardRunner:
         self.threads = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="reward")
         self.pool = None
         if user:
+            specs = [config.functions[k] for k in user]
             try:
                 self.pool = WorkerPool(
-                    [config.functions[k].name for k in user],
+                    [IN_WORKERS.get(spec.name, spec.name) for spec in specs],
                     config.workers,
                     config.max_worker_rss_mb,
+                    args=[spec.args if spec.name in IN_WORKERS else None for spec in specs],
                 )
             except WorkerStartError as err:
                 self.close()
@@ -138,7 +150,7 @@ class RewardRunner:
         """A built-in reads columns (``columns``) without which it scores None for every
         completion: a column no row has is an error now, not a reward that never counts."""
         present = {key for row in rows for key in row}
-        for k, fn in self.builtins.items():
+        for k, fn in {**self.builtins, **self.in_workers}.items():
             for column in getattr(fn, "columns", ()):
                 if column not in present:
                     raise RewardError(
@@ -151,7 +163,7 @@ class RewardRunner:
         self.threads.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:
             self.pool.close()
-        for fn in self.builtins.values():
+        for fn in [*self.builtins.values(), *self.in_workers.values()]:
             close = getattr(fn, "close", None)
             if callable(close):
                 close()

@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo import algorithm
 from grpo.config import Config
+from grpo.data.curriculum import Curriculum
 from grpo.data.prompts import PromptFormat
 from grpo.data.stream import Draw, PromptStream, sampling_seed
 from grpo.rewards import RewardOutput, RewardRunner
@@ -84,6 +85,7 @@ class Producer(Protocol):
     ``grpo.training.producer_process.ProducerProcess`` ahead in another process."""
 
     temperature: TemperatureController  # the trainer observes each step (adaptive)
+    curriculum: Curriculum | None  # data.curriculum: the trainer observes each step
 
     def collect(self, step: int) -> ProducedStep:
         """Step ``step``'s (1-based) groups."""
@@ -94,7 +96,8 @@ class Producer(Protocol):
         ...
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position (``consumed``, ``greso``, ``temperature``) a checkpoint holds."""
+        """The data position (``consumed``, ``greso``, ``temperature``, ``curriculum``) a
+        checkpoint holds."""
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -115,8 +118,12 @@ class InProcessProducer:
         policy: nn.Module,
         engine: RolloutEngine,
         rewards: RewardRunner,
+        curriculum: Curriculum | None = None,
     ) -> None:
+        """``curriculum``: rows drawn at its level by stream position (``rows`` then only
+        count the stream's epochs), else ``rows`` by the stream's index."""
         self.config, self.dist, self.rows = config, dist, rows
+        self.curriculum = curriculum
         self.prompt_format, self.tokenizer, self.policy = prompt_format, tokenizer, policy
         self.engine, self.rewards = engine, rewards
         self.stream = PromptStream(rows, config.train.seed, config.data.shuffle)
@@ -137,7 +144,7 @@ class InProcessProducer:
         start, stop = distributed.shard_bounds(len(draws), self.dist.rank, self.dist.world_size)
         if start == stop:  # a dynamic-sampling round with fewer prompts than ranks
             return empty_rollout(self.config.rollout.group_size)
-        rows = [self.rows[d.index] for d in draws[start:stop]]
+        rows = [self.row(d) for d in draws[start:stop]]
         seeds = [sampling_seed(self.config.train.seed, d.position) for d in draws[start:stop]]
         prompts = [self.prompt_format.render(self.tokenizer, r) for r in rows]
         # HF generate on an FSDP2 policy needs whole weights: ranks stop decoding at different steps
@@ -151,6 +158,11 @@ class InProcessProducer:
                 seeds=seeds,
                 temperature=self.temperature.for_step(self.step),
             )
+
+    def row(self, draw: Draw) -> dict[str, Any]:
+        if self.curriculum is not None:
+            return self.curriculum.row(draw.position)
+        return self.rows[draw.index]
 
     def score(self, rollout: Rollout) -> Scored:
         if rollout.rows:
@@ -237,6 +249,7 @@ class InProcessProducer:
             "consumed": self.stream.consumed,
             "greso": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
             "temperature": self.temperature.state_dict(),
+            "curriculum": None if self.curriculum is None else self.curriculum.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -255,6 +268,8 @@ class InProcessProducer:
             self.prompt_filter.load_state_dict(state["greso"])
         if state.get("temperature"):
             self.temperature.load_state_dict(state["temperature"])
+        if self.curriculum is not None and state.get("curriculum"):
+            self.curriculum.load_state_dict(state["curriculum"])
         self.stream.consumed = state["consumed"]
 
     def close(self) -> None:

@@ -246,6 +246,7 @@ class ProducerProcess:
         self.timeout_s = config.rollout.producer_timeout_s  # from its start: loading counts
         # adaptive: the trainer observes each step and pushes the temperature with the weights
         self.temperature = TemperatureController(config)
+        self.curriculum = None  # data.curriculum needs max_staleness 0 (grpo.config.resolution)
         self.ready: dict[int, Produced] = {}  # steps made and not yet trained on
         self.state: dict[str, Any] | None = None  # the producer's, after its newest step
         self.process: Any = None

@@ -194,6 +194,7 @@ class Trainer:
                 policy,
                 self.engine,
                 inputs.rewards,
+                inputs.curriculum,
             )
         if self.dist.enabled or engine is not None:
             why = "under torchrun" if self.dist.enabled else "with an engine object given"
@@ -389,12 +390,21 @@ class Trainer:
             config=self.config,
         )
         self.producer.temperature.observe(metrics)  # adaptive: the next rollout's temperature
+        metrics.update(self._observe_curriculum(everyone))
         self._sync_weights(changed=train is not None)
         main = self.dist.is_main
         metrics.update(self.state.hack_watch.observe(self.state.step, everyone, metrics, main))
         self._keep_completions(produced.collected, everyone)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
+
+    def _observe_curriculum(self, everyone: Scored) -> dict[str, float]:
+        """``data.curriculum``: this step's passes move the next step's level; its metrics."""
+        curriculum = self.producer.curriculum
+        if curriculum is None:
+            return {}
+        k = everyone.function_names.index(self.config.data.curriculum.reward)
+        return curriculum.observe(everyone.per_function[:, k].tolist())
 
     def _share(self, train: Scored | None) -> Scored | None:
         """This rank's share of the groups to train on: dynamic sampling's are global (every
