@@ -17,40 +17,21 @@ The tasks are read once per process (``tasks``) and kept: a taskset that yields 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import itertools
-from pathlib import Path
 from typing import Any
 
 from grpo.data import DataError
+from grpo.runtime.user_code import load_named
 
 MAX_TASKS = 100_000  # tasks read from an infinite taskset
 
 
 def load_object(spec: str, where: str) -> Any:
     """``path/to/file.py:NAME`` or ``module:NAME``; DataError naming ``where`` if not."""
-    target, _, name = spec.rpartition(":")
-    if not target or not name:
-        raise DataError(f"{where}: expected path/to/file.py:NAME or module:NAME, got '{spec}'")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise DataError(f"{where}: file {path} not found")
-        module_spec = importlib.util.spec_from_file_location(f"grpo_taskset_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as err:  # user code: any failure is one line
-            raise DataError(f"{where}: importing {path} failed ({one_line(err)})") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as err:  # an ImportError, or the module's own code failing
-            raise DataError(f"{where}: cannot import {target} ({one_line(err)})") from None
-    if not hasattr(module, name):
-        raise DataError(f"{where}: {target} has no {name}")
-    return getattr(module, name)
+    try:
+        return load_named(spec)
+    except ValueError as err:
+        raise DataError(f"{where}: {err}") from None
 
 
 def one_line(err: BaseException) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo.environments import EnvironmentFailure
+from grpo.runtime.user_code import error_line
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,6 @@ class Outcome:
     value: Any
     error: str | None
     time_s: float
-
-
-def error_line(err: BaseException) -> str:
-    """An exception as one line: ``ValueError: bad guess``."""
-    said = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {said[0]}" if said else type(err).__name__
 
 
 def run_calls(

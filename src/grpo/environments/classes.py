@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib
-import importlib.util
 import inspect
 import json
 import random
@@ -42,7 +40,6 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,7 +48,7 @@ from transformers.utils import get_json_schema
 
 from grpo.config import ConfigError
 from grpo.environments import Action, Step
-from grpo.environments.calls import error_line
+from grpo.runtime.user_code import error_line, load_named
 
 # lifecycle methods: the trainer calls them, the model does not
 LIFECYCLE = ("reset", "get_reward", "close")
@@ -67,27 +64,14 @@ SEEDED = threading.Lock()
 def load_class(spec: str) -> type:
     """``path/to/file.py:ClassName`` or ``module:ClassName``; ConfigError (one line) if not."""
     where = f"rollout.environment={spec}"
-    target, _, name = spec.rpartition(":")
-    if not target or not name:
-        raise ConfigError(f"{where}: expected path/to/file.py:ClassName or module:ClassName")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ConfigError(f"{where}: file {path} not found")
-        module_spec = importlib.util.spec_from_file_location(f"grpo_environment_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as err:  # user code: any failure is one line
-            raise ConfigError(f"{where}: importing {path} failed ({error_line(err)})") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as err:  # an ImportError, or the module's own code failing
-            raise ConfigError(f"{where}: cannot import {target} ({error_line(err)})") from None
-    cls = getattr(module, name, None)
+    try:
+        cls = load_named(spec, "ClassName")
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
     if not inspect.isclass(cls):
-        raise ConfigError(f"{where}: {target} has no class {name}")
+        raise ConfigError(
+            f"{where}: {spec.rpartition(':')[0]} has no class {spec.rpartition(':')[2]}"
+        )
     return cls
 
 
