@@ -289,7 +289,10 @@ class OpenEnvEnvironment:
             get_json(f"{self.address.url}/health", self.wait_s)
         except (OSError, ValueError):
             return "the server is gone"
-        if str(err).startswith("Server error"):  # the environment's own reset failed
+        said = str(err)
+        # openenv-core's server says a full house either by closing the socket or in an error
+        # message of its own (code CAPACITY_REACHED), whichever comes first
+        if said.startswith("Server error") and "CAPACITY_REACHED" not in said:
             return "the server's environment failed to reset"
         return (
             "the server answers but refuses sessions: it holds at most its max_concurrent_envs "
