@@ -13,44 +13,23 @@ import pytest
 
 pytest.importorskip("verifiers.v1", reason="the envs extra (make test installs it)")
 
+from echo_engine import EchoEngine
+
 from grpo.config import ConfigError, RolloutConfig
 from grpo.data.verifiers import taskset_rows
 from grpo.environments.verifiers import VerifiersEnvironment
 from grpo.models import load_tokenizer
 from grpo.rollout import render_prompt
-from grpo.rollout.turns import MultiTurnEngine, TurnSample
+from grpo.rollout.turns import MultiTurnEngine
 
 SPEC = f"{Path(__file__).parent / 'vf_tasks.py'}:load_taskset"
-
-
-class ScriptEngine:
-    """Answers a completion's n-th turn with ``script[n]`` and EOS."""
-
-    def __init__(self, tokenizer, script: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.eos = [tokenizer.eos_token_id]
-        self.script = script
-        self.contexts: list[str] = []
-
-    def sync_weights(self, model) -> None:
-        pass
-
-    def generate_turns(self, requests, stop, greedy=False, temperature=None):
-        out = []
-        for r in requests:
-            context = self.tokenizer.decode(r.context, skip_special_tokens=False)
-            self.contexts.append(context)
-            reply = self.script[min(context.count("<|tool|>"), len(self.script) - 1)]
-            ids = [*self.tokenizer(reply, add_special_tokens=False).input_ids, *self.eos]
-            out.append([TurnSample(ids[: r.max_tokens]) for _ in range(r.n)])
-        return out
 
 
 def _play(tokenizer, environment):
     rows = taskset_rows(taskset=SPEC)[1:2]  # "What is 2 + 2?"
     prompts = [render_prompt(tokenizer, row["prompt"], None) for row in rows]
     engine = MultiTurnEngine(
-        ScriptEngine(tokenizer, ["5", "4"]),
+        EchoEngine(tokenizer, ["5", "4"]),
         tokenizer,
         RolloutConfig(max_new_tokens=100, max_turns=5),
         environment,

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("openenv.core.env_server", reason="the envs extra (make test installs it)")
 
+from echo_engine import EchoEngine
 from openenv_game import HiddenNumber, game_app, serving
 
 from grpo.config import ConfigError, RolloutConfig
@@ -22,40 +23,16 @@ from grpo.environments.openenv import OpenEnvEnvironment, parse_address, tool_ca
 from grpo.environments.openenv_serve import app_for
 from grpo.models import load_tokenizer
 from grpo.rollout import render_prompt
-from grpo.rollout.turns import MultiTurnEngine, TurnSample
+from grpo.rollout.turns import MultiTurnEngine
 
 # random.Random(seed).randint(1, 10) for seeds 0 and 1: the game's hidden numbers
 NUMBER = {0: 7, 1: 3}
 
 
-class ScriptEngine:
-    """Answers a completion's n-th turn with ``script[n]`` and EOS (n: the observations its
-    context shows so far); records each request's context as text."""
-
-    def __init__(self, tokenizer, script: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.eos = [tokenizer.eos_token_id]
-        self.script = script
-        self.contexts: list[str] = []
-
-    def sync_weights(self, model) -> None:
-        pass
-
-    def generate_turns(self, requests, stop, greedy=False, temperature=None):
-        out = []
-        for r in requests:
-            context = self.tokenizer.decode(r.context, skip_special_tokens=False)
-            self.contexts.append(context)
-            reply = self.script[min(context.count("<|tool|>"), len(self.script) - 1)]
-            ids = [*self.tokenizer(reply, add_special_tokens=False).input_ids, *self.eos]
-            out.append([TurnSample(ids[: r.max_tokens]) for _ in range(r.n)])
-        return out
-
-
 def _loop(tokenizer, environment, script, **config):
     config = RolloutConfig(max_new_tokens=200, max_turns=5, **config)
     render = lambda row: render_prompt(tokenizer, row["prompt"], None)  # noqa: E731
-    return MultiTurnEngine(ScriptEngine(tokenizer, script), tokenizer, config, environment, render)
+    return MultiTurnEngine(EchoEngine(tokenizer, script), tokenizer, config, environment, render)
 
 
 @pytest.fixture(scope="module")
