@@ -21,7 +21,7 @@ import itertools
 from typing import Any
 
 from grpo.data import DataError
-from grpo.runtime.user_code import load_named
+from grpo.runtime.user_code import error_line, load_named
 
 MAX_TASKS = 100_000  # tasks read from an infinite taskset
 
@@ -32,11 +32,6 @@ def load_object(spec: str, where: str) -> Any:
         return load_named(spec)
     except ValueError as err:
         raise DataError(f"{where}: {err}") from None
-
-
-def one_line(err: BaseException) -> str:
-    said = " ".join(str(err).split())[:300]
-    return f"{type(err).__name__}: {said}" if said else type(err).__name__
 
 
 @functools.cache
@@ -54,13 +49,13 @@ def tasks(spec: str) -> tuple[Any, ...]:
         try:
             taskset = found()
         except Exception as err:  # user code: any failure is one line
-            raise DataError(f"{where}: calling it failed ({one_line(err)})") from None
+            raise DataError(f"{where}: calling it failed ({error_line(err)})") from None
     if not isinstance(taskset, Taskset):
         raise DataError(f"{where}: not a verifiers.v1.Taskset ({type(taskset).__name__})")
     try:
         read = tuple(itertools.islice(taskset, MAX_TASKS))
     except Exception as err:  # the taskset's load()
-        raise DataError(f"{where}: loading its tasks failed ({one_line(err)})") from None
+        raise DataError(f"{where}: loading its tasks failed ({error_line(err)})") from None
     if not read:
         raise DataError(f"{where}: no tasks")
     return read
