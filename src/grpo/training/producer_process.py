@@ -407,6 +407,8 @@ class ProducerProcess:
             except queue.Empty:
                 if not self.process.is_alive():
                     why = f"exited with code {self.process.exitcode}"
+                elif self.sender is not None and isinstance(self.sender.failure, PermissionError):
+                    why = f"was not the one that joined the weights group: {self.sender.failure}"
                 elif self.sender is not None and self.sender.failure is not None:
                     # gloo's own words name a socket, not the side: ours say which
                     why = "stopped taking the trainer's weights (their connection broke or "
