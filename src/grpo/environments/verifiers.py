@@ -36,6 +36,7 @@ import logging
 import queue
 import secrets
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -43,6 +44,7 @@ from grpo.config import ConfigError
 from grpo.environments import Action, EnvironmentFailure, Step
 
 SCHEME = "verifiers+"
+MAX_BODY = 16 << 20  # a chat's messages, many times over; a longer body is not read
 KEY_VAR = "GRPO_POLICY_ENDPOINT_KEY"  # + _PORT: where verifiers' client reads the token
 
 
@@ -62,8 +64,10 @@ class PolicyEndpoint:
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = 60  # an idle or trickling connection frees its thread
+
             def do_POST(self) -> None:
-                status, answer = endpoint.answer(self.path, self.headers, self._body())
+                status, answer = endpoint.answer(self.path, self.headers, self._body)
                 data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -72,9 +76,13 @@ class PolicyEndpoint:
                 self.wfile.write(data)
 
             def _body(self) -> Any:
+                """The JSON body; None for one without a usable length, or not JSON."""
+                length = self.headers.get("Content-Length", "")
+                if not (length.isascii() and length.isdigit()) or int(length) > MAX_BODY:
+                    return None
                 try:
-                    return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                except (TypeError, ValueError):
+                    return json.loads(self.rfile.read(int(length)))
+                except ValueError:
                     return None
 
             def log_message(self, format: str, *args: Any) -> None:
@@ -85,11 +93,14 @@ class PolicyEndpoint:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
 
-    def answer(self, path: str, headers: Any, body: Any) -> tuple[int, dict[str, Any]]:
-        """The status and JSON answer of one request."""
+    def answer(
+        self, path: str, headers: Any, read_body: Callable[[], Any]
+    ) -> tuple[int, dict[str, Any]]:
+        """The status and JSON answer of one request (the body is read after the token)."""
         given = headers.get("Authorization", "").removeprefix("Bearer ")
         if not hmac.compare_digest(given.encode(), self.token.encode()):
             return 401, {"error": {"message": "a bearer token is needed"}}
+        body = read_body()
         if path.rstrip("/") != "/v1/chat/completions" or not isinstance(body, dict):
             return 404, {"error": {"message": "POST /v1/chat/completions only"}}
         episode = self.episodes.get(str(body.get("model")))
