@@ -88,7 +88,13 @@ def test_a_run_trains_on_harness_driven_episodes(tiny_config) -> None:
 
     config = tiny_config(
         data={"task": "verifiers", "task_args": {"taskset": SPEC}},
-        rollout={"environment": "verifiers+vf_harness", "max_new_tokens": 24, "max_turns": 3},
+        rollout={
+            "environment": "verifiers+vf_harness",
+            "max_new_tokens": 24,
+            "max_turns": 3,
+            # 2 s on an idle machine; a start once passed the default 30 s on a machine at load 9
+            "environment_timeout_s": 300,
+        },
         rewards={"functions": [{"name": "environment"}, {"name": "verifiers:correct"}]},
     )
     run_dir = train(config)
