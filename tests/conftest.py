@@ -146,7 +146,8 @@ def tiny_config(tiny_model_dir: Path, tmp_path: Path):
 
     def make(**sections: dict) -> Config:
         tree: dict = {
-            "model": {"name": str(tiny_model_dir)},
+            # float32 as the tests' references compute; `auto` would measure each machine
+            "model": {"name": str(tiny_model_dir), "precision": "float32"},
             "data": {"task": "arithmetic", "task_args": {"size": 64}},
             "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12},
             "rewards": {

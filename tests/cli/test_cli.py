@@ -16,7 +16,7 @@ from grpo.config import ConfigError, load_config
 
 def _recipe(tmp_path: Path, tiny_model_dir: Path, **extra) -> Path:
     tree = {
-        "model": {"name": str(tiny_model_dir)},
+        "model": {"name": str(tiny_model_dir), "precision": "float32"},
         "data": {"task": "arithmetic", "task_args": {"size": 16}},
         "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
         "train": {

@@ -47,6 +47,17 @@ def test_auto_measures_for_real_on_this_machine(tiny_config, capsys) -> None:
     assert out.count("GFLOP/s") == 2
 
 
+def test_a_recipe_that_names_no_precision_is_measured(
+    monkeypatch, tiny_model_dir, tmp_path
+) -> None:
+    monkeypatch.setattr(build, "measure_rates", measured(300.0, 900.0))
+    config = build_config(
+        {"model": {"name": str(tiny_model_dir)}, "train": {"output_dir": str(tmp_path)}}
+    )
+    assert config.model.precision == "auto"
+    assert Trainer(config).config.model.precision == "bf16_autocast"
+
+
 def test_a_set_precision_is_not_measured(tiny_config, monkeypatch, capsys) -> None:
     monkeypatch.setattr(build, "measure_rates", pytest.fail)
     trainer = Trainer(tiny_config(model={"precision": "bf16_autocast"}))
