@@ -203,6 +203,8 @@ class RolloutConfig(Section):
     """Further arguments passed as they are to the engine: vLLM `SamplingParams` fields, or transformers `GenerationConfig` fields (their logits processors) for hf. See docs/scaling.md, "Generation controls"."""
     pack_float32: bool = False
     """HF engine (or a `grpo serve` one, which must say the same), float32 sampling on a CPU: multiply on weights packed once per rollout for oneDNN, which holds a second copy of every linear weight while sampling. Faster on some CPUs: measure yours with `python -m benchmarks.speed.rollout_speed` (measured: docs/results/rollout-speed.md). oneDNN sums in another order than `F.linear`, so sampled log-probs differ by rounding and a few completions take another token where two were close; off, float32 sampling multiplies as `F.linear` does, bit for bit. bf16 sampling is always packed (the same products)."""
+    compile: bool = False
+    """HF engine: decode through a step compiled once by torch.compile (inductor; Llama, Mistral, Qwen2 and Qwen3 without adapters, other models decode eagerly). The first rollout of a machine waits for the compilation (65-155 s on a 2-core Xeon); later runs find its kernels cached on disk. Compiled kernels sum in other orders, so float32 tokens are no longer bit for bit the model's own forward's. Measured: docs/results/rollout-speed.md."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Share of GPU memory the colocated vLLM engine may take (unused when vllm_kv_cache_gb is set)."""
     vllm_kv_cache_gb: float | None = Field(None, gt=0)

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig
 from grpo.rollout import decoding_of, grouped_rollout, prompt_seeds
+from grpo.rollout.compiled import decode_for, wanted
 from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.kv_cache import RESERVED_TOKENS, reserved_cache
 from grpo.rollout.packed_weights import packed_linears, why_float32_unpacked
@@ -45,6 +46,7 @@ def sample_groups(
     eos: list[int],
     pad_id: int,
     stop: StopStrings | None = None,
+    compile: bool = False,
 ) -> Decoded:
     """[P, S] left-padded prompts -> [P*G, T] completions (T <= max_new_tokens), groups contiguous.
 
@@ -52,10 +54,10 @@ def sample_groups(
     (what ``generate(num_return_sequences=G)`` does): the prompt costs P, not P*G, forwards. Tokens
     are ``choose(completions so far, scores, rows)`` (``Chooser.pick`` draws them);
     rows that emitted EOS (or a stop string) get ``pad_id`` and leave the batch; the loop stops
-    when every row has finished.
+    when every row has finished. ``compile``: ``rollout.compile`` (``grpo.rollout.compiled``).
     """
     cache = reserved_cache(model, input_ids.shape[1] + min(max_new_tokens, RESERVED_TOKENS))
-    decode = decode_step(model)
+    decode = decode_for(model, compile, lambda: decode_step(model))
     positions = position_ids_from_mask(attention_mask)  # [P, S]
     out = model(
         input_ids=input_ids,
@@ -128,8 +130,14 @@ class HFEngine:
         so the weights are packed once (a call inside finds them packed)."""
         was_training = self.model.training
         self.model.eval()
+        # a compiled step multiplies on its own copy of the weights: packing them too is waste
+        compiled = wanted(self.config.compile, self.model)
         try:
-            with packed_linears(self.model, float32=self.config.pack_float32):
+            with (
+                contextlib.nullcontext()
+                if compiled
+                else packed_linears(self.model, float32=self.config.pack_float32)
+            ):
                 yield
         finally:
             self.model.train(was_training)
@@ -175,6 +183,7 @@ class HFEngine:
                 self.eos,
                 self.tokenizer.pad_token_id,
                 self.stop,
+                self.config.compile,
             )
         t = out.tokens.shape[1]
         mask = torch.arange(t, device=device) < out.lengths[:, None]  # [N, T]
@@ -233,6 +242,7 @@ class HFEngine:
                 self.eos,
                 self.tokenizer.pad_token_id,
                 StopStrings(self.tokenizer, strings) if strings else None,
+                self.config.compile,
             )
         tokens, lengths = out.tokens.cpu(), out.lengths.tolist()
         logps = torch.stack(chooser.logps, dim=1).cpu() if chooser.logps else None  # [N, t]

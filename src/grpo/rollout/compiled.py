@@ -1,0 +1,272 @@
+"""A decode step compiled once by torch.compile (inductor): ``lean_step``'s computation with the
+Python and the small ops between the products fused away.
+
+An eager decode step of SmolLM2-135M at 32 rows is mostly not its products: 30 layers of norms,
+rotary embeddings, casts, cache writes and the calls around them, each a dispatch of its own
+(docs/results/rollout-speed.md). Compiled, the elementwise work of a layer becomes a few C++
+loops and only the products (``F.linear``, external calls into oneDNN/MKL) stay as they were.
+
+What changes against the eager step, so that one compilation serves every rollout:
+
+- the weights are arguments, not the modules' own: cast to the sampling dtype once per rollout
+  (bf16 under autocast: a copy of every linear weight while sampling, where the eager step
+  casts each weight at every product), the model's own tensors in float32;
+- the KV cache is the reserved buffers of ``ReservedLayer``, written in place at the token's
+  position; attention reads their filled part, the prompt's padding masked;
+- shapes are dynamic (rows leave the batch, prompts differ in length), so one graph is traced
+  per model and its kernels are cached on disk by inductor across runs.
+
+Compiled kernels sum in other orders than the eager ones, so the logits differ by rounding (a
+float32 rollout's tokens are then no longer bit for bit the model's own forward's); and the first
+rollout of a machine waits for the compilation (65-155 s on a 2-core AMX Xeon, where the step it
+compiles runs 1.1-1.4x the eager one: docs/results/rollout-speed.md). So it is asked for
+(``rollout.compile: true``), never the default. The first step of each model is computed both
+ways and compared; a compiled step that is further from the model's own forward than rounding
+explains (a transformers version whose forward does something ``lean_step`` does not mirror) is
+said in one line and the model decodes eagerly, as does one whose compilation fails (no C++
+compiler, an unsupported op).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Cache
+
+from grpo.rollout.decode import LEAN_MODELS, DecodeStep, leanable, own_step
+from grpo.rollout.kv_cache import ReservedLayer
+
+# log-probs of the first step, compiled against the model's own forward: bf16 rounding moves
+# them by a few hundredths of a nat on SmolLM2; a mirroring error (a missing bias, another rotary
+# embedding) by whole nats
+AGREEMENT_NATS = 0.5
+
+
+class Linear(NamedTuple):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+class LayerWeights(NamedTuple):
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+class Weights(NamedTuple):
+    """A model's linear weights in the dtype a rollout multiplies in."""
+
+    layers: list[LayerWeights]
+    head: Linear
+
+
+PROJECTIONS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+def compilable(model: nn.Module) -> bool:
+    """Whether ``compiled_step`` computes ``model``'s decode step: a model ``lean_step``
+    mirrors, whose projections and head are plain linear layers (no LoRA, no quantisation)."""
+    if not leanable(model) or type(model).__module__.startswith("peft."):
+        return False
+    layers = model.model.layers
+    modules = [layer.get_submodule(p) for layer in layers for p in PROJECTIONS.values()]
+    return all(type(m) is nn.Linear for m in [*modules, model.lm_head])
+
+
+def _linear(module: nn.Linear, dtype: torch.dtype) -> Linear:
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().to(dtype)
+
+    return Linear(cast(module.weight), cast(module.bias))
+
+
+def weights(model: nn.Module, dtype: torch.dtype) -> Weights:
+    """``model``'s projections and head in ``dtype`` (its own tensors where already so)."""
+    return Weights(
+        [
+            LayerWeights(
+                **{n: _linear(layer.get_submodule(p), dtype) for n, p in PROJECTIONS.items()}
+            )
+            for layer in model.model.layers
+        ],
+        _linear(model.lm_head, dtype),
+    )
+
+
+def _traced(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """The step that torch.compile traces: ``lean_step`` with given weights and buffers."""
+    base, config = model.model, model.config
+    modeling = sys.modules[type(model).__module__]
+    rotate = modeling.apply_rotary_pos_emb
+    head_norms = LEAN_MODELS[type(model).__name__].head_norms
+    kv_heads = config.num_key_value_heads
+
+    def project(x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        return F.linear(x, linear.weight, linear.bias)
+
+    def step(
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        bias: torch.Tensor,
+        at: torch.Tensor,
+        w: Weights,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
+        filled = bias.shape[-1]  # the positions written, this token's included
+        hidden = base.embed_tokens(tokens[:, None])
+        cos, sin = base.rotary_emb(hidden, position_ids=positions)
+        for i, layer in enumerate(base.layers):
+            attn, lw = layer.self_attn, w.layers[i]
+            x = layer.input_layernorm(hidden)
+            shape = (*x.shape[:-1], -1, attn.head_dim)
+            q, k = project(x, lw.q).view(shape), project(x, lw.k).view(shape)
+            if head_norms:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = project(x, lw.v).view(shape).transpose(1, 2)
+            q, k = rotate(q, k, cos, sin)
+            keys[i].index_copy_(2, at, k.to(keys[i].dtype))
+            values[i].index_copy_(2, at, v.to(values[i].dtype))
+            # one query per row: each key head's group of query heads against the filled part
+            held_k, held_v = keys[i][:, :, :filled], values[i][:, :, :filled]
+            rows, heads = q.shape[0], q.shape[1]
+            grouped = q.reshape(rows, kv_heads, heads // kv_heads, attn.head_dim)
+            scores = grouped @ held_k.to(q.dtype).transpose(-1, -2) * attn.scaling + bias
+            p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            out = (p @ held_v.to(q.dtype)).reshape(rows, 1, heads * attn.head_dim)
+            hidden = hidden + project(out, lw.o)
+            x = layer.post_attention_layernorm(hidden)
+            mlp = layer.mlp
+            hidden = hidden + project(mlp.act_fn(project(x, lw.gate)) * project(x, lw.up), lw.down)
+        return project(base.norm(hidden), w.head)[:, -1].float()
+
+    return step
+
+
+class _Compiled(NamedTuple):
+    step: Callable[..., torch.Tensor] | None  # None: this model decodes eagerly (said once)
+    checked: bool
+
+
+# model -> its compiled step (one trace per model and process; kernels cached on disk)
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, _Compiled] = weakref.WeakKeyDictionary()
+
+
+def _say(model: nn.Module, what: str) -> None:
+    print(f"rollout.compile: {what}", file=sys.stderr, flush=True)
+
+
+def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
+    """``model``'s decode step compiled (``compilable(model)`` must hold), over its weights cast
+    to ``dtype`` now (call it once per rollout: the weights change between rollouts)."""
+    entry = _COMPILED.get(model)
+    if entry is None:
+        entry = _COMPILED[model] = _Compiled(
+            torch.compile(_traced(model), dynamic=True, fullgraph=True), False
+        )
+    own = own_step(model)
+    if entry.step is None:
+        return own
+    w = weights(model, dtype)
+
+    def step(
+        tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Cache
+    ) -> torch.Tensor:
+        entry = _COMPILED[model]
+        if entry.step is None:
+            return own(tokens, mask, positions, cache)
+        layers: list[ReservedLayer] = cache.layers  # type: ignore[assignment]
+        at = layers[0].length
+        for layer in layers:
+            if at + 1 > layer.key_buffer.shape[2]:  # as ReservedLayer.update grows
+                layer._reserve(layer.keys, layer.values, 2 * layer.key_buffer.shape[2])
+        allowed = mask.bool()[:, None, None, :]  # [b, 1, 1, at + 1]: the prompt's padding is not
+        bias = torch.zeros(allowed.shape, device=mask.device).masked_fill(~allowed, -torch.inf)
+        args = (
+            tokens,
+            positions,
+            bias,
+            torch.tensor([at], device=mask.device),
+            w,
+            [layer.key_buffer for layer in layers],
+            [layer.value_buffer for layer in layers],
+        )
+        if entry.checked:
+            logits = entry.step(*args)
+            for layer in layers:
+                layer.length = at + 1
+                layer._view()
+            return logits
+        return _first_step(model, entry, args, own, (tokens, mask, positions, cache))
+
+    return step
+
+
+def _first_step(
+    model: nn.Module,
+    entry: _Compiled,
+    args: tuple,
+    own: DecodeStep,
+    own_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Cache],
+) -> torch.Tensor:
+    """The model's first compiled step (its compilation), checked against its own forward,
+    which then writes this token's keys and values (over the compiled step's)."""
+    start = time.perf_counter()
+    try:
+        got: torch.Tensor | None = entry.step(*args)
+        why = ""
+    except Exception as error:  # no C++ compiler, an op inductor cannot lower
+        got, why = None, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+    seconds = time.perf_counter() - start
+    expected = own(*own_args)
+    if got is not None:
+        gap = (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item()
+        if not gap <= AGREEMENT_NATS:  # NaN too
+            got, why = None, f"max |log-prob diff| {gap:.2g} against its own forward"
+    if got is None:
+        _COMPILED[model] = _Compiled(None, True)
+        _say(model, f"{type(model).__name__} decodes eagerly ({why})")
+    else:
+        _COMPILED[model] = _Compiled(entry.step, True)
+        _say(model, f"{type(model).__name__}'s decode step compiled in {seconds:.0f} s")
+    return expected
+
+
+def wanted(setting: bool, model: nn.Module) -> bool:
+    """Whether a rollout of ``model`` decodes compiled (``rollout.compile``)."""
+    return setting and compilable(model)
+
+
+def sampling_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype ``model``'s products are in now: bf16 under bf16 autocast, else its own."""
+    device = next(model.parameters()).device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16:
+        return torch.bfloat16
+    return next(model.parameters()).dtype
+
+
+def decode_for(model: nn.Module, setting: bool, eager: Callable[[], DecodeStep]) -> Any:
+    """The decode step of a rollout: compiled where ``wanted``, else ``eager()``."""
+    if wanted(setting, model):
+        return compiled_step(model, sampling_dtype(model))
+    return eager()

@@ -1,0 +1,120 @@
+"""The compiled decode step (``rollout.compile``): what it traces gives the model's own logits,
+a compilation that fails or disagrees is said once and the model decodes eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decode import decode_both, llama, mistral, qwen2, qwen3
+from transformers import AutoModelForCausalLM
+
+from grpo.config import ModelConfig, RolloutConfig
+from grpo.models import load_policy, load_tokenizer
+from grpo.rollout import compiled, decode
+from grpo.rollout.hf import HFEngine
+
+
+@pytest.fixture
+def traced_eagerly(monkeypatch):
+    """torch.compile as the identity: the traced step runs as Python, in a second."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+
+@pytest.mark.parametrize("build", [llama, mistral, qwen2, qwen3])
+def test_the_traced_step_gives_the_models_own_logits(build, traced_eagerly, monkeypatch) -> None:
+    model = build()
+    assert compiled.compilable(model)
+    # decode_both's second path: the compiled step over weights cast (here: kept) once
+    monkeypatch.setattr(decode, "lean_step", lambda m: compiled.compiled_step(m, torch.float32))
+    with torch.no_grad():
+        pairs = decode_both(model)
+    # the same products; attention sums over the buffer in another order than SDPA
+    assert all(torch.allclose(own, got, atol=1e-5, rtol=0) for own, got in pairs)
+    assert not torch.equal(pairs[0][0], pairs[1][0])  # the steps did move on
+
+
+def _rollout(model, tokenizer, compile: bool):
+    engine = HFEngine(
+        model, tokenizer, RolloutConfig(max_new_tokens=10, group_size=3, compile=compile)
+    )
+    return engine.generate(["1 + 1 =", "a much longer prompt, 2 + 2 ="], [{}, {}], 3, seeds=[5, 6])
+
+
+@pytest.fixture
+def tiny(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return model, load_tokenizer(tiny_model_dir)
+
+
+def test_a_rollout_decodes_compiled_when_asked(tiny, traced_eagerly, capsys) -> None:
+    model, tokenizer = tiny
+    eager = _rollout(model, tokenizer, compile=False)
+    assert "rollout.compile" not in capsys.readouterr().err
+    got = _rollout(model, tokenizer, compile=True)
+    assert "rollout.compile: LlamaForCausalLM's decode step compiled in" in capsys.readouterr().err
+    assert torch.equal(got.completion_ids, eager.completion_ids)
+    assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-5, rtol=0)
+    _rollout(model, tokenizer, compile=True)  # checked once per model: said once
+    assert "rollout.compile" not in capsys.readouterr().err
+
+
+def test_a_compilation_that_fails_is_said_once_and_decodes_eagerly(
+    tiny, monkeypatch, capsys
+) -> None:
+    def no_compiler(fn, **kwargs):
+        def fails(*args):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore")
+
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    model, tokenizer = tiny
+    eager = _rollout(model, tokenizer, compile=False)
+    got = _rollout(model, tokenizer, compile=True)
+    _rollout(model, tokenizer, compile=True)
+    err = capsys.readouterr().err
+    line = (
+        "rollout.compile: LlamaForCausalLM decodes eagerly "
+        "(RuntimeError: InvalidCxxCompiler: No working C++ compiler found)\n"
+    )
+    assert err == line
+    assert torch.equal(got.completion_ids, eager.completion_ids)
+    assert torch.equal(got.sampler_logp, eager.sampler_logp)
+
+
+def test_a_step_that_is_off_from_the_models_forward_is_refused(tiny, monkeypatch, capsys) -> None:
+    def off(fn, **kwargs):
+        return lambda *args: fn(*args) + torch.linspace(0, 3, fn(*args).shape[-1])
+
+    monkeypatch.setattr(torch, "compile", off)
+    model, tokenizer = tiny
+    eager = _rollout(model, tokenizer, compile=False)
+    got = _rollout(model, tokenizer, compile=True)
+    err = capsys.readouterr().err
+    assert (
+        "rollout.compile: LlamaForCausalLM decodes eagerly (max |log-prob diff| 1.9 against its own forward)"
+        in err
+    )
+    assert torch.equal(got.completion_ids, eager.completion_ids)
+
+
+def test_models_it_does_not_mirror_are_not_compiled(tiny_model_dir) -> None:
+    lora = load_policy(ModelConfig(lora={"enabled": True, "r": 4}), str(tiny_model_dir))
+    hooked = llama()
+    hooked.model.layers[0].self_attn.register_forward_hook(lambda *a: None)
+    for model in (
+        lora,
+        hooked,
+        qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+    ):
+        assert not compiled.compilable(model)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_a_step_that_samples_as_the_eager_one(tiny, capsys) -> None:
+    model, tokenizer = tiny
+    eager = _rollout(model, tokenizer, compile=False)
+    got = _rollout(model, tokenizer, compile=True)
+    assert "decode step compiled in" in capsys.readouterr().err
+    assert torch.equal(got.completion_ids, eager.completion_ids)
+    assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-4, rtol=0)
