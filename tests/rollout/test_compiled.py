@@ -118,3 +118,27 @@ def test_inductor_compiles_a_step_that_samples_as_the_eager_one(tiny, capsys) ->
     assert "decode step compiled in" in capsys.readouterr().err
     assert torch.equal(got.completion_ids, eager.completion_ids)
     assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-4, rtol=0)
+
+
+def test_a_recompilation_that_fails_mid_rollout_goes_on_eagerly(tiny, monkeypatch, capsys) -> None:
+    def fails_later(fn, **kwargs):
+        calls = iter(range(10**6))
+
+        def step(*args):
+            if next(calls) >= 3:  # rows left the batch: a shape it was not compiled for
+                raise RuntimeError("CppCompileError: C++ compile error")
+            return fn(*args)
+
+        return step
+
+    monkeypatch.setattr(torch, "compile", fails_later)
+    model, tokenizer = tiny
+    eager = _rollout(model, tokenizer, compile=False)
+    got = _rollout(model, tokenizer, compile=True)
+    err = capsys.readouterr().err.splitlines()
+    assert (
+        err[-1]
+        == "rollout.compile: LlamaForCausalLM decodes eagerly (RuntimeError: CppCompileError: C++ compile error)"
+    )
+    assert torch.equal(got.completion_ids, eager.completion_ids)
+    assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-5, rtol=0)

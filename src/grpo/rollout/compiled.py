@@ -163,27 +163,25 @@ def _traced(model: nn.Module) -> Callable[..., torch.Tensor]:
     return step
 
 
-class _Compiled(NamedTuple):
-    step: Callable[..., torch.Tensor] | None  # None: this model decodes eagerly (said once)
-    checked: bool
+class _Compiled:
+    """A model's compiled step, or None once it decodes eagerly (said once), and the dtypes
+    whose first step was checked against the model's own forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.step: Callable[..., torch.Tensor] | None = torch.compile(
+            _traced(model), dynamic=True, fullgraph=True
+        )
+        self.checked: set[torch.dtype] = set()
 
 
 # model -> its compiled step (one trace per model and process; kernels cached on disk)
 _COMPILED: weakref.WeakKeyDictionary[nn.Module, _Compiled] = weakref.WeakKeyDictionary()
 
 
-def _say(model: nn.Module, what: str) -> None:
-    print(f"rollout.compile: {what}", file=sys.stderr, flush=True)
-
-
 def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
     """``model``'s decode step compiled (``compilable(model)`` must hold), over its weights cast
     to ``dtype`` now (call it once per rollout: the weights change between rollouts)."""
-    entry = _COMPILED.get(model)
-    if entry is None:
-        entry = _COMPILED[model] = _Compiled(
-            torch.compile(_traced(model), dynamic=True, fullgraph=True), False
-        )
+    entry = _COMPILED.get(model) or _COMPILED.setdefault(model, _Compiled(model))
     own = own_step(model)
     if entry.step is None:
         return own
@@ -192,7 +190,6 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
     def step(
         tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Cache
     ) -> torch.Tensor:
-        entry = _COMPILED[model]
         if entry.step is None:
             return own(tokens, mask, positions, cache)
         layers: list[ReservedLayer] = cache.layers  # type: ignore[assignment]
@@ -211,45 +208,38 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
             [layer.key_buffer for layer in layers],
             [layer.value_buffer for layer in layers],
         )
-        if entry.checked:
-            logits = entry.step(*args)
+        start = time.perf_counter()
+        try:
+            got: torch.Tensor | None = entry.step(*args)
+            why = ""
+        except Exception as error:  # no C++ compiler, an op inductor cannot lower (a recompile)
+            got, why = None, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+        if got is not None and dtype in entry.checked:
             for layer in layers:
                 layer.length = at + 1
                 layer._view()
-            return logits
-        return _first_step(model, entry, args, own, (tokens, mask, positions, cache))
+            return got
+        seconds = time.perf_counter() - start
+        # the model's own forward writes this token's keys and values (over the compiled step's)
+        expected = own(tokens, mask, positions, cache)
+        if got is not None:
+            gap = (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item()
+            if not gap <= AGREEMENT_NATS:  # NaN too
+                got, why = None, f"max |log-prob diff| {gap:.2g} against its own forward"
+        name = type(model).__name__
+        if got is None:
+            entry.step = None
+            _say(f"{name} decodes eagerly ({why})")
+        else:
+            entry.checked.add(dtype)
+            _say(f"{name}'s decode step compiled in {seconds:.0f} s")
+        return expected
 
     return step
 
 
-def _first_step(
-    model: nn.Module,
-    entry: _Compiled,
-    args: tuple,
-    own: DecodeStep,
-    own_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Cache],
-) -> torch.Tensor:
-    """The model's first compiled step (its compilation), checked against its own forward,
-    which then writes this token's keys and values (over the compiled step's)."""
-    start = time.perf_counter()
-    try:
-        got: torch.Tensor | None = entry.step(*args)
-        why = ""
-    except Exception as error:  # no C++ compiler, an op inductor cannot lower
-        got, why = None, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
-    seconds = time.perf_counter() - start
-    expected = own(*own_args)
-    if got is not None:
-        gap = (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item()
-        if not gap <= AGREEMENT_NATS:  # NaN too
-            got, why = None, f"max |log-prob diff| {gap:.2g} against its own forward"
-    if got is None:
-        _COMPILED[model] = _Compiled(None, True)
-        _say(model, f"{type(model).__name__} decodes eagerly ({why})")
-    else:
-        _COMPILED[model] = _Compiled(entry.step, True)
-        _say(model, f"{type(model).__name__}'s decode step compiled in {seconds:.0f} s")
-    return expected
+def _say(what: str) -> None:
+    print(f"rollout.compile: {what}", file=sys.stderr, flush=True)
 
 
 def wanted(setting: bool, model: nn.Module) -> bool:
