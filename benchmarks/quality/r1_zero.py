@@ -30,7 +30,7 @@ import yaml
 
 from benchmarks import common
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "r1-zero.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "r1-zero-sums.yaml"
 NUMBER_RE = re.compile(r"\d+")
 
 PER_STEP = (
@@ -126,7 +126,9 @@ def main() -> None:
     runs_cmd.add_argument("--out", type=Path, default=RESULTS)
     add_cmd = commands.add_parser("addition", help="the base model's own addition")
     add_cmd.add_argument("--examples", type=int, default=100)
-    add_cmd.add_argument("overrides", nargs="*", help="dotted overrides of recipes/r1-zero.yaml")
+    add_cmd.add_argument(
+        "overrides", nargs="*", help="dotted overrides of recipes/r1-zero-sums.yaml"
+    )
     args = parser.parse_args()
     if args.command == "addition":
         rate = addition_rate(args.overrides, args.examples)

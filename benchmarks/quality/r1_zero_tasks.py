@@ -1,5 +1,5 @@
 """Which reasoning-gym task can Gemma 3 270M (base) sometimes solve? What ``grpo eval --samples 8``
-measures, with recipes/r1-zero.yaml's template and temperature, on candidate generators at their
+measures, with recipes/r1-zero-sums.yaml's template and temperature, on candidate generators at their
 easiest settings (their curriculum's level 0), each judged twice on the same completions:
 strictly (the answer inside ``<answer>``, as the reward pays) and leniently
 (``last_number: true``). The model loads once and each generator's completions are sampled once
@@ -48,7 +48,7 @@ JUDGES = {"strict": {}, "lenient": {"last_number": True}}
 def config_for(name: str):
     task_args = {"name": name, "config": level_config(name, {}, 0, None), "size": EXAMPLES}
     return load_config(
-        "recipes/r1-zero.yaml",
+        "recipes/r1-zero-sums.yaml",
         ["data.task=reasoning_gym", f"data.task_args={json.dumps(task_args)}"],
     )
 

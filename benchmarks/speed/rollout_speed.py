@@ -97,7 +97,9 @@ def variants(model: torch.nn.Module, tokenizer: Any, rollout: RolloutConfig) -> 
 
     built: dict[str, Callable[[], Variant]] = {
         "hf_float32": lambda: Variant(hf(compile=False), "float32", False),
-        "hf_float32_packed": lambda: Variant(hf(pack_float32=True, compile=False), "float32", False),
+        "hf_float32_packed": lambda: Variant(
+            hf(pack_float32=True, compile=False), "float32", False
+        ),
         "hf_float32_compiled": lambda: Variant(hf(compile=True), "float32", False),
         "hf_bf16": lambda: Variant(hf(compile=False), "bfloat16", True),
         "hf_bf16_compiled": lambda: Variant(hf(compile=True), "bfloat16", True),

@@ -3,7 +3,7 @@
 Gemma 3's local layers attend within a sliding window (512 tokens for the 270M model). Scoring
 used to give such models one padded row per completion, since the packed layout replaces the
 model's masks; now a batch whose sequences all fit in the window is packed (a window that long
-excludes nothing). This runs ``grpo train recipes/r1-zero.yaml`` (no evaluation, no
+excludes nothing). This runs ``grpo train recipes/r1-zero-sums.yaml`` (no evaluation, no
 checkpoints) for ``--steps`` steps per run, alternated rows, packed, rows, ... over ``--rounds``
 rounds; "rows" is the same code with the window check answering "does not fit". Each run is a
 fresh process whose peak RSS is read with ``getrusage``. Per variant: the median step and update
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=RESULTS / "windowed_gemma3.json")
     args = parser.parse_args()
-    recipe = ["recipes/r1-zero.yaml"]
+    recipe = ["recipes/r1-zero-sums.yaml"]
     variants = {"rows": (recipe, ROWS), "packed": (recipe, "")}
     common.compare_two("benchmarks.speed.windowed", variants, args.rounds, args.steps, args.out)
 

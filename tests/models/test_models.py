@@ -323,7 +323,7 @@ def test_r1_zero_recipe_pays_neither_a_copied_template_nor_a_restated_question(
     from grpo.data.prompts import prompt_format_for
     from grpo.rewards import resolve_reward
 
-    recipe = Path(models.__file__).parents[1] / "recipes" / "r1-zero.yaml"
+    recipe = Path(models.__file__).parents[1] / "recipes" / "r1-zero-sums.yaml"
     config = load_config(recipe)
     assert config.model.name == "gemma3-270m" and config.data.template == "r1_zero"
     assert config.rollout.stop == ["</answer>"]  # a base model writes on after its answer
