@@ -21,7 +21,7 @@ from grpo.rollout.turns import MultiTurnEngine
 def _config(model: Path, **rewards: object):
     return build_config(
         {
-            "model": {"name": str(model)},
+            "model": {"name": str(model), "precision": "float32"},
             "data": {"task": "arithmetic", "task_args": {"size": 8}},
             "rewards": {"functions": [{"name": "format"}], **rewards},
             "train": {"progress": False},
@@ -51,7 +51,7 @@ def test_a_bad_reward_is_refused_before_the_model_loads(tiny_model_dir: Path, mo
     monkeypatch.setattr(grpo.build, "load_tokenizer", never)
     bad = build_config(
         {
-            "model": {"name": str(tiny_model_dir)},
+            "model": {"name": str(tiny_model_dir), "precision": "float32"},
             "rewards": {"functions": [{"name": "no_such_reward"}]},
         }
     )
@@ -102,9 +102,14 @@ def test_an_unknown_engine_is_named() -> None:
 def test_the_tool_loop_wraps_an_engine_once(tiny_model_dir: Path) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
     inner = SimpleNamespace(eos=[tokenizer.eos_token_id], generate_turns=None, sync_weights=None)
-    plain = build_config({"model": {"name": str(tiny_model_dir)}})
+    plain = build_config({"model": {"name": str(tiny_model_dir), "precision": "float32"}})
     assert grpo.build.engine_of(plain, None, tokenizer, inner) is inner  # no tools: as it is
-    tools = build_config({"model": {"name": str(tiny_model_dir)}, "rollout": {"tools": ["python"]}})
+    tools = build_config(
+        {
+            "model": {"name": str(tiny_model_dir), "precision": "float32"},
+            "rollout": {"tools": ["python"]},
+        }
+    )
     wrapped = grpo.build.engine_of(tools, None, tokenizer, inner)
     assert isinstance(wrapped, MultiTurnEngine) and wrapped.engine is inner
     assert grpo.build.engine_of(tools, None, tokenizer, wrapped) is wrapped  # not twice

@@ -21,7 +21,7 @@ def _recipe(tmp_path: Path, tiny_model_dir: Path, cls: str = "HighNumber") -> Pa
     rows = [{"prompt": f"Game {i}.", "answer": "x"} for i in range(6)]
     (tmp_path / "games.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tree = {
-        "model": {"name": str(tiny_model_dir)},
+        "model": {"name": str(tiny_model_dir), "precision": "float32"},
         "data": {"path": str(tmp_path / "games.jsonl"), "eval_path": str(tmp_path / "games.jsonl")},
         "rollout": {"environment": f"{ENVS}:{cls}", "group_size": 3, "max_new_tokens": 8},
         "rewards": {"functions": [{"name": "environment"}]},

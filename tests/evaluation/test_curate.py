@@ -49,7 +49,7 @@ def _data(tmp_path: Path) -> tuple[Path, list[dict]]:
 
 def _recipe(tmp_path: Path, tiny_model_dir: Path, **sections: dict) -> Path:
     tree: dict = {
-        "model": {"name": str(tiny_model_dir)},
+        "model": {"name": str(tiny_model_dir), "precision": "float32"},
         "data": {"path": "data.jsonl", "prompt_field": "question"},  # relative: the recipe's folder
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
         "rewards": {"functions": [HASHED]},

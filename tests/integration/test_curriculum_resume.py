@@ -19,7 +19,7 @@ def test_a_curriculum_run_killed_at_random_points_resumes_bit_identical(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     tree = {
-        "model": {"name": str(tiny_model_dir)},
+        "model": {"name": str(tiny_model_dir), "precision": "float32"},
         "data": {
             "task": "reasoning_gym",
             "task_args": {"name": "chain_sum", "size": 16},

@@ -35,7 +35,7 @@ TRAINABLE_REWARD = f"{Path(__file__).parents[1] / 'toy_rewards.py'}:lowercase_sh
 def tree(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A 4-step run whose weights move at every step (trainable reward, lr 1e-2), as a tree."""
     return {
-        "model": {"name": str(tiny_model_dir)},
+        "model": {"name": str(tiny_model_dir), "precision": "float32"},
         "data": {"task": "arithmetic", "task_args": {"size": 32}},
         "rewards": {"functions": [{"name": TRAINABLE_REWARD}]},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
@@ -457,7 +457,7 @@ def test_what_no_resume_can_change_is_refused_in_one_line(tree: dict, tmp_path: 
     # what changes nothing goes on: the same files in another folder, LoRA's rank with LoRA off
     moved = tmp_path / "moved"
     shutil.copytree(tree["model"]["name"], moved)
-    same = {**tree, "model": {"name": str(moved), "lora": {"r": 4}}}
+    same = {**tree, "model": {**tree["model"], "name": str(moved), "lora": {"r": 4}}}
     assert Trainer(make(same, "fixed", steps=3)).plan.step == 2
 
 
@@ -531,7 +531,7 @@ def test_inputs_changed_under_the_same_names_are_a_change_of_the_math(
     )
     model = tmp_path / "model"
     shutil.copytree(tree["model"]["name"], model)
-    moved = {**tree, "model": {"name": str(model)}, "data": {"path": str(data)}}
+    moved = {**tree, "model": {**tree["model"], "name": str(model)}, "data": {"path": str(data)}}
     train(make(moved, "inputs", steps=1))
     data.write_text(data.read_text().replace("say 3", "say three"))
     with pytest.raises(ConfigError, match=r"changes the math: the data's rows '[0-9a-f]+' -> "):

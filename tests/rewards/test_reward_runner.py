@@ -546,7 +546,7 @@ def _train(
     tmp_path: Path, tiny_model_dir: Path, rewards: dict, steps: int, timeout: float, prompts: int
 ):
     tree = {
-        "model": {"name": str(tiny_model_dir)},
+        "model": {"name": str(tiny_model_dir), "precision": "float32"},
         "data": {"task": "arithmetic", "task_args": {"size": 16}},
         "rollout": {"prompts_per_step": prompts, "group_size": 4, "max_new_tokens": 4},
         "rewards": rewards,

@@ -78,7 +78,7 @@ def test_curate_shows_the_tool_schema_too(
     recipe.write_text(
         json.dumps(
             {
-                "model": {"name": str(hermes_model_dir)},
+                "model": {"name": str(hermes_model_dir), "precision": "float32"},
                 "data": {"task": None, "path": str(question_file(tmp_path))},
                 "rollout": {
                     "tools": ["python"],

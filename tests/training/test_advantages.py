@@ -35,7 +35,7 @@ def make(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     def config(**algo) -> Config:
         return build_config(
             {
-                "model": {"name": str(tiny_model_dir)},
+                "model": {"name": str(tiny_model_dir), "precision": "float32"},
                 "data": {"task": "arithmetic", "task_args": {"size": 64}},
                 "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 12},
                 "rewards": REWARDS,

@@ -43,7 +43,7 @@ def _trainer(model_dir: Path, run_dir: Path) -> SimpleNamespace:
     """A training state built as the trainer builds it, and what a checkpoint is written with."""
     config = build_config(
         {
-            "model": {"name": str(model_dir)},
+            "model": {"name": str(model_dir), "precision": "float32"},
             "optim": {"lr": 1e-2, "warmup_steps": 2},
             "sampling": {"greso": True, "greso_history": 2},
             "temperature": {"schedule": "adaptive"},

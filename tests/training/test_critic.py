@@ -146,7 +146,10 @@ def test_packed_values_are_each_rows_own(
     # two groups of two completions behind left-padded prompts: the packed values equal those
     # of each row alone (its prompt and completion, unpadded, plain causal attention)
     config = build_config(
-        {"model": {"name": str(tiny_model_dir)}, "algorithm": {"estimator": "ppo"}}
+        {
+            "model": {"name": str(tiny_model_dir), "precision": "float32"},
+            "algorithm": {"estimator": "ppo"},
+        }
     )
     policy = load_policy(config.model, config.model.name)
     model = value_model(config, policy)
@@ -204,7 +207,7 @@ def test_ppo_refusals() -> None:
 @pytest.fixture(scope="module")
 def tree(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {
-        "model": {"name": str(tiny_model_dir)},
+        "model": {"name": str(tiny_model_dir), "precision": "float32"},
         "data": {"task": "arithmetic", "task_args": {"size": 32}},
         "rewards": {"functions": [{"name": TRAINABLE_REWARD}]},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
@@ -281,7 +284,10 @@ def test_a_non_finite_critic_gradient_takes_no_step_and_says_so(
     tiny_model_dir: Path, capsys
 ) -> None:
     config = build_config(
-        {"model": {"name": str(tiny_model_dir)}, "algorithm": {"estimator": "ppo"}}
+        {
+            "model": {"name": str(tiny_model_dir), "precision": "float32"},
+            "algorithm": {"estimator": "ppo"},
+        }
     )
     critic = Critic(config, load_policy(config.model, config.model.name), torch.device("cpu"))
     before = {k: v.clone() for k, v in critic.model.state_dict().items()}

@@ -37,7 +37,7 @@ def knob_config(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, 
 
     def make(**sections: dict) -> Config:
         tree: dict = {
-            "model": {"name": str(tiny_model_dir)},
+            "model": {"name": str(tiny_model_dir), "precision": "float32"},
             "data": {"task": "arithmetic", "task_args": {"size": 64}},
             "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": MAX_NEW},
             "rewards": trainable_reward,

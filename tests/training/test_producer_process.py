@@ -62,7 +62,7 @@ def _keep_torch_threads():
 def tree(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A 4-step run whose weights move at every step, one step ahead (k = 1)."""
     return {
-        "model": {"name": str(tiny_model_dir)},
+        "model": {"name": str(tiny_model_dir), "precision": "float32"},
         "data": {"task": "arithmetic", "task_args": {"size": 32}},
         "rewards": {"functions": [{"name": TRAINABLE_REWARD}]},
         "rollout": {
