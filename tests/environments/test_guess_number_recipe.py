@@ -1,6 +1,6 @@
 """recipes/guess-number.yaml and its environment: the recipe resolves its files, and the game
-is what its docstring says (higher/lower answers; three guesses find every number only by
-reading them)."""
+is what its docstring says (higher/lower answers; two guesses find every number only by
+reading them; a third is refused)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _play(cls, seed: int, policy) -> tuple[float, int]:
     game = cls()
     game.reset(prompt="p", seed=seed)
     answer = None
-    for turn in range(3):
+    for turn in range(3):  # a third guess is refused
         answer = game.guess(policy(turn, answer, game.guesses))
         if answer == "correct":
             break
@@ -37,14 +37,14 @@ def test_only_a_policy_that_reads_the_answers_wins_every_game() -> None:
     cls = load_class(f"{RECIPES / 'environments/guess_number.py'}:GuessNumber")
     seeds = range(10000, 10060)  # the held-out games
 
-    def halving(turn, answer, guesses):  # 3, then the middle of what is left
-        low, high = 1, 5
+    def halving(turn, answer, guesses):  # 2, then the middle of what is left
+        low, high = 1, 3
         for g, a in zip(guesses, answers, strict=True):
             low, high = (g + 1, high) if a == "higher" else (low, g - 1)
-        return (low + high + 1) // 2 if guesses else 3
+        return (low + high + 1) // 2 if guesses else 2
 
     def fixed(turn, answer, guesses):
-        return (3, 4, 2)[turn]
+        return (2, 3, 1)[turn]  # the third is refused: 2 and 3 are what it plays
 
     answers: list[str] = []
 
@@ -60,7 +60,15 @@ def test_only_a_policy_that_reads_the_answers_wins_every_game() -> None:
     for seed in seeds:
         answers.clear()
         won.append(_play(cls, seed, recording(halving)))
-    assert all(reward == 1.0 for reward, _ in won)
-    fixed_won = sum(_play(cls, seed, fixed)[0] for seed in seeds) / len(seeds)
-    # 3, 4 or 2 of the 60 held-out numbers (2: 14, 3: 12, 4: 11)
-    assert fixed_won == (14 + 12 + 11) / 60
+    assert all(reward == 1.0 and guesses <= 2 for reward, guesses in won)
+    fixed_won = [_play(cls, seed, fixed) for seed in seeds]
+    targets = [_target(cls, seed) for seed in seeds]
+    assert [reward for reward, _ in fixed_won] == [float(t in (2, 3)) for t in targets]
+    assert all(guesses <= 2 for _, guesses in fixed_won)  # the third guess was refused
+    assert 0.5 < sum(t in (2, 3) for t in targets) / len(seeds) < 0.8
+
+
+def _target(cls, seed: int) -> int:
+    game = cls()
+    game.reset(prompt="p", seed=seed)
+    return game.target

@@ -3,14 +3,15 @@
 
 A number from 1 to ``HIGH`` is hidden, drawn from the row's ``seed`` column: each game is fixed
 by its row, and the held-out games are rows never trained on. The model calls ``guess(n)`` and is
-told ``higher``, ``lower`` or ``correct``; a game is won when one guess is correct. With three
-guesses a fixed sequence finds 3 numbers of 5; halving the range on each answer finds all 5, so
-what a model gains past 0.6 it gains by reading the answers.
+told ``higher``, ``lower`` or ``correct``; a game is won when one guess is correct. With two
+guesses (a third is refused) a fixed sequence finds 2 numbers of 3; 2, then 1 after "lower"
+and 3 after "higher", finds all 3, so what a model gains past 2/3 it gains by reading the answers.
 """
 
 import random
 
-HIGH = 5
+HIGH = 3
+GUESSES = 2  # a game's guesses: more are refused
 
 
 class GuessNumber:
@@ -27,8 +28,10 @@ class GuessNumber:
         """Guess the hidden number.
 
         Args:
-            n: the number guessed, from 1 to 5
+            n: the number guessed, from 1 to 3
         """
+        if len(self.guesses) >= GUESSES:
+            return f"no guesses left (you had {GUESSES})"
         self.guesses.append(n)
         if n == self.target:
             return "correct"
