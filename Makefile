@@ -28,8 +28,9 @@ $(EXTRAS_STAMP): $(STAMP)
 train: $(STAMP)
 	.venv/bin/grpo train $(ARGS)
 
+# one worker per core, a test module's tests on one worker (its module fixtures built once)
 test: $(EXTRAS_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadscope
 
 test-slow: $(EXTRAS_STAMP)
 	$(PY) -m pytest -q -m slow
