@@ -2,7 +2,7 @@
 with the FLOP rate of its matrix products against the machine's measured peak.
 
     .venv/bin/python -m benchmarks.speed.update_profile --setup smollm2-fast \
-        --out benchmarks/results/update_profile_smollm2-fast.json
+        --out benchmarks/results/update_profile_smollm2-fast.json   # [--precision bfloat16]
 
 A trainer of the set-up (``benchmarks.speed.step``'s config) runs ``--warmup`` steps, then the
 next step's update (forward, backward, LM head, optimizer; the frozen log-probs are outside it)
@@ -70,9 +70,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setup", choices=sorted(common.SETUPS), default="smollm2-fast")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--precision", choices=["float32", "bfloat16"], help="default: the set-up's (as vs_trl)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    setup = common.SETUPS[args.setup]
+    setup = common.with_precision(common.SETUPS[args.setup], args.precision)
     with tempfile.TemporaryDirectory() as out:
         config = build_config(config_tree(setup, args.warmup + 1, 0, out))
         build.prepare_process(config)
