@@ -47,8 +47,32 @@ environment whose actions are text, as OpenEnv's are) has ``stop = []`` and ``ac
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def ending_tool_call(text: str) -> tuple[Any, Any] | None:
+    """The name and arguments of the ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+    that ends ``text`` (whitespace after it allowed; arguments given as a JSON string are
+    decoded, absent ones are {}), as the model wrote them (the caller checks their types); None
+    when no call ends the text. Raises ValueError for a body that is not a JSON object with a
+    name: the chat templates' tool-call syntax (Hermes, Qwen), read one way for every tool."""
+    stripped = text.rstrip()
+    matches = list(TOOL_CALL_RE.finditer(stripped))
+    if not matches or matches[-1].end() != len(stripped):
+        return None
+    try:
+        payload = json.loads(matches[-1].group(1))
+        arguments = payload.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        return payload["name"], arguments
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError("not a tool call") from None
 
 
 class EnvironmentFailure(RuntimeError):

@@ -34,7 +34,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import inspect
-import json
 import random
 import re
 import threading
@@ -47,12 +46,11 @@ import torch
 from transformers.utils import get_json_schema
 
 from grpo.config import ConfigError
-from grpo.environments import Action, Step
+from grpo.environments import Action, Step, ending_tool_call
 from grpo.runtime.user_code import error_line, load_named
 
 # lifecycle methods: the trainer calls them, the model does not
 LIFECYCLE = ("reset", "get_reward", "close")
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
 # a fence's closing line ends the turn; its opening line ("```\n" at the turn's start, no tag
 # needed) must not, or every call would cost the model a second request
@@ -156,18 +154,13 @@ class ClassEnvironment:
 def template_call(text: str) -> Action | None:
     """A ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` that ends the turn, as an
     action whose call is (name, (args, kwargs))."""
-    stripped = text.rstrip()
-    matches = list(TOOL_CALL_RE.finditer(stripped))
-    if not matches or matches[-1].end() != len(stripped):
-        return None
     try:
-        payload = json.loads(matches[-1].group(1))
-        arguments = payload.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = json.loads(arguments)
-        name = payload["name"]
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        return Action(None, 'a tool call is {"name": "...", "arguments": {...}}')
+        found = ending_tool_call(text)
+    except ValueError:
+        found = (None, None)
+    if found is None:
+        return None
+    name, arguments = found
     if not isinstance(name, str) or not isinstance(arguments, dict):
         return Action(None, 'a tool call is {"name": "...", "arguments": {...}}')
     return Action((name, ((), arguments)))

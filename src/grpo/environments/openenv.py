@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo.config import ConfigError
-from grpo.environments import Action, EnvironmentFailure, Step
+from grpo.environments import Action, EnvironmentFailure, Step, ending_tool_call
 
 SCHEME = "openenv+"
 RETRIES = 3  # attempts at opening a session (the first included)
@@ -138,21 +138,17 @@ class EventLoop:
 def tool_call(text: str, name: str) -> Action | None:
     """The ``<tool_call>{...}</tool_call>`` that ends ``text``, as an action (its error when
     it names another tool or is not JSON); None for a turn without one."""
-    stripped = text.rstrip()
-    start = stripped.rfind("<tool_call>")
-    if start < 0 or not stripped.endswith("</tool_call>"):
-        return None
-    body = stripped[start + len("<tool_call>") : -len("</tool_call>")]
     try:
-        payload = json.loads(body)
-        called, arguments = payload["name"], payload.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = json.loads(arguments)
-    except (json.JSONDecodeError, KeyError, TypeError):
+        found = ending_tool_call(text)
+    except ValueError:
         return Action(None, f'a tool call is {{"name": "{name}", "arguments": {{...}}}}')
+    if found is None:
+        return None
+    called, arguments = found
+    call = {"name": called, "arguments": arguments}
     if called != name or not isinstance(arguments, dict):
-        return Action(payload, f"unknown tool '{called}' (tools: {name})")
-    return Action({"name": called, "arguments": arguments})
+        return Action(call, f"unknown tool '{called}' (tools: {name})")
+    return Action(call)
 
 
 class OpenEnvEnvironment:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import math
 import re
 import sys
@@ -43,7 +42,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
-from grpo.environments import Action, Environment, EnvironmentFailure, Episode, Step
+from grpo.environments import (
+    Action,
+    Environment,
+    EnvironmentFailure,
+    Episode,
+    Step,
+    ending_tool_call,
+)
 from grpo.environments.calls import Outcome, run_calls
 from grpo.rollout import RolloutLost, close_engine, decoding_of, grouped_rollout, prompt_seeds
 from grpo.rollout.padding import left_pad, right_pad
@@ -99,7 +105,6 @@ class Call:
 
 
 FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def fence_call(text: str) -> Call | None:
@@ -114,21 +119,18 @@ def fence_call(text: str) -> Call | None:
 def template_call(text: str) -> Call | None:
     """A ``<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>`` that ends the
     turn (the syntax of Hermes/Qwen style chat templates)."""
-    stripped = text.rstrip()
-    matches = list(TOOL_CALL_RE.finditer(stripped))
-    if not matches or matches[-1].end() != len(stripped):
-        return None
     try:
-        payload = json.loads(matches[-1].group(1))
-        arguments = payload["arguments"]
-        if isinstance(arguments, str):
-            arguments = json.loads(arguments)
-        name, code = payload["name"], arguments["code"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        found = ending_tool_call(text)
+    except ValueError:
+        found = (None, None)
+    if found is None:
+        return None
+    name, arguments = found
+    if not isinstance(arguments, dict) or "code" not in arguments:
         return Call(None, 'a tool call is {"name": "python", "arguments": {"code": "..."}}')
-    if name not in TOOLS or not isinstance(code, str):
+    if name not in TOOLS or not isinstance(arguments["code"], str):
         return Call(None, f"unknown tool '{name}' (tools: {', '.join(TOOLS)})")
-    return Call(code)
+    return Call(arguments["code"])
 
 
 @dataclass(frozen=True)
