@@ -171,12 +171,13 @@ def test_a_knob_that_nothing_reads_is_one_line(algorithm: dict, said: str) -> No
         build_config({"algorithm": algorithm})
 
 
-def test_float32_packing_is_an_hf_engine_knob() -> None:
-    assert build_config({"rollout": {"pack_float32": True}}).rollout.pack_float32
-    server = {"pack_float32": True, "engine": "server"}  # its server's engine must say the same
-    assert build_config({"rollout": server}).rollout.pack_float32
-    with pytest.raises(ConfigError, match=r"rollout.pack_float32 is set but not used.*engine hf"):
-        build_config({"rollout": {"pack_float32": True, "engine": "vllm"}})
+@pytest.mark.parametrize("key", ["pack_float32", "compile"])
+def test_hf_engine_knobs_are_refused_with_vllm(key: str) -> None:
+    assert getattr(build_config({"rollout": {key: True}}).rollout, key)
+    server = {key: True, "engine": "server"}  # its server's engine must say the same
+    assert getattr(build_config({"rollout": server}).rollout, key)
+    with pytest.raises(ConfigError, match=rf"rollout.{key} is set but not used.*engine hf"):
+        build_config({"rollout": {key: True, "engine": "vllm"}})
 
 
 def test_a_knob_with_its_setting_is_taken() -> None:

@@ -386,6 +386,10 @@ def test_a_server_that_is_not_grpo_serve_is_one_line(tiny_config, body: bytes) -
             lambda h: h["sampling"].update(pack_float32=True),
             r"samples otherwise than this run \(pack_float32 True -> False\)",
         ),
+        (
+            lambda h: h["sampling"].update(compile=True),
+            r"samples otherwise than this run \(compile True -> False\)",
+        ),
         (  # a grpo serve from before the fingerprint and pack_float32
             lambda h: (h.pop("tokenizer"), h["sampling"].pop("pack_float32")),
             "does not say which tokenizer it holds: a grpo serve older than this run's",
@@ -393,7 +397,13 @@ def test_a_server_that_is_not_grpo_serve_is_one_line(tiny_config, body: bytes) -
         (lambda h: h.update(sampling=[1]), "fields that are not grpo serve's"),
         (lambda h: h.update(tokenizer="x"), "fields that are not grpo serve's"),
     ],
-    ids=["packed-float32", "older-server", "sampling-not-a-dict", "tokenizer-not-a-dict"],
+    ids=[
+        "packed-float32",
+        "compiled",
+        "older-server",
+        "sampling-not-a-dict",
+        "tokenizer-not-a-dict",
+    ],
 )
 def test_a_server_is_checked_for_float32_packing_and_its_tokenizer(
     tiny_model_dir: Path, change, said: str

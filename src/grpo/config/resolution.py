@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from grpo.config.schema import AlgorithmConfig, Config
 
 
+# the HF engine's own sampling keys (a `grpo serve` HF engine checks them against the run's)
+HF_ENGINE_ONLY = ("pack_float32", "compile")
+
+
 def resolve(config: Config) -> None:
     """Fill ``config``'s derived values in place (sections are replaced, never mutated)."""
     task = TASKS.get(config.data.task) if config.data.path is None else None
@@ -67,25 +71,22 @@ def _refuse_contradictions(config: Config) -> None:
         # default, and a resume of it must not be refused for that
         if getattr(algo, name) != type(algo).model_fields[name].default and not applies(algo):
             raise ValueError(f"algorithm.{name} is set but not used: it applies only {when}")
-    if config.rollout.pack_float32 and config.rollout.engine == "vllm":
-        raise ValueError(
-            "rollout.pack_float32 is set but not used: it applies only with rollout.engine hf "
-            "(or server, whose HF engine must say the same)"
-        )
-    if config.rollout.engine == "server" and config.rollout.tools:
-        raise ValueError(
-            "rollout.tools runs its turn loop around a local engine: not with rollout.engine "
-            "server (use hf or vllm)"
-        )
+    for name in HF_ENGINE_ONLY:
+        if getattr(config.rollout, name) and config.rollout.engine == "vllm":
+            raise ValueError(
+                f"rollout.{name} is set but not used: it applies only with rollout.engine hf "
+                "(or server, whose HF engine must say the same)"
+            )
+    for name in ("tools", "environment"):
+        if config.rollout.engine == "server" and getattr(config.rollout, name):
+            raise ValueError(
+                f"rollout.{name} runs its turn loop around a local engine: not with "
+                "rollout.engine server (use hf or vllm)"
+            )
     if config.rollout.tools and config.rollout.environment:
         raise ValueError(
             "rollout.tools and rollout.environment: one environment a run (the Python tool is "
             "one); set one of them"
-        )
-    if config.rollout.engine == "server" and config.rollout.environment:
-        raise ValueError(
-            "rollout.environment runs its turn loop around a local engine: not with "
-            "rollout.engine server (use hf or vllm)"
         )
     if config.rollout.max_staleness and unbounded:
         raise ValueError(

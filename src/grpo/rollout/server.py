@@ -56,6 +56,7 @@ DECODING_KEYS = (
     "stop",
     "generation_kwargs",
     "pack_float32",  # float32 products' rounding: the same tokens only under the same choice
+    "compile",  # a compiled decode step's rounding: the same
 )
 TOKEN_ENV = "GRPO_SERVE_TOKEN"  # the token, for both sides, where no flag or key gives it
 TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
