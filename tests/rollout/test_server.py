@@ -164,10 +164,29 @@ def test_a_server_that_dies_stops_the_run_with_a_checkpoint(
     assert [r["step"] for r in rows(config.run_dir)] == [1, 2]
 
 
+def _answering_with(body: bytes) -> type[BaseHTTPRequestHandler]:
+    """A request handler that answers every GET and POST with ``body``."""
+
+    class Answering(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    return Answering
+
+
 def _garble(running) -> HTTPServer:
     """Another server in its place, on its port, answering every request with garbage."""
     running.stop()
-    other = HTTPServer(("127.0.0.1", int(running.url.rsplit(":", 1)[1])), _Garbage)
+    port = int(running.url.rsplit(":", 1)[1])
+    other = HTTPServer(("127.0.0.1", port), _answering_with(b"\x00garbage\xff"))
     threading.Thread(target=other.serve_forever, daemon=True).start()
     return other
 
@@ -231,20 +250,6 @@ def test_a_lost_server_stops_the_run_with_a_checkpoint_and_the_same_command_resu
     finally:
         again.stop()
     assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]
-
-
-class _Garbage(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = b"\x00garbage\xff"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_POST = do_GET
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 def test_a_producer_process_generates_on_the_server(tiny_config, server: str) -> None:
@@ -346,20 +351,7 @@ def test_a_server_of_another_model_is_refused_at_once_with_its_reason(
 @contextlib.contextmanager
 def answering(body: bytes) -> Iterator[str]:
     """A server that is not grpo serve's, answering every request with ``body``; its URL."""
-
-    class Other(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        do_POST = do_GET
-
-        def log_message(self, *args) -> None:
-            pass
-
-    other = HTTPServer(("127.0.0.1", 0), Other)
+    other = HTTPServer(("127.0.0.1", 0), _answering_with(body))
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{other.server_address[1]}"
