@@ -110,6 +110,18 @@ def test_models_it_does_not_mirror_are_not_compiled(tiny_model_dir) -> None:
         assert not compiled.compilable(model)
 
 
+def test_asking_to_compile_a_model_it_does_not_mirror_is_said(tiny_model_dir, capsys) -> None:
+    lora = load_policy(ModelConfig(lora={"enabled": True, "r": 4}), str(tiny_model_dir))
+    tokenizer = load_tokenizer(tiny_model_dir)
+    eager = _rollout(lora, tokenizer, compile=False)
+    assert "rollout.compile" not in capsys.readouterr().err
+    got = _rollout(lora, tokenizer, compile=True)
+    assert capsys.readouterr().err.startswith(
+        "rollout.compile: PeftModelForCausalLM decodes eagerly (the compiled step mirrors"
+    )
+    assert torch.equal(got.completion_ids, eager.completion_ids)
+
+
 @pytest.mark.slow
 def test_inductor_compiles_a_step_that_samples_as_the_eager_one(tiny, capsys) -> None:
     model, tokenizer = tiny

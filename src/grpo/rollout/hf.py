@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig
 from grpo.rollout import decoding_of, grouped_rollout, prompt_seeds
-from grpo.rollout.compiled import decode_for, wanted
+from grpo.rollout.compiled import compilable, decode_for, wanted
 from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.kv_cache import RESERVED_TOKENS, reserved_cache
 from grpo.rollout.packed_weights import packed_linears, why_float32_unpacked
@@ -118,6 +118,14 @@ class HFEngine:
         self.stop = StopStrings(tokenizer, config.stop) if config.stop else None
         if config.pack_float32 and (why := why_float32_unpacked(model)):
             print(f"rollout.pack_float32: nothing is packed ({why})", file=sys.stderr, flush=True)
+        if config.compile and not compilable(model):
+            print(
+                f"rollout.compile: {type(model).__name__} decodes eagerly (the compiled step "
+                "mirrors Llama, Mistral, Qwen2 and Qwen3 without adapters, hooks or sliding "
+                "windows)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def sync_weights(self, model: nn.Module) -> None:
         """Nothing to do: this engine samples from the policy object itself."""
