@@ -53,6 +53,7 @@ from typing import Any
 
 from grpo.config import ConfigError
 from grpo.environments import Action, EnvironmentFailure, Step, ending_tool_call
+from grpo.runtime.user_code import one_line
 
 SCHEME = "openenv+"
 RETRIES = 3  # attempts at opening a session (the first included)
@@ -385,11 +386,6 @@ class OpenEnvEpisode:
         # the session is over either way: a server that does not answer reaps it itself
         with contextlib.suppress(TimeoutError, RuntimeError, *lost_errors()):
             self.env.events.run(closed(client), self.env.wait_s)
-
-
-def one_line(err: BaseException) -> str:
-    """An error's message as one short line."""
-    return " ".join(str(err).split())[:300]
 
 
 def lost_errors() -> tuple[type[BaseException], ...]:

@@ -42,6 +42,7 @@ from transformers import Cache
 
 from grpo.rollout.decode import LEAN_MODELS, DecodeStep, leanable, own_step
 from grpo.rollout.kv_cache import ReservedLayer
+from grpo.runtime.user_code import error_line
 
 # log-probs of the first step, compiled against the model's own forward: bf16 rounding moves
 # them by a few hundredths of a nat on SmolLM2; a mirroring error (a missing bias, another rotary
@@ -213,7 +214,7 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
             got: torch.Tensor | None = entry.step(*args)
             why = ""
         except Exception as error:  # no C++ compiler, an op inductor cannot lower (a recompile)
-            got, why = None, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+            got, why = None, error_line(error)
         if got is not None and dtype in entry.checked:
             for layer in layers:
                 layer.length = at + 1

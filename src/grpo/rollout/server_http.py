@@ -47,6 +47,7 @@ from grpo.config import Config, ConfigError
 from grpo.rollout.server import DECODING_KEYS, TOKEN_ENV, encode_rollout, tokenizer_fingerprint
 from grpo.runtime import weight_sync
 from grpo.runtime.precision import bf16_autocast
+from grpo.runtime.user_code import one_line
 from grpo.runtime.weight_sync import SECRET_BYTES
 
 HANDLERS = 64  # connections served at once, each on a thread
@@ -56,12 +57,6 @@ MAX_BODY = 64 << 20  # a step's prompts and a model's weight names fit many time
 MIN_TOKEN = 16  # characters: a short token could be guessed over the network
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-def one_line(err: BaseException) -> str:
-    """``err`` as one short line: torch's errors may carry a C++ stack after their message."""
-    said = str(err).split("Exception raised from", 1)[0]
-    return f"{type(err).__name__}: {' '.join(said.split())[:300]}"
 
 
 def canonical(address: str) -> Address:

@@ -15,6 +15,13 @@ def error_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {said[0]}" if said else type(err).__name__
 
 
+def one_line(err: BaseException) -> str:
+    """An exception's whole message as one short line, ``ConnectionError: ...``: torch's errors
+    may carry a C++ stack after their message, which is cut."""
+    said = str(err).split("Exception raised from", 1)[0]
+    return f"{type(err).__name__}: {' '.join(said.split())[:300]}"
+
+
 def load_named(spec: str, kind: str = "NAME") -> Any:
     """What ``spec`` names; ``ValueError`` with one line (no traceback) when it cannot be had.
     ``kind`` names what is expected in the messages (``ClassName``)."""
