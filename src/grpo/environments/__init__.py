@@ -58,9 +58,9 @@ TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 def ending_tool_call(text: str) -> tuple[Any, Any] | None:
     """The name and arguments of the ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
     that ends ``text`` (whitespace after it allowed; arguments given as a JSON string are
-    decoded, absent ones are {}), as the model wrote them (the caller checks their types); None
-    when no call ends the text. Raises ValueError for a body that is not a JSON object with a
-    name: the chat templates' tool-call syntax (Hermes, Qwen), read one way for every tool."""
+    decoded, absent ones are {}), as the model wrote them (the caller checks their types);
+    (None, None) for a body that is not a JSON object with a name; None when no call ends the
+    text. The chat templates' tool-call syntax (Hermes, Qwen), read one way for every tool."""
     stripped = text.rstrip()
     matches = list(TOOL_CALL_RE.finditer(stripped))
     if not matches or matches[-1].end() != len(stripped):
@@ -72,7 +72,7 @@ def ending_tool_call(text: str) -> tuple[Any, Any] | None:
             arguments = json.loads(arguments)
         return payload["name"], arguments
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise ValueError("not a tool call") from None
+        return None, None
 
 
 class EnvironmentFailure(RuntimeError):

@@ -154,10 +154,7 @@ class ClassEnvironment:
 def template_call(text: str) -> Action | None:
     """A ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` that ends the turn, as an
     action whose call is (name, (args, kwargs))."""
-    try:
-        found = ending_tool_call(text)
-    except ValueError:
-        found = (None, None)
+    found = ending_tool_call(text)
     if found is None:
         return None
     name, arguments = found

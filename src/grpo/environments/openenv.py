@@ -139,13 +139,12 @@ class EventLoop:
 def tool_call(text: str, name: str) -> Action | None:
     """The ``<tool_call>{...}</tool_call>`` that ends ``text``, as an action (its error when
     it names another tool or is not JSON); None for a turn without one."""
-    try:
-        found = ending_tool_call(text)
-    except ValueError:
-        return Action(None, f'a tool call is {{"name": "{name}", "arguments": {{...}}}}')
+    found = ending_tool_call(text)
     if found is None:
         return None
     called, arguments = found
+    if called is None:
+        return Action(None, f'a tool call is {{"name": "{name}", "arguments": {{...}}}}')
     call = {"name": called, "arguments": arguments}
     if called != name or not isinstance(arguments, dict):
         return Action(call, f"unknown tool '{called}' (tools: {name})")

@@ -119,10 +119,7 @@ def fence_call(text: str) -> Call | None:
 def template_call(text: str) -> Call | None:
     """A ``<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>`` that ends the
     turn (the syntax of Hermes/Qwen style chat templates)."""
-    try:
-        found = ending_tool_call(text)
-    except ValueError:
-        found = (None, None)
+    found = ending_tool_call(text)
     if found is None:
         return None
     name, arguments = found
