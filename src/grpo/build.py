@@ -27,7 +27,9 @@ from grpo.data import (
     curriculum_of,
     heldout_rows,
     load_dataset_rows,
+    seen_count,
     system_prompt_for,
+    unseen_rows,
     verifier_of,
 )
 from grpo.data.prompts import PromptFormat, prompt_format_for
@@ -153,9 +155,21 @@ def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, An
             )
     if not train.eval_every:
         return rows, []
-    if given.eval_rows is not None:
-        return rows, given.eval_rows[: train.eval_examples]
-    return rows, heldout_rows(config.data, train.seed, train.eval_examples)
+    if given.eval_rows is None:
+        held_out = heldout_rows(config.data, train.seed, train.eval_examples)
+    elif config.data.eval_unseen:
+        held_out = unseen_rows(given.eval_rows, rows)[: train.eval_examples]
+    else:
+        held_out = given.eval_rows[: train.eval_examples]
+    seen = seen_count(held_out, rows)
+    if seen:  # evaluation would partly measure recall of training questions
+        print(
+            f"held-out: {seen} of {len(held_out)} rows ask a question a training row also asks "
+            "(data.eval_unseen: true leaves them out)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return rows, held_out
 
 
 # the columns reward functions get a multi-turn rollout's episodes in (grpo.rewards.inputs)

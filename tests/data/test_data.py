@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import DataConfig
-from grpo.data import DataError, load_dataset_rows, parse_gold
+from grpo.build import Given, training_rows
+from grpo.config import DataConfig, build_config
+from grpo.data import DataError, heldout_rows, load_dataset_rows, parse_gold
 
 
 def _jsonl(path: Path, rows: list) -> Path:
@@ -134,3 +135,62 @@ def test_a_byte_order_mark_and_a_json_array_read_as_their_rows(tmp_path: Path):
         "What is 1 + 1?"
     ]
     assert [r["answer"] for r in load_dataset_rows(DataConfig(path=str(array)), 0)] == ["3", "4"]
+
+
+def _train_and_held_out(tmp_path: Path, **data: object) -> DataConfig:
+    """Training rows asking 1+1 .. 4+4 (4+4 twice); held-out rows asking 3+3 .. 6+6 and a
+    repeat of 6+6, one of them as chat messages equal to a training prompt."""
+    chat = [{"role": "user", "content": "2+2?"}]
+    train = [{"prompt": f"{n}+{n}?", "answer": 2 * n} for n in (1, 2, 3, 4, 4)]
+    held = [{"prompt": f"{n}+{n}?", "answer": 2 * n} for n in (3, 4, 5, 6, 6)]
+    train.append({"prompt": chat, "answer": 4})
+    held.insert(1, {"prompt": chat, "answer": 4})
+    return DataConfig(
+        path=str(_jsonl(tmp_path / "train.jsonl", train)),
+        eval_path=str(_jsonl(tmp_path / "held.jsonl", held)),
+        **data,
+    )
+
+
+def test_eval_unseen_keeps_each_question_no_training_row_asks_once(tmp_path: Path, caplog):
+    config = _train_and_held_out(tmp_path, eval_unseen=True)
+    with caplog.at_level(logging.WARNING):
+        rows = heldout_rows(config, seed=0)
+    assert [r["prompt"] for r in rows] == ["5+5?", "6+6?"]
+    assert rows.numbers == [4, 5]  # the file's row numbers travel with them
+    assert "data.eval_unseen: 2 of 6 held-out rows ask a question no training row asks" in (
+        caplog.text
+    )
+    assert [r["prompt"] for r in heldout_rows(config, seed=0, examples=1)] == ["5+5?"]
+    # off: every held-out row, as before
+    assert len(heldout_rows(config.model_copy(update={"eval_unseen": False}), seed=0)) == 6
+    # fewer training rows leave more questions unseen
+    fewer = config.model_copy(update={"num_examples": 3})  # 1+1, 2+2, 3+3
+    unseen = [r["prompt"] for r in heldout_rows(fewer, seed=0)]
+    assert unseen == [[{"role": "user", "content": "2+2?"}], "4+4?", "5+5?", "6+6?"]
+
+
+def test_eval_unseen_with_every_question_seen_is_one_line(tmp_path: Path):
+    config = _train_and_held_out(tmp_path, eval_unseen=True)
+    config = config.model_copy(update={"eval_path": config.path})
+    with pytest.raises(DataError, match=r"^data.eval_unseen: each of the 6 held-out rows asks a"):
+        heldout_rows(config, seed=0)
+
+
+def test_a_run_says_how_many_held_out_rows_repeat_training_questions(tmp_path: Path, capsys):
+    tree = {"model": {"name": "m"}, "train": {"eval_every": 1, "eval_examples": 100}}
+    config = build_config({**tree, "data": _train_and_held_out(tmp_path).model_dump()})
+    _, held_out = training_rows(config, Given())
+    assert len(held_out) == 6
+    assert capsys.readouterr().err == (
+        "held-out: 3 of 6 rows ask a question a training row also asks "
+        "(data.eval_unseen: true leaves them out)\n"
+    )
+    unseen = config.model_copy(
+        update={"data": config.data.model_copy(update={"eval_unseen": True})}
+    )
+    assert len(training_rows(unseen, Given())[1]) == 2
+    assert "held-out:" not in capsys.readouterr().err
+    # rows a caller gives are kept to unseen questions the same way
+    given = Given(eval_rows=heldout_rows(config.data, seed=0))
+    assert [r["prompt"] for r in training_rows(unseen, given)[1]] == ["5+5?", "6+6?"]

@@ -13,6 +13,7 @@ import trl_envs
 from metric_glossary import documented_metrics
 
 import grpo
+from grpo.config import ConfigError
 from grpo.rewards import RewardFailure
 from grpo.training.trainer import train
 
@@ -101,3 +102,22 @@ def test_an_environment_that_keeps_failing_stops_the_run(tiny_config, tmp_path: 
         "rewards.max_error_frac=0.5 of the completions for 1 steps in a row (step 1: 8/8); its "
         "first error is printed above"
     )
+
+
+def test_resume_refuses_an_environment_class_whose_source_changed(
+    tiny_config, tmp_path: Path
+) -> None:
+    # the library's class is recorded by module and name: its code is what can change under it
+    config = _config(tiny_config, tmp_path, environment=None, train={"steps": 1, "save_every": 1})
+    grpo.train(config, environment=trl_envs.Counter)
+
+    class Counter(trl_envs.Counter):  # same name, another reward
+        def get_reward(self) -> float:
+            return 2.0 * self.count
+
+    Counter.__module__ = trl_envs.Counter.__module__
+    longer = config.model_copy(update={"train": config.train.model_copy(update={"steps": 2})})
+    with pytest.raises(ConfigError, match="the environment class's source"):
+        grpo.train(longer, environment=Counter)
+    run_dir = grpo.train(longer, environment=trl_envs.Counter)  # the same class resumes
+    assert [row["step"] for row in _metrics(run_dir)] == [1, 2]

@@ -4,11 +4,13 @@ checkpoints whose manifests hold a config, and no model or trainer."""
 from __future__ import annotations
 
 import json
+import linecache
+import sys
 from pathlib import Path
 
 import pytest
 
-from grpo.build import Given
+from grpo.build import Given, environment_of
 from grpo.config import Config, ConfigError, build_config, dump_config
 from grpo.runs.directory import RunDir, RunDirError, model_digest, rows_digest
 from grpo.training.resume import (
@@ -302,6 +304,7 @@ def test_fingerprints_cover_a_data_file_and_a_model_folder(tmp_path: Path) -> No
         "data": None,
         "model": digest,
         "given_model": None,
+        "environment": None,
         "rewards": None,
         "tokenizer": None,
     }
@@ -314,3 +317,31 @@ def test_fingerprints_cover_a_data_file_and_a_model_folder(tmp_path: Path) -> No
         _config(data={"path": "rows.jsonl"}), [{"prompt": "2?"}], "hub/id", Given()
     )
     assert edited["data"] != from_file["data"]
+
+
+def test_fingerprints_cover_an_environment_class_by_its_source(tmp_path: Path) -> None:
+    # the same path and class name over an edited file: a resume would play another game
+    game = tmp_path / "game.py"
+
+    def fingerprint(reward: int) -> str:
+        game.write_text(
+            "class Game:\n"
+            "    def reset(self, **row):\n"
+            "        return None\n"
+            "    def guess(self, n: int) -> str:\n"
+            '        """Guess.\n\n        Args:\n            n: a number\n        """\n'
+            "        return 'no'\n"
+            "    def get_reward(self):\n"
+            f"        return {reward}\n"
+        )
+        sys.modules.pop("game", None)
+        linecache.clearcache()  # inspect reads sources through it
+        environment = environment_of(_config(rollout={"environment": f"{game}:Game"}))
+        return fingerprints(_config(), [], None, Given(), environment)["environment"]
+
+    first = fingerprint(1)
+    assert first is not None and fingerprint(1) == first
+    assert fingerprint(2) != first
+    assert input_changes({"environment": first}, {"environment": fingerprint(2)}) == {
+        "the environment class's source": (first, fingerprint(2))
+    }

@@ -164,6 +164,8 @@ class DataConfig(Section):
     """Keyword arguments for the built-in task's generator (size, digit ranges, ...). An override that switches `data.task` to another task drops the recipe's task_args (task_args given with it apply alone); `data.task_args={}` clears them (another mapping merges key by key)."""
     eval_path: str | None = None
     """Held-out data for evaluation (training's `eval/*` and `grpo eval`), same format and fields as `path`; default: the task's or the `datasets` folder's test split."""
+    eval_unseen: bool = False
+    """Evaluate only on held-out rows whose prompt no training row has (each prompt once), so that `eval/*` measures questions the run never trained on; the run says how many are left. Off: a run whose held-out rows repeat training prompts says how many do."""
     curriculum: CurriculumConfig = CurriculumConfig()
     """A curriculum over a `reasoning_gym` task's difficulty levels, moved by the rolling pass rate."""
     verifier: RewardSpec | None = None

@@ -312,7 +312,11 @@ def verifier_of(config: DataConfig) -> dict[str, Any]:
 
 def heldout_rows(config: DataConfig, seed: int, examples: int | None = None) -> Rows:
     """The first ``examples`` held-out rows: ``data.eval_path`` when set, else a task's test
-    split or the 'test' split of a `datasets` folder. A single training file has none."""
+    split or the 'test' split of a `datasets` folder. A single training file has none. With
+    ``data.eval_unseen``, only rows whose question no training row asks (``unseen_rows``)."""
+    if config.eval_unseen:
+        rows = heldout_rows(config.model_copy(update={"eval_unseen": False}), seed)
+        return first_rows(unseen_rows(rows, load_dataset_rows(config, seed)), examples)
     data = config.model_copy(update={"num_examples": examples})
     if data.eval_path is not None:
         data = data.model_copy(update={"path": data.eval_path})
@@ -324,10 +328,50 @@ def heldout_rows(config: DataConfig, seed: int, examples: int | None = None) -> 
     return load_dataset_rows(data, seed, "test")
 
 
+def question(row: dict[str, Any]) -> str:
+    """A row's prompt as one comparable string (text, or chat messages as JSON)."""
+    return json.dumps(row["prompt"], sort_keys=True, default=str)
+
+
+def seen_count(held_out: list[dict[str, Any]], training: list[dict[str, Any]]) -> int:
+    """How many held-out rows ask a question that a training row also asks."""
+    asked = {question(row) for row in training}
+    return sum(question(row) in asked for row in held_out)
+
+
+def unseen_rows(held_out: Rows, training: list[dict[str, Any]]) -> Rows:
+    """The held-out rows whose question no training row asks, each question once (the first
+    row that asks it), with their sources and row numbers; how many is said in one line, and
+    none left is a DataError (``data.eval_unseen``)."""
+    asked = {question(row) for row in training}
+    out = Rows()
+    out.sources, out.numbers = [], []
+    for row, source, number in zip(held_out, held_out.sources, held_out.numbers, strict=True):
+        if question(row) not in asked:
+            asked.add(question(row))
+            out.append(row)
+            out.sources.append(source)
+            out.numbers.append(number)
+    if not out:
+        raise DataError(
+            f"data.eval_unseen: each of the {len(held_out)} held-out rows asks a question the "
+            "training rows ask (train on fewer rows: data.num_examples)"
+        )
+    logger.warning(
+        "data.eval_unseen: %d of %d held-out rows ask a question no training row asks "
+        "(each question once); the others are left out",
+        len(out),
+        len(held_out),
+    )
+    return out
+
+
 def heldout_source(config: DataConfig) -> dict[str, Any]:
-    """What ``heldout_rows`` reads, for reports: a file or folder, or a task's test split."""
+    """What ``heldout_rows`` reads, for reports: a file or folder, or a task's test split, and
+    whether only questions no training row asks (``data.eval_unseen``)."""
+    unseen = {"unseen": True} if config.eval_unseen else {}
     if config.eval_path is not None:
-        return {"path": str(Path(config.eval_path).resolve())}
+        return {"path": str(Path(config.eval_path).resolve()), **unseen}
     if config.path is not None:
-        return {"path": str(Path(config.path).resolve()), "split": "test"}
-    return {"task": config.task, "task_args": config.task_args, "split": "test"}
+        return {"path": str(Path(config.path).resolve()), "split": "test", **unseen}
+    return {"task": config.task, "task_args": config.task_args, "split": "test", **unseen}

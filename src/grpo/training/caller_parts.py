@@ -97,6 +97,19 @@ def source_digest(fn: Callable[..., Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def class_digest(cls: type) -> str:
+    """A fingerprint of what a class does, the same in every process: the source of it and of
+    its bases (else, defined where no source is kept, its methods' compiled code)."""
+    parts = []
+    for klass in cls.__mro__[:-1]:  # not `object`
+        try:
+            parts.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            methods = sorted((k, v) for k, v in vars(klass).items() if inspect.isfunction(v))
+            parts.append(klass.__qualname__ + "".join(_code_text(f.__code__) for _, f in methods))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def weights_digest(model: nn.Module) -> str:
     """A fingerprint of a model's weights as ``model_digest`` takes a folder's, without reading
     gigabytes: every tensor's name, shape and dtype, and its first MiB of bytes."""

@@ -15,9 +15,11 @@ import yaml
 from grpo.build import Given
 from grpo.config import Config, ConfigError
 from grpo.config.diff import config_changes, describe_changes, flatten
+from grpo.environments import Environment
+from grpo.environments.classes import ClassEnvironment
 from grpo.runs.directory import Checkpoint, RunDir, RunDirError, model_digest, rows_digest
+from grpo.training.caller_parts import class_digest, weights_digest
 from grpo.training.caller_parts import fingerprints as given_fingerprints
-from grpo.training.caller_parts import weights_digest
 
 # Keys that may change between a checkpoint and its resume: they change neither the math nor the
 # order of the data (every train.* key except the seed, and pure memory/speed knobs). Precision
@@ -30,6 +32,8 @@ FREE_KEYS = {
     "optim.micro_batch_size",
     "rollout.vllm_gpu_memory_utilization",
     "rewards.workers",
+    # which held-out rows evaluation reads: training does not see them
+    "data.eval_unseen",
     # where and how patiently generation elsewhere is reached: a run stopped because its
     # producer or server was lost resumes with a longer wait or a restarted server's address
     "rollout.producer_timeout_s",
@@ -53,20 +57,29 @@ INPUTS = {
     "as first loaded)",
     "rewards": "the reward callables' source",
     "tokenizer": "the tokenizer's vocabulary or chat template",
+    "environment": "the environment class's source",
 }
 
 
 def fingerprints(
-    config: Config, rows: list[dict[str, Any]], model_path: str | None, given: Given
+    config: Config,
+    rows: list[dict[str, Any]],
+    model_path: str | None,
+    given: Given,
+    environment: Environment | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint records of a run's inputs (``INPUTS``): a task's rows follow from the
     config, which is compared anyway, but a file or a given dataset can change; a model folder
-    by its files, a given model by its weights; given callables and tokenizer (``given``)."""
+    by its files, a given model by its weights; given callables and tokenizer (``given``); an
+    environment class by its source, given or named by a path whose file can change (a server's
+    environment is out of reach)."""
     data = config.data.path is not None or given.rows is not None
+    classed = isinstance(environment, ClassEnvironment)
     return {
         "data": rows_digest(rows) if data else None,
         "model": None if model_path is None else model_digest(model_path),
         "given_model": None if given.model is None else weights_digest(given.model),
+        "environment": class_digest(environment.cls) if classed else None,
         **given_fingerprints(given),
     }
 

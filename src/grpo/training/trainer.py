@@ -105,7 +105,9 @@ class Trainer:
         """Between the checked inputs and the model: the inputs' fingerprints (checkpoints
         record them, so a resume sees inputs changed under the same names); then rank 0 locks
         the run directory and decides where the run starts (``self.plan``)."""
-        self.fingerprints = fingerprints(config, inputs.rows, inputs.model_path, self.given)
+        self.fingerprints = fingerprints(
+            config, inputs.rows, inputs.model_path, self.given, inputs.environment
+        )
 
         def claim() -> ResumePlan:
             self.run.claim()
