@@ -98,6 +98,9 @@ def fault(completions, **kw):
     if completions[0] == "garbage":
         os.write(to_trainer, struct.pack("!i", 7) + b"garbage")
         time.sleep(30)
+    if completions[0] == "part":  # a frame's length, and then nothing
+        os.write(to_trainer, struct.pack("!i", 64) + b"garb")
+        time.sleep(30)
     if completions[0] == "not-an-answer":
         Connection(to_trainer, readable=False).send(("ok", "1.0"))
         time.sleep(30)
@@ -487,6 +490,11 @@ LATER = "(first time; later ones are counted per step)"
             "garbage",
             "reward 'fault': its worker process sent garbage, not an answer; killed and "
             f"replaced {LATER}",
+        ),
+        (
+            "part",
+            "reward 'fault': its worker sent part of an answer and no more within "
+            f"rewards.timeout_s=2 s; killed and replaced {LATER}",
         ),
         (
             "not-an-answer",

@@ -124,17 +124,17 @@ def test_garbage_output_reaches_the_model_as_text() -> None:
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_killed_or_stopped_fork_server_is_replaced(fault: str, monkeypatch) -> None:
+def test_a_killed_or_stopped_fork_server_is_replaced(fault: str) -> None:
     tool = PythonTool(timeout_s=2)
     assert tool("1 + 1").output == "2"
-    monkeypatch.setattr(grpo.sandbox.process, "STARTUP_TIMEOUT_S", 3.0)
     os.kill(FORK_SERVER._proc.pid, {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[fault])
     old = FORK_SERVER._proc
     t0 = time.monotonic()
     result = tool("2 + 2")
     seconds = time.monotonic() - t0
-    # a killed one fails the next run's start at once; a stopped one after the start's limit
+    # either fails the next run's start at once, not after the start's limit (60 s, which is
+    # there for a machine under load): the call runs on a new server
     assert result.output == "4" and result.error is None
     assert FORK_SERVER._proc is not old and old.poll() is not None  # replaced, and gone
-    assert seconds < 3.0 + 5, seconds
+    assert seconds < grpo.sandbox.process.STARTUP_TIMEOUT_S / 4, seconds
     record(f"python tool/fork server {fault}", seconds, result.observation)

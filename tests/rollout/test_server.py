@@ -9,8 +9,11 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -24,7 +27,7 @@ from served import ROLLOUT, TOKEN, start_server
 from grpo.config import ConfigError
 from grpo.models import build_tiny_model
 from grpo.rollout import RolloutLost
-from grpo.rollout.server import ServerLost, decode_rollout, encode_rollout
+from grpo.rollout.server import ServerLost, decode_rollout, encode_rollout, no_answer_cause
 from grpo.training.trainer import Trainer, train
 
 
@@ -201,8 +204,9 @@ SERVER_FAULTS = {
 }
 # the push's first request asks whether the server still holds this run's weights
 SERVER_LINES = {
-    "kill": "did not answer /info (rollout.server_timeout_s 5): [Errno 111] Connection refused",
-    "stop": "did not answer /info (rollout.server_timeout_s 5): timed out",
+    "kill": "did not answer /info: nothing listens there (the server exited, or was never "
+    "started on that port)",
+    "stop": "did not answer /info: nothing came back within rollout.server_timeout_s (5 s)",
     "garbage": "answered /info with something other than grpo serve's JSON: is "
     "rollout.server_url a grpo serve?",
 }
@@ -440,3 +444,22 @@ def test_a_server_that_forgot_its_session_is_one_line(tiny_model_dir: Path) -> N
             ServerLost, match=r"another run's weights now \(session None, not .*abc"
         ):
             engine.sync_weights(model)
+
+
+def test_a_request_with_no_answer_is_said_in_words_not_the_sockets() -> None:
+    with socket.socket() as closed:  # a port that was free a moment ago: nothing listens
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(urllib.error.URLError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/info", timeout=5)
+    said = no_answer_cause(refused.value, 5)
+    assert said == "nothing listens there (the server exited, or was never started on that port)"
+    timed_out = urllib.error.URLError(TimeoutError("timed out"))
+    assert no_answer_cause(timed_out, 2.5) == (
+        "nothing came back within rollout.server_timeout_s (2.5 s)"
+    )
+    assert no_answer_cause(ConnectionResetError(104, "Connection reset by peer"), 5) == (
+        "it closed the connection mid-request (the server exited or was killed)"
+    )
+    unknown = urllib.error.URLError(OSError(113, "No route to host"))
+    assert no_answer_cause(unknown, 5) == "no route to host"  # never "[Errno 113] ..."

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import select
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -51,6 +53,34 @@ def rss_mb(pid: int) -> float:
             return int(f.read().split()[1]) * PAGE / 2**20
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def read_message(conn: Connection, deadline: float) -> Any:
+    """The next object on ``conn``, read by ``deadline`` (``time.monotonic``): a worker that
+    writes part of a message and stalls cannot hold the step. The frame is ``Connection``'s (a
+    4-byte big-endian length, or -1 and an 8-byte one, then the pickle). ``TimeoutError`` past
+    the deadline, ``EOFError`` at the end of the pipe, anything else for bytes that are no
+    message."""
+    fd = conn.fileno()
+
+    def take(n: int) -> bytes:
+        got = bytearray()
+        while len(got) < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, min(n - len(got), 1 << 20))
+            if not chunk:
+                raise EOFError
+            got += chunk
+        return bytes(got)
+
+    (size,) = struct.unpack("!i", take(4))
+    if size == -1:
+        (size,) = struct.unpack("!Q", take(8))
+    if size < 0:
+        raise ValueError(f"a message of {size} bytes")
+    return pickle.loads(take(size))
 
 
 def _is_answer(message: Any, completions: int) -> bool:
@@ -195,7 +225,7 @@ class WorkerPool:
             for conn in wait(list(by_conn), timeout=min(deadline - now, POLL_S)):
                 slot = by_conn[conn]
                 j = busy.pop(slot)
-                outcomes[j] = self._receive(slot, len(calls[j][1]))
+                outcomes[j] = self._receive(slot, len(calls[j][1]), deadline, limit_s)
             for slot in list(busy):
                 used = rss_mb(self.workers[slot].proc.pid)
                 if used > self.max_rss_mb:
@@ -235,10 +265,17 @@ class WorkerPool:
             return Outcome("raised", detail=f"a replacement worker failed to start: {err}")
         return None
 
-    def _receive(self, slot: int, completions: int) -> Outcome:
+    def _receive(self, slot: int, completions: int, deadline: float, limit_s: float) -> Outcome:
         worker = self.workers[slot]
         try:
-            message = worker.recv.recv()
+            message = read_message(worker.recv, deadline)
+        except TimeoutError:
+            self._retire(slot)
+            return Outcome(
+                "timeout",
+                detail=f"its worker sent part of an answer and no more within rewards.timeout_s="
+                f"{limit_s:g} s; killed and replaced",
+            )
         except EOFError:
             worker.proc.wait()
             code = worker.proc.returncode

@@ -25,9 +25,11 @@ never a hang.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import io
 import json
 import os
+import socket
 import threading
 import urllib.error
 import urllib.parse
@@ -61,6 +63,24 @@ DECODING_KEYS = (
 TOKEN_ENV = "GRPO_SERVE_TOKEN"  # the token, for both sides, where no flag or key gives it
 TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
 OPTIONAL_TENSORS = ("sampler_logp", "sampled_mask")
+
+
+def no_answer_cause(err: BaseException, timeout_s: float) -> str:
+    """Why a request got no answer, in words (not the socket library's "[Errno 111] ...")."""
+    reason = getattr(err, "reason", err)  # URLError wraps the socket's error
+    if isinstance(reason, TimeoutError):
+        return f"nothing came back within rollout.server_timeout_s ({timeout_s:g} s)"
+    if isinstance(reason, ConnectionRefusedError):
+        return "nothing listens there (the server exited, or was never started on that port)"
+    if isinstance(reason, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
+        return "it closed the connection mid-request (the server exited or was killed)"
+    if isinstance(reason, http.client.RemoteDisconnected):
+        return "it closed the connection without an answer (the server exited or was killed)"
+    if isinstance(reason, socket.gaierror):
+        return "its host name does not resolve"
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror[0].lower() + reason.strerror[1:]
+    return str(reason) or type(reason).__name__
 
 
 class ServerLost(RolloutLost):
@@ -165,10 +185,9 @@ class ServerEngine:
                 said += ": a grpo serve older than this run's grpo? start it from the same version"
             raise ServerLost(f"the rollout server at {self.url} failed {path}: {said}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
-            reason = getattr(err, "reason", err)
             raise ServerLost(
-                f"the rollout server at {self.url} did not answer {path} "
-                f"(rollout.server_timeout_s {self.config.server_timeout_s:g}): {reason}"
+                f"the rollout server at {self.url} did not answer {path}: "
+                f"{no_answer_cause(err, self.config.server_timeout_s)}"
             ) from None
 
     def _answer(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:

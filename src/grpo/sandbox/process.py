@@ -10,6 +10,7 @@ import select
 import selectors
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ MAX_FILES = 64
 # setting a run up takes milliseconds; on a machine under heavy load it may take seconds, which
 # do not count against the program's wall-clock limit
 STARTUP_TIMEOUT_S = 60.0
+STARTUP_WAIT_S = 0.2  # how often a start that has no answer yet looks at the fork server
 
 
 class SandboxUnavailable(RuntimeError):
@@ -177,11 +179,12 @@ def _start(
             ours.settimeout(STARTUP_TIMEOUT_S)
             with contextlib.suppress(OSError):  # a keeper that failed says why below
                 ours.sendall(len(data).to_bytes(8, "big") + data)
+            await_keeper(ours, server)
             started = process.ctl.message()
         except ForkServerLost:  # dead before it took the run
             if not last_try:
                 raise
-            started = {"error": "the fork server died as it started"}
+            started = {"error": "the fork server died or stopped as it started"}
         except OSError as err:  # a reset, a broken pipe or STARTUP_TIMEOUT_S: no keeper
             if not last_try:
                 raise ForkServerLost(server) from None
@@ -206,6 +209,28 @@ def _start(
         process.release()
         raise
     return process
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, or a tracer's stop): it answers nothing
+    until continued."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def await_keeper(sock: socket.socket, server: subprocess.Popen) -> None:
+    """Wait, up to ``STARTUP_TIMEOUT_S``, for the run's keeper to speak on ``sock``; a fork
+    server that died or was stopped before forking it is lost at once (``ForkServerLost``), not
+    after the limit, which is there for a machine under heavy load."""
+    end = time.monotonic() + STARTUP_TIMEOUT_S
+    while not select.select([sock], [], [], min(STARTUP_WAIT_S, end - time.monotonic()))[0]:
+        if server.poll() is not None or stopped(server.pid):
+            raise ForkServerLost(server)
+        if time.monotonic() >= end:
+            raise TimeoutError(f"no keeper within {STARTUP_TIMEOUT_S:g} s")
 
 
 def _why_unavailable(status: dict, process: Process) -> str:
