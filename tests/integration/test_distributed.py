@@ -265,3 +265,50 @@ def test_a_rank_without_prompts_scores_an_empty_rollout(tiny_config) -> None:
     assert scored.rewards.shape == (0,)
     assert scored.per_function.shape == (0, len(scored.function_names))
     assert scored.advantages.shape == (0,)
+
+
+GUESSED_REWARD = """
+def guessed(completions, environments, **kwargs):
+    # the episodes' live instances: the seeded hidden number varies within a group
+    return [float(len(e.guesses)) + 0.1 * e.target for e in environments]
+"""
+
+
+def test_two_gloo_ranks_play_an_environment_as_one_process(tiny_config, tmp_path: Path) -> None:
+    # each rank plays its own prompts' episodes, seeded by the prompt: the same episodes, hidden
+    # numbers and weights as one process playing them all
+    reward = tmp_path / "guessed.py"
+    reward.write_text(GUESSED_REWARD)
+    envs = Path(__file__).parents[1] / "environments" / "trl_envs.py"
+    functions = [{"name": "environment"}, {"name": f"{reward}:guessed"}, {"name": "format"}]
+    config = tiny_config(
+        rewards={"functions": functions},
+        rollout={
+            "environment": f"{envs}:GuessNumber",
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "max_new_tokens": 12,
+            "max_turns": 2,
+        },
+        optim={"lr": 1e-3, "micro_batch_size": 4},
+        train={"steps": 2, "run_name": "one", "threads": 1},
+    )
+    one = train(config)
+    recipe = tmp_path / "recipe.yaml"
+    tree = yaml.safe_load(dump_config(config))
+    tree["train"]["run_name"] = "two"
+    recipe.write_text(yaml.safe_dump(tree))
+    proc = _torchrun(recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = one.parent / "two"
+    m1, m2 = _metrics(one), _metrics(two)
+    assert [m["step"] for m in m2] == [1, 2]
+    for r1, r2 in zip(m1, m2, strict=True):
+        assert r1["reward/guessed/std"] > 0  # the hidden numbers differ: there is a gradient
+        for key in ("reward/guessed/mean", "reward/environment/mean", "env/turns", "env/errors"):
+            assert r1[key] == pytest.approx(r2[key], abs=1e-6), key
+    c1 = (one / "completions" / "step-000002.jsonl").read_text()
+    assert c1 == (two / "completions" / "step-000002.jsonl").read_text()
+    a, b = _weights(one / "final"), _weights(two / "final")
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5, rtol=0), key
