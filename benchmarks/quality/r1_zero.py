@@ -65,6 +65,13 @@ def wall_seconds(run_dir: Path) -> float:
     return (run_dir / "metrics.jsonl").stat().st_mtime - begun.timestamp()
 
 
+def per_step_keys(rows: list[dict[str, Any]]) -> list[str]:
+    """``PER_STEP``, and the mean of every reward function the run has (the accuracy reward
+    of a task may have another name: ``reasoning_gym``)."""
+    means = sorted({k for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")})
+    return list(dict.fromkeys([*means, *PER_STEP]))
+
+
 def summary(run_dir: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "reward/mean" in r}
@@ -81,7 +88,9 @@ def summary(run_dir: Path) -> dict[str, Any]:
         "lr": config["optim"]["lr"],
         "task_args": config["data"]["task_args"],
         "steps": len(ordered),
-        "per_step": {k: [round(r[k], 4) for r in ordered if k in r] for k in PER_STEP},
+        "per_step": {
+            k: [round(r[k], 4) for r in ordered if k in r] for k in per_step_keys(ordered)
+        },
         "eval": {
             r["step"]: {k: r[k] for k in EVAL if k in r} for r in rows if "eval/accuracy" in r
         },
