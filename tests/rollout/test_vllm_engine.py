@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -494,3 +495,74 @@ def test_a_real_vllm_run_exits_without_a_traceback(wide_model_dir: Path, tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     assert "run finished" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_vllm, reason="vllm is not installed")
+def test_real_vllm_continues_a_turn_after_an_observation(wide_model_dir: Path, real_llm) -> None:
+    # an environment's second turn: the context is the prompt, the first turn's tokens and an
+    # observation the model never sampled; vLLM resumes exactly there, and its log-probs are the
+    # trainer's for the same tokens after the same context
+    from grpo.rollout.turns import TurnRequest
+
+    tok = load_tokenizer(str(wide_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(wide_model_dir).eval()
+    llm, params = real_llm
+    engine = VLLMEngine(
+        model, tok, _config(Decoding(temperature=0.9)), llm=llm, sampling_params=params
+    )
+    engine.sync_weights(model)
+    prompt = tok("guess:", add_special_tokens=False).input_ids
+    (first,) = engine.generate_turns([TurnRequest(prompt, 1, 11, 6)], stop=[])[0]
+    observation = tok(" lower.", add_special_tokens=False).input_ids
+    context = prompt + first.token_ids + observation
+    second = engine.generate_turns([TurnRequest(context, 2, 12, 6)], stop=[])[0]
+    for sample in second:
+        ids = torch.tensor([context + sample.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(context) - 1 : -1].float() / 0.9
+        trainer = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+        gap = (trainer - torch.tensor(sample.logprobs)).abs().max()
+        assert float(gap) < 2e-3, float(gap)
+    assert second[0].token_ids != second[1].token_ids  # two samples of the group, not one twice
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_vllm, reason="vllm is not installed")
+def test_a_real_vllm_run_plays_an_environment_class(wide_model_dir: Path, tmp_path: Path) -> None:
+    # rollout.environment on the vLLM engine: the same turn loop, one instance per completion,
+    # the environment's reward paid, and a clean exit
+    envs = Path(__file__).parents[1] / "environments" / "trl_envs.py"
+    recipe = tmp_path / "recipe.yaml"
+    tree = {
+        "model": {"name": str(wide_model_dir), "precision": "float32"},
+        "data": {"task": "arithmetic", "task_args": {"size": 16}},
+        "rollout": {
+            "engine": "vllm",
+            "vllm_kv_cache_gb": 0.25,
+            "environment": f"{envs}:GuessNumber",
+            "prompts_per_step": 2,
+            "group_size": 2,
+            "max_new_tokens": 8,
+        },
+        "rewards": {"functions": [{"name": "environment"}, {"name": "format"}]},
+        "train": {"steps": 2, "output_dir": str(tmp_path / "runs"), "progress": False},
+    }
+    recipe.write_text(yaml.safe_dump(tree))
+    done = subprocess.run(
+        [sys.executable, "-m", "grpo.cli", "train", str(recipe)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    runs = list((tmp_path / "runs").iterdir())
+    metrics = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "event" not in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["env/turns"] >= 1.0 and m["env/errors"] == 0.0
+        assert m["reward/environment/mean"] == 0.0  # no guess from a random model
+    completions = (runs[0] / "completions" / "step-000001.jsonl").read_text()
+    assert "Guess my number (1-8)." in completions  # reset's text joined the prompt
