@@ -109,6 +109,19 @@ def _torchrun(recipe: Path, *overrides: str, nproc: int = 2) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
+def _one_then_two_ranks(config, tmp_path: Path) -> tuple[Path, Path]:
+    """``config`` trained in this process (run "one"), then as a recipe by two gloo ranks (run
+    "two", beside it)."""
+    one = train(config)
+    recipe = tmp_path / "recipe.yaml"
+    tree = yaml.safe_load(dump_config(config))
+    tree["train"]["run_name"] = "two"
+    recipe.write_text(yaml.safe_dump(tree))
+    proc = _torchrun(recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return one, one.parent / "two"
+
+
 @pytest.fixture
 def distributed_run(tiny_config, tmp_path: Path):
     """A factory: (algorithm section) -> (single-process run dir, 2-rank run dir, config)."""
@@ -126,14 +139,8 @@ def distributed_run(tiny_config, tmp_path: Path):
             algorithm=algorithm,
             train={"steps": 3, "run_name": "one", "threads": 1, "distributed": strategy},
         )
-        one = train(config)
-        recipe = tmp_path / "recipe.yaml"
-        tree = yaml.safe_load(dump_config(config))
-        tree["train"]["run_name"] = "two"
-        recipe.write_text(yaml.safe_dump(tree))
-        proc = _torchrun(recipe)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return one, one.parent / "two", config
+        one, two = _one_then_two_ranks(config, tmp_path)
+        return one, two, config
 
     return run
 
@@ -293,14 +300,7 @@ def test_two_gloo_ranks_play_an_environment_as_one_process(tiny_config, tmp_path
         optim={"lr": 1e-3, "micro_batch_size": 4},
         train={"steps": 2, "run_name": "one", "threads": 1},
     )
-    one = train(config)
-    recipe = tmp_path / "recipe.yaml"
-    tree = yaml.safe_load(dump_config(config))
-    tree["train"]["run_name"] = "two"
-    recipe.write_text(yaml.safe_dump(tree))
-    proc = _torchrun(recipe)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    two = one.parent / "two"
+    one, two = _one_then_two_ranks(config, tmp_path)
     m1, m2 = _metrics(one), _metrics(two)
     assert [m["step"] for m in m2] == [1, 2]
     for r1, r2 in zip(m1, m2, strict=True):
