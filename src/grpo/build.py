@@ -143,7 +143,8 @@ def environment_of(config: Config, given: type | None = None) -> Environment | N
 
 def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, Any]]]:
     """The rows a run trains on and its held-out rows (none without ``train.eval_every``): the
-    given ones, else those the config names."""
+    given ones, else those the config names; with ``data.eval_unseen`` only held-out questions
+    that none of the training rows (given or named) asks."""
     train = config.train
     rows = given.rows if given.rows is not None else load_dataset_rows(config.data, train.seed)
     if config.rollout.tools or config.rollout.environment:
@@ -155,12 +156,15 @@ def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, An
             )
     if not train.eval_every:
         return rows, []
-    if given.eval_rows is None:
-        held_out = heldout_rows(config.data, train.seed, train.eval_examples)
-    elif config.data.eval_unseen:
-        held_out = unseen_rows(given.eval_rows, rows)[: train.eval_examples]
-    else:
-        held_out = given.eval_rows[: train.eval_examples]
+    # unseen: against the rows this run trains on, which a caller may have given
+    unseen = config.data.eval_unseen
+    held_out = given.eval_rows
+    if held_out is None:
+        data = config.data.model_copy(update={"eval_unseen": False})
+        held_out = heldout_rows(data, train.seed, None if unseen else train.eval_examples)
+    if unseen:
+        held_out = unseen_rows(held_out, rows)
+    held_out = held_out[: train.eval_examples]
     seen = seen_count(held_out, rows)
     if seen:  # evaluation would partly measure recall of training questions
         print(

@@ -191,6 +191,9 @@ def test_a_run_says_how_many_held_out_rows_repeat_training_questions(tmp_path: P
     )
     assert len(training_rows(unseen, Given())[1]) == 2
     assert "held-out:" not in capsys.readouterr().err
-    # rows a caller gives are kept to unseen questions the same way
+    # rows a caller gives are kept to unseen questions the same way, held-out or training ones
     given = Given(eval_rows=heldout_rows(config.data, seed=0))
     assert [r["prompt"] for r in training_rows(unseen, given)[1]] == ["5+5?", "6+6?"]
+    trained = Given(rows=load_dataset_rows(config.data.model_copy(update={"num_examples": 1}), 0))
+    asked = [r["prompt"] for r in training_rows(unseen, trained)[1]]  # only 1+1 was trained on
+    assert asked == ["3+3?", [{"role": "user", "content": "2+2?"}], "4+4?", "5+5?", "6+6?"]

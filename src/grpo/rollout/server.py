@@ -25,7 +25,6 @@ never a hang.
 from __future__ import annotations
 
 import hashlib
-import http.client
 import io
 import json
 import os
@@ -72,10 +71,9 @@ def no_answer_cause(err: BaseException, timeout_s: float) -> str:
         return f"nothing came back within rollout.server_timeout_s ({timeout_s:g} s)"
     if isinstance(reason, ConnectionRefusedError):
         return "nothing listens there (the server exited, or was never started on that port)"
+    # http.client.RemoteDisconnected (closed before a status line) is a ConnectionResetError
     if isinstance(reason, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
         return "it closed the connection mid-request (the server exited or was killed)"
-    if isinstance(reason, http.client.RemoteDisconnected):
-        return "it closed the connection without an answer (the server exited or was killed)"
     if isinstance(reason, socket.gaierror):
         return "its host name does not resolve"
     if isinstance(reason, OSError) and reason.strerror:

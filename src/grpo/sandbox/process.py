@@ -226,10 +226,13 @@ def await_keeper(sock: socket.socket, server: subprocess.Popen) -> None:
     server that died or was stopped before forking it is lost at once (``ForkServerLost``), not
     after the limit, which is there for a machine under heavy load."""
     end = time.monotonic() + STARTUP_TIMEOUT_S
-    while not select.select([sock], [], [], min(STARTUP_WAIT_S, end - time.monotonic()))[0]:
+    while True:
+        left = end - time.monotonic()
+        if select.select([sock], [], [], max(0.0, min(STARTUP_WAIT_S, left)))[0]:
+            return
         if server.poll() is not None or stopped(server.pid):
             raise ForkServerLost(server)
-        if time.monotonic() >= end:
+        if left <= 0:
             raise TimeoutError(f"no keeper within {STARTUP_TIMEOUT_S:g} s")
 
 
