@@ -3,6 +3,8 @@ a compilation that fails or disagrees is said once and the model decodes eagerly
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_decode import decode_both, llama, mistral, qwen2, qwen3
@@ -154,3 +156,15 @@ def test_a_recompilation_that_fails_mid_rollout_goes_on_eagerly(tiny, monkeypatc
     )
     assert torch.equal(got.completion_ids, eager.completion_ids)
     assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-5, rtol=0)
+
+
+def test_kernels_are_cached_in_grpos_folder_unless_inductors_is_named(tiny, monkeypatch) -> None:
+    model, _ = tiny
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    compiled._Compiled(model)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compiled.KERNEL_CACHE)
+    assert compiled.KERNEL_CACHE.parts[-3:] == (".cache", "grpo", "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # the user's choice stands
+    compiled._Compiled(model)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"

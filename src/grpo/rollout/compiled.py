@@ -14,7 +14,9 @@ What changes against the eager step, so that one compilation serves every rollou
 - the KV cache is the reserved buffers of ``ReservedLayer``, written in place at the token's
   position; attention reads their filled part, the prompt's padding masked;
 - shapes are dynamic (rows leave the batch, prompts differ in length), so one graph is traced
-  per model and its kernels are cached on disk by inductor across runs.
+  per model and its kernels are cached on disk by inductor across runs: in ``KERNEL_CACHE``
+  (``~/.cache/grpo/inductor``) unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder, so
+  that they outlive a ``/tmp`` cleared at boot (inductor's default).
 
 Compiled kernels sum in other orders than the eager ones, so the logits differ by rounding (a
 float32 rollout's tokens are then no longer bit for bit the model's own forward's); and the first
@@ -29,10 +31,12 @@ compiler, an unsupported op).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -164,11 +168,16 @@ def _traced(model: nn.Module) -> Callable[..., torch.Tensor]:
     return step
 
 
+KERNEL_CACHE = Path.home() / ".cache" / "grpo" / "inductor"
+
+
 class _Compiled:
     """A model's compiled step, or None once it decodes eagerly (said once), and the dtypes
     whose first step was checked against the model's own forward."""
 
     def __init__(self, model: nn.Module) -> None:
+        # read by inductor when it compiles (at the first call), and kept for the process
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(KERNEL_CACHE))
         self.step: Callable[..., torch.Tensor] | None = torch.compile(
             _traced(model), dynamic=True, fullgraph=True
         )
