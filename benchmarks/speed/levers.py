@@ -37,7 +37,7 @@ from grpo.rollout.hf import HFEngine, sample_groups
 from grpo.rollout.packed_weights import packed_linears
 from grpo.rollout.sampler import Chooser, SeededGroupSampler, processor_choice
 from grpo.runtime.host_memory import set_malloc_policy
-from grpo.scoring import chunked_head, head_products
+from grpo.scoring import chunked_head, head_products, prefix_attention
 from grpo.scoring.distribution import Decoding, process_logits
 from grpo.scoring.logprobs import completion_logprobs, full_sequence_logprobs
 from grpo.scoring.packing import pack
@@ -316,6 +316,34 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
     }
 
 
+def attention_float32_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
+    """Prefix attention under bf16 autocast on a CPU: SDPA in bf16 (the queries' dtype) against
+    float32 (``prefix_attention.in_float32``, what grpo does), forward and forward + backward
+    over the step's micro-batches."""
+    batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
+    chooser = prefix_attention.in_float32
+
+    def run(upcast: bool, grad: bool) -> Callable[[], None]:
+        def scored(*args: Any) -> Any:
+            prefix_attention.in_float32 = lambda q: upcast and chooser(q)
+            try:
+                return completion_logprobs(*args)
+            finally:
+                prefix_attention.in_float32 = chooser
+
+        return scoring(model, batches, scored, grad)
+
+    model.train()
+    return {
+        "reference_forward_attention_float32": alternate(
+            {"bf16": run(False, False), "float32": run(True, False)}, repeats
+        ),
+        "update_attention_float32": alternate(
+            {"bf16": run(False, True), "float32": run(True, True)}, repeats
+        ),
+    }
+
+
 def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """Full logits kept for backward (``model.chunked_head: false`` under plain sampling)
     against the model's own head; the LM head a chunk at a time (``model.chunked_head``)
@@ -470,6 +498,11 @@ def main(argv: list[str] | None = None) -> None:
         "--compile", action="store_true", help="only the torch.compile lever (minutes to compile)"
     )
     parser.add_argument("--attention", action="store_true", help="only the prefix attention lever")
+    parser.add_argument(
+        "--attention-float32",
+        action="store_true",
+        help="only prefix attention in float32 against bf16 (under bf16 autocast)",
+    )
     parser.add_argument("--head", action="store_true", help="only the chunked LM head's levers")
     parser.add_argument("--rollout", action="store_true", help="only the rollout's levers")
     parser.add_argument("--decode", action="store_true", help="only the lean decode step")
@@ -530,6 +563,7 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
     # the levers run alone on request, each into its own file
     alone = {
         "attention": lambda: attention_lever(model, rollout, mb, args.repeats),
+        "attention_float32": lambda: attention_float32_lever(model, rollout, mb, args.repeats),
         "head": lambda: head_lever(model, rollout, mb, args.repeats),
         "rollout": lambda: rollout_levers(model, tokenizer, enc, engine, g, args.repeats),
         "compile": lambda: {"compile_rollout": compile_lever(engine, prompts, rows, g)},

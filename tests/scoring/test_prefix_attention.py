@@ -22,6 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from grpo.config import ModelConfig, RolloutConfig
 from grpo.models import disable_dropout, load_policy, load_tokenizer
 from grpo.rollout.hf import HFEngine
+from grpo.scoring import prefix_attention
 from grpo.scoring.logprobs import completion_logprobs
 from grpo.scoring.packing import attention_dropout_on, pack, packed_logprobs
 from grpo.scoring.prefix_attention import (
@@ -345,3 +346,42 @@ def test_prefix_scoring_under_bf16_autocast_equals_the_masked_one(tiny_model_dir
         got, _ = completion_logprobs(prefix.to(device), *batch, 0.8)
     assert got.dtype == torch.float32
     assert torch.allclose(got[m], want[m], atol=0.1)
+
+
+def test_under_bf16_autocast_a_cpu_attends_in_float32(tiny_model_dir, monkeypatch) -> None:
+    # SDPA's CPU kernel is faster in float32 than in bf16 at these shapes, and CPU autocast runs
+    # it in bf16 whatever its inputs: grpo turns autocast off around it
+    _, prefix = _pair(tiny_model_dir)
+    batch = _batch()
+    m = batch[-1]
+    ran: list[torch.dtype] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        ran.append(out.dtype)  # autocast casts inside the call: the output says what ran
+        return out
+
+    def scored(upcast: bool):
+        chooser = prefix_attention.in_float32
+        monkeypatch.setattr(prefix_attention, "in_float32", lambda q: upcast and chooser(q))
+        monkeypatch.setattr(prefix_attention.F, "scaled_dot_product_attention", spy)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, _ = completion_logprobs(prefix, *batch)
+            (logp * m).sum().backward()
+        monkeypatch.undo()
+        grads = _grads(prefix)
+        prefix.zero_grad(set_to_none=True)
+        return logp.detach(), grads
+
+    want, _ = completion_logprobs(prefix, *batch)  # float32 throughout
+    upcast, upcast_grads = scored(True)
+    assert ran and set(ran) == {torch.float32}
+    ran.clear()
+    kept, _ = scored(False)
+    assert ran and set(ran) == {torch.bfloat16}
+    assert not torch.equal(upcast[m], kept[m])  # the knob changes the numbers
+    for got in (upcast, kept):  # both near the float32 model's, by bf16 products' rounding
+        assert float((got[m] - want[m].detach()).abs().max()) < 0.1
+    assert all(torch.isfinite(g).all() for g in upcast_grads)
+    assert any(float(g.abs().sum()) > 0 for g in upcast_grads)

@@ -16,6 +16,7 @@ so a recomputation under gradient checkpointing takes the same path.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -117,20 +118,35 @@ def _gather(x: Tensor, at: Tensor) -> Tensor:
     return x.index_select(0, at.flatten()).view(*at.shape, *x.shape[1:])
 
 
+def in_float32(q: Tensor) -> bool:
+    """Whether attention runs in float32 whatever autocast says: on a CPU, where SDPA's kernel
+    is faster in float32 than in bf16 at packed shapes, forward and backward (1.06-3x on both
+    CPU kinds measured: docs/results/levers.md), and more exact. Elsewhere (a GPU's flash
+    kernel) it runs as autocast decides."""
+    return q.device.type == "cpu"
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor, scale: float) -> Tensor:
-    """Softmax attention through SDPA's kernel, which keeps no scores for backward. q: [B, n,
-    Hq, D]; k, v: [B, m, Hkv, D]; blocked: [B, 1, n, m] (True = may not attend). Returns [B, n,
-    Hq, D]; query heads share their key head in groups (GQA).
+    """Softmax attention through SDPA's kernel, which keeps no scores for backward (``in_float32``
+    on a CPU: a float32 model's numbers unchanged). q: [B, n, Hq, D]; k, v: [B, m, Hkv, D];
+    blocked: [B, 1, n, m] (True = may not attend). Returns [B, n, Hq, D]; query heads share
+    their key head in groups (GQA).
 
     Explicit scores with a float32 softmax (before this kernel took every row) were as fast in
     the reference forward and 1.08x slower in the update on a memory-bound Xeon
     (docs/results/levers.md), and backward kept them."""
+    exact = in_float32(q)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, n or m, D]
     hq, hkv = q.shape[1], k.shape[1]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=~blocked, scale=scale, enable_gqa=hq != hkv
-    )
-    return out.transpose(1, 2)
+    # CPU autocast runs SDPA in bf16, whatever its inputs
+    with torch.autocast(q.device.type, enabled=False) if exact else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(
+            *(t.float() if exact else t for t in (q, k, v)),
+            attn_mask=~blocked,
+            scale=scale,
+            enable_gqa=hq != hkv,
+        )
+    return out.transpose(1, 2).to(q.dtype) if exact else out.transpose(1, 2)
 
 
 def prefix_attention_forward(
