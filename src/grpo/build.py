@@ -21,16 +21,19 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from grpo.config import Config, ModelConfig, RewardsConfig, RolloutConfig
 from grpo.data import (
+    Asked,
     Curriculum,
     DataError,
     Rows,
     curriculum_of,
     heldout_rows,
     load_dataset_rows,
+    question,
     seen_count,
     system_prompt_for,
     unseen_rows,
     verifier_of,
+    whole_row,
 )
 from grpo.data.prompts import PromptFormat, prompt_format_for
 from grpo.environments import Environment
@@ -157,15 +160,15 @@ def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, An
     if not train.eval_every:
         return rows, []
     # unseen: against the rows this run trains on, which a caller may have given
-    unseen = config.data.eval_unseen
+    unseen, asked_by = config.data.eval_unseen, asked_by_rows(config)
     held_out = given.eval_rows
     if held_out is None:
         data = config.data.model_copy(update={"eval_unseen": False})
         held_out = heldout_rows(data, train.seed, None if unseen else train.eval_examples)
     if unseen:
-        held_out = unseen_rows(held_out, rows)
+        held_out = unseen_rows(held_out, rows, asked_by)
     held_out = held_out[: train.eval_examples]
-    seen = seen_count(held_out, rows)
+    seen = seen_count(held_out, rows, asked_by)
     if seen:  # evaluation would partly measure recall of training questions
         print(
             f"held-out: {seen} of {len(held_out)} rows ask a question a training row also asks "
@@ -174,6 +177,12 @@ def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, An
             flush=True,
         )
     return rows, held_out
+
+
+def asked_by_rows(config: Config) -> Asked:
+    """What tells two rows apart as questions (``data.eval_unseen``): the prompt and answer,
+    or the whole row where an environment plays it (its ``reset`` gets every column)."""
+    return whole_row if config.rollout.environment else question
 
 
 # the columns reward functions get a multi-turn rollout's episodes in (grpo.rewards.inputs)

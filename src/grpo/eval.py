@@ -223,7 +223,7 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
     """Load ``config.model.name`` (full weights, no adapters) and evaluate it on the held-out
     rows of ``config.data`` through the recipe's rollout engine, judged also by the recipe's
     reward functions."""
-    rows = heldout_rows(config.data, config.train.seed, examples)
+    rows = heldout_rows(config.data, config.train.seed, examples, build.asked_by_rows(config))
     verifier = build.verifier_runner(config)  # a bad data.verifier fails before the model loads
     try:
         parts = build.build_for_sampling(config, rows)

@@ -197,3 +197,24 @@ def test_a_run_says_how_many_held_out_rows_repeat_training_questions(tmp_path: P
     trained = Given(rows=load_dataset_rows(config.data.model_copy(update={"num_examples": 1}), 0))
     asked = [r["prompt"] for r in training_rows(unseen, trained)[1]]  # only 1+1 was trained on
     assert asked == ["3+3?", [{"role": "user", "content": "2+2?"}], "4+4?", "5+5?", "6+6?"]
+
+
+def test_rows_an_environment_plays_differ_by_any_column(tmp_path: Path, capsys):
+    # one prompt starts every game, a seed column picks it: held-out games are not training
+    # games, though the prompt is the same; without an environment the seed changes nothing
+    games = [{"prompt": "New game: guess my number.", "seed": s} for s in range(3)]
+    data = {
+        "path": str(_jsonl(tmp_path / "train.jsonl", games)),
+        "eval_path": str(
+            _jsonl(tmp_path / "held.jsonl", [{**g, "seed": 10 + i} for i, g in enumerate(games)])
+        ),
+        "eval_unseen": True,
+    }
+    tree = {"model": {"name": "m"}, "data": data, "train": {"eval_every": 1}}
+    played = build_config({**tree, "rollout": {"environment": "games.py:Game"}})
+    assert [r["seed"] for r in training_rows(played, Given())[1]] == [10, 11, 12]
+    with pytest.raises(DataError, match="each of the 3 held-out rows asks"):
+        training_rows(build_config(tree), Given())
+    plain = build_config({**tree, "data": {**data, "eval_unseen": False}})
+    training_rows(plain, Given())
+    assert "held-out: 3 of 3 rows ask a question" in capsys.readouterr().err

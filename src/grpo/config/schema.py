@@ -165,7 +165,7 @@ class DataConfig(Section):
     eval_path: str | None = None
     """Held-out data for evaluation (training's `eval/*` and `grpo eval`), same format and fields as `path`; default: the task's or the `datasets` folder's test split."""
     eval_unseen: bool = False
-    """Evaluate only on held-out rows whose prompt no training row has (each prompt once), so that `eval/*` measures questions the run never trained on; the run says how many are left. Off: a run whose held-out rows repeat training prompts says how many do."""
+    """Evaluate only on held-out rows that ask what no training row asks (prompt and gold answer; the whole row where an environment plays it), each once, so that `eval/*` measures questions the run never trained on; the run says how many are left. Off: a run whose held-out rows repeat training questions says how many do."""
     curriculum: CurriculumConfig = CurriculumConfig()
     """A curriculum over a `reasoning_gym` task's difficulty levels, moved by the rolling pass rate."""
     verifier: RewardSpec | None = None

@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -310,13 +311,30 @@ def verifier_of(config: DataConfig) -> dict[str, Any]:
     return {"name": "accuracy"}
 
 
-def heldout_rows(config: DataConfig, seed: int, examples: int | None = None) -> Rows:
+def question(row: dict[str, Any]) -> str:
+    """What a row asks, as one comparable string: its prompt and gold answer (the rest of a
+    row, a generator's draw index say, does not change the question)."""
+    return json.dumps([row["prompt"], row.get("answer")], sort_keys=True, default=str)
+
+
+def whole_row(row: dict[str, Any]) -> str:
+    """A row as one comparable string, every column: what an environment's ``reset`` gets (one
+    prompt may start many games, told apart by a seed column)."""
+    return json.dumps(row, sort_keys=True, default=str)
+
+
+Asked = Callable[[dict[str, Any]], str]
+
+
+def heldout_rows(
+    config: DataConfig, seed: int, examples: int | None = None, asked_by: Asked = question
+) -> Rows:
     """The first ``examples`` held-out rows: ``data.eval_path`` when set, else a task's test
     split or the 'test' split of a `datasets` folder. A single training file has none. With
-    ``data.eval_unseen``, only rows whose question no training row asks (``unseen_rows``)."""
+    ``data.eval_unseen``, only rows that ask what no training row asks (``unseen_rows``)."""
     if config.eval_unseen:
         rows = heldout_rows(config.model_copy(update={"eval_unseen": False}), seed)
-        return first_rows(unseen_rows(rows, load_dataset_rows(config, seed)), examples)
+        return first_rows(unseen_rows(rows, load_dataset_rows(config, seed), asked_by), examples)
     data = config.model_copy(update={"num_examples": examples})
     if data.eval_path is not None:
         data = data.model_copy(update={"path": data.eval_path})
@@ -328,27 +346,25 @@ def heldout_rows(config: DataConfig, seed: int, examples: int | None = None) -> 
     return load_dataset_rows(data, seed, "test")
 
 
-def question(row: dict[str, Any]) -> str:
-    """A row's prompt as one comparable string (text, or chat messages as JSON)."""
-    return json.dumps(row["prompt"], sort_keys=True, default=str)
+def seen_count(
+    held_out: list[dict[str, Any]], training: list[dict[str, Any]], asked_by: Asked = question
+) -> int:
+    """How many held-out rows ask what a training row also asks (``asked_by`` says what a row
+    asks: ``question``, or ``whole_row`` where an environment plays the rows)."""
+    asked = {asked_by(row) for row in training}
+    return sum(asked_by(row) in asked for row in held_out)
 
 
-def seen_count(held_out: list[dict[str, Any]], training: list[dict[str, Any]]) -> int:
-    """How many held-out rows ask a question that a training row also asks."""
-    asked = {question(row) for row in training}
-    return sum(question(row) in asked for row in held_out)
-
-
-def unseen_rows(held_out: Rows, training: list[dict[str, Any]]) -> Rows:
-    """The held-out rows whose question no training row asks, each question once (the first
-    row that asks it), with their sources and row numbers; how many is said in one line, and
-    none left is a DataError (``data.eval_unseen``)."""
-    asked = {question(row) for row in training}
+def unseen_rows(held_out: Rows, training: list[dict[str, Any]], asked_by: Asked = question) -> Rows:
+    """The held-out rows that ask what no training row asks, each once (the first row that asks
+    it), with their sources and row numbers; how many is said in one line, and none left is a
+    DataError (``data.eval_unseen``)."""
+    asked = {asked_by(row) for row in training}
     out = Rows()
     out.sources, out.numbers = [], []
     for row, source, number in zip(held_out, held_out.sources, held_out.numbers, strict=True):
-        if question(row) not in asked:
-            asked.add(question(row))
+        if asked_by(row) not in asked:
+            asked.add(asked_by(row))
             out.append(row)
             out.sources.append(source)
             out.numbers.append(number)
