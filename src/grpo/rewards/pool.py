@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import select
 import signal
 import struct
 import subprocess
@@ -67,7 +66,7 @@ def read_message(conn: Connection, deadline: float) -> Any:
         got = bytearray()
         while len(got) < n:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not wait([conn], left):
                 raise TimeoutError
             chunk = os.read(fd, min(n - len(got), 1 << 20))
             if not chunk:
