@@ -552,6 +552,7 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     g = config.group_size
     result: dict[str, Any] = {
+        "machine": common.machine(),
         "setup": args.setup,
         "prompt_tokens": int(enc.attention_mask.sum()) // config.prompts_per_step,
         "completion_tokens_mean": float(rollout.completion_mask.sum(dim=1).float().mean()),
