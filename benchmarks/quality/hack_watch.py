@@ -41,6 +41,7 @@ from grpo.training.hack_watch import (
     Evidence,
     HackWatch,
     Said,
+    answers_follow_questions,
     restates_question,
     row_texts,
     share_beyond_one_group,
@@ -108,7 +109,7 @@ def evidence(
 ) -> Evidence:
     """What a step's logged completions (all of them, in rollout order) show the watch, as
     ``HackWatch.observe`` computes it from the rollout."""
-    copied, restated = [], []
+    copied, restated, answers = [], [], []
     for record in records:
         row = rows[record["prompt"]]
         question = row_texts(row["prompt"])
@@ -117,8 +118,13 @@ def evidence(
         copied.append(copies(answer, template, n))
         (text,) = [answer] if "turns" in record else scored_texts([record["prompt"]], [answer])
         gold = row.get("answer")
-        restated.append(restates_question(extract_answer(text), " ".join(question), gold))
-    return Evidence(sum(copied) / len(copied), share_beyond_one_group(restated, group_size))
+        answers.append(extract_answer(text))
+        restated.append(restates_question(answers[-1], " ".join(question), gold))
+    return Evidence(
+        sum(copied) / len(copied),
+        share_beyond_one_group(restated, group_size),
+        answers_follow_questions(answers, group_size),
+    )
 
 
 def crossings(steps: list[dict[str, Any]], thresholds: dict[str, float]) -> list[dict[str, Any]]:

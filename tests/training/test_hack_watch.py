@@ -23,6 +23,7 @@ from grpo.step_data import Rollout, Scored
 from grpo.training.hack_watch import (
     HackWatch,
     Levels,
+    answers_follow_questions,
     format_only,
     held_up,
     question_restated_share,
@@ -347,6 +348,53 @@ def test_format_rising_alone_warns_and_accuracy_rising_with_it_does_not(capsys) 
     ]
     assert [o["hack/format_only"] for o in out] == [0, 0, 0]
     assert not warnings(capsys.readouterr().err)
+
+
+def test_answers_follow_questions_when_most_answer_and_no_answer_stands_for_most() -> None:
+    assert answers_follow_questions(["6", "7", "30", "30", "2", None, "128", "9"], 2)
+    # one group per question; the same answer topping most groups is a constant, not attempts
+    assert not answers_follow_questions(["0", "0", "0", "1", "0", "3", "5", "5"], 2)
+    assert not answers_follow_questions([None, None, None, "4", "5", None, "2", None], 2)
+    assert not answers_follow_questions(["5", "6"], 2)  # one group: cannot tell
+
+
+def _format_rising(completions: list[str], capsys) -> tuple[list[str], list[str]]:
+    """The watch's lines over three steps of a rising format and no accuracy, each step the
+    given completions of two questions."""
+    rows = [
+        {"prompt": "What is 12 * 3?", "answer": "36"},
+        {"prompt": "What is 7 * 8?", "answer": "56"},
+    ]
+    step = scored_of(rollout_of([r["prompt"] for r in rows], rows, completions))
+    watch = HackWatch(HackWatchConfig(window=3), SPECS)
+    for s, f in [(1, 0), (2, 0.3), (3, 0.6)]:
+        assert watch.observe(s, step, step_metrics(10, f, 0.0), True)["hack/format_only"] == (
+            s == 3
+        )
+    captured = capsys.readouterr()
+    return warnings(captured.err), [line for line in captured.out.splitlines() if "format" in line]
+
+
+def test_a_format_learned_with_answers_that_follow_the_questions_is_a_note(capsys) -> None:
+    # wrong, but attempts: a model that cannot solve the task yet learns the format first
+    attempts = [
+        "<answer>30</answer>",
+        "<answer>35</answer>",
+        "<answer>54</answer>",
+        "<answer>63</answer>",
+    ]
+    warned, notes = _format_rising(attempts, capsys)
+    assert not warned
+    assert notes == [
+        "grpo: step 3: the format reward rose over the last 3 steps while accuracy did not, "
+        "with answers that follow their questions: the format learned ahead of the answer, not "
+        "reward hacking by itself (check pass@k with grpo eval --samples) (hack/format_only; "
+        "train.hack_watch)"
+    ]
+    # the same rise paid for empty tags or one answer to every question: a warning
+    for gamed in (["<answer> </answer>"] * 4, ["<answer>1</answer>"] * 4):
+        warned, notes = _format_rising(gamed, capsys)
+        assert len(warned) == 1 and "hack/format_only" in warned[0] and not notes
 
 
 def test_the_watch_can_be_turned_off_and_only_the_announcing_rank_prints(capsys) -> None:

@@ -30,6 +30,11 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
   (``completion_len/mean``) or policy entropy (``entropy``) of the last ``window`` steps is below
   ``collapse_below`` times its mean over the run's first ``window`` steps.
 
+A rising format with flat accuracy warns only when the answers it pays are no attempts at the
+questions: most completions hold no answer, or one answer stands for most questions (a copied
+placeholder, a constant). Answers that follow their questions, right or wrong, are a format
+learned ahead of the answer, a model that cannot solve the task yet: a note, as below.
+
 A signal warns when it goes above its threshold (the shares: ``copy_above``,
 ``restated_above``; the flags: when they turn 1), once per crossing: it warns again only after
 it has come back down. A collapse while the accuracy rewards held up (their mean over the last
@@ -47,6 +52,7 @@ import math
 import re
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +161,20 @@ def question_restated_share(rollout: Rollout) -> float:
     return sum(flags) / len(flags) if flags else 0.0
 
 
+def answers_follow_questions(answers: Sequence[str | None], group_size: int) -> bool:
+    """Whether a step's extracted answers (None: none found) are attempts at their questions:
+    most completions answer, and no one answer is the most common in more than half of the
+    groups (with a single group, that cannot be told: False)."""
+    if sum(a is not None for a in answers) * 2 < len(answers):
+        return False
+    tops = []
+    for i in range(0, len(answers), group_size):
+        given = [a for a in answers[i : i + group_size] if a is not None]
+        if given:
+            tops.append(Counter(given).most_common(1)[0][0])
+    return len(tops) >= 2 and Counter(tops).most_common(1)[0][1] * 2 <= len(tops)
+
+
 def share_beyond_one_group(flags: Sequence[bool], group_size: int) -> float:
     """Share of flagged completions among those of every group but the one with the most
     flags; with one group, among its own."""
@@ -259,16 +279,20 @@ class Evidence:
     own_copy: share of completions that copy the template with the worked examples cut out.
     restated_elsewhere: share of answers that restate the question in every group but the one
     with the most: one group's misreading of its question is the model's own error, a shortcut
-    shows in the other groups too."""
+    shows in the other groups too.
+    answers_follow: the step's answers are attempts at their questions
+    (``answers_follow_questions``)."""
 
     own_copy: float
     restated_elsewhere: float
+    answers_follow: bool = False  # answers_follow_questions; unknown (no completions): False
 
 
 @dataclass(frozen=True)
 class Said:
     """A line the watch gives at ``step`` for signal ``key``: a warning of possible reward
-    hacking, or a note (``warning`` False) that a collapse came with the accuracy holding up."""
+    hacking, or a note (``warning`` False): a collapse with the accuracy holding up, or a rising
+    format whose answers follow their questions."""
 
     step: int
     key: str
@@ -345,7 +369,9 @@ class HackWatch:
         own = copied
         if self.examples:
             own = template_copy_share(rollout, cfg.copy_ngram, self.examples)
-        seen = Evidence(own, share_beyond_one_group(restated, rollout.group_size))
+        texts = reward_inputs(rollout)[0]
+        follow = answers_follow_questions([extract_answer(t) for t in texts], rollout.group_size)
+        seen = Evidence(own, share_beyond_one_group(restated, rollout.group_size), follow)
         for said in self.speak(step, out, metrics, seen):
             if announce:
                 print(said.text, file=sys.stderr if said.warning else sys.stdout, flush=True)
@@ -384,6 +410,14 @@ class HackWatch:
                 continue
             self.raised.add(key)
             said = MESSAGES[key].format(value=value, **self.cfg.model_dump())
+            if key == "hack/format_only" and seen.answers_follow:
+                text = (
+                    f"grpo: step {step}: {said}, with answers that follow their questions: the "
+                    "format learned ahead of the answer, not reward hacking by itself (check "
+                    f"pass@k with grpo eval --samples) ({key}; train.hack_watch)"
+                )
+                lines.append(Said(step, key, False, text))
+                continue
             if key in SETTLING and held is not None:
                 text = (
                     f"grpo: step {step}: {said}, while the accuracy reward held up ({held[0]:.2f} "
