@@ -288,8 +288,10 @@ def heldout_sources(config: Config) -> list[dict[str, Any]] | None:
         return None
     if config.data.path is not None and not Path(config.data.path).is_dir():
         return None
+    # all of them: with data.eval_unseen the curated run leaves out what its own rows ask
+    every = config.data.model_copy(update={"eval_unseen": False})
     try:
-        return heldout_rows(config.data, config.train.seed).sources
+        return heldout_rows(every, config.train.seed).sources
     except DataError:  # no test split: the recipe trains without held-out evaluation
         return None
 
