@@ -661,3 +661,11 @@ def test_a_number_the_question_holds_unparsed_is_no_operand() -> None:
 
     assert not restates_question("0", "Compute 3/0 + 5", gold="7")
     assert restates_question("5", "Compute 3/0 + 5", gold="7")
+
+
+def test_an_environments_own_reward_is_its_accuracy() -> None:
+    # games won rising while the policy grows sure is learning (a note), not a collapse unpaid
+    watch = HackWatch(
+        HackWatchConfig(), [RewardSpec(name="environment"), RewardSpec(name="format")]
+    )
+    assert (watch.accuracy_names, watch.format_names) == (["environment"], ["format"])

@@ -12,7 +12,8 @@ from typing import Any
 from grpo.rewards.registry import RewardFn, register
 
 
-@register("environment")
+# the episode's outcome: what the hack watch reads as the task being learned
+@register("environment", kind="accuracy")
 def environment_reward() -> RewardFn:
     def environment(
         completions: list[str], environment_reward: list[Any] | None = None, **_: Any
