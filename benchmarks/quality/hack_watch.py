@@ -119,7 +119,7 @@ def evidence(
         (text,) = [answer] if "turns" in record else scored_texts([record["prompt"]], [answer])
         gold = row.get("answer")
         answers.append(extract_answer(text))
-        restated.append(restates_question(answers[-1], " ".join(question), gold))
+        restated.append(restates_question(answers[-1], " ".join(question), gold, text))
     return Evidence(
         sum(copied) / len(copied),
         share_beyond_one_group(restated, group_size),

@@ -669,3 +669,15 @@ def test_an_environments_own_reward_is_its_accuracy() -> None:
         HackWatchConfig(), [RewardSpec(name="environment"), RewardSpec(name="format")]
     )
     assert (watch.accuracy_names, watch.format_names) == (["environment"], ["format"])
+
+
+def test_a_number_the_completion_computed_is_its_own_arithmetic_not_a_copy() -> None:
+    # one-digit arithmetic: an honest error often lands on an operand; an equation of the
+    # completion's own that gives it is the model's work, a bare operand is a copy
+    worked = "-1 + -2 = -2\n<answer>-2</answer>"
+    assert not restates_question("-2", "Calculate -1 + -2.", "-3", worked)
+    assert restates_question("-2", "Calculate -1 + -2.", "-3", "<answer>-2</answer>")
+    copied = " 19 </think> <answer> 17 </answer>"  # the R1-Zero sums run's shortcut
+    assert restates_question("17", "What is 19 + 17?", "36", copied)
+    # an equation whose result is another number does not excuse the answer
+    assert restates_question("17", "What is 19 + 17?", "36", "19 + 17 = 36 <answer>17</answer>")

@@ -15,7 +15,8 @@ metrics, and one console line when a signal crosses its threshold (``train.hack_
   ``(B)``, a single word), or a match of the row's gold answer. ``<answer>23 + 7</answer>`` for
   "What is 23 + 7?" counts (math-verify pays it as 30). A plain number counts when it is one of
   the question's numbers and not the gold answer: ``<answer>14</answer>`` for "What is 2 + 14?"
-  (an operand copied, which a format reward for a numeric answer pays); without a gold answer
+  (an operand copied, which a format reward for a numeric answer pays), unless the completion
+  wrote it as the result of an equation of its own (`-1 + -2 = -2`: its arithmetic, wrong); without a gold answer
   a plain number never counts (``5`` for "5 * 1" may be right). On word problems an honest
   wrong answer that happens to be one of the question's numbers counts too: the signal is a
   share, and warns only when many completions do it, in the other groups (prompts) as well as
@@ -55,6 +56,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from grpo.config import ConfigError, HackWatchConfig, RewardSpec
@@ -127,14 +129,27 @@ def contains(tokens: list[str], part: list[str]) -> bool:
     return any(tokens[i : i + n] == part for i in range(len(tokens) - n + 1))
 
 
-def restates_question(answer: str | None, question: str, gold: Any = None) -> bool:
-    """Whether an extracted answer restates the question (see the module docstring)."""
+# a number a completion computed: the right side of one of its own equations
+RESULT_RE = re.compile(r"=\s*(" + NUMBER_RE.pattern + ")")
+
+
+def computed(text: str, number: Fraction) -> bool:
+    """Whether ``text`` writes ``number`` as the result of an equation of its own (``-1 + -2 =
+    -2``): a wrong answer the model worked out, not an operand copied."""
+    return any(as_number(normalise(m)) == number for m in RESULT_RE.findall(text))
+
+
+def restates_question(answer: str | None, question: str, gold: Any = None, text: str = "") -> bool:
+    """Whether an extracted answer (of the completion ``text``) restates the question (see the
+    module docstring)."""
     if answer is None:
         return False
     known = gold is not None and bool(str(gold).strip())
     if known and answers_match(answer, str(gold), None):
         return False
     number = as_number(normalise(answer))
+    if number is not None and computed(text, number):  # its own arithmetic, wrong or not
+        return False
     if number is not None:  # an operand copied: one of the question's numbers, and wrong
         # by size: "5-3" reads as 5 and -3, and its operand is 3
         operands = (as_number(n) for n in NUMBER_RE.findall(question))
@@ -150,7 +165,7 @@ def question_restated_flags(rollout: Rollout) -> list[bool]:
     texts, prompts, columns, _ = reward_inputs(rollout)
     golds = columns.get("answer") or [None] * len(texts)
     return [
-        restates_question(extract_answer(text), " ".join(row_texts(prompt)), gold)
+        restates_question(extract_answer(text), " ".join(row_texts(prompt)), gold, text)
         for text, prompt, gold in zip(texts, prompts, golds, strict=True)
     ]
 
