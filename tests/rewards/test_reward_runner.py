@@ -98,6 +98,10 @@ def fault(completions, **kw):
     if completions[0] == "garbage":
         os.write(to_trainer, struct.pack("!i", 7) + b"garbage")
         time.sleep(30)
+    if completions[0] == "huge":  # a forged length of 2 GB, then bytes as fast as they go
+        os.write(to_trainer, struct.pack("!i", 2**31 - 1))
+        while True:
+            os.write(to_trainer, b"x" * 65536)
     if completions[0] == "part":  # a frame's length, and then nothing
         os.write(to_trainer, struct.pack("!i", 64) + b"garb")
         time.sleep(30)
@@ -495,6 +499,11 @@ LATER = "(first time; later ones are counted per step)"
             "part",
             "reward 'fault': its worker sent part of an answer and no more within "
             f"rewards.timeout_s=2 s; killed and replaced {LATER}",
+        ),
+        (
+            "huge",
+            "reward 'fault': its worker process sent garbage, not an answer; killed and "
+            f"replaced {LATER}",
         ),
         (
             "not-an-answer",

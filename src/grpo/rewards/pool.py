@@ -26,6 +26,8 @@ from typing import Any
 WORKER = Path(__file__).with_name("_reward_worker.py")
 POLL_S = 0.25  # how often a busy worker's memory is checked
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# an answer is one value per completion: far below this, whatever the batch
+MAX_ANSWER_BYTES = 64 << 20
 
 
 class WorkerStartError(RuntimeError):
@@ -77,7 +79,7 @@ def read_message(conn: Connection, deadline: float) -> Any:
     (size,) = struct.unpack("!i", take(4))
     if size == -1:
         (size,) = struct.unpack("!Q", take(8))
-    if size < 0:
+    if not 0 <= size <= MAX_ANSWER_BYTES:  # a forged length would have us read gigabytes
         raise ValueError(f"a message of {size} bytes")
     return pickle.loads(take(size))
 
