@@ -160,19 +160,22 @@ def restates_question(answer: str | None, question: str, gold: Any = None, text:
     return contains(answer_tokens(question), tokens)
 
 
-def question_restated_flags(rollout: Rollout) -> list[bool]:
-    """Whether each of the rollout's completions answers by restating its row's question."""
+def answers_and_restated(rollout: Rollout) -> tuple[list[str | None], list[bool]]:
+    """Each of the rollout's completions' extracted answer (as the accuracy reward reads it),
+    and whether it restates its row's question."""
     texts, prompts, columns, _ = reward_inputs(rollout)
     golds = columns.get("answer") or [None] * len(texts)
-    return [
-        restates_question(extract_answer(text), " ".join(row_texts(prompt)), gold, text)
-        for text, prompt, gold in zip(texts, prompts, golds, strict=True)
+    answers = [extract_answer(text) for text in texts]
+    flags = [
+        restates_question(answer, " ".join(row_texts(prompt)), gold, text)
+        for answer, text, prompt, gold in zip(answers, texts, prompts, golds, strict=True)
     ]
+    return answers, flags
 
 
 def question_restated_share(rollout: Rollout) -> float:
     """Share of the rollout's completions whose answer restates its row's question."""
-    flags = question_restated_flags(rollout)
+    flags = answers_and_restated(rollout)[1]
     return sum(flags) / len(flags) if flags else 0.0
 
 
@@ -363,7 +366,7 @@ class HackWatch:
         window = cfg.window
         rollout = scored.rollout
         copied = template_copy_share(rollout, cfg.copy_ngram)
-        restated = question_restated_flags(rollout)
+        answers, restated = answers_and_restated(rollout)
         out = {
             "hack/template_copy": copied,
             "hack/question_restated": sum(restated) / len(restated) if restated else 0.0,
@@ -384,8 +387,7 @@ class HackWatch:
         own = copied
         if self.examples:
             own = template_copy_share(rollout, cfg.copy_ngram, self.examples)
-        texts = reward_inputs(rollout)[0]
-        follow = answers_follow_questions([extract_answer(t) for t in texts], rollout.group_size)
+        follow = answers_follow_questions(answers, rollout.group_size)
         seen = Evidence(own, share_beyond_one_group(restated, rollout.group_size), follow)
         for said in self.speak(step, out, metrics, seen):
             if announce:
