@@ -470,6 +470,39 @@ def compile_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: int
     return {"times_s": times, "ratio": common.ratio(times["compiled_second"], times["eager"])}
 
 
+def compile_update_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
+    """Forward + backward of the step's scoring with every decoder layer compiled
+    (``nn.Module.compile(dynamic=True)``: one graph serves all layers and every packed length)
+    against eager. The first compiled pass, which pays the compilation, is timed apart.
+    ``capture_dynamic_output_shape_ops`` lets prefix attention's boolean selects into the graph
+    (otherwise each layer breaks in two there)."""
+    import torch._dynamo
+
+    batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    work = scoring(model, batches, completion_logprobs, True)
+
+    def eager() -> None:
+        for layer in layers:
+            layer._compiled_call_impl = None
+        work()
+
+    def compiled() -> None:
+        for layer in layers:
+            layer.compile(dynamic=True)
+        work()
+
+    model.train()
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    start = time.perf_counter()
+    compiled()
+    first = time.perf_counter() - start
+    result = alternate({"eager": eager, "compiled": compiled}, repeats)
+    for layer in layers:
+        layer._compiled_call_impl = None
+    return {"update_compiled_layers": {**result, "first_compiled_s": first}}
+
+
 def threads_lever(fn: Callable[[], Any], repeats: int) -> dict:
     """The same work with 1 thread and with torch's default."""
     default = torch.get_num_threads()
@@ -496,6 +529,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument(
         "--compile", action="store_true", help="only the torch.compile lever (minutes to compile)"
+    )
+    parser.add_argument(
+        "--compile-update",
+        action="store_true",
+        help="only the update's decoder layers compiled against eager (a minute to compile)",
     )
     parser.add_argument("--attention", action="store_true", help="only the prefix attention lever")
     parser.add_argument(
@@ -568,6 +606,7 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
         "head": lambda: head_lever(model, rollout, mb, args.repeats),
         "rollout": lambda: rollout_levers(model, tokenizer, enc, engine, g, args.repeats),
         "compile": lambda: {"compile_rollout": compile_lever(engine, prompts, rows, g)},
+        "compile_update": lambda: compile_update_lever(model, rollout, mb, args.repeats),
         "decode": lambda: decode_lever(engine, prompts, rows, g, args.repeats),
         "long_cache": lambda: long_cache_lever(
             model, enc, engine, g, args.long_cache, args.repeats
