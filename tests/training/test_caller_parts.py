@@ -3,6 +3,7 @@ TRL's GRPOTrainer takes them, and the resume fingerprints that refuse a silent c
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import grpo
 from grpo.config import ConfigError
 from grpo.data import DataError
 from grpo.models import load_tokenizer
-from grpo.training.caller_parts import given_parts, source_digest, spec_name
+from grpo.training.caller_parts import class_digest, given_parts, source_digest, spec_name
 
 CALLS: list[dict] = []
 
@@ -143,3 +144,19 @@ def test_callable_fingerprints_see_what_a_closure_or_partial_holds() -> None:
     one, two = (functools.partial(lowercase_share, k=k) for k in (1, 2))
     assert source_digest(one) != source_digest(two)
     assert spec_name(one) == spec_name(lowercase_share)
+
+
+def test_a_class_without_source_is_fingerprinted_by_its_code_and_constants() -> None:
+    # a class made where no source is kept (exec, a notebook cell whose file is gone): a changed
+    # constant changes what the environment does, so a resume must see it
+    def make(limit: int, words: set[str]) -> type:
+        scope: dict = {}
+        body = f"class Game:\n    LIMIT = {limit}\n    WORDS = {words!r}\n    LOCK = object()\n"
+        exec(body + "    def reset(self, **row):\n        return str(self.LIMIT)\n", scope)
+        return scope["Game"]
+
+    with pytest.raises((OSError, TypeError)):  # no source to read
+        inspect.getsource(make(3, {"a"}))
+    assert class_digest(make(3, {"a", "b"})) == class_digest(make(3, {"b", "a"}))
+    assert class_digest(make(3, {"a"})) != class_digest(make(4, {"a"}))
+    assert class_digest(make(3, {"a"})) != class_digest(make(3, {"b"}))

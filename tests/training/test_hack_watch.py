@@ -681,3 +681,8 @@ def test_a_number_the_completion_computed_is_its_own_arithmetic_not_a_copy() -> 
     assert restates_question("17", "What is 19 + 17?", "36", copied)
     # an equation whose result is another number does not excuse the answer
     assert restates_question("17", "What is 19 + 17?", "36", "19 + 17 = 36 <answer>17</answer>")
+    # an "equation" with nothing computed on its left excuses nothing
+    for bare in ("= 17 <answer>17</answer>", "x = 17 <answer>17</answer>", "17 = 17"):
+        assert restates_question("17", "What is 19 + 17?", "36", bare), bare
+    for worked in ("(19 - 2) = 17", "19 * 1 = 17", "2 + (19 - 4) = 17"):
+        assert not restates_question("17", "What is 19 + 17?", "36", worked), worked

@@ -16,6 +16,7 @@ that isolation, name a function as ``module:function`` in ``rewards.functions`` 
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
@@ -99,15 +100,32 @@ def source_digest(fn: Callable[..., Any]) -> str:
 
 def class_digest(cls: type) -> str:
     """A fingerprint of what a class does, the same in every process: the source of it and of
-    its bases (else, defined where no source is kept, its methods' compiled code)."""
+    its bases (else, defined where no source is kept, its methods' compiled code and its
+    class-level constants)."""
     parts = []
     for klass in cls.__mro__[:-1]:  # not `object`
         try:
             parts.append(inspect.getsource(klass))
         except (OSError, TypeError):
-            methods = sorted((k, v) for k, v in vars(klass).items() if inspect.isfunction(v))
-            parts.append(klass.__qualname__ + "".join(_code_text(f.__code__) for _, f in methods))
+            members = sorted(vars(klass).items())
+            code = [_code_text(v.__code__) for _, v in members if inspect.isfunction(v)]
+            data = [f"{k}={_constant_text(v)}" for k, v in members if not k.startswith("__")]
+            parts.append(klass.__qualname__ + "".join(code) + ";".join(data))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _constant_text(value: Any) -> str:
+    """A class attribute as text that reads the same in every process: the repr of plain data
+    (numbers, strings, and containers of them; a set's items sorted, since their order follows
+    the process's hash seed), else only its type (a repr may hold a memory address)."""
+    if isinstance(value, (set, frozenset)):
+        return f"{type(value).__name__}({sorted(map(_constant_text, value))})"
+    text = repr(value)
+    try:
+        plain = ast.literal_eval(text) == value
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        plain = False
+    return text if plain else type(value).__qualname__
 
 
 def weights_digest(model: nn.Module) -> str:

@@ -129,8 +129,12 @@ def contains(tokens: list[str], part: list[str]) -> bool:
     return any(tokens[i : i + n] == part for i in range(len(tokens) - n + 1))
 
 
-# a number a completion computed: the right side of one of its own equations
-RESULT_RE = re.compile(r"=\s*(" + NUMBER_RE.pattern + ")")
+# a number a completion computed: the right side of one of its own equations, whose left side
+# on the same line holds an operation on numbers ("3 * (4 + 1) = 15"); a bare "= 17" computes
+# nothing and would excuse any copied operand
+RESULT_RE = re.compile(
+    r"[\d)]\s*[-+*/×÷^]\s*[-(]*\s*\.?\d[^=\n<>]*=\s*(" + NUMBER_RE.pattern + ")"
+)
 
 
 def computed(text: str, number: Fraction) -> bool:
