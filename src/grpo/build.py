@@ -141,7 +141,9 @@ def environment_of(config: Config, given: type | None = None) -> Environment | N
     if given is None and rollout.environment and is_verifiers(rollout.environment):
         return VerifiersEnvironment(rollout.environment, rollout.environment_timeout_s)
     cls = given or (load_class(rollout.environment) if rollout.environment else None)
-    return None if cls is None else ClassEnvironment(cls, rollout.tool_call_format)
+    if cls is None:
+        return None
+    return ClassEnvironment(cls, rollout.tool_call_format, rollout.tool_max_output_chars)
 
 
 def training_rows(config: Config, given: Given) -> tuple[Rows, list[dict[str, Any]]]:

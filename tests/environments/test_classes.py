@@ -29,7 +29,7 @@ def _engine(tokenizer, cls, replies, **config):
         **{"max_new_tokens": 200, "max_turns": 4, "environment_timeout_s": 5.0, **config}
     )
     render = lambda row: render_prompt(tokenizer, row["prompt"], None)  # noqa: E731
-    environment = ClassEnvironment(cls, config.tool_call_format)
+    environment = ClassEnvironment(cls, config.tool_call_format, config.tool_max_output_chars)
     return MultiTurnEngine(EchoEngine(tokenizer, replies), tokenizer, config, environment, render)
 
 
@@ -169,16 +169,20 @@ def test_a_failing_reward_is_counted_and_close_is_called(tiny_model_dir) -> None
     assert env_metrics(rollout.turns, rollout.episodes)["env/errors"] == 2.0
     before = trl_envs.Closing.closed
     _engine(tokenizer, trl_envs.Closing, "done").generate(["q"], [{"prompt": "q"}], 3, seeds=[0])
-    assert trl_envs.Closing.closed == before + 1 + 3  # the probe, then each episode
+    assert trl_envs.Closing.closed == before + 3  # each episode; the probe had none
 
 
 @pytest.mark.parametrize(
     ("cls", "said"),
     [
-        (trl_envs.RaisingReset, "environment RaisingReset: start failed (KeyError: 'level')"),
+        (
+            trl_envs.RaisingReset,
+            "environment RaisingReset: start failed on the row 'q' (KeyError: 'level')",
+        ),
         (
             trl_envs.NumberReset,
-            "environment NumberReset: start failed (TypeError: reset returned int, expected a "
+            "environment NumberReset: start failed on the row 'q' (TypeError: reset returned int, "
+            "expected a "
             "string or None)",
         ),
         (
@@ -207,6 +211,7 @@ def test_a_reset_that_fails_stops_the_run_in_one_line(tiny_model_dir, cls, said)
             "rollout.environment=no_such_module:Guess: cannot import no_such_module (ModuleNotFoundError: No module named 'no_such_module')",
         ),
         ("trl_envs:Missing", "rollout.environment=trl_envs:Missing: trl_envs has no class Missing"),
+        ("trl_envs:math", "rollout.environment=trl_envs:math: math is a module, not a class"),
         (
             "trl_envs",
             "rollout.environment=trl_envs: expected path/to/file.py:ClassName or module:ClassName",
@@ -229,6 +234,19 @@ def test_a_file_path_loads_and_a_broken_file_is_one_line(tmp_path) -> None:
         f"rollout.environment={broken}:Env: importing {broken} failed "
         "(ModuleNotFoundError: No module named 'nothing_here')"
     )
+
+    # a dataclass whose annotations are strings looks its module up in sys.modules
+    dataclass_env = tmp_path / "dataclass_env.py"
+    dataclass_env.write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass, field\n\n"
+        "@dataclass\nclass Tally:\n    seen: list[int] = field(default_factory=list)\n\n"
+        "    def reset(self, **row):\n        self.seen = []\n\n"
+        '    def note(self, n: int) -> int:\n        """Note a number.\n\n'
+        '        Args:\n            n: the number\n        """\n'
+        "        self.seen.append(n)\n        return len(self.seen)\n"
+    )
+    assert list(ClassEnvironment(load_class(f"{dataclass_env}:Tally")).signatures) == ["note"]
 
 
 @pytest.mark.parametrize(
@@ -253,3 +271,51 @@ def test_a_class_that_cannot_be_used_is_refused_at_start(cls, said) -> None:
     with pytest.raises(ConfigError) as raised:
         ClassEnvironment(cls)
     assert str(raised.value) == said
+
+
+def test_a_class_is_probed_without_its_properties_or_a_close_before_reset(tiny_model_dir) -> None:
+    # inspecting the tools evaluates no property, and the probe, never reset, is never closed
+    environment = ClassEnvironment(trl_envs.ClosesWhatResetOpened)
+    assert sorted(environment.signatures) == ["guess", "rules"]  # a static method is a tool
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rules = "```\nrules()\n```\n"
+    rollout = _engine(tokenizer, trl_envs.ClosesWhatResetOpened, [rules, "done"]).generate(
+        ["q"], [{"prompt": "q"}], 2, seeds=[0]
+    )
+    assert rollout.turns[0][0]["output"] == "guess from 1 to 8"
+    assert [e.failures for e in rollout.episodes] == [[], []]  # each close found its reset's log
+
+
+def test_a_tool_whose_parameters_cannot_be_named_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as refused:
+        ClassEnvironment(trl_envs.VarArgs)
+    assert str(refused.value) == (
+        "rollout.environment: VarArgs.add: a tool's parameters are each named, with a type and a "
+        "docstring line; not nums (*args)"
+    )
+
+
+def test_each_reset_has_the_whole_timeout_though_resets_take_turns(tiny_model_dir) -> None:
+    # 4 resets of 0.4 s, one at a time (seeded), each within 1 s: the last one started 1.2 s
+    # after the first, and is not timed from then
+    tokenizer = load_tokenizer(tiny_model_dir)
+    engine = _engine(tokenizer, trl_envs.SlowReset, "done", environment_timeout_s=1.0)
+    rollout = engine.generate(["q"], [{"prompt": "q"}], 4, seeds=[0])
+    assert [e.failures for e in rollout.episodes] == [[]] * 4
+
+
+def test_a_long_tool_answer_is_cut_at_the_cap_and_counted(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    engine = _engine(
+        tokenizer, trl_envs.Verbose, [GUESS.format(3), "done"], tool_max_output_chars=100
+    )
+    turn = engine.generate(["q"], [{"prompt": "q"}], 1, seeds=[0]).turns[0][0]
+    assert turn["output"] == "x" * 100 and turn["error"] == "output cut at 100 characters"
+
+
+def test_a_tool_that_raises_system_exit_is_its_error_not_a_timeout(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    engine = _engine(tokenizer, trl_envs.Exits, [GUESS.format(3), "done"])
+    t0 = time.perf_counter()
+    turn = engine.generate(["q"], [{"prompt": "q"}], 1, seeds=[0]).turns[0][0]
+    assert turn["error"] == "SystemExit: 3" and time.perf_counter() - t0 < 4  # the limit is 5 s

@@ -147,3 +147,60 @@ class HighNumber(GuessNumber):
 
     def get_reward(self) -> float:
         return float(self.target > 4)
+
+
+class ClosesWhatResetOpened(GuessNumber):
+    """A close() that needs reset()'s state, a property that raises before reset, and a static
+    method as a tool."""
+
+    def reset(self, **kwargs):
+        self.log = []
+        return super().reset(**kwargs)
+
+    @property
+    def status(self):
+        return f"{len(self.log)} calls"  # AttributeError before reset
+
+    @staticmethod
+    def rules() -> str:
+        """The rules of the game."""
+        return "guess from 1 to 8"
+
+    def close(self):
+        self.log.clear()
+
+
+class VarArgs(GuessNumber):
+    def add(self, *nums: int) -> int:
+        """Add numbers.
+
+        Args:
+            nums: the numbers
+        """
+        return sum(nums)
+
+
+class SlowReset(GuessNumber):
+    def reset(self, **kwargs):
+        time.sleep(0.4)
+        return super().reset(**kwargs)
+
+
+class Verbose(GuessNumber):
+    def guess(self, n: int) -> str:
+        """Guess.
+
+        Args:
+            n: the number guessed
+        """
+        return "x" * 5000
+
+
+class Exits(GuessNumber):
+    def guess(self, n: int) -> str:
+        """Guess.
+
+        Args:
+            n: the number guessed
+        """
+        raise SystemExit(3)

@@ -190,6 +190,28 @@ def test_a_built_in_that_returns_a_malformed_value_scores_the_fallback(monkeypat
     assert err.count(line) == 1
 
 
+def test_completions_no_function_scored_are_said_once(monkeypatch, capsys):
+    # None is "does not apply" (TRL's contract); when every function says so, the completion
+    # trains on a total of 0, which the user must hear of
+    monkeypatch.setitem(
+        REGISTRY,
+        "odd_only",
+        lambda: lambda completions, **_: [None if "b" in c else 1.0 for c in completions],
+    )
+    runner = _runner(RewardSpec(name="odd_only"))
+    try:
+        out = _score(runner, ["a", "b", "bb"])
+        _score(runner, ["b"])
+        assert _score(runner, ["a"]).per_function.tolist() == [[1.0]]
+    finally:
+        runner.close()
+    assert out.total.tolist() == [1.0, 0.0, 0.0]
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "rewards: every function returned None for 2 of 3 completions, which train on a total "
+        "reward of 0 (said once; reward/<name>/mean is NaN where a function gave None throughout)"
+    ]
+
+
 def test_a_built_in_that_raises_scores_the_fallback_alone_with_its_traceback_once(
     monkeypatch, capsys
 ):

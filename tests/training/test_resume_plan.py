@@ -323,8 +323,9 @@ def test_fingerprints_cover_an_environment_class_by_its_source(tmp_path: Path) -
     # the same path and class name over an edited file: a resume would play another game
     game = tmp_path / "game.py"
 
-    def fingerprint(reward: int) -> str:
+    def fingerprint(reward: int, high: int = 3) -> str:
         game.write_text(
+            f"HIGH = {high}  # outside the class, read by it\n"
             "class Game:\n"
             "    def reset(self, **row):\n"
             "        return None\n"
@@ -343,5 +344,9 @@ def test_fingerprints_cover_an_environment_class_by_its_source(tmp_path: Path) -
     assert first is not None and fingerprint(1) == first
     assert fingerprint(2) != first
     assert input_changes({"environment": first}, {"environment": fingerprint(2)}) == {
-        "the environment class's source": (first, fingerprint(2))
+        "the environment class's source (or its file's, named in the config)": (
+            first,
+            fingerprint(2),
+        )
     }
+    assert fingerprint(1, high=100) != first  # the file's constant, not the class, changed

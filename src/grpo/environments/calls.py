@@ -48,7 +48,8 @@ def run_calls(
         except EnvironmentFailure as err:
             lost.append(err)
             value, error = None, str(err)
-        except Exception as err:  # environment code: any failure is reported, never raised
+        except BaseException as err:  # environment code: any failure is reported, never
+            # raised; SystemExit and KeyboardInterrupt too (raised here they end only this thread)
             value, error = None, error_line(err)
         with finished:
             if outcomes[i] is None:  # not already given up on

@@ -68,18 +68,49 @@ def load_class(spec: str) -> type:
         raise ConfigError(f"{where}: {err}") from None
     if not inspect.isclass(cls):
         raise ConfigError(
-            f"{where}: {spec.rpartition(':')[0]} has no class {spec.rpartition(':')[2]}"
+            f"{where}: {spec.rpartition(':')[2]} is a {type(cls).__name__}, not a class"
         )
     return cls
 
 
+# parameters a JSON object of arguments cannot fill by name
+UNNAMED = {
+    inspect.Parameter.VAR_POSITIONAL: "*args",
+    inspect.Parameter.VAR_KEYWORD: "**kwargs",
+    inspect.Parameter.POSITIONAL_ONLY: "positional-only",
+}
+
+
 def tool_methods(instance: Any) -> dict[str, Callable[..., Any]]:
-    """The instance's tools: its public methods with a docstring, lifecycle methods aside."""
-    return {
-        name: method
-        for name, method in inspect.getmembers(instance, predicate=inspect.ismethod)
-        if not name.startswith("_") and name not in LIFECYCLE and inspect.getdoc(method)
-    }
+    """The instance's tools: its public methods with a docstring (static and class methods
+    too), lifecycle methods aside. Read from the class without evaluating attributes: a property
+    of an instance not yet reset may raise."""
+    cls = type(instance)
+    found = {}
+    for name in dir(cls):
+        if name.startswith("_") or name in LIFECYCLE:
+            continue
+        member = inspect.getattr_static(cls, name)
+        if isinstance(member, (staticmethod, classmethod)) or inspect.isfunction(member):
+            method = getattr(instance, name)
+            if inspect.getdoc(method):
+                found[name] = method
+    return found
+
+
+def named_parameters(where: str, method: Callable[..., Any]) -> inspect.Signature:
+    """``method``'s signature, or ConfigError if a parameter cannot be given by name (the
+    arguments of a call are a JSON object, or a call's keywords bound to names)."""
+    signature = inspect.signature(method)
+    unnamed = [
+        f"{p.name} ({UNNAMED[p.kind]})" for p in signature.parameters.values() if p.kind in UNNAMED
+    ]
+    if unnamed:
+        raise ConfigError(
+            f"{where}: a tool's parameters are each named, with a type and a docstring line; "
+            f"not {', '.join(unnamed)}"
+        )
+    return signature
 
 
 def make_instance(cls: type) -> Any:
@@ -101,11 +132,14 @@ class ClassEnvironment:
 
     cls: type
     call_format: str = "fence"
+    max_output_chars: int = 1000  # of a tool's answer (``rollout.tool_max_output_chars``)
     name: str = field(init=False)
     tools: list[dict[str, Any]] = field(init=False)
     stop: list[str] = field(init=False)
     signatures: dict[str, inspect.Signature] = field(init=False)
     has_reward: bool = field(init=False)
+    # resets run one at a time (the global generators are seeded around each)
+    start_threads = 1
 
     def __post_init__(self) -> None:
         self.name = self.cls.__name__
@@ -125,13 +159,14 @@ class ClassEnvironment:
                 raise ConfigError(
                     f"rollout.environment: {self.name}.{name}: no tool schema ({error_line(err)})"
                 ) from None
-        self.signatures = {name: inspect.signature(method) for name, method in methods.items()}
+        self.signatures = {
+            name: named_parameters(f"rollout.environment: {self.name}.{name}", method)
+            for name, method in methods.items()
+        }
         self.tools = list(schemas.values()) if self.call_format == "template" else []
         self.stop = STOPS[self.call_format]
         self.has_reward = callable(getattr(probe, "get_reward", None))  # optional, as in TRL
-        close = getattr(probe, "close", None)
-        if callable(close):
-            close()
+        # the probe had no episode, so it is not closed: a close() may need what reset() made
 
     def action(self, text: str) -> Action | None:
         parse = template_call if self.call_format == "template" else fence_call
@@ -148,7 +183,7 @@ class ClassEnvironment:
         return Action({"name": name, "arguments": dict(bound.arguments)})
 
     def episode(self) -> ClassEpisode:
-        return ClassEpisode(self.cls)
+        return ClassEpisode(self.cls, self.max_output_chars)
 
 
 def template_call(text: str) -> Action | None:
@@ -205,6 +240,7 @@ class ClassEpisode:
     """One instance of the class, for one completion."""
 
     cls: type
+    max_output_chars: int = 1000
     instance: Any = None
 
     def start(self, row: dict[str, Any], seed: int) -> str | None:
@@ -223,6 +259,10 @@ class ClassEpisode:
         except Exception as err:  # the tool's own failure: shown to the model, as TRL does
             line = error_line(err)
             return Step(f"Error: {line}", "", line)
+        if len(output) > self.max_output_chars:  # as the Python tool's: cut, said, counted
+            error = f"output cut at {self.max_output_chars} characters"
+            output = output[: self.max_output_chars]
+            return Step(f"{output}\nError: {error}", output, error)
         return Step(output)
 
     def reward(self) -> Any:

@@ -224,6 +224,16 @@ class RewardRunner:
                 self._store(scores, k, idx, check_values(self.names[k], values, len(idx)))
             except ValueError as err:
                 self._fail(scores, errors, k, idx, "bad", str(err))
+        unscored = int(scores.isnan().all(dim=1).sum()) if len(self.names) else 0
+        if unscored and ("", "none") not in self.reported:  # TRL warns of these too
+            self.reported.add(("", "none"))
+            print(
+                f"rewards: every function returned None for {unscored} of {n} completions, "
+                "which train on a total reward of 0 (said once; reward/<name>/mean is NaN where "
+                "a function gave None throughout)",
+                file=sys.stderr,
+                flush=True,
+            )
         return RewardOutput(scores, self.names, self.weights, errors)
 
     def _fail(

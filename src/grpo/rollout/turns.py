@@ -293,6 +293,15 @@ def turn_seed(seed: int, member: int, request: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+def prompt_line(row: dict[str, Any], width: int = 60) -> str:
+    """A row named in one line by the start of its prompt (its last message's, for a chat)."""
+    prompt = row.get("prompt", "")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        prompt = prompt[-1].get("content", "")
+    text = " ".join(str(prompt).split())
+    return repr(text if len(text) <= width else text[: width - 3] + "...")
+
+
 def joined_row(row: dict[str, Any], text: str) -> dict[str, Any]:
     """``row`` with an episode's start ``text`` appended to its prompt (to the last message of a
     conversation), as TRL's trainer joins a reset's text: as it is, no separator added."""
@@ -366,10 +375,12 @@ class MultiTurnEngine:
             text = inline_observation(step.observation)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def run_calls(self, calls: list[Callable[[], Any]]) -> list[Outcome]:
-        """The calls' outcomes: concurrent (``ENV_THREADS`` at once), each within
+    def run_calls(
+        self, calls: list[Callable[[], Any]], threads: int = ENV_THREADS
+    ) -> list[Outcome]:
+        """The calls' outcomes: concurrent (``threads`` at once), each within
         ``rollout.environment_timeout_s``."""
-        return run_calls(calls, ENV_THREADS, self.config.environment_timeout_s)
+        return run_calls(calls, threads, self.config.environment_timeout_s)
 
     def session(self) -> contextlib.AbstractContextManager:
         """The engine's sampling session (``HFEngine.session``), where it has one."""
@@ -398,19 +409,21 @@ class MultiTurnEngine:
         """Start every path's episode on its prompt's row and seed; the prompts, with the text
         the episodes add joined."""
         name = self.environment.name
-        outcomes = self._timed(
-            paths,
-            [
-                functools.partial(path.episode.start, rows[i // group_size], seeds[i // group_size])
-                for i, path in enumerate(paths)
-            ],
-        )
+        starts = [
+            functools.partial(path.episode.start, rows[i // group_size], seeds[i // group_size])
+            for i, path in enumerate(paths)
+        ]
+        # an environment whose starts run one at a time anyway (a class's, seeded around each
+        # reset) has each timed from its own start, not from when it began to wait
+        outcomes = self._timed(paths, starts, getattr(self.environment, "start_threads", None))
         joined = list(prompts)
         for g, row in enumerate(rows):
             group = outcomes[g * group_size : (g + 1) * group_size]
             failed = next((o.error for o in group if o.error is not None), None)
             if failed is not None:
-                raise EnvironmentFailure(f"environment {name}: start failed ({failed})")
+                raise EnvironmentFailure(
+                    f"environment {name}: start failed on the row {prompt_line(row)} ({failed})"
+                )
             text = group[0].value
             if any(o.value != text for o in group):
                 raise EnvironmentFailure(
@@ -427,11 +440,13 @@ class MultiTurnEngine:
                 joined[g] = self.render(joined_row(row, text))
         return joined
 
-    def _timed(self, paths: list[Trajectory], calls: list[Callable[[], Any]]) -> list[Outcome]:
-        """Run one call per path; each path's environment time counts its call's, and its share
-        of the round's wall time."""
+    def _timed(
+        self, paths: list[Trajectory], calls: list[Callable[[], Any]], threads: int | None = None
+    ) -> list[Outcome]:
+        """Run one call per path (``threads`` at once; None: ``ENV_THREADS``); each path's
+        environment time counts its call's, and its share of the round's wall time."""
         t0 = time.perf_counter()
-        outcomes = self.run_calls(calls)
+        outcomes = self.run_calls(calls, threads or ENV_THREADS)
         share = (time.perf_counter() - t0) / max(1, len(calls))
         for path, outcome in zip(paths, outcomes, strict=True):
             path.record.time_s += outcome.time_s

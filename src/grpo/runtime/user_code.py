@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,13 @@ def load_named(spec: str, kind: str = "NAME") -> Any:
         module_spec = importlib.util.spec_from_file_location(f"grpo_user_{path.stem}", path)
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
+        # registered as an import would be: a dataclass, or a class whose annotations are
+        # strings (``from __future__ import annotations``), looks its module up there
+        sys.modules[module_spec.name] = module
         try:
             module_spec.loader.exec_module(module)
         except Exception as err:  # user code: any failure is one line
+            del sys.modules[module_spec.name]
             raise ValueError(f"importing {path} failed ({error_line(err)})") from None
     else:
         try:

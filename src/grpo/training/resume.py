@@ -6,6 +6,8 @@ no resume changes the keys that decide which parameters exist.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +59,7 @@ INPUTS = {
     "as first loaded)",
     "rewards": "the reward callables' source",
     "tokenizer": "the tokenizer's vocabulary or chat template",
-    "environment": "the environment class's source",
+    "environment": "the environment class's source (or its file's, named in the config)",
 }
 
 
@@ -79,9 +81,25 @@ def fingerprints(
         "data": rows_digest(rows) if data else None,
         "model": None if model_path is None else model_digest(model_path),
         "given_model": None if given.model is None else weights_digest(given.model),
-        "environment": class_digest(environment.cls) if classed else None,
+        "environment": environment_digest(environment.cls, given.environment is None)
+        if classed
+        else None,
         **given_fingerprints(given),
     }
+
+
+def environment_digest(cls: type, named: bool) -> str:
+    """An environment class's fingerprint: its source and its bases'; for a class the config
+    names (``rollout.environment``), its whole file too, whose constants and helper functions
+    it may use. A class given from the library is its source alone: its file is often the
+    training script itself, edited between runs."""
+    if not named:
+        return class_digest(cls)
+    try:
+        text = Path(inspect.getsourcefile(cls) or "").read_text()
+    except (OSError, TypeError):
+        text = ""
+    return hashlib.sha256(f"{class_digest(cls)}\n{text}".encode()).hexdigest()[:16]
 
 
 def input_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
