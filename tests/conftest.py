@@ -78,28 +78,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-# the modules that take longest (each starts processes that import torch: torchrun ranks, the
-# producer process, the server, runs of the CLI), measured with --durations. `make test` keeps a
-# module on one worker (--dist loadscope) and hands modules out in collection order: these go
-# first, so that none of them starts when the other worker is nearly done. A stale entry costs
-# only balance
-LONGEST_MODULES = (
-    "tests/integration/test_distributed.py",
-    "tests/training/test_producer_process.py",
-    "tests/sandbox/test_sandbox.py",
-    "tests/integration/test_resume.py",
-    "tests/rollout/test_server.py",
-    "tests/rewards/test_reward_runner.py",
-    "tests/bench/test_bench_ahead.py",
-    "tests/training/test_family_resume.py",
-    "tests/rollout/test_server_attacks.py",
-    "tests/data/test_reasoning_gym.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {path: k for k, path in enumerate(LONGEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
     if config.getoption("--device") != "cpu":
         # the other tests build their tensors on the CPU: on another device only these run
         kept = [item for item in items if item.get_closest_marker("device")]

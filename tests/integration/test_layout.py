@@ -68,12 +68,3 @@ def test_the_scan_finds_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.b\n"
     )
     assert cycles(part_edges(tmp_path, "pkg")) == [("a", "b")]
-
-
-def test_the_modules_scheduled_first_exist() -> None:
-    # conftest.LONGEST_MODULES orders the suite for its two workers; a module renamed away
-    # would drop out of that order without a word
-    from conftest import LONGEST_MODULES
-
-    root = SRC.parent
-    assert [path for path in LONGEST_MODULES if not (root / path).is_file()] == []
