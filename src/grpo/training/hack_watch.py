@@ -132,9 +132,7 @@ def contains(tokens: list[str], part: list[str]) -> bool:
 # a number a completion computed: the right side of one of its own equations, whose left side
 # on the same line holds an operation on numbers ("3 * (4 + 1) = 15"); a bare "= 17" computes
 # nothing and would excuse any copied operand
-RESULT_RE = re.compile(
-    r"[\d)]\s*[-+*/×÷^]\s*[-(]*\s*\.?\d[^=\n<>]*=\s*(" + NUMBER_RE.pattern + ")"
-)
+RESULT_RE = re.compile(r"[\d)]\s*[-+*/×÷^]\s*[-(]*\s*\.?\d[^=\n<>]*=\s*(" + NUMBER_RE.pattern + ")")
 
 
 def computed(text: str, number: Fraction) -> bool:
