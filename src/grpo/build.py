@@ -126,10 +126,12 @@ class Given:
     eval_rows: Rows | None = None
     model: nn.Module | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
-    environment: type | None = None  # an environment class (``grpo.train(environment=...)``)
+    environment: Callable[[], Any] | None = (
+        None  # a class or factory (``grpo.train(environment=)``)
+    )
 
 
-def environment_of(config: Config, given: type | None = None) -> Environment | None:
+def environment_of(config: Config, given: Callable[[], Any] | None = None) -> Environment | None:
     """What a run's completions play (``grpo.environments``): the Python tool of
     ``rollout.tools``, an environment class (the one given, else ``rollout.environment``'s),
     or None (one turn). A class that does not load or cannot be used is refused here."""

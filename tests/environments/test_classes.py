@@ -4,6 +4,7 @@ syntaxes, seeded resets, rewards, and what a bad class or a bad call becomes."""
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from pathlib import Path
@@ -211,7 +212,11 @@ def test_a_reset_that_fails_stops_the_run_in_one_line(tiny_model_dir, cls, said)
             "rollout.environment=no_such_module:Guess: cannot import no_such_module (ModuleNotFoundError: No module named 'no_such_module')",
         ),
         ("trl_envs:Missing", "rollout.environment=trl_envs:Missing: trl_envs has no class Missing"),
-        ("trl_envs:math", "rollout.environment=trl_envs:math: math is a module, not a class"),
+        (
+            "trl_envs:math",
+            "rollout.environment=trl_envs:math: math is a module, not a class or a function that "
+            "makes an instance",
+        ),
         (
             "trl_envs",
             "rollout.environment=trl_envs: expected path/to/file.py:ClassName or module:ClassName",
@@ -255,8 +260,8 @@ def test_a_file_path_loads_and_a_broken_file_is_one_line(tmp_path) -> None:
         (
             trl_envs.NeedsArguments,
             "rollout.environment: NeedsArguments() failed (TypeError: NeedsArguments.__init__() "
-            "missing 1 required positional argument: 'level'); an environment class is "
-            "constructed without arguments",
+            "missing 1 required positional argument: 'level'); an environment class (or "
+            "factory) is called without arguments",
         ),
         (trl_envs.NoReset, "rollout.environment: NoReset has no reset method"),
         (
@@ -319,3 +324,22 @@ def test_a_tool_that_raises_system_exit_is_its_error_not_a_timeout(tiny_model_di
     t0 = time.perf_counter()
     turn = engine.generate(["q"], [{"prompt": "q"}], 1, seeds=[0]).turns[0][0]
     assert turn["error"] == "SystemExit: 3" and time.perf_counter() - t0 < 4  # the limit is 5 s
+
+
+def test_a_factory_makes_the_instances_as_trls_environment_factory(tiny_model_dir) -> None:
+    # TRL's environment_factory is any callable that returns an instance: a partial, a function
+    for factory in (
+        functools.partial(trl_envs.Levelled, level=3),
+        load_class("trl_envs:make_levelled"),
+    ):
+        environment = ClassEnvironment(factory)
+        assert (environment.name, environment.kind) == ("Levelled", trl_envs.Levelled)
+        assert list(environment.signatures) == ["increment"]
+        tokenizer = load_tokenizer(tiny_model_dir)
+        step = "```\nincrement(2)\n```\n"
+        rollout = _engine(tokenizer, factory, [step, "done"]).generate(
+            ["q"], [{"prompt": "q"}], 2, seeds=[0]
+        )
+        assert [e.reward for e in rollout.episodes] == [9.0, 9.0]  # level 3 x (2 + 1)
+    with pytest.raises(ConfigError, match=r"Levelled\(\) failed \(TypeError"):
+        ClassEnvironment(trl_envs.Levelled)  # the class alone needs its level

@@ -5,6 +5,7 @@ the environment keeps failing."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -79,6 +80,20 @@ def test_the_library_takes_the_class_itself(tiny_config, tmp_path: Path) -> None
     saved = (run_dir / "config.yaml").read_text()
     assert "environment: trl_envs:Counter" in saved  # recorded by module and name
     assert _metrics(run_dir)[0]["reward/environment/mean"] == 0.0  # nothing incremented
+
+
+def test_the_library_takes_a_factory_and_resume_sees_what_it_binds(tiny_config, tmp_path) -> None:
+    # TRL's environment_factory may be a partial; the run records its class, and a resume with
+    # other bound arguments is another environment
+    config = _config(tiny_config, tmp_path, environment=None, train={"steps": 1, "save_every": 1})
+    run_dir = grpo.train(config, environment=functools.partial(trl_envs.Levelled, level=2))
+    assert "environment: trl_envs:Levelled" in (run_dir / "config.yaml").read_text()
+    assert _metrics(run_dir)[0]["reward/environment/mean"] == 2.0  # level 2 x (0 + 1)
+    longer = config.model_copy(update={"train": config.train.model_copy(update={"steps": 2})})
+    with pytest.raises(ConfigError, match="the environment class's source"):
+        grpo.train(longer, environment=functools.partial(trl_envs.Levelled, level=3))
+    run_dir = grpo.train(longer, environment=functools.partial(trl_envs.Levelled, level=2))
+    assert [row["step"] for row in _metrics(run_dir)] == [1, 2]
 
 
 def test_a_nan_reward_is_this_rewards_counted_error(tiny_config, tmp_path: Path) -> None:

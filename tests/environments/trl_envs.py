@@ -204,3 +204,20 @@ class Exits(GuessNumber):
             n: the number guessed
         """
         raise SystemExit(3)
+
+
+class Levelled(Counter):
+    """A counter whose reward scales with a constructor argument: made by a factory, as TRL's
+    ``environment_factory`` may be (``functools.partial(Levelled, level=2)``)."""
+
+    def __init__(self, level):
+        super().__init__()
+        self.level = level
+
+    def get_reward(self) -> float:
+        return float(self.level * (self.count + 1))
+
+
+def make_levelled():
+    """A factory function: ``rollout.environment: trl_envs:make_levelled``."""
+    return Levelled(level=3)

@@ -226,7 +226,7 @@ class RolloutConfig(Section):
     tool_max_output_chars: int = Field(1000, ge=1)
     """Characters of a tool call's output shown to the model (the Python tool's, an environment class's tools); longer output is cut and reported as an error."""
     environment: str | None = None
-    """An environment the policy plays, multi-turn (docs/environments.md): `path/to/file.py:ClassName` or `module:ClassName`, a class written to TRL's `environment_factory` contract (one instance per completion; its documented public methods are its tools); or `openenv+http://HOST:PORT[?action=text|tool&field=F&observation=F&reward=sum|last]`, an OpenEnv server (one session per completion; `grpo env-serve` serves a class as one); or `verifiers+HARNESS`, a verifiers harness driving each completion on `data.task: verifiers` rows. Not with `tools`."""
+    """An environment the policy plays, multi-turn (docs/environments.md): `path/to/file.py:ClassName` or `module:ClassName`, a class written to TRL's `environment_factory` contract, or a function that returns an instance (one instance per completion; its documented public methods are its tools); or `openenv+http://HOST:PORT[?action=text|tool&field=F&observation=F&reward=sum|last]`, an OpenEnv server (one session per completion; `grpo env-serve` serves a class as one); or `verifiers+HARNESS`, a verifiers harness driving each completion on `data.task: verifiers` rows. Not with `tools`."""
     environment_timeout_s: float = Field(30.0, gt=0)
     """Wall-clock limit of one call into an environment (start, a step or tool, reward, close; the Python tool's own limit is tool_timeout_s): a call past it is abandoned and counted in env/errors."""
     max_staleness: int = Field(0, ge=0, strict=True)  # `true` is not 1 step

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import inspect
 import random
 import re
@@ -59,18 +60,27 @@ STOPS = {"fence": ["\n```\n"], "template": ["</tool_call>"]}
 SEEDED = threading.Lock()
 
 
-def load_class(spec: str) -> type:
-    """``path/to/file.py:ClassName`` or ``module:ClassName``; ConfigError (one line) if not."""
+def load_class(spec: str) -> Callable[[], Any]:
+    """``path/to/file.py:ClassName`` or ``module:ClassName`` (or a factory function that returns
+    an instance, as TRL's ``environment_factory`` may be); ConfigError (one line) if not."""
     where = f"rollout.environment={spec}"
     try:
-        cls = load_named(spec, "ClassName")
+        factory = load_named(spec, "ClassName")
     except ValueError as err:
         raise ConfigError(f"{where}: {err}") from None
-    if not inspect.isclass(cls):
+    if not callable(factory) or inspect.ismodule(factory):
         raise ConfigError(
-            f"{where}: {spec.rpartition(':')[2]} is a {type(cls).__name__}, not a class"
+            f"{where}: {spec.rpartition(':')[2]} is a {type(factory).__name__}, not a class or a "
+            "function that makes an instance"
         )
-    return cls
+    return factory
+
+
+def factory_name(factory: Callable[..., Any]) -> str:
+    """A class's or factory's name in messages (a partial's: its function's)."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return getattr(factory, "__qualname__", type(factory).__name__)
 
 
 # parameters a JSON object of arguments cannot fill by name
@@ -113,26 +123,28 @@ def named_parameters(where: str, method: Callable[..., Any]) -> inspect.Signatur
     return signature
 
 
-def make_instance(cls: type) -> Any:
-    """``cls()``, or ConfigError naming the class (a constructor that needs arguments, or
+def make_instance(factory: Callable[[], Any]) -> Any:
+    """``factory()``, or ConfigError naming it (a constructor that needs arguments, or
     raises)."""
     try:
-        return cls()
+        return factory()
     except Exception as err:  # user code: any failure is one line
         raise ConfigError(
-            f"rollout.environment: {cls.__name__}() failed ({error_line(err)}); an environment "
-            "class is constructed without arguments"
+            f"rollout.environment: {factory_name(factory)}() failed ({error_line(err)}); an "
+            "environment class (or factory) is called without arguments"
         ) from None
 
 
 @dataclass
 class ClassEnvironment:
-    """An environment class as an ``Environment``: ``cls`` probed once here (constructed, its
+    """An environment class as an ``Environment``: ``cls`` (the class, or a factory that makes
+    an instance, as TRL's ``environment_factory``) probed once here (called, the instance's
     ``reset`` and tools checked, the tools' schemas made), then one instance per episode."""
 
-    cls: type
+    cls: Callable[[], Any]
     call_format: str = "fence"
     max_output_chars: int = 1000  # of a tool's answer (``rollout.tool_max_output_chars``)
+    kind: type = field(init=False)  # the instances' class
     name: str = field(init=False)
     tools: list[dict[str, Any]] = field(init=False)
     stop: list[str] = field(init=False)
@@ -142,8 +154,9 @@ class ClassEnvironment:
     start_threads = 1
 
     def __post_init__(self) -> None:
-        self.name = self.cls.__name__
         probe = make_instance(self.cls)
+        self.kind = type(probe)
+        self.name = self.kind.__name__
         if not callable(getattr(probe, "reset", None)):
             raise ConfigError(f"rollout.environment: {self.name} has no reset method")
         methods = tool_methods(probe)
@@ -239,7 +252,7 @@ def seeded(seed: int) -> Iterator[None]:
 class ClassEpisode:
     """One instance of the class, for one completion."""
 
-    cls: type
+    cls: Callable[[], Any]
     max_output_chars: int = 1000
     instance: Any = None
 

@@ -178,18 +178,24 @@ def given_parts(
     eval_dataset: Any = None,
     model: nn.Module | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
-    environment: type | None = None,
+    environment: Callable[[], Any] | None = None,
 ) -> tuple[Config, Given]:
     """The config that records the given parts, and the parts (see the module docstring)."""
     tree = config.model_dump(mode="json")
     given = Given(model=model, tokenizer=tokenizer, environment=environment)
     if environment is not None:
-        if not inspect.isclass(environment):
+        if not callable(environment):
             raise ConfigError(
-                f"environment: a class (TRL's environment_factory contract), got "
-                f"{type(environment).__name__}"
+                "environment: a class, or a callable that makes an instance (TRL's "
+                f"environment_factory), got {type(environment).__name__}"
             )
-        tree["rollout"]["environment"] = f"{environment.__module__}:{environment.__qualname__}"
+        # the run's record names it (a partial by its function); a lambda or a local function
+        # is recorded by a name that will not import again, as it cannot
+        named = environment
+        while isinstance(named, functools.partial):
+            named = named.func
+        module = getattr(named, "__module__", None) or "__main__"
+        tree["rollout"]["environment"] = f"{module}:{getattr(named, '__qualname__', 'factory')}"
     if rewards is not None:
         specs = []
         for item in rewards:

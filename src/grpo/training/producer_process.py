@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -114,7 +115,7 @@ class ProducerSpec:
     config: Config
     rows: list[dict[str, Any]]
     rewards: dict[str, Any]  # given reward callables, by spec name
-    environment: type | None  # a given environment class (pickled by reference)
+    environment: Callable[[], Any] | None  # a given class or factory (pickled by reference)
     model_path: str | None  # loaded as the trainer loaded it; else ``policy`` is a copy
     policy: nn.Module | None
     tokenizer: PreTrainedTokenizerBase | None
@@ -236,7 +237,7 @@ class ProducerProcess:
         policy: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
         device: torch.device,
-        environment: type | None = None,
+        environment: Callable[[], Any] | None = None,
     ) -> None:
         self.config, self.rows, self.rewards = config, rows, rewards
         self.environment = environment

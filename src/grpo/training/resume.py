@@ -6,6 +6,7 @@ no resume changes the keys that decide which parameters exist.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from grpo.config.diff import config_changes, describe_changes, flatten
 from grpo.environments import Environment
 from grpo.environments.classes import ClassEnvironment
 from grpo.runs.directory import Checkpoint, RunDir, RunDirError, model_digest, rows_digest
-from grpo.training.caller_parts import class_digest, weights_digest
+from grpo.training.caller_parts import class_digest, source_digest, weights_digest
 from grpo.training.caller_parts import fingerprints as given_fingerprints
 
 # Keys that may change between a checkpoint and its resume: they change neither the math nor the
@@ -81,25 +82,27 @@ def fingerprints(
         "data": rows_digest(rows) if data else None,
         "model": None if model_path is None else model_digest(model_path),
         "given_model": None if given.model is None else weights_digest(given.model),
-        "environment": environment_digest(environment.cls, given.environment is None)
+        "environment": environment_digest(environment, given.environment is None)
         if classed
         else None,
         **given_fingerprints(given),
     }
 
 
-def environment_digest(cls: type, named: bool) -> str:
-    """An environment class's fingerprint: its source and its bases'; for a class the config
-    names (``rollout.environment``), its whole file too, whose constants and helper functions
-    it may use. A class given from the library is its source alone: its file is often the
-    training script itself, edited between runs."""
-    if not named:
-        return class_digest(cls)
-    try:
-        text = Path(inspect.getsourcefile(cls) or "").read_text()
-    except (OSError, TypeError):
-        text = ""
-    return hashlib.sha256(f"{class_digest(cls)}\n{text}".encode()).hexdigest()[:16]
+def environment_digest(environment: ClassEnvironment, named: bool) -> str:
+    """An environment class's fingerprint: its source and its bases' (and a factory's, with
+    what it binds); for a class the config names (``rollout.environment``), its whole file too,
+    whose constants and helper functions it may use. A class given from the library is its
+    source alone: its file is often the training script itself, edited between runs."""
+    parts = [class_digest(environment.kind)]
+    if environment.cls is not environment.kind:
+        parts.append(source_digest(environment.cls))
+    if named:
+        with contextlib.suppress(OSError, TypeError):
+            parts.append(Path(inspect.getsourcefile(environment.kind) or "").read_text())
+    if len(parts) == 1:
+        return parts[0]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def input_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

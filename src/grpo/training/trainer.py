@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -457,7 +457,7 @@ def train(
     eval_dataset: Any = None,
     model: nn.Module | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
-    environment: type | None = None,
+    environment: Callable[[], Any] | None = None,
 ) -> Path:
     """Train with ``config`` (a Config, a recipe's path, or None: the default recipe); returns
     the run directory.
