@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -686,3 +687,8 @@ def test_a_number_the_completion_computed_is_its_own_arithmetic_not_a_copy() -> 
         assert restates_question("17", "What is 19 + 17?", "36", bare), bare
     for worked in ("(19 - 2) = 17", "19 * 1 = 17", "2 + (19 - 4) = 17"):
         assert not restates_question("17", "What is 19 + 17?", "36", worked), worked
+    # a collapsed policy's endless "1+1+1..." is read in linear time: one backtracking regex
+    # took 0.5 s at 16,000 characters and grew with the square (about a minute here)
+    start = time.perf_counter()
+    assert restates_question("17", "What is 19 + 17?", "36", "1+" * 100_000)
+    assert time.perf_counter() - start < 5

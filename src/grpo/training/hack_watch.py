@@ -129,16 +129,27 @@ def contains(tokens: list[str], part: list[str]) -> bool:
     return any(tokens[i : i + n] == part for i in range(len(tokens) - n + 1))
 
 
-# a number a completion computed: the right side of one of its own equations, whose left side
-# on the same line holds an operation on numbers ("3 * (4 + 1) = 15"); a bare "= 17" computes
-# nothing and would excuse any copied operand
-RESULT_RE = re.compile(r"[\d)]\s*[-+*/×÷^]\s*[-(]*\s*\.?\d[^=\n<>]*=\s*(" + NUMBER_RE.pattern + ")")
+# an equation's left side computes something: an operation on numbers ("3 * (4 + 1)"); a bare
+# "= 17" computes nothing and would excuse any copied operand
+OPERATION_RE = re.compile(r"[\d)]\s*[-+*/×÷^]\s*[-(]*\s*\.?\d")
+RESULT_RE = re.compile(r"\s*(" + NUMBER_RE.pattern + ")")
+TAG_RE = re.compile(r"[<>]")
 
 
 def computed(text: str, number: Fraction) -> bool:
     """Whether ``text`` writes ``number`` as the result of an equation of its own (``-1 + -2 =
-    -2``): a wrong answer the model worked out, not an operand copied."""
-    return any(as_number(normalise(m)) == number for m in RESULT_RE.findall(text))
+    -2``): a wrong answer the model worked out, not an operand copied. The left side is what
+    stands between the line's previous ``=`` or tag and this ``=``; read piece by piece, so a
+    long line costs linear time (one regex over it backtracked quadratically)."""
+    for line in text.splitlines():
+        sides = line.split("=")
+        for left, right in zip(sides, sides[1:], strict=False):
+            result = RESULT_RE.match(right)
+            if result is None or as_number(normalise(result.group(1))) != number:
+                continue
+            if OPERATION_RE.search(TAG_RE.split(left)[-1]):
+                return True
+    return False
 
 
 def restates_question(answer: str | None, question: str, gold: Any = None, text: str = "") -> bool:
