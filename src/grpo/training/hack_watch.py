@@ -49,6 +49,7 @@ resumed run compares with the same early steps and does not repeat a line it alr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import statistics
@@ -143,7 +144,7 @@ def computed(text: str, number: Fraction) -> bool:
     long line costs linear time (one regex over it backtracked quadratically)."""
     for line in text.splitlines():
         sides = line.split("=")
-        for left, right in zip(sides, sides[1:], strict=False):
+        for left, right in itertools.pairwise(sides):
             result = RESULT_RE.match(right)
             if result is None or as_number(normalise(result.group(1))) != number:
                 continue
