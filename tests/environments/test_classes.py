@@ -16,7 +16,7 @@ from transformers.utils import get_json_schema
 
 from grpo.config import ConfigError, RolloutConfig
 from grpo.environments import Action
-from grpo.environments.classes import ClassEnvironment, load_class, seeded
+from grpo.environments.classes import SEEDED, ClassEnvironment, load_class, seeded
 from grpo.models import load_tokenizer
 from grpo.rollout import render_prompt
 from grpo.rollout.turns import EnvironmentLost, MultiTurnEngine, env_metrics
@@ -307,6 +307,21 @@ def test_each_reset_has_the_whole_timeout_though_resets_take_turns(tiny_model_di
     engine = _engine(tokenizer, trl_envs.SlowReset, "done", environment_timeout_s=1.0)
     rollout = engine.generate(["q"], [{"prompt": "q"}], 4, seeds=[0])
     assert [e.failures for e in rollout.episodes] == [[]] * 4
+
+
+def test_a_hung_reset_stops_the_step_at_its_timeout_not_one_per_episode(tiny_model_dir) -> None:
+    # resets take turns: the first hung one ends the round, and the episodes after it (which
+    # would each wait for the lock it holds) are not started
+    tokenizer = load_tokenizer(tiny_model_dir)
+    engine = _engine(tokenizer, trl_envs.HangingReset, "done", environment_timeout_s=0.5)
+    t0 = time.perf_counter()
+    with pytest.raises(
+        EnvironmentLost, match=r"start failed on the row 'q' \(timed out after 0.5 s\)"
+    ):
+        engine.generate(["q"], [{"prompt": "q"}], 8, seeds=[0])
+    assert time.perf_counter() - t0 < 3  # one timeout, not eight (4 s)
+    with SEEDED:  # the abandoned reset ends and gives the lock back before the next test
+        pass
 
 
 def test_a_long_tool_answer_is_cut_at_the_cap_and_counted(tiny_model_dir) -> None:

@@ -221,3 +221,8 @@ class Levelled(Counter):
 def make_levelled():
     """A factory function: ``rollout.environment: trl_envs:make_levelled``."""
     return Levelled(level=3)
+
+
+class HangingReset(GuessNumber):
+    def reset(self, **kwargs):
+        time.sleep(1.5)  # past a 0.5 s limit (short: the abandoned call holds the seeding lock)

@@ -130,7 +130,9 @@ class Episode(Protocol):
 
 
 class Environment(Protocol):
-    """A kind of episode and how a model's turns address it."""
+    """A kind of episode and how a model's turns address it. An environment whose starts must
+    take turns says so with a ``serial_starts = True`` attribute (the loop then starts its
+    episodes one at a time, each with the whole timeout)."""
 
     name: str
     tools: list[dict[str, Any]]  # schemas for the chat template's tools=; [] without

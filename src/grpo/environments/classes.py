@@ -150,8 +150,8 @@ class ClassEnvironment:
     stop: list[str] = field(init=False)
     signatures: dict[str, inspect.Signature] = field(init=False)
     has_reward: bool = field(init=False)
-    # resets run one at a time (the global generators are seeded around each)
-    start_threads = 1
+    # resets take turns (the global generators are seeded around each): started one at a time
+    serial_starts = True
 
     def __post_init__(self) -> None:
         probe = make_instance(self.cls)

@@ -375,12 +375,10 @@ class MultiTurnEngine:
             text = inline_observation(step.observation)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def run_calls(
-        self, calls: list[Callable[[], Any]], threads: int = ENV_THREADS
-    ) -> list[Outcome]:
-        """The calls' outcomes: concurrent (``threads`` at once), each within
+    def run_calls(self, calls: list[Callable[[], Any]]) -> list[Outcome]:
+        """The calls' outcomes: concurrent (``ENV_THREADS`` at once), each within
         ``rollout.environment_timeout_s``."""
-        return run_calls(calls, threads, self.config.environment_timeout_s)
+        return run_calls(calls, ENV_THREADS, self.config.environment_timeout_s)
 
     def session(self) -> contextlib.AbstractContextManager:
         """The engine's sampling session (``HFEngine.session``), where it has one."""
@@ -413,9 +411,7 @@ class MultiTurnEngine:
             functools.partial(path.episode.start, rows[i // group_size], seeds[i // group_size])
             for i, path in enumerate(paths)
         ]
-        # an environment whose starts run one at a time anyway (a class's, seeded around each
-        # reset) has each timed from its own start, not from when it began to wait
-        outcomes = self._timed(paths, starts, getattr(self.environment, "start_threads", None))
+        outcomes = self._starts(paths, starts)
         joined = list(prompts)
         for g, row in enumerate(rows):
             group = outcomes[g * group_size : (g + 1) * group_size]
@@ -440,13 +436,25 @@ class MultiTurnEngine:
                 joined[g] = self.render(joined_row(row, text))
         return joined
 
-    def _timed(
-        self, paths: list[Trajectory], calls: list[Callable[[], Any]], threads: int | None = None
-    ) -> list[Outcome]:
-        """Run one call per path (``threads`` at once; None: ``ENV_THREADS``); each path's
-        environment time counts its call's, and its share of the round's wall time."""
+    def _starts(self, paths: list[Trajectory], starts: list[Callable[[], Any]]) -> list[Outcome]:
+        """The episodes' starts: concurrent, or, for an environment whose starts take turns
+        anyway (``serial_starts``: a class's, seeded around each reset), one at a time, each
+        timed from its own start rather than from when it began to wait, and none after the
+        first that fails (the step stops on it; a hung reset still holds the seeding lock)."""
+        if not getattr(self.environment, "serial_starts", False):
+            return self._timed(paths, starts)
+        outcomes: list[Outcome] = []
+        for path, start in zip(paths, starts, strict=True):
+            outcomes += self._timed([path], [start])
+            if outcomes[-1].error is not None:
+                break
+        return outcomes
+
+    def _timed(self, paths: list[Trajectory], calls: list[Callable[[], Any]]) -> list[Outcome]:
+        """Run one call per path; each path's environment time counts its call's, and its share
+        of the round's wall time."""
         t0 = time.perf_counter()
-        outcomes = self.run_calls(calls, threads or ENV_THREADS)
+        outcomes = self.run_calls(calls)
         share = (time.perf_counter() - t0) / max(1, len(calls))
         for path, outcome in zip(paths, outcomes, strict=True):
             path.record.time_s += outcome.time_s
