@@ -305,6 +305,7 @@ def test_fingerprints_cover_a_data_file_and_a_model_folder(tmp_path: Path) -> No
         "model": digest,
         "given_model": None,
         "environment": None,
+        "environment_file": None,
         "rewards": None,
         "tokenizer": None,
     }
@@ -323,7 +324,7 @@ def test_fingerprints_cover_an_environment_class_by_its_source(tmp_path: Path) -
     # the same path and class name over an edited file: a resume would play another game
     game = tmp_path / "game.py"
 
-    def fingerprint(reward: int, high: int = 3) -> str:
+    def prints(reward: int, high: int) -> dict:
         game.write_text(
             f"HIGH = {high}  # outside the class, read by it\n"
             "class Game:\n"
@@ -338,15 +339,22 @@ def test_fingerprints_cover_an_environment_class_by_its_source(tmp_path: Path) -
         sys.modules.pop("game", None)
         linecache.clearcache()  # inspect reads sources through it
         environment = environment_of(_config(rollout={"environment": f"{game}:Game"}))
-        return fingerprints(_config(), [], None, Given(), environment)["environment"]
+        return fingerprints(_config(), [], None, Given(), environment)
+
+    def file_print(reward: int, high: int = 3) -> str:
+        return prints(reward, high)["environment_file"]
+
+    def fingerprint(reward: int, high: int = 3) -> str:
+        return prints(reward, high)["environment"]
 
     first = fingerprint(1)
     assert first is not None and fingerprint(1) == first
     assert fingerprint(2) != first
     assert input_changes({"environment": first}, {"environment": fingerprint(2)}) == {
-        "the environment class's source (or its file's, named in the config)": (
-            first,
-            fingerprint(2),
-        )
+        "the environment class's source": (first, fingerprint(2))
     }
-    assert fingerprint(1, high=100) != first  # the file's constant, not the class, changed
+    # the file's constant changed, not the class: the file's own fingerprint says so, and a
+    # checkpoint written before it had one (no such key) resumes as before
+    assert fingerprint(1, high=100) == first
+    assert file_print(1) != file_print(1, high=100)
+    assert input_changes({"environment": first}, {"environment_file": file_print(1)}) == {}

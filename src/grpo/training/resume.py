@@ -6,7 +6,6 @@ no resume changes the keys that decide which parameters exist.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 from dataclasses import dataclass, field
@@ -60,7 +59,9 @@ INPUTS = {
     "as first loaded)",
     "rewards": "the reward callables' source",
     "tokenizer": "the tokenizer's vocabulary or chat template",
-    "environment": "the environment class's source (or its file's, named in the config)",
+    "environment": "the environment class's source",
+    # its own key: checkpoints written before it lack it, and resume as they did
+    "environment_file": "the environment class's file",
 }
 
 
@@ -82,27 +83,34 @@ def fingerprints(
         "data": rows_digest(rows) if data else None,
         "model": None if model_path is None else model_digest(model_path),
         "given_model": None if given.model is None else weights_digest(given.model),
-        "environment": environment_digest(environment, given.environment is None)
-        if classed
+        "environment": environment_digest(environment) if classed else None,
+        "environment_file": environment_file_digest(environment)
+        if classed and given.environment is None
         else None,
         **given_fingerprints(given),
     }
 
 
-def environment_digest(environment: ClassEnvironment, named: bool) -> str:
-    """An environment class's fingerprint: its source and its bases' (and a factory's, with
-    what it binds); for a class the config names (``rollout.environment``), its whole file too,
-    whose constants and helper functions it may use. A class given from the library is its
-    source alone: its file is often the training script itself, edited between runs."""
-    parts = [class_digest(environment.kind)]
-    if environment.cls is not environment.kind:
-        parts.append(source_digest(environment.cls))
-    if named:
-        with contextlib.suppress(OSError, TypeError):
-            parts.append(Path(inspect.getsourcefile(environment.kind) or "").read_text())
-    if len(parts) == 1:
-        return parts[0]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+def environment_digest(environment: ClassEnvironment) -> str:
+    """An environment class's fingerprint: its source and its bases', and a factory's with what
+    it binds (``functools.partial(Wordle, length=5)``)."""
+    digest = class_digest(environment.kind)
+    if environment.cls is environment.kind:
+        return digest
+    return hashlib.sha256(f"{digest}\n{source_digest(environment.cls)}".encode()).hexdigest()[:16]
+
+
+def environment_file_digest(environment: ClassEnvironment) -> str | None:
+    """The whole file of a class the config names (``rollout.environment``), whose constants and
+    helper functions the class may use; None where no file is kept. A class given from the
+    library is not checked this way: its file is often the training script, edited between
+    runs."""
+    try:
+        return hashlib.sha256(
+            Path(inspect.getsourcefile(environment.kind) or "").read_bytes()
+        ).hexdigest()[:16]
+    except (OSError, TypeError):
+        return None
 
 
 def input_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
