@@ -76,11 +76,19 @@ def load_class(spec: str) -> Callable[[], Any]:
     return factory
 
 
-def factory_name(factory: Callable[..., Any]) -> str:
-    """A class's or factory's name in messages (a partial's: its function's)."""
+def factory_target(factory: Callable[..., Any]) -> Any:
+    """What a factory calls: a partial's function or class, else the factory itself."""
     while isinstance(factory, functools.partial):
         factory = factory.func
-    return getattr(factory, "__qualname__", type(factory).__name__)
+    return factory
+
+
+def factory_spec(factory: Callable[..., Any]) -> str:
+    """``module:qualname`` of what a factory calls (a lambda or a local function gets a name
+    that does not import again, as it cannot)."""
+    target = factory_target(factory)
+    module = getattr(target, "__module__", None) or "__main__"
+    return f"{module}:{getattr(target, '__qualname__', type(target).__name__)}"
 
 
 # parameters a JSON object of arguments cannot fill by name
@@ -130,7 +138,8 @@ def make_instance(factory: Callable[[], Any]) -> Any:
         return factory()
     except Exception as err:  # user code: any failure is one line
         raise ConfigError(
-            f"rollout.environment: {factory_name(factory)}() failed ({error_line(err)}); an "
+            f"rollout.environment: {factory_spec(factory).rpartition(':')[2]}() failed "
+            f"({error_line(err)}); an "
             "environment class (or factory) is called without arguments"
         ) from None
 

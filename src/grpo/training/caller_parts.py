@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from grpo.build import Given
 from grpo.config import Config, ConfigError, RewardSpec, build_config
 from grpo.data import DataError, Rows, first_rows, normalise_rows
+from grpo.environments.classes import factory_spec
 from grpo.rewards.registry import RewardFn
 
 RewardItem = Callable[..., Sequence[float | None]] | str | dict[str, Any] | RewardSpec
@@ -189,13 +190,7 @@ def given_parts(
                 "environment: a class, or a callable that makes an instance (TRL's "
                 f"environment_factory), got {type(environment).__name__}"
             )
-        # the run's record names it (a partial by its function); a lambda or a local function
-        # is recorded by a name that will not import again, as it cannot
-        named = environment
-        while isinstance(named, functools.partial):
-            named = named.func
-        module = getattr(named, "__module__", None) or "__main__"
-        tree["rollout"]["environment"] = f"{module}:{getattr(named, '__qualname__', 'factory')}"
+        tree["rollout"]["environment"] = factory_spec(environment)  # a partial by its class
     if rewards is not None:
         specs = []
         for item in rewards:
