@@ -208,7 +208,7 @@ def test_completions_no_function_scored_are_said_once(monkeypatch, capsys):
     assert out.total.tolist() == [1.0, 0.0, 0.0]
     assert capsys.readouterr().err.strip().splitlines() == [
         "rewards: every function returned None for 2 of 3 completions, which train on a total "
-        "reward of 0 (said once; reward/<name>/mean is NaN where a function gave None throughout)"
+        "reward of 0 (said once; counted per step in reward/unscored_frac)"
     ]
 
 

@@ -67,8 +67,12 @@ def test_step_metrics_by_hand() -> None:
             "reward/fmt/std": 0.5,
             "reward/acc/errors": 0.0,
             "reward/fmt/errors": 2.0,
+            "reward/unscored_frac": 0.0,  # "acc" scored every completion
         }
     )
+    unscored = _scored()
+    unscored.per_function[3, 0] = NAN  # now neither function scored the last completion
+    assert step_metrics(unscored)["reward/unscored_frac"] == 0.25
 
 
 def test_a_multi_turn_step_adds_the_tool_metrics() -> None:

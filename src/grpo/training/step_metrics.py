@@ -33,6 +33,8 @@ def step_metrics(scored: Scored) -> dict[str, float]:
         out.update(tool_metrics(rollout.turns))
     if rollout.episodes is not None:
         out.update(env_metrics(rollout.turns, rollout.episodes))
+    if scored.function_names:  # completions every function returned None for: a total of 0
+        out["reward/unscored_frac"] = float(scored.per_function.isnan().all(dim=1).float().mean())
     functions = per_function_metrics(scored.per_function, scored.function_names)
     for name in scored.function_names:
         out[f"reward/{name}/mean"] = functions[f"reward/{name}/mean"]
