@@ -493,11 +493,11 @@ def compile_update_lever(model, rollout, micro_batch_size: int, repeats: int) ->
         work()
 
     model.train()
-    torch._dynamo.config.capture_dynamic_output_shape_ops = True
-    start = time.perf_counter()
-    compiled()
-    first = time.perf_counter() - start
-    result = alternate({"eager": eager, "compiled": compiled}, repeats)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        start = time.perf_counter()
+        compiled()
+        first = time.perf_counter() - start
+        result = alternate({"eager": eager, "compiled": compiled}, repeats)
     for layer in layers:
         layer._compiled_call_impl = None
     return {"update_compiled_layers": {**result, "first_compiled_s": first}}
