@@ -207,7 +207,7 @@ def test_completions_no_function_scored_are_said_once(monkeypatch, capsys):
         runner.close()
     assert out.total.tolist() == [1.0, 0.0, 0.0]
     assert capsys.readouterr().err.strip().splitlines() == [
-        "rewards: every function returned None for 2 of 3 completions, which train on a total "
+        "rewards: every function returned None for 2 of 3 completions, which score a total "
         "reward of 0 (said once; counted per step in reward/unscored_frac)"
     ]
 

@@ -229,7 +229,7 @@ class RewardRunner:
             self.reported.add(("", "none"))
             print(
                 f"rewards: every function returned None for {unscored} of {n} completions, "
-                "which train on a total reward of 0 (said once; counted per step in "
+                "which score a total reward of 0 (said once; counted per step in "
                 "reward/unscored_frac)",
                 file=sys.stderr,
                 flush=True,
