@@ -46,7 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
-from mutmut.mutation.file_mutation import mutate_file_contents
+from mutmut.mutation.file_mutation import (
+    _compute_mutated_function_hashes,
+    create_mutations,
+    mutate_file_contents,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "mutation.json"
@@ -108,6 +112,14 @@ SCOPE: dict[str, list[str]] = {
 }
 
 
+def function_hashes(path: str, code: str) -> dict[str, str]:
+    """mutmut's ``hash_by_function_name`` of ``code`` (the functions it makes mutants of, by
+    mangled name) without writing out every mutant's source: a fifth of the time of
+    ``mutate_file_contents``, whose result is built by the same two calls."""
+    module, mutations, _, _ = create_mutations(path, code)
+    return _compute_mutated_function_hashes(code, module, mutations)
+
+
 def unmatched_scope() -> list[str]:
     """``SCOPE`` names that match no function of their file (a function moved or renamed), and
     files of ``SCOPE`` mutmut does not mutate: either drops code from the run without a word, as
@@ -118,7 +130,7 @@ def unmatched_scope() -> list[str]:
         if not (ROOT / path).is_file():
             missing.append(f"{path}: no such file")
             continue
-        functions = mutate_file_contents(path, (ROOT / path).read_text()).hash_by_function_name
+        functions = function_hashes(path, (ROOT / path).read_text())
         for name in names:
             pattern = mangled("", name).removeprefix(".").removesuffix("__mutmut_*")
             if not fnmatch.filter(functions, pattern):
@@ -319,7 +331,7 @@ def compare(ref: str) -> dict[str, Any]:
     # (function, source hash) -> [checked, killed]
     now: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
     for path in files():
-        digests = mutate_file_contents(path, (ROOT / path).read_text()).hash_by_function_name
+        digests = function_hashes(path, (ROOT / path).read_text())
         for k, code in results(path).items():
             function = function_of(k)
             if code not in (None, NO_TESTS) and function in digests:

@@ -366,12 +366,21 @@ def test_compare_counts_only_functions_of_the_same_source_in_rows_checked_whole(
 
 @pytest.fixture(scope="module")
 def parsed_once():
-    """mutmut's mutants of each source parsed once for the module's scope checks (libcst takes
-    about 9 s for the trainer alone): the same result for the same path and text."""
-    parse = mutation.mutate_file_contents
+    """mutmut's mutated functions of each source found once for the module's scope checks
+    (libcst takes seconds for the trainer alone): the same result for the same path and text."""
+    find = mutation.function_hashes
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mutation, "mutate_file_contents", functools.cache(parse))
+        patch.setattr(mutation, "function_hashes", functools.cache(find))
         yield
+
+
+def test_function_hashes_are_mutmuts_own() -> None:
+    # built from mutmut's private parts: a mutmut that changes them shows here first
+    path = "src/grpo/rewards/registry.py"
+    code = (mutation.ROOT / path).read_text()
+    found = mutation.function_hashes(path, code)
+    assert found == mutation.mutate_file_contents(path, code).hash_by_function_name
+    assert "x_resolve_reward" in found and len(found) > 3
 
 
 @pytest.mark.usefixtures("parsed_once")

@@ -9,21 +9,22 @@ import http.server
 import threading
 import time
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 
 import pytest
-
-pytest.importorskip("openenv.core.env_server", reason="the envs extra (make test installs it)")
-
 from echo_engine import EchoEngine
-from openenv_game import HiddenNumber, game_app, serving
 
 from grpo.config import ConfigError, RolloutConfig
 from grpo.environments import Action, EnvironmentFailure, Step
 from grpo.environments.openenv import OpenEnvEnvironment, parse_address, tool_call
-from grpo.environments.openenv_serve import app_for
 from grpo.models import load_tokenizer
 from grpo.rollout import render_prompt
 from grpo.rollout.turns import MultiTurnEngine
+
+# found, not imported: openenv-core brings gradio (seconds), paid only where these tests run
+pytestmark = pytest.mark.skipif(
+    find_spec("openenv") is None, reason="the envs extra (make test installs it)"
+)
 
 # random.Random(seed).randint(1, 10) for seeds 0 and 1: the game's hidden numbers
 NUMBER = {0: 7, 1: 3}
@@ -37,11 +38,15 @@ def _loop(tokenizer, environment, script, **config):
 
 @pytest.fixture(scope="module")
 def game():
+    from openenv_game import game_app, serving
+
     with serving(game_app()) as url:
         yield url
 
 
 def test_each_completion_plays_its_own_session_of_the_game(tiny_model_dir, game) -> None:
+    from openenv_game import HiddenNumber
+
     tokenizer = load_tokenizer(tiny_model_dir)
     environment = OpenEnvEnvironment(f"openenv+{game}", timeout_s=10)
     assert (environment.field, environment.observation, environment.stop) == (
@@ -172,13 +177,14 @@ def test_fields_the_server_lacks_are_one_line(game) -> None:
         OpenEnvEnvironment(f"openenv+{game}?observation=text", timeout_s=5)
 
 
-class SlowNumber(HiddenNumber):
-    def step(self, action, timeout_s=None, **kwargs):
-        time.sleep(3)
-        return super().step(action)
-
-
 def test_a_slow_server_fails_the_step_in_one_line_within_the_timeout() -> None:
+    from openenv_game import HiddenNumber, game_app, serving
+
+    class SlowNumber(HiddenNumber):
+        def step(self, action, timeout_s=None, **kwargs):
+            time.sleep(3)
+            return super().step(action)
+
     with serving(game_app(SlowNumber)) as url:
         episode = OpenEnvEnvironment(f"openenv+{url}", timeout_s=0.5).episode()
         episode.start({"prompt": "q"}, 0)
@@ -194,6 +200,8 @@ def test_a_slow_server_fails_the_step_in_one_line_within_the_timeout() -> None:
 
 
 def test_a_server_gone_mid_episode_fails_in_one_line() -> None:
+    from openenv_game import game_app, serving
+
     with serving(game_app()) as url:
         environment = OpenEnvEnvironment(f"openenv+{url}", timeout_s=2)
         episode = environment.episode()
@@ -204,6 +212,8 @@ def test_a_server_gone_mid_episode_fails_in_one_line() -> None:
 
 
 def test_too_few_sessions_on_the_server_fail_after_bounded_retries() -> None:
+    from openenv_game import game_app, serving
+
     with serving(game_app(sessions=1)) as url:
         environment = OpenEnvEnvironment(f"openenv+{url}", timeout_s=2)
         first, second = environment.episode(), environment.episode()
@@ -260,6 +270,10 @@ class CountEnvironment:
 
 
 def test_a_served_environment_plays_as_it_does_in_process(tiny_model_dir) -> None:
+    from openenv_game import serving
+
+    from grpo.environments.openenv_serve import app_for
+
     tokenizer = load_tokenizer(tiny_model_dir)
     script = ["count x!", "count 1!", "count 2!", "done"]
     rows = [{"prompt": "q", "target": 2, "seed": 9}]  # a column called seed reaches start too

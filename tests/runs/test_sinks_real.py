@@ -19,14 +19,17 @@ import pytest
 from grpo.runs.metrics import MetricsLogger
 from grpo.training.trainer import train
 
-wandb_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
-if importlib.util.find_spec("trackio") is None:  # found without importing it (see TrackioSink)
-    pytest.skip("trackio is not installed", allow_module_level=True)
+# found without importing them (see TrackioSink; wandb takes a second, paid where these run)
+for _package in ("wandb", "trackio"):
+    if importlib.util.find_spec(_package) is None:
+        pytest.skip(f"{_package} is not installed", allow_module_level=True)
 
 
 def wandb_records(path: Path) -> Iterator:
     """Records of a .wandb file: a 7-byte header, then LevelDB-log framed protobuf records
     (32 KiB blocks; each chunk: crc 4 bytes, length 2, type 1 = full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2 as wandb_pb2
+
     data = path.read_bytes()
     assert data[:4] == b":W&B"
     pos, block, pending = 7, 32768, b""

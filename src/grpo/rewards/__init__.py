@@ -13,26 +13,37 @@ completion falls back alone. Built-ins run in this process; user functions, name
 processes of the math verifier, the reward model's weights).
 """
 
-from grpo.rewards.registry import REGISTRY, RewardError, RewardFn, register, resolve_reward
-from grpo.rewards.runner import (
-    ErrorWatch,
-    RewardFailure,
-    RewardOutput,
-    RewardRunner,
-    function_name,
-    weighted_total,
-)
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "REGISTRY",
+from grpo.rewards.registry import REGISTRY, RewardError, RewardFn, register, resolve_reward
+
+if TYPE_CHECKING:
+    from grpo.rewards.runner import (
+        ErrorWatch,
+        RewardFailure,
+        RewardOutput,
+        RewardRunner,
+        function_name,
+        weighted_total,
+    )
+
+_RUNNER = (
     "ErrorWatch",
-    "RewardError",
     "RewardFailure",
-    "RewardFn",
     "RewardOutput",
     "RewardRunner",
     "function_name",
-    "register",
-    "resolve_reward",
     "weighted_total",
-]
+)
+
+__all__ = ["REGISTRY", "RewardError", "RewardFn", "register", "resolve_reward", *_RUNNER]
+
+
+def __getattr__(name: str) -> Any:
+    # the runner pulls in torch: a reward worker that imports a built-in of this package (the
+    # reasoning-gym verifier) starts without it
+    if name in _RUNNER:
+        from grpo.rewards import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'grpo.rewards' has no attribute {name!r}")
