@@ -62,3 +62,13 @@ def test_help_and_config_load_no_torch(argv: list[str]) -> None:
         f"    main({argv!r})"
     )
     assert seen["heavy"] == []
+
+
+def test_a_reward_worker_imports_a_built_in_without_torch() -> None:
+    # a worker process that runs the reasoning-gym verifier imports it through grpo.rewards:
+    # the runner (and torch with it) stays out, so the worker starts in a fraction of the time
+    seen = _loaded_after("import grpo.rewards.reasoning_gym")
+    assert seen["heavy"] == []
+    from grpo.rewards import RewardRunner, runner
+
+    assert RewardRunner is runner.RewardRunner

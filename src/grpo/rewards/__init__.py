@@ -27,22 +27,25 @@ if TYPE_CHECKING:
         weighted_total,
     )
 
-_RUNNER = (
+__all__ = [
+    "REGISTRY",
     "ErrorWatch",
+    "RewardError",
     "RewardFailure",
+    "RewardFn",
     "RewardOutput",
     "RewardRunner",
     "function_name",
+    "register",
+    "resolve_reward",
     "weighted_total",
-)
-
-__all__ = ["REGISTRY", "RewardError", "RewardFn", "register", "resolve_reward", *_RUNNER]
+]
 
 
 def __getattr__(name: str) -> Any:
     # the runner pulls in torch: a reward worker that imports a built-in of this package (the
     # reasoning-gym verifier) starts without it
-    if name in _RUNNER:
+    if name in __all__:  # the runner's names: the registry's are bound above
         from grpo.rewards import runner
 
         return getattr(runner, name)
