@@ -60,23 +60,44 @@ def test_the_machine_names_its_cpu_and_flags() -> None:
     assert set(machine["flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
 
 
-def test_compare_two_alternates_fresh_runs_and_divides_the_second_by_the_first(
+def test_compare_two_times_fresh_runs_and_divides_the_second_by_the_first(
     tmp_path: Path, capsys
 ) -> None:
     # benchmarks.speed.windowed and ppo_vs_grpo: two variants of the smoke recipe, the second
-    # with 2 completions per prompt instead of 8 (fewer tokens to generate and train on)
+    # with 2 completions per prompt instead of 8 (fewer tokens to generate and train on); one
+    # round of real runs (the alternation over rounds is the next test's)
     variants = {
         "eight": (["recipes/smoke.yaml"], ""),
         "two": (["recipes/smoke.yaml", "rollout.group_size=2"], ""),
     }
     out = tmp_path / "report.json"
-    report = common.compare_two("benchmarks.x", variants, rounds=2, steps=2, out=out)
+    report = common.compare_two("benchmarks.x", variants, rounds=1, steps=3, out=out)
     assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == report
     eight, two = report["eight"], report["two"]
     assert eight["steps_timed"] == two["steps_timed"] == 2  # the first step of each run left out
-    assert len(eight["peak_rss_mb_per_run"]) == len(two["peak_rss_mb_per_run"]) == 2
+    assert len(eight["peak_rss_mb_per_run"]) == len(two["peak_rss_mb_per_run"]) == 1
     ratio = report["two_over_eight"]
     assert ratio["step"] == two["median_step_s"] / eight["median_step_s"]
     assert ratio["peak_rss"] == two["peak_rss_mb"] / eight["peak_rss_mb"]
     assert ratio["train"] < 1  # a quarter of the completions to score and train on
     assert eight["children_peak_rss_mb"] > 0  # the math-verify worker, at least
+
+
+def test_compare_two_alternates_the_variants_round_by_round(tmp_path: Path, monkeypatch) -> None:
+    # so that other jobs on the machine slow both alike: first, second, first, second, ...
+    started = []
+
+    def timed_run(run_dir: Path, args: list[str], patch: str) -> dict:
+        started.append((run_dir.name, patch, [a for a in args if not a.startswith("train.")]))
+        assert f"train.run_name={run_dir.name}" in args and "train.steps=4" in args
+        return {"rows": [row(2.0, 1.0, 1.0)], "peak_rss_mb": 10.0, "children_peak_rss_mb": 0.0}
+
+    monkeypatch.setattr(common, "timed_run", timed_run)
+    variants = {"a": (["r.yaml"], "patch a"), "b": (["r.yaml", "x=1"], "")}
+    report = common.compare_two("benchmarks.x", variants, rounds=3, steps=4, out=tmp_path / "o")
+    assert [name for name, _, _ in started] == ["a-0", "b-0", "a-1", "b-1", "a-2", "b-2"]
+    assert started[:2] == [
+        ("a-0", "patch a", ["train", "r.yaml"]),
+        ("b-0", "", ["train", "r.yaml", "x=1"]),
+    ]
+    assert report["a"]["peak_rss_mb_per_run"] == [10.0] * 3 and report["b"]["steps_timed"] == 3
