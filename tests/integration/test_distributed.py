@@ -148,18 +148,23 @@ def distributed_run(tiny_config, tmp_path: Path):
 @pytest.mark.parametrize(
     "algorithm",
     [
-        # dapo's global token count, the batch std and a reference model (beta 0.04): ~20 s
-        {"loss_type": "dapo", "scale_rewards": "batch"},
         pytest.param({"loss_type": "grpo", "beta": 0.0}, marks=pytest.mark.slow),
         pytest.param({"_strategy": "fsdp"}, marks=pytest.mark.slow),
-        # DAPO with dynamic sampling: every rank sees every round, then takes an equal share
-        {"preset": "dapo", "_sampling": {"dynamic": True, "max_rounds": 4}},
+        # DAPO with dynamic sampling: every rank sees every round, then takes an equal share;
+        # dapo's global token count, the std over the whole batch of kept groups, and a
+        # reference model (beta 0.04)
+        {
+            "preset": "dapo",
+            "scale_rewards": "batch",
+            "beta": 0.04,
+            "_sampling": {"dynamic": True, "max_rounds": 4},
+        },
         # REINFORCE++'s normalisation over every rank's tokens, KL in the rewards, an entropy
         # bonus through DDP
         {"estimator": "reinforce_pp", "beta": 0.1, "entropy_coef": 0.05},
         pytest.param({"reward_aggregation": "gdpo"}, marks=pytest.mark.slow),
     ],
-    ids=["dapo-batch-std", "grpo", "fsdp2", "dapo-dynamic", "reinforce_pp-entropy", "gdpo"],
+    ids=["grpo", "fsdp2", "dapo-dynamic-batch-std", "reinforce_pp-entropy", "gdpo"],
 )
 def test_two_gloo_ranks_match_one_process(
     distributed_run, tiny_model_dir: Path, algorithm: dict
@@ -200,55 +205,12 @@ def test_two_gloo_ranks_match_one_process(
         Trainer(resume).train()
 
 
-def _scored(groups: int, width: int, g: int = 2, sampler: bool = True):
-    from grpo.scoring.distribution import Decoding
-    from grpo.step_data import Rollout, Scored
-    from grpo.training.gather import empty_rollout
-
-    n = groups * g
-    if n == 0:
-        rollout = empty_rollout(g)
-    else:
-        mask = torch.ones(n, width, dtype=torch.bool)
-        rollout = Rollout(
-            prompt_ids=torch.full((n, width), 7),
-            prompt_mask=mask,
-            completion_ids=torch.ones(n, 3, dtype=torch.long),
-            completion_mask=torch.ones(n, 3, dtype=torch.bool),
-            truncated=torch.zeros(n, dtype=torch.bool),
-            prompts=["p"] * n,
-            completions=[f"c{width}"] * n,
-            rows=[{"prompt": "p"}] * groups,
-            group_size=g,
-            sampler_logp=torch.full((n, 3), -1.0) if sampler else None,
-            decoding=Decoding(temperature=0.5),
-        )
-    rewards = torch.arange(n, dtype=torch.float32)
-    return Scored(rollout, rewards[:, None], ["r"], rewards, rewards, {"r": 1})
-
-
-def _gather_worker(rank: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-
-    from grpo.training.gather import gather_scored
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        # a round of 1 prompt over 2 ranks: rank 0 has none (no sampler log-probs either)
-        empty_first = gather_scored(_scored(0, 0) if rank == 0 else _scored(1, 3))
-        # ranks with prompts of different widths: the narrower is padded on the left
-        widths = gather_scored(_scored(1, 2 if rank == 0 else 4, sampler=False))
-        if rank == 0:
-            torch.save({"empty_first": empty_first, "widths": widths}, out)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_gathered_groups_can_be_trained_on(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
+    from gather_worker import gather_worker
 
     out = tmp_path / "gathered.pt"
-    mp.spawn(_gather_worker, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=2)
+    mp.spawn(gather_worker, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=2)
     result = torch.load(out, weights_only=False)
     first = result["empty_first"]
     assert first.rollout.completions == ["c3", "c3"] and first.rollout.rows == [{"prompt": "p"}]
