@@ -18,25 +18,22 @@ from typing import TypeAlias
 
 from grpo.config import Config, ConfigError, DataConfig, load_config
 
+# errors said in one line (exit 2), by the module that defines each
+USER_ERRORS = {
+    "grpo.data": "DataError",
+    "grpo.models.cache": "ModelError",
+    "grpo.rewards.registry": "RewardError",
+    "grpo.rollout.engine": "RolloutLost",
+    "grpo.runs.directory": "RunDirError",
+    "grpo.runs.report": "ReportError",
+}
+
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from grpo.data import DataError
-    from grpo.models import ModelError
-    from grpo.rewards import RewardError
-    from grpo.rollout import RolloutLost
-    from grpo.runs.directory import RunDirError
-    from grpo.runs.report import ReportError
-
-    return (
-        ConfigError,
-        DataError,
-        ModelError,
-        RewardError,
-        ReportError,
-        RunDirError,
-        RolloutLost,
-        FileNotFoundError,
-    )
+    """The errors said in one line, from the modules loaded so far: a module not loaded raised
+    nothing, and loading it here would load torch to say a wrong port."""
+    loaded = [getattr(sys.modules[m], name) for m, name in USER_ERRORS.items() if m in sys.modules]
+    return (ConfigError, FileNotFoundError, *loaded)
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
@@ -263,15 +260,19 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from grpo import build
-    from grpo.config import LoraConfig
-    from grpo.models import resolve_model_path
-    from grpo.rollout.server_http import listen, serve
-    from grpo.runtime.distributed import init_from_env
+    from grpo.rollout.listener import listen
 
     overrides = [f"model.name={args.model}", f"rollout.engine={args.engine}", *args.overrides]
     config = load_config(args.recipe, overrides)
+    # bound before torch loads: a wrong address or token is said at once
     listener = listen(args.host, args.port, args.token, args.weights_hosts)
+
+    from grpo import build
+    from grpo.config import LoraConfig
+    from grpo.models import resolve_model_path
+    from grpo.rollout.server_http import serve
+    from grpo.runtime.distributed import init_from_env
+
     build.prepare_process(config)
     path = resolve_model_path(config.model.name)
     device = init_from_env().device

@@ -24,7 +24,7 @@ from served import ROLLOUT, TOKEN, Running, serve_command, start_server
 
 from grpo.config import ConfigError, ModelConfig, RolloutConfig
 from grpo.models import load_policy, load_tokenizer
-from grpo.rollout import server_http
+from grpo.rollout import listener, server_http
 from grpo.rollout.server import ServerEngine, ServerLost, pushed_weights
 from grpo.runtime.weight_sync import SECRET_BYTES
 from grpo.training.trainer import train
@@ -265,32 +265,32 @@ def test_a_second_client_cannot_stall_or_stop_a_run(
 
 
 @pytest.fixture
-def small_listener(monkeypatch: pytest.MonkeyPatch) -> Iterator[server_http.Listener]:
+def small_listener(monkeypatch: pytest.MonkeyPatch) -> Iterator[listener.Listener]:
     """The server's HTTP side in this process, with 4 threads and requests due in 1 s; an
     engine that only answers ``/info``."""
-    monkeypatch.setattr(server_http, "HANDLERS", 4)
-    monkeypatch.setattr(server_http, "REQUEST_S", 1.0)
+    monkeypatch.setattr(listener, "HANDLERS", 4)
+    monkeypatch.setattr(listener, "REQUEST_S", 1.0)
 
     class Info:
         def info(self) -> dict:
             return {"session": ""}
 
-    listener = server_http.listen("127.0.0.1", 0, TOKEN, [])
-    listener.RequestHandlerClass = server_http.handler_for(
+    server = listener.listen("127.0.0.1", 0, TOKEN, [])
+    server.RequestHandlerClass = server_http.handler_for(
         Info(), server_http.EngineThread(), TOKEN, set()
     )
-    threading.Thread(target=listener.serve_forever, daemon=True).start()
-    listener.url = f"http://127.0.0.1:{listener.server_address[1]}"
-    yield listener
-    listener.shutdown()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield server
+    server.shutdown()
     for thread in threading.enumerate():  # every handler done, its line said, in this test
         if "process_request_thread" in thread.name:
             thread.join(10)
-    listener.server_close()
+    server.server_close()
 
 
 def test_more_idle_connections_than_threads_cost_no_wait(
-    small_listener: server_http.Listener,
+    small_listener: listener.Listener,
 ) -> None:
     url = small_listener.url
     held = [raw(url, b"GET /info HTTP/1.1\r\n") for _ in range(12)]
@@ -303,7 +303,7 @@ def test_more_idle_connections_than_threads_cost_no_wait(
             sock.close()
 
 
-def test_a_trickling_request_is_cut_when_due(small_listener: server_http.Listener) -> None:
+def test_a_trickling_request_is_cut_when_due(small_listener: listener.Listener) -> None:
     with raw(small_listener.url, b"P") as sock:
         t0 = time.monotonic()
         with contextlib.suppress(OSError):  # the cut ends the connection

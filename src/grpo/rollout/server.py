@@ -42,6 +42,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, RolloutConfig
 from grpo.rollout import RolloutLost
+from grpo.rollout.listener import TOKEN_ENV
 from grpo.runtime import weight_sync
 from grpo.scoring.distribution import Decoding
 from grpo.step_data import Rollout
@@ -59,7 +60,6 @@ DECODING_KEYS = (
     "pack_float32",  # float32 products' rounding: the same tokens only under the same choice
     "compile",  # a compiled decode step's rounding: the same
 )
-TOKEN_ENV = "GRPO_SERVE_TOKEN"  # the token, for both sides, where no flag or key gives it
 TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
 OPTIONAL_TENSORS = ("sampler_logp", "sampled_mask")
 
