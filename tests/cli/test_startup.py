@@ -74,24 +74,21 @@ def test_a_reward_worker_imports_a_built_in_without_torch() -> None:
     assert RewardRunner is runner.RewardRunner
 
 
-@pytest.mark.parametrize(
-    ("flags", "said"),
-    [
+def test_grpo_serve_refuses_its_address_before_torch_loads() -> None:
+    # the address is bound (or refused) first: a wrong one is said at once, not after the
+    # seconds torch, transformers' models and the model take
+    refusals = [
         (["--port", "99999"], "a port is 0-65535"),
         (["--token", "short"], "a token of at least 16 characters"),
         (["--host", "0.0.0.0"], "answers beyond this machine: give it a token"),
-    ],
-)
-def test_grpo_serve_refuses_its_address_before_torch_loads(flags: list[str], said: str) -> None:
-    # the address is bound (or refused) first: a wrong one is said at once, not after the
-    # seconds torch, transformers and the model take
+    ]
     seen = _loaded_after(
         "import contextlib, io\n"
         "from grpo.cli import main\n"
-        "err = io.StringIO()\n"
-        "with contextlib.redirect_stderr(err):\n"
-        f"    code = main(['serve', 'some/model', *{flags!r}])\n"
-        "assert code == 2, code\n"
-        f"assert {said!r} in err.getvalue(), err.getvalue()"
+        f"for flags, said in {refusals!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        code = main(['serve', 'some/model', *flags])\n"
+        "    assert code == 2 and said in err.getvalue(), (code, err.getvalue())"
     )
     assert not [m for m in seen["heavy"] if m.split(".")[0] == "torch"]
