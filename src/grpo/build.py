@@ -126,9 +126,8 @@ class Given:
     eval_rows: Rows | None = None
     model: nn.Module | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
-    environment: Callable[[], Any] | None = (
-        None  # a class or factory (``grpo.train(environment=)``)
-    )
+    # an environment class or factory (``grpo.train(environment=...)``)
+    environment: Callable[[], Any] | None = None
 
 
 def environment_of(config: Config, given: Callable[[], Any] | None = None) -> Environment | None:

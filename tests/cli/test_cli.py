@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo.cli import main
+from grpo.cli import USER_ERRORS, main
 from grpo.config import ConfigError, load_config
 
 
@@ -170,3 +170,24 @@ def test_a_recipe_that_would_lose_a_setting_is_one_line(
     assert main(["config", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize(("module", "name"), sorted(USER_ERRORS.items()))
+def test_each_one_line_error_is_where_the_command_line_looks_for_it(
+    module: str, name: str, monkeypatch, capsys
+) -> None:
+    # the command line catches these by module and name (importing them would load torch): a
+    # class that moved would be a traceback again
+    import importlib
+
+    import grpo.cli
+
+    error = getattr(importlib.import_module(module), name)
+    assert isinstance(error, type) and issubclass(error, Exception)
+
+    def fails(args) -> int:
+        raise error("the one line")
+
+    monkeypatch.setitem(grpo.cli.COMMANDS, "config", fails)
+    assert main(["config"]) == 2
+    assert capsys.readouterr().err == "grpo: error: the one line\n"
