@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from transformers.utils import get_json_schema
 
-from grpo.config import ConfigError
+from grpo.config import ConfigError, RolloutConfig
 from grpo.environments import Action, Step, ending_tool_call
 from grpo.runtime.user_code import error_line, load_named
 
@@ -152,7 +152,8 @@ class ClassEnvironment:
 
     cls: Callable[[], Any]
     call_format: str = "fence"
-    max_output_chars: int = 1000  # of a tool's answer (``rollout.tool_max_output_chars``)
+    # of a tool's answer: ``rollout.tool_max_output_chars``, its default where no config is
+    max_output_chars: int = RolloutConfig.model_fields["tool_max_output_chars"].default
     kind: type = field(init=False)  # the instances' class
     name: str = field(init=False)
     tools: list[dict[str, Any]] = field(init=False)
@@ -262,7 +263,7 @@ class ClassEpisode:
     """One instance of the class, for one completion."""
 
     cls: Callable[[], Any]
-    max_output_chars: int = 1000
+    max_output_chars: int
     instance: Any = None
 
     def start(self, row: dict[str, Any], seed: int) -> str | None:
