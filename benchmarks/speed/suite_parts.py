@@ -4,6 +4,8 @@ round by round (so a busy machine slows both alike).
 
     python -m benchmarks.speed.suite_parts --base BASE_TREE [--rounds 2] [--out FILE] [MODULE ...]
 
+The part ``suite`` is the whole suite as ``make test`` runs it (``-n auto --dist loadscope``).
+
 BASE_TREE is a checkout (``git worktree add /tmp/base REV``); the tree measured is this one. A
 module missing from a tree is left out there. Per part and tree: the wall time and the CPU time
 (user + sys of pytest and the processes it waited for), medians over the rounds; written as
@@ -27,6 +29,9 @@ from benchmarks.speed.startup import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
 COLLECT = "collection"  # the part that is the whole suite's collection
+SUITE = "suite"  # the part that is the whole suite, run as make test runs it
+ARGS = {COLLECT: ["--collect-only"], SUITE: ["-n", "auto", "--dist", "loadscope"]}
+WHOLE = set(ARGS)  # parts that are in every tree
 
 
 def cpu_of_children() -> float:
@@ -36,7 +41,7 @@ def cpu_of_children() -> float:
 
 def time_once(tree: Path, part: str) -> tuple[float, float]:
     """(wall, CPU) seconds of one fresh pytest over ``part`` in ``tree``."""
-    args = ["--collect-only"] if part == COLLECT else [part]
+    args = ARGS.get(part, [part])
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     cpu, t0 = cpu_of_children(), time.perf_counter()
@@ -60,7 +65,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for part in parts:
             for label, tree in trees.items():
-                if part == COLLECT or (tree / part).is_file():
+                if part in WHOLE or (tree / part).is_file():
                     runs[label].setdefault(part, []).append(time_once(tree, part))
     result: dict[str, Any] = {"cpu": cpu_name(), "rounds": args.rounds, "parts": {}}
     for part in parts:

@@ -19,14 +19,16 @@ class AskTwice(vf.Harness[AskTwiceConfig]):
     async def launch(
         self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None
     ):
-        client = openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
         system, prompt = self.resolve_prompt(data)
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
-        for _ in range(2):
-            reply = await client.chat.completions.create(model=ctx.model, messages=messages)
-            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-            messages.append({"role": "user", "content": "Sure? Say it again."})
+        # closed when done, as a harness should (grpo's loop copes with one left to the
+        # garbage collector too: grpo.environments.event_loop)
+        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            for _ in range(2):
+                reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+                messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+                messages.append({"role": "user", "content": "Sure? Say it again."})
         return ProgramResult(exit_code=0, stdout="", stderr="")
 
 

@@ -39,10 +39,8 @@ line naming the server (the run stops with its last checkpoint). Connecting is r
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -53,6 +51,7 @@ from typing import Any
 
 from grpo.config import ConfigError
 from grpo.environments import Action, EnvironmentFailure, Step, ending_tool_call
+from grpo.environments.event_loop import EventLoop
 from grpo.runtime.user_code import one_line
 
 SCHEME = "openenv+"
@@ -121,19 +120,6 @@ def string_fields(schema: dict[str, Any], skip: set[str]) -> tuple[list[str], li
     """A JSON schema's property names (less ``skip``) and those of them typed string."""
     properties = {k: v for k, v in schema.get("properties", {}).items() if k not in skip}
     return list(properties), [k for k, v in properties.items() if v.get("type") == "string"]
-
-
-class EventLoop:
-    """One asyncio loop on a daemon thread, shared by an environment's sessions: the client is
-    async, the turn loop calls from its threads."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-
-    def run(self, work: Coroutine, timeout_s: float) -> Any:
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(work, timeout_s), self.loop)
-        return future.result()
 
 
 def tool_call(text: str, name: str) -> Action | None:

@@ -135,7 +135,7 @@ class VerifiersEnvironment:
 
         self.tools: list[dict[str, Any]] = []  # the harness offers its tools in its requests
         self.stop: list[str] = []  # every turn answers the harness's pending call
-        from grpo.environments.openenv import EventLoop
+        from grpo.environments.event_loop import EventLoop
 
         self.harness_id = spec.removeprefix(SCHEME)
         self.name = f"verifiers harness {self.harness_id}"

@@ -1,0 +1,59 @@
+"""One asyncio loop on a daemon thread, shared by an environment's sessions: the clients of
+OpenEnv servers and verifiers harnesses are async, the turn loop calls them from its threads.
+
+The loop's socket transports do not touch a descriptor once the garbage collector has closed it
+(CPython issue 130141, open in 3.11-3.14). An async client dropped without being closed (an
+``openai.AsyncOpenAI`` a harness makes per episode, say) is collected with its connections; its
+finalizer resurrects it to close them on the running loop a moment later. By then the
+collector has closed each connection's socket, and the descriptor may already belong to a new
+socket (the next episode's interception server): closing the old transport then unregisters the
+new socket from the loop, which never reads it again. An episode whose harness called that
+server would wait for ever for its first model call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from asyncio import selector_events
+from collections.abc import Coroutine
+from typing import Any
+
+
+class _SocketTransport(selector_events._SelectorSocketTransport):
+    """A socket transport that, collected with its socket still open, marks itself closed."""
+
+    def __del__(self, _warn: Any = warnings.warn) -> None:
+        if self._sock is not None:
+            # the descriptor is freed below and may be reused at once: a later close() or
+            # abort() of this transport (from a finalizer that resurrected it) must not
+            # unregister whatever owns the number by then
+            self._closing = True
+            self._conn_lost += 1
+        super().__del__(_warn)
+
+
+class _Loop(asyncio.SelectorEventLoop):
+    def _make_socket_transport(
+        self,
+        sock: Any,
+        protocol: Any,
+        waiter: Any = None,
+        *,
+        extra: Any = None,
+        server: Any = None,
+    ) -> _SocketTransport:
+        return _SocketTransport(self, sock, protocol, waiter, extra, server)
+
+
+class EventLoop:
+    """The loop and its thread (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.loop = _Loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def run(self, work: Coroutine, timeout_s: float) -> Any:
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(work, timeout_s), self.loop)
+        return future.result()
