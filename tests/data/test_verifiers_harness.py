@@ -5,6 +5,9 @@ loop's sampled turns through the policy's loopback endpoint."""
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 import urllib.error
 import urllib.request
 from importlib.util import find_spec
@@ -15,7 +18,7 @@ from echo_engine import EchoEngine
 
 from grpo.config import ConfigError, RolloutConfig
 from grpo.data.verifiers import taskset_rows
-from grpo.environments.verifiers import VerifiersEnvironment
+from grpo.environments.verifiers import KEY_VAR, VerifiersEnvironment
 from grpo.models import load_tokenizer
 from grpo.rollout import render_prompt
 from grpo.rollout.turns import MultiTurnEngine
@@ -86,6 +89,11 @@ def test_an_unknown_harness_is_one_line() -> None:
         VerifiersEnvironment("verifiers+no_such_harness", timeout_s=5)
 
 
+def serving(threads: set[threading.Thread]) -> list[str]:
+    """The names of the event-loop and server threads among ``threads``."""
+    return [t.name for t in threads if t.is_alive() and "_forever" in t.name]
+
+
 def test_a_run_trains_on_harness_driven_episodes(tiny_config) -> None:
     from grpo.training.trainer import train
 
@@ -101,7 +109,14 @@ def test_a_run_trains_on_harness_driven_episodes(tiny_config) -> None:
         },
         rewards={"functions": [{"name": "environment"}, {"name": "verifiers:correct"}]},
     )
+    before = set(threading.enumerate()), set(os.environ)
     run_dir = train(config)
+    # the run's environment is closed with it: its loop, its endpoint and the endpoint's token
+    assert not [k for k in set(os.environ) - before[1] if k.startswith(KEY_VAR)]
+    deadline = time.monotonic() + 10
+    while (left := serving(set(threading.enumerate()) - before[0])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     row = next(r for r in rows if "event" not in r)
     # the harness asks twice, so each completion is two turns (or one cut by the token budget)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from importlib.util import find_spec
@@ -54,8 +55,12 @@ def test_a_class_trains_the_same_in_process_and_served_through_openenv(tiny_conf
     local = _metrics(train(_config(tiny_config, GUESS, "local")))
     environment = ClassEnvironment(load_class(GUESS), "fence")
     with serving(app_for(environment, sessions=16)) as url:
+        before = set(threading.enumerate())
         served = _metrics(train(_config(tiny_config, f"openenv+{url}", "served")))
+        started = set(threading.enumerate()) - before
     assert served == local
+    # the run closed its environment: the sessions' event loop ended with it
+    assert not [t.name for t in started if t.is_alive() and "run_forever" in t.name]
     assert len(local) == 2 and local[0]["env/turns"] >= 1.0
 
 

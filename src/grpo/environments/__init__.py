@@ -32,7 +32,8 @@ the observation), the ``error`` (``Action.error`` or ``Step.error``) and the ste
 
 How an adapter plugs in: write a class with ``name``, ``tools`` (JSON schemas given to the chat
 template as ``tools=`` when calls use the template's syntax; [] otherwise), ``stop``,
-``has_reward``, ``action(text)`` and ``episode()``; and an episode class with ``instance``,
+``has_reward``, ``action(text)`` and ``episode()`` (and ``close()`` where it holds threads,
+sockets or servers: called once when the run's engine closes); and an episode class with ``instance``,
 ``start``, ``step``, ``reward`` and ``close``; then return it from
 ``grpo.build.environment_of`` for the ``rollout.environment`` values it serves (the class
 adapter, ``grpo.environments.classes``, is the worked example). ``reward()``'s value reaches

@@ -14,6 +14,8 @@ server would wait for ever for its first model call.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 import warnings
 from asyncio import selector_events
@@ -52,8 +54,30 @@ class EventLoop:
 
     def __init__(self) -> None:
         self.loop = _Loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
 
     def run(self, work: Coroutine, timeout_s: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(work, timeout_s), self.loop)
         return future.result()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel what still runs on the loop, then stop it and end its thread. A task that
+        will not end within ``timeout_s`` keeps the (daemon) thread, and the loop stays open."""
+        if self.loop.is_closed():
+            return
+        cancelled = asyncio.run_coroutine_threadsafe(_cancel_all(timeout_s), self.loop)
+        with contextlib.suppress(TimeoutError, concurrent.futures.TimeoutError):
+            cancelled.result(timeout_s + 1)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout_s)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+async def _cancel_all(timeout_s: float) -> None:
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)

@@ -205,6 +205,10 @@ class OpenEnvEnvironment:
         }
         self.events = EventLoop()
 
+    def close(self) -> None:
+        """The run is over: the sessions' loop ends (each session closed its own)."""
+        self.events.close()
+
     def _served(self) -> dict[str, Any] | None:
         """What a server ``serve`` started says of itself; None for any other server."""
         try:

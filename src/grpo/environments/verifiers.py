@@ -93,6 +93,11 @@ class PolicyEndpoint:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
 
+    def close(self) -> None:
+        """Stop listening (calls still waiting were answered by their episodes' close)."""
+        self.server.shutdown()
+        self.server.server_close()
+
     def answer(
         self, path: str, headers: Any, read_body: Callable[[], Any]
     ) -> tuple[int, dict[str, Any]]:
@@ -165,6 +170,15 @@ class VerifiersEnvironment:
 
     def action(self, text: str) -> Action:
         return Action(text)
+
+    def close(self) -> None:
+        """The run is over: the Agents still running are cancelled, the endpoint stops
+        listening and its token leaves the environment variables."""
+        import os
+
+        self.events.close()
+        self.endpoint.close()
+        os.environ.pop(self.key_var, None)
 
     def episode(self) -> VerifiersEpisode:
         return VerifiersEpisode(self, f"grpo-episode-{next(self.count)}")

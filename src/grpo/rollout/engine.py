@@ -34,9 +34,9 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 
 
-def close_engine(engine: RolloutEngine) -> None:
-    """Release what an engine holds, where it has a ``close`` (vLLM's engine core, which must
-    go before the process group it joined does)."""
+def close_engine(engine: Any) -> None:
+    """Release what an engine (or an environment) holds, where it has a ``close`` (vLLM's
+    engine core, which must go before the process group it joined does)."""
     close = getattr(engine, "close", None)
     if callable(close):
         close()

@@ -361,7 +361,10 @@ class MultiTurnEngine:
         self.engine.sync_weights(model)
 
     def close(self) -> None:
+        """Release the engine and the environment (an OpenEnv or verifiers one holds a loop
+        thread, and verifiers' a listening endpoint)."""
         close_engine(self.engine)
+        close_engine(self.environment)
 
     def observation_ids(self, step: Step | ToolResult, ended_with_eos: bool) -> list[int]:
         """Tokens appended after an action: the template's tool message (the assistant message
