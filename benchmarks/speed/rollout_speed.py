@@ -34,6 +34,7 @@ import importlib.util
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,45 @@ def decode_limit(
         "compute_s": compute_s,
         "tokens_per_s": rows / max(stream_s, compute_s),
     }
+
+
+@dataclass
+class Setup:
+    """The default recipe's rollout: its settings, the model (float32), its tokenizer, the
+    dataset's rows and the system prompt."""
+
+    rollout: RolloutConfig
+    model: torch.nn.Module
+    tokenizer: Any
+    rows: list[dict[str, Any]]
+    system: str | None
+
+
+def default_setup() -> Setup:
+    """The default recipe's rollout, loaded."""
+    recipe = load_config()
+    path = resolve_model_path(recipe.model.name)
+    return Setup(
+        recipe.rollout,
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+        load_tokenizer(path),
+        load_dataset_rows(recipe.data, recipe.train.seed),
+        system_prompt_for(recipe.data),
+    )
+
+
+def round_prompts(setup: Setup, r: int) -> tuple[list[dict[str, Any]], list[str], list[int]]:
+    """Round ``r``'s rows, their rendered prompts and their seeds."""
+    p = setup.rollout.prompts_per_step
+    batch = setup.rows[r * p : (r + 1) * p]
+    prompts = [render_prompt(setup.tokenizer, row["prompt"], setup.system) for row in batch]
+    return batch, prompts, list(range(r * p, (r + 1) * p))
+
+
+def machine_now() -> dict[str, Any]:
+    """Memory bandwidth and the matrix-product peak of each precision, measured now."""
+    peaks = {name: common.matmul_peak_flops(dtype=dtype) for name, dtype in common.DTYPES.items()}
+    return {"bandwidth_bytes_per_s": memory_bandwidth(), "matmul_peak_flops": peaks}
 
 
 class Variant:
@@ -208,13 +248,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
-    recipe = load_config()  # the default recipe
-    rollout = recipe.rollout
-    path = resolve_model_path(recipe.model.name)
-    tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rows = load_dataset_rows(recipe.data, recipe.train.seed)
-    system = system_prompt_for(recipe.data)
+    setup = default_setup()
+    rollout, model, tokenizer = setup.rollout, setup.model, setup.tokenizer
+    rows, system = setup.rows, setup.system
     p, g = rollout.prompts_per_step, rollout.group_size
     sampling = variants(model, tokenizer, rollout)
     params = sum(t.numel() for t in model.parameters())
@@ -225,14 +261,9 @@ def main() -> None:
         "rounds": [],
     }
     for r in range(args.rounds):
-        batch = rows[r * p : (r + 1) * p]
-        prompts = [render_prompt(tokenizer, row["prompt"], system) for row in batch]
-        seeds = list(range(r * p, (r + 1) * p))
-        bandwidth = memory_bandwidth()
-        peaks = {
-            name: common.matmul_peak_flops(dtype=dtype) for name, dtype in common.DTYPES.items()
-        }
-        entry: dict[str, Any] = {"bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops": peaks}
+        batch, prompts, seeds = round_prompts(setup, r)
+        entry: dict[str, Any] = machine_now()
+        bandwidth, peaks = entry["bandwidth_bytes_per_s"], entry["matmul_peak_flops"]
         rollouts = {}
         for name, variant in sampling.items():
             out, seconds = variant.sample(model, prompts, batch, g, seeds=seeds)
