@@ -492,7 +492,7 @@ def sample_and_score(
     from grpo.build import build_for_sampling, engine_of
     from grpo.data.stream import sampling_seed
     from grpo.rewards.inputs import reward_inputs
-    from grpo.rollout import close_engine
+    from grpo.rollout import release
 
     k = settings.samples
     parts = build_for_sampling(config, [rows[i] for i in todo])
@@ -530,5 +530,5 @@ def sample_and_score(
                 progress.update(task, advance=len(chunk), info=info)
     finally:
         rewards.close()
-        close_engine(engine)
+        release(engine)
     return out, errors

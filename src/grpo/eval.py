@@ -47,7 +47,7 @@ from grpo.data.stream import sampling_seed
 from grpo.rewards import RewardError, RewardOutput, RewardRunner
 from grpo.rewards.accuracy import extract_answer
 from grpo.rewards.inputs import per_function_metrics, reward_inputs
-from grpo.rollout import RolloutEngine, close_engine
+from grpo.rollout import RolloutEngine, release
 from grpo.rollout.turns import env_metrics, tool_metrics
 from grpo.runtime.precision import bf16_autocast
 from grpo.step_data import Rollout, concat_rollouts
@@ -246,6 +246,6 @@ def evaluate_config(config: Config, samples: int, examples: int | None) -> dict[
             )
     finally:
         if engine is not None:
-            close_engine(engine)
+            release(engine)
         verifier.close()
         parts.rewards.close()

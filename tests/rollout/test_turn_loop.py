@@ -9,7 +9,7 @@ from scripted_turns import ANSWER, CALL, HERMES_LIKE, QUESTION, ScriptedEngine, 
 
 from grpo.config import ConfigError, RolloutConfig
 from grpo.models import load_tokenizer
-from grpo.rollout import close_engine, render_prompt
+from grpo.rollout import release, render_prompt
 from grpo.rollout.tools import PythonTool
 from grpo.rollout.turns import (
     MultiTurnEngine,
@@ -56,13 +56,13 @@ def test_the_turn_loop_pushes_the_trainers_weights_to_its_engine(tiny_model_dir)
 
 
 def test_closing_the_turn_loop_closes_its_engine(tiny_model_dir) -> None:
-    # close_engine calls an engine's close where it has one (vLLM's engine core must go before
+    # release calls an engine's close where it has one (vLLM's engine core must go before
     # the process group it joined); the turn loop passes its own close on to its engine
     scripted = ScriptedEngine(load_tokenizer(tiny_model_dir))
     closed: list[object] = []
     scripted.close = lambda: closed.append(scripted)
     MultiTurnEngine(scripted, scripted.tokenizer, rollout_config()).close()
-    close_engine(object())  # no close: nothing to do, no error
+    release(object())  # no close: nothing to do, no error
     assert closed == [scripted]
 
 

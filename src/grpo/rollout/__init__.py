@@ -18,24 +18,24 @@ if TYPE_CHECKING:
     from grpo.rollout.engine import (
         RolloutEngine,
         RolloutLost,
-        close_engine,
         completion_mask_and_truncation,
         decode_completions,
         decoding_of,
         grouped_rollout,
         prompt_seeds,
+        release,
         render_prompt,
     )
 
 __all__ = [
     "RolloutEngine",
     "RolloutLost",
-    "close_engine",
     "completion_mask_and_truncation",
     "decode_completions",
     "decoding_of",
     "grouped_rollout",
     "prompt_seeds",
+    "release",
     "render_prompt",
 ]
 

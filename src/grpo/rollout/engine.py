@@ -34,10 +34,10 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 
 
-def close_engine(engine: Any) -> None:
-    """Release what an engine (or an environment) holds, where it has a ``close`` (vLLM's
-    engine core, which must go before the process group it joined does)."""
-    close = getattr(engine, "close", None)
+def release(part: object) -> None:
+    """Release what an engine or an environment holds, where it has a ``close`` (vLLM's engine
+    core, which must go before the process group it joined does; an environment's loop)."""
+    close = getattr(part, "close", None)
     if callable(close):
         close()
 

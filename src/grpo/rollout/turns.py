@@ -51,7 +51,7 @@ from grpo.environments import (
     ending_tool_call,
 )
 from grpo.environments.calls import Outcome, run_calls
-from grpo.rollout import RolloutLost, close_engine, decoding_of, grouped_rollout, prompt_seeds
+from grpo.rollout import RolloutLost, decoding_of, grouped_rollout, prompt_seeds, release
 from grpo.rollout.padding import left_pad, right_pad
 from grpo.rollout.tools import TOOLS, PythonTool, ToolResult
 from grpo.step_data import EpisodeRecord, Rollout
@@ -363,8 +363,8 @@ class MultiTurnEngine:
     def close(self) -> None:
         """Release the engine and the environment (an OpenEnv or verifiers one holds a loop
         thread, and verifiers' a listening endpoint)."""
-        close_engine(self.engine)
-        close_engine(self.environment)
+        release(self.engine)
+        release(self.environment)
 
     def observation_ids(self, step: Step | ToolResult, ended_with_eos: bool) -> list[int]:
         """Tokens appended after an action: the template's tool message (the assistant message

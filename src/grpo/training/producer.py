@@ -29,7 +29,7 @@ from grpo.data.prompts import PromptFormat
 from grpo.data.stream import Draw, PromptStream, sampling_seed
 from grpo.rewards import RewardOutput, RewardRunner
 from grpo.rewards.inputs import reward_inputs
-from grpo.rollout import RolloutEngine, close_engine
+from grpo.rollout import RolloutEngine, release
 from grpo.runtime import distributed
 from grpo.runtime.distributed import DistInfo
 from grpo.runtime.precision import bf16_autocast
@@ -274,4 +274,4 @@ class InProcessProducer:
 
     def close(self) -> None:
         """Release the engine (the rewards belong to whoever built them)."""
-        close_engine(self.engine)
+        release(self.engine)

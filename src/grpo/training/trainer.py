@@ -30,7 +30,7 @@ from grpo.config import Config, ConfigError, dump_config, load_config
 from grpo.eval import evaluate, settings_for
 from grpo.models import Reference
 from grpo.rewards import ErrorWatch
-from grpo.rollout import RolloutEngine, RolloutLost, close_engine
+from grpo.rollout import RolloutEngine, RolloutLost, release
 from grpo.runs.directory import RunDir, RunDirError, is_disk_full
 from grpo.runs.metrics import MetricsLogger, ProgressBar
 from grpo.runtime import distributed
@@ -272,7 +272,7 @@ class Trainer:
             if self.engine is not None and self.engine is not getattr(
                 self.producer, "engine", None
             ):
-                close_engine(self.engine)  # evaluation's own, beside a producer process
+                release(self.engine)  # evaluation's own, beside a producer process
             self._close_rewards()
             self.run.release()
             self.bars.restore()
