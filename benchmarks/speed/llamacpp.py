@@ -183,14 +183,17 @@ def main() -> None:
         for k, v in variants(model, tokenizer, rollout).items()
         if k in ("hf_float32", "hf_bf16")
     }
-    folder = Path(tempfile.mkdtemp())
     template = find_package_file(*PACKAGED)
-    llama = {
-        f"llamacpp_{name}": LlamaCpp(
-            write_gguf(model, template, folder / f"{name}.gguf", name == "bf16"), p * g, 256
-        )
-        for name in ("float32", "bf16")
-    }
+    # the files go once loaded (llama.cpp maps or copies them): 0.8 GB a run otherwise
+    with tempfile.TemporaryDirectory() as folder:
+        llama = {
+            f"llamacpp_{name}": LlamaCpp(
+                write_gguf(model, template, Path(folder) / f"{name}.gguf", name == "bf16"),
+                p * g,
+                256,
+            )
+            for name in ("float32", "bf16")
+        }
     params = sum(t.numel() for t in model.parameters())
     # the GGUF holds the model's weights: float32 logits after one prompt agree
     first = round_prompts(setup, 0)[1][0]
