@@ -1,16 +1,20 @@
 """The environments' event loop: a client dropped unclosed does not take a new server's socket
-with it (grpo.environments.event_loop)."""
+with it, over plain TCP and over asyncio's TLS (grpo.environments.event_loop)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import shutil
 import socket
+import ssl
+import subprocess
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 
-from grpo.environments.event_loop import EventLoop
+from grpo.environments.event_loop import EventLoop, _SocketTransport
 
 pytestmark = pytest.mark.skipif(
     find_spec("openai") is None, reason="the envs extra (make test installs it)"
@@ -86,3 +90,44 @@ def test_a_client_collected_unclosed_leaves_a_new_server_on_its_descriptor_servi
     assert reused == freed  # the case that hangs: the new server got the freed descriptor
     assert line == b"HTTP/1.1 200 OK\r\n"
     events.close()
+
+
+async def tls_round_trip(certificate: Path, key: Path) -> tuple[type, type, bytes]:
+    """One request over asyncio's own TLS on the loop: (the client's socket transport class,
+    the server's, the answer's first line)."""
+    served: list[asyncio.StreamWriter] = []
+
+    async def answer_tls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.append(writer)
+        await answer(reader, writer)
+
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(certificate, key)
+    client_side = ssl.create_default_context(cafile=certificate)
+    server = await asyncio.start_server(answer_tls, "127.0.0.1", 0, ssl=server_side)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=client_side, server_hostname="localhost"
+    )
+    writer.write(b"GET / HTTP/1.1\r\nHost: here\r\n\r\n")
+    line = await asyncio.wait_for(reader.readline(), 5)
+    raw = [w.transport._ssl_protocol._transport for w in (writer, served[0])]
+    writer.close()
+    server.close()
+    return type(raw[0]), type(raw[1]), line
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="makes its certificate with openssl")
+def test_connections_over_asyncio_tls_are_guarded_too(tmp_path: Path) -> None:
+    certificate, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-keyout", str(key), "-out", str(certificate)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    events = EventLoop()
+    client, server, line = events.run(tls_round_trip(certificate, key), 30)
+    events.close()
+    assert line == b"HTTP/1.1 200 OK\r\n"
+    assert client is server is _SocketTransport

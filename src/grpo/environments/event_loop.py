@@ -8,7 +8,9 @@ finalizer resurrects it to close them on the running loop a moment later. By the
 collector has closed each connection's socket, and the descriptor may already belong to a new
 socket (the next episode's interception server): closing the old transport then unregisters the
 new socket from the loop, which never reads it again. An episode whose harness called that
-server would wait for ever for its first model call.
+server would wait for ever for its first model call. The guard covers plain connections
+(httpx's, TLS included, and aiohttp's servers) and those over asyncio's own TLS (an aiohttp
+client's https).
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ class _Loop(asyncio.SelectorEventLoop):
         server: Any = None,
     ) -> _SocketTransport:
         return _SocketTransport(self, sock, protocol, waiter, extra, server)
+
+    def _make_ssl_transport(self, rawsock: Any, *args: Any, **kwargs: Any) -> Any:
+        # asyncio's own TLS (an aiohttp client's https) builds its socket transport inside;
+        # the loop keeps it by descriptor, where it is given the same guard
+        transport = super()._make_ssl_transport(rawsock, *args, **kwargs)
+        raw = self._transports.get(rawsock.fileno())
+        if type(raw) is selector_events._SelectorSocketTransport:
+            raw.__class__ = _SocketTransport
+        return transport
 
 
 class EventLoop:
