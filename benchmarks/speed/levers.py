@@ -32,7 +32,7 @@ from benchmarks import common
 from grpo.config import ModelConfig, RolloutConfig, TrainConfig
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import load_policy, load_tokenizer, resolve_model_path
-from grpo.rollout import decode, decoding_of, hf, render_prompt
+from grpo.rollout import decode, decoding_of, hf, kv_cache, render_prompt
 from grpo.rollout.hf import HFEngine, sample_groups
 from grpo.rollout.packed_weights import packed_linears
 from grpo.rollout.sampler import Chooser, SeededGroupSampler, processor_choice
@@ -213,6 +213,37 @@ def decode_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: int,
     result["same_tokens"] = torch.equal(own.completion_ids, lean.completion_ids)
     result["generated_tokens"] = int(lean.completion_mask.sum())
     return {"lean_decode": result}
+
+
+def kv_dtype_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: int, repeats: int):
+    """Whole rollouts with the KV cache in the dtype attention multiplies in (bf16 under
+    autocast: ``kv_cache.attended_dtype``) against the keys as the rotary embedding gives them
+    (float32), from the same seeds: the same tokens and log-probs either way (checked here)."""
+    seeds = list(range(len(prompts)))
+    rollouts: dict[str, Rollout] = {}
+
+    def run(narrow: bool) -> Callable[[], None]:
+        def go() -> None:
+            with contextlib.ExitStack() as stack:
+                if not narrow:
+                    stack.enter_context(
+                        mock.patch.object(kv_cache, "attended_dtype", lambda m: None)
+                    )
+                out = engine.generate(prompts, rows, g, seeds=seeds)
+            rollouts["attended" if narrow else "as_they_come"] = out
+
+        return go
+
+    if kv_cache.attended_dtype(engine.model) is None:
+        raise SystemExit(
+            "--kv-dtype: attention multiplies in the keys' own dtype here (no autocast)"
+        )
+    result = alternate({"as_they_come": run(False), "attended": run(True)}, repeats)
+    wide, narrow = rollouts["as_they_come"], rollouts["attended"]
+    result["same_tokens"] = torch.equal(wide.completion_ids, narrow.completion_ids)
+    result["same_logps"] = torch.equal(wide.sampler_logp, narrow.sampler_logp)
+    result["generated_tokens"] = int(narrow.completion_mask.sum())
+    return {"kv_cache_dtype": result}
 
 
 def long_cache_lever(model, enc, engine: HFEngine, g: int, tokens: int, repeats: int) -> dict:
@@ -545,6 +576,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rollout", action="store_true", help="only the rollout's levers")
     parser.add_argument("--decode", action="store_true", help="only the lean decode step")
     parser.add_argument(
+        "--kv-dtype",
+        action="store_true",
+        help="only the rollout's KV cache in attention's dtype against float32 keys (bf16)",
+    )
+    parser.add_argument(
         "--lora",
         action="store_true",
         help="the model as model.lora.enabled builds the policy (PEFT's LoRA wrapper)",
@@ -608,6 +644,7 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
         "compile": lambda: {"compile_rollout": compile_lever(engine, prompts, rows, g)},
         "compile_update": lambda: compile_update_lever(model, rollout, mb, args.repeats),
         "decode": lambda: decode_lever(engine, prompts, rows, g, args.repeats),
+        "kv_dtype": lambda: kv_dtype_lever(engine, prompts, rows, g, args.repeats),
         "long_cache": lambda: long_cache_lever(
             model, enc, engine, g, args.long_cache, args.repeats
         ),

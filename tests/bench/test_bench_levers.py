@@ -237,6 +237,19 @@ def test_the_decode_lever_times_both_paths_on_the_same_tokens(tiny_model_dir) ->
     assert [len(t) for t in result["times_s"].values()] == [2, 2]
 
 
+def test_the_kv_dtype_lever_times_both_caches_on_the_same_tokens(tiny_model_dir) -> None:
+    from benchmarks.speed.levers import kv_dtype_lever
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)), RolloutConfig(max_new_tokens=6))
+    with pytest.raises(SystemExit, match="no autocast"):
+        kv_dtype_lever(engine, ["a"], [{}], 2, repeats=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        result = kv_dtype_lever(engine, ["a", "bcd"], [{}, {}], 2, repeats=2)["kv_cache_dtype"]
+    assert result["same_tokens"] and result["same_logps"] and result["generated_tokens"] > 0
+    assert [len(t) for t in result["times_s"].values()] == [2, 2]
+
+
 def test_the_decode_lever_runs_on_the_lora_policy(tmp_path) -> None:
     from benchmarks.speed import levers
 

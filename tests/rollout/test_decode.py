@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -18,7 +19,7 @@ from transformers import (
 
 from grpo.config import ModelConfig, RolloutConfig
 from grpo.models import load_policy, load_tokenizer
-from grpo.rollout import decode
+from grpo.rollout import decode, kv_cache
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.kv_cache import reserved_cache
 from grpo.scoring.prefix_attention import use_prefix_attention
@@ -55,17 +56,21 @@ def llama(**overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**SMALL, **overrides)).eval()
 
 
-def decode_both(model, steps: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def decode_both(
+    model, steps: int = 6, caches: tuple = (reserved_cache, reserved_cache), lean: bool = True
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Left-padded prompts prefilled once per path, then ``steps`` decode steps through the
-    model's own forward and through lean_step, each on its own cache: their logits per step."""
+    model's own forward and through lean_step (or with ``lean=False`` its own forward again),
+    each on its own cache (``caches``: the two paths' cache builders): their logits per step."""
     ids = torch.randint(0, 50, (3, 7)).to(model.device)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # rows of different prompt lengths
     mask[1, :1] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     paths = []
-    for step in (decode.own_step(model), decode.lean_step(model)):
-        cache = reserved_cache(model, 20)
+    second = decode.lean_step(model) if lean else decode.own_step(model)
+    for step, make in zip((decode.own_step(model), second), caches, strict=True):
+        cache = make(model, 20)
         out = model(
             input_ids=ids,
             attention_mask=mask,
@@ -97,6 +102,49 @@ def test_lean_step_gives_the_models_own_logits_bit_for_bit(build, attention, bf1
         pairs = decode_both(model)
     assert all(torch.equal(own, lean) for own, lean in pairs)
     assert not torch.equal(pairs[0][0], pairs[1][0])  # the steps did move on
+
+
+def transformers_cache(model, _: int) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("build", [llama, qwen3])
+@pytest.mark.parametrize("attention", ["sdpa", "prefix", "eager"])
+def test_the_reserved_cache_holds_bf16_keys_under_autocast_and_changes_no_logit(
+    build, attention, device
+) -> None:
+    # attention casts the float32 keys the rotary embedding gives to bf16 anyway: stored so,
+    # each is cast once, and every step's logits are those on transformers' float32 cache
+    model = build(attn_implementation="eager" if attention == "eager" else "sdpa").to(device)
+    if attention == "prefix":
+        assert use_prefix_attention(model)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        pairs = decode_both(model, caches=(transformers_cache, reserved_cache), lean=False)
+        cache = reserved_cache(model, 4)
+        model(
+            input_ids=torch.ones(2, 3, dtype=torch.long, device=device), **{decode.CACHE_ARG: cache}
+        )
+    assert all(torch.equal(theirs, ours) for theirs, ours in pairs)
+    assert {cache.layers[0].keys.dtype, cache.layers[0].values.dtype} == {torch.bfloat16}
+    with torch.no_grad():  # no autocast: the keys as they come
+        cache = reserved_cache(model, 4)
+        model(
+            input_ids=torch.ones(2, 3, dtype=torch.long, device=device), **{decode.CACHE_ARG: cache}
+        )
+    assert cache.layers[0].keys.dtype == torch.float32
+
+
+def test_an_attention_autocast_does_not_cast_keeps_the_keys_as_they_come() -> None:
+    # flex attention and other kernels may multiply in what they are given: nothing is narrowed
+    model = llama()
+    model.config._attn_implementation = "flex_attention"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kv_cache.attended_dtype(model) is None
+    model.config._attn_implementation = "sdpa"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kv_cache.attended_dtype(model) == torch.bfloat16
+    assert kv_cache.attended_dtype(model) is None
 
 
 def test_lean_step_follows_the_models_weights() -> None:

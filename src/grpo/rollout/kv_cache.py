@@ -1,5 +1,5 @@
 """The HF engine's KV cache: each full-attention layer writes into a buffer reserved for the
-whole rollout instead of concatenating at every token."""
+whole rollout instead of concatenating at every token, in the dtype attention multiplies in."""
 
 from __future__ import annotations
 
@@ -9,9 +9,16 @@ import torch
 from torch import nn
 from transformers import DynamicCache, DynamicLayer
 
+from grpo.scoring.prefix_attention import PREFIX
+
 # completion positions a rollout's KV cache holds from the start (beyond: it doubles), so a large
 # max_new_tokens that completions rarely reach reserves no memory they do not use
 RESERVED_TOKENS = 1024
+
+# attention implementations whose products autocast casts (SDPA, eager's matmuls; PREFIX is SDPA
+# outside packed scoring): under autocast they multiply keys and values in its dtype, whatever
+# dtype the cache holds them in
+AUTOCAST_ATTENTION = {"sdpa", "eager", PREFIX}
 
 
 class ReservedLayer(DynamicLayer):
@@ -24,17 +31,31 @@ class ReservedLayer(DynamicLayer):
     writes only itself and attention reads a view of the filled part. Holds ``capacity``
     positions at first; a write past them doubles the buffer (at least), so growing costs a
     copy per doubling, not per token, and the buffer is never more than twice what it holds.
+
+    ``dtype``: the dtype attention multiplies in where it is narrower than the states' (bf16
+    under autocast, ``attended_dtype``). Under bf16 autocast the rotary embedding hands over
+    float32 keys, and attention would cast the whole float32 cache to bf16 at every step: a
+    read and a write of every key per layer and token. Stored in bf16 as written, each key is
+    cast once, to the same bf16 numbers, so attention's output is unchanged bit for bit.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.capacity = capacity
+        self.capacity, self.narrow = capacity, dtype
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.length = 0  # after a reset too
-        self._reserve(key_states[:, :, :0], value_states[:, :, :0], self.capacity)
+        keys, values = (self._stored(x[:, :, :0]) for x in (key_states, value_states))
+        self.dtype = keys.dtype
+        self._reserve(keys, values, self.capacity)
+
+    def _stored(self, states: torch.Tensor) -> torch.Tensor:
+        narrow = self.narrow
+        if narrow is None or states.element_size() <= narrow.itemsize:
+            return states
+        return states.to(narrow)
 
     def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         """Fresh buffers of ``capacity`` positions holding ``keys`` and ``values`` at the front.
@@ -83,11 +104,25 @@ class ReservedLayer(DynamicLayer):
             self._reserve(self.keys[indices], self.values[indices], held)
 
 
+def attended_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype ``model``'s attention multiplies keys and values in now, where autocast decides
+    it (its implementation is one of ``AUTOCAST_ATTENTION``), else None: as they come."""
+    device = next(model.parameters()).device.type
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation in AUTOCAST_ATTENTION and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
 def reserved_cache(model: nn.Module, capacity: int) -> DynamicCache:
     """The model's ``DynamicCache`` with each full-attention layer reserving ``capacity``
-    positions; sliding-window and other special layers keep their own behaviour."""
+    positions in the dtype its attention multiplies in (``attended_dtype``, decided now: a
+    rollout keeps one autocast state throughout); sliding-window and other special layers keep
+    their own behaviour."""
     cache = DynamicCache(config=model.config)
+    dtype = attended_dtype(model)
     cache.layers = [
-        ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
+        ReservedLayer(capacity, dtype) if type(layer) is DynamicLayer else layer
+        for layer in cache.layers
     ]
     return cache
