@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from test_decode import decode_both, llama, mistral, qwen2, qwen3
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 from transformers import AutoModelForCausalLM
 
 from grpo.config import ModelConfig, RolloutConfig
@@ -165,6 +166,13 @@ def test_kernels_are_cached_in_grpos_folder_unless_inductors_is_named(tiny, monk
     compiled._Compiled(model)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compiled.KERNEL_CACHE)
     assert compiled.KERNEL_CACHE.parts[-3:] == (".cache", "grpo", "inductor")
+    # importing peft (as loading a policy does) has inductor write its own default folder
+    # into the variable before any step compiles: that is no choice of the user's
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    inductors_default = cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == inductors_default
+    compiled._Compiled(model)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compiled.KERNEL_CACHE)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # the user's choice stands
     compiled._Compiled(model)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"

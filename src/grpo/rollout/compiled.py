@@ -176,12 +176,23 @@ class _Compiled:
     whose first step was checked against the model's own forward."""
 
     def __init__(self, model: nn.Module) -> None:
-        # read by inductor when it compiles (at the first call), and kept for the process
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(KERNEL_CACHE))
+        _use_kernel_cache()
         self.step: Callable[..., torch.Tensor] | None = torch.compile(
             _traced(model), dynamic=True, fullgraph=True
         )
         self.checked: set[torch.dtype] = set()
+
+
+def _use_kernel_cache() -> None:
+    """Inductor's kernels go to ``KERNEL_CACHE`` unless the user named a folder. Inductor writes
+    its own default (``/tmp/torchinductor_<user>``) into ``TORCHINDUCTOR_CACHE_DIR`` the first
+    time anything asks it for the folder (importing peft does), so that value counts as unnamed;
+    the variable is read again at each compilation, so setting it now still holds."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named is None or os.path.abspath(named) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(KERNEL_CACHE)
 
 
 # model -> its compiled step (one trace per model and process; kernels cached on disk)
