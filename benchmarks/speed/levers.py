@@ -27,6 +27,7 @@ from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
 )
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from benchmarks import common
 from grpo.config import ModelConfig, RolloutConfig, TrainConfig
@@ -243,7 +244,40 @@ def kv_dtype_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: in
     result["same_tokens"] = torch.equal(wide.completion_ids, narrow.completion_ids)
     result["same_logps"] = torch.equal(wide.sampler_logp, narrow.sampler_logp)
     result["generated_tokens"] = int(narrow.completion_mask.sum())
+    length = max(len(engine.tokenizer(p).input_ids) for p in prompts)
+    length += engine.config.max_new_tokens // 2
+    result["attention_alone"] = {
+        "positions": length,
+        **decode_attention(engine.model, len(prompts) * g, length, repeats),
+    }
     return {"kv_cache_dtype": result}
+
+
+@torch.no_grad()
+def decode_attention(model, rows: int, length: int, repeats: int) -> dict:
+    """One decode step's attention over every layer (the model's own attention function, a
+    query per row against ``length`` cached positions, the prompt padding masked), on float32
+    keys against bf16 ones, as the rollout runs it under autocast: the rest of the step aside."""
+    config = model.config
+    attend = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+    layers = [layer.self_attn for layer in model.model.layers]
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = layers[0].head_dim
+    q = torch.randn(rows, heads, 1, dim)
+    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    mask[: rows // 4, ..., : length // 4] = False  # rows with shorter prompts
+    keys = [torch.randn(rows, kv_heads, length, dim) for _ in layers]
+    values = [torch.randn(rows, kv_heads, length, dim).bfloat16() for _ in layers]
+
+    def run(keys: list[torch.Tensor]) -> Callable[[], None]:
+        def go() -> None:
+            for attn, k, v in zip(layers, keys, values, strict=True):
+                attend(attn, q, k, v, mask, scaling=attn.scaling)
+
+        return go
+
+    narrow = [k.bfloat16() for k in keys]
+    return alternate({"float32_keys": run(keys), "bf16_keys": run(narrow)}, 5 * repeats)
 
 
 def long_cache_lever(model, enc, engine: HFEngine, g: int, tokens: int, repeats: int) -> dict:

@@ -248,6 +248,8 @@ def test_the_kv_dtype_lever_times_both_caches_on_the_same_tokens(tiny_model_dir)
         result = kv_dtype_lever(engine, ["a", "bcd"], [{}, {}], 2, repeats=2)["kv_cache_dtype"]
     assert result["same_tokens"] and result["same_logps"] and result["generated_tokens"] > 0
     assert [len(t) for t in result["times_s"].values()] == [2, 2]
+    alone = result["attention_alone"]
+    assert alone["positions"] >= 6 and [len(t) for t in alone["times_s"].values()] == [10, 10]
 
 
 def test_the_decode_lever_runs_on_the_lora_policy(tmp_path) -> None:

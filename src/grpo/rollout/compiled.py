@@ -20,8 +20,9 @@ What changes against the eager step, so that one compilation serves every rollou
 
 Compiled kernels sum in other orders than the eager ones, so the logits differ by rounding (a
 float32 rollout's tokens are then no longer bit for bit the model's own forward's); and the first
-rollout of a machine waits for the compilation (65-155 s on a 2-core AMX Xeon, where the step it
-compiles runs 1.1-1.4x the eager one: docs/results/rollout-speed.md). So it is asked for
+rollout of a machine waits for the compilation (120-170 s on a 2-core AMX Xeon, and about a
+minute in a later process that finds the kernels on disk, where the step it compiles runs
+1.0-1.4x the eager one: docs/results/rollout-speed.md). So it is asked for
 (``rollout.compile: true``), never the default. The first step of each model is computed both
 ways and compared; a compiled step that is further from the model's own forward than rounding
 explains (a transformers version whose forward does something ``lean_step`` does not mirror) is
