@@ -135,7 +135,7 @@ def test_the_reserved_cache_holds_bf16_keys_under_autocast_and_changes_no_logit(
     assert cache.layers[0].keys.dtype == torch.float32
 
 
-def test_an_attention_autocast_does_not_cast_keeps_the_keys_as_they_come() -> None:
+def test_an_attention_autocast_may_not_cast_keeps_the_keys_as_they_come() -> None:
     # flex attention and other kernels may multiply in what they are given: nothing is narrowed
     model = llama()
     model.config._attn_implementation = "flex_attention"
@@ -145,6 +145,12 @@ def test_an_attention_autocast_does_not_cast_keeps_the_keys_as_they_come() -> No
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert kv_cache.attended_dtype(model) == torch.bfloat16
     assert kv_cache.attended_dtype(model) is None
+    # custom code (trust_remote_code) may use its keys otherwise, under any implementation name
+    model.config.__class__ = type(
+        "RemoteConfig", (LlamaConfig,), {"__module__": "transformers_modules.x"}
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kv_cache.attended_dtype(model) is None
 
 
 def test_lean_step_follows_the_models_weights() -> None:

@@ -106,10 +106,13 @@ class ReservedLayer(DynamicLayer):
 
 def attended_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype ``model``'s attention multiplies keys and values in now, where autocast decides
-    it (its implementation is one of ``AUTOCAST_ATTENTION``), else None: as they come."""
+    it (a transformers model, not custom code, whose implementation is one of
+    ``AUTOCAST_ATTENTION``), else None: as they come."""
     device = next(model.parameters()).device.type
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation in AUTOCAST_ATTENTION and torch.is_autocast_enabled(device):
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None)
+    own = type(config).__module__.startswith("transformers.models.")  # not trust_remote_code
+    if own and implementation in AUTOCAST_ATTENTION and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return None
 
