@@ -52,6 +52,7 @@ from grpo.models import (
 from grpo.rewards import RewardError, RewardRunner
 from grpo.rewards.registry import RewardFn
 from grpo.rollout import RolloutEngine
+from grpo.rollout.engine import release
 from grpo.rollout.turns import MultiTurnEngine, python_environment
 from grpo.runtime import distributed
 from grpo.runtime.host_memory import bound_kernel_caches
@@ -198,6 +199,17 @@ def prompt_format(config: Config, environment: Environment | None = None) -> Pro
     environment = environment or environment_of(config)
     tools = environment.tools if environment is not None else []
     return prompt_format_for(config.data, system_prompt_for(config.data), tools)
+
+
+def episodeless_prompt_format(config: Config) -> PromptFormat:
+    """The prompt format of a process that plays no episode (``grpo serve`` samples turns a
+    trainer's loop plays): the config's environment is built for its tools, then closed (an
+    OpenEnv server's or a verifiers environment's loop thread would otherwise outlive it)."""
+    environment = environment_of(config)
+    try:
+        return prompt_format(config, environment)
+    finally:
+        release(environment)
 
 
 def reward_runner(

@@ -279,7 +279,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = build.concrete_precision(config, path, device)
     # full weights: a LoRA run pushes its base with the adapters merged in
     plain = config.model.model_copy(update={"lora": LoraConfig()})
-    tokenizer, model = build.load_model(plain, path, build.prompt_format(config), [], device)
+    tokenizer, model = build.load_model(
+        plain, path, build.episodeless_prompt_format(config), [], device
+    )
     model.eval()
     engine = build.build_engine(
         config.rollout.engine, model=model, tokenizer=tokenizer, config=config.rollout

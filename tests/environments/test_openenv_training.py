@@ -64,6 +64,26 @@ def test_a_class_trains_the_same_in_process_and_served_through_openenv(tiny_conf
     assert len(local) == 2 and local[0]["env/turns"] >= 1.0
 
 
+def test_grpo_serves_prompt_format_closes_the_environment_it_built(tiny_config) -> None:
+    # grpo serve needs the environment's tools for its prompts, and plays no episode
+    from openenv_game import serving
+
+    from grpo.build import episodeless_prompt_format
+    from grpo.environments.openenv_serve import app_for
+
+    environment = ClassEnvironment(load_class(GUESS), "template")
+    with serving(app_for(environment, sessions=2)) as url:
+        config = _config(tiny_config, f"openenv+{url}?action=tool", "serve")
+        config = config.model_copy(
+            update={"rollout": config.rollout.model_copy(update={"tool_call_format": "template"})}
+        )
+        before = set(threading.enumerate())
+        fmt = episodeless_prompt_format(config)
+        started = set(threading.enumerate()) - before
+    assert [t["function"]["name"] for t in fmt.tools] == ["guess"]
+    assert not [t.name for t in started if t.is_alive() and "run_forever" in t.name]
+
+
 def test_a_server_absent_at_start_is_one_line_and_exit_2(tiny_config, tmp_path, capsys) -> None:
     from openenv_game import free_port
 
