@@ -83,6 +83,9 @@ def test_a_compilation_that_fails_is_said_once_and_decodes_eagerly(
     assert err == line
     assert torch.equal(got.completion_ids, eager.completion_ids)
     assert torch.equal(got.sampler_logp, eager.sampler_logp)
+    # eagerly as without rollout.compile: the lean step (checked once), weights packed again
+    assert decode._VERIFIED.get(model) is True
+    assert not compiled.wanted(True, model)
 
 
 def test_a_step_that_is_off_from_the_models_forward_is_refused(tiny, monkeypatch, capsys) -> None:

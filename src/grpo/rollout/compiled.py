@@ -32,6 +32,7 @@ compiler, an unsupported op).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Cache
 
-from grpo.rollout.decode import LEAN_MODELS, DecodeStep, leanable, own_step
+from grpo.rollout.decode import LEAN_MODELS, DecodeStep, decode_step, leanable, own_step
 from grpo.rollout.kv_cache import ReservedLayer
 from grpo.runtime.user_code import error_line
 
@@ -204,16 +205,17 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
     """``model``'s decode step compiled (``compilable(model)`` must hold), over its weights cast
     to ``dtype`` now (call it once per rollout: the weights change between rollouts)."""
     entry = _COMPILED.get(model) or _COMPILED.setdefault(model, _Compiled(model))
+    if entry.step is None:  # compiling failed: the step it decodes through without compile
+        return decode_step(model)
+    eager = functools.cache(lambda: decode_step(model))  # for a failure in this rollout
     own = own_step(model)
-    if entry.step is None:
-        return own
     w = weights(model, dtype)
 
     def step(
         tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Cache
     ) -> torch.Tensor:
         if entry.step is None:
-            return own(tokens, mask, positions, cache)
+            return eager()(tokens, mask, positions, cache)
         layers: list[ReservedLayer] = cache.layers  # type: ignore[assignment]
         at = layers[0].length
         for layer in layers:
@@ -265,8 +267,10 @@ def _say(what: str) -> None:
 
 
 def wanted(setting: bool, model: nn.Module) -> bool:
-    """Whether a rollout of ``model`` decodes compiled (``rollout.compile``)."""
-    return setting and compilable(model)
+    """Whether a rollout of ``model`` decodes compiled (``rollout.compile``): not once its
+    compilation has failed (its rollouts then decode, and pack their weights, as eager ones)."""
+    entry = _COMPILED.get(model)
+    return setting and compilable(model) and (entry is None or entry.step is not None)
 
 
 def sampling_dtype(model: nn.Module) -> torch.dtype:
