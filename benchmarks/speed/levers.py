@@ -191,26 +191,47 @@ def rollout_levers(model, tokenizer, enc, engine: HFEngine, g: int, repeats: int
     }
 
 
-def decode_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: int, repeats: int):
-    """Whole rollouts decoding through the lean step (``rollout/decode.py``) against the
-    model's own forward, from the same seeds: the same tokens either way (checked here)."""
+def plain_against_fast(
+    engine: HFEngine,
+    prompts: list[str],
+    rows: list[dict],
+    g: int,
+    repeats: int,
+    plain: Callable[[], contextlib.AbstractContextManager],
+    names: tuple[str, str],
+) -> tuple[dict[str, Any], Rollout, Rollout]:
+    """Whole rollouts from the same seeds, alternated: inside ``plain()`` (the path a lever
+    replaces, named ``names[0]``) and without it (``names[1]``); the timings and both last
+    rollouts."""
     seeds = list(range(len(prompts)))
     rollouts: dict[str, Rollout] = {}
 
-    def run(lean: bool) -> Callable[[], None]:
+    def run(name: str, context: Callable[[], contextlib.AbstractContextManager]) -> Callable:
         def go() -> None:
-            with contextlib.ExitStack() as stack:
-                if not lean:
-                    stack.enter_context(mock.patch.object(decode, "leanable", lambda m: False))
-                out = engine.generate(prompts, rows, g, seeds=seeds)
-            rollouts["lean" if lean else "own"] = out
+            with context():
+                rollouts[name] = engine.generate(prompts, rows, g, seeds=seeds)
 
         return go
 
+    slow, fast = names
+    runs = {slow: run(slow, plain), fast: run(fast, contextlib.nullcontext)}
+    return alternate(runs, repeats), rollouts[slow], rollouts[fast]
+
+
+def decode_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: int, repeats: int):
+    """Whole rollouts decoding through the lean step (``rollout/decode.py``) against the
+    model's own forward, from the same seeds: the same tokens either way (checked here)."""
     if not decode.leanable(engine.model):
         raise SystemExit(f"--decode: {type(engine.model).__name__} has no lean decode step")
-    result = alternate({"own_forward": run(False), "lean": run(True)}, repeats)
-    own, lean = rollouts["own"], rollouts["lean"]
+    result, own, lean = plain_against_fast(
+        engine,
+        prompts,
+        rows,
+        g,
+        repeats,
+        lambda: mock.patch.object(decode, "leanable", lambda m: False),
+        ("own_forward", "lean"),
+    )
     result["same_tokens"] = torch.equal(own.completion_ids, lean.completion_ids)
     result["generated_tokens"] = int(lean.completion_mask.sum())
     return {"lean_decode": result}
@@ -220,27 +241,19 @@ def kv_dtype_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: in
     """Whole rollouts with the KV cache in the dtype attention multiplies in (bf16 under
     autocast: ``kv_cache.attended_dtype``) against the keys as the rotary embedding gives them
     (float32), from the same seeds: the same tokens and log-probs either way (checked here)."""
-    seeds = list(range(len(prompts)))
-    rollouts: dict[str, Rollout] = {}
-
-    def run(narrow: bool) -> Callable[[], None]:
-        def go() -> None:
-            with contextlib.ExitStack() as stack:
-                if not narrow:
-                    stack.enter_context(
-                        mock.patch.object(kv_cache, "attended_dtype", lambda m: None)
-                    )
-                out = engine.generate(prompts, rows, g, seeds=seeds)
-            rollouts["attended" if narrow else "as_they_come"] = out
-
-        return go
-
     if kv_cache.attended_dtype(engine.model) is None:
         raise SystemExit(
             "--kv-dtype: attention multiplies in the keys' own dtype here (no autocast)"
         )
-    result = alternate({"as_they_come": run(False), "attended": run(True)}, repeats)
-    wide, narrow = rollouts["as_they_come"], rollouts["attended"]
+    result, wide, narrow = plain_against_fast(
+        engine,
+        prompts,
+        rows,
+        g,
+        repeats,
+        lambda: mock.patch.object(kv_cache, "attended_dtype", lambda m: None),
+        ("as_they_come", "attended"),
+    )
     result["same_tokens"] = torch.equal(wide.completion_ids, narrow.completion_ids)
     result["same_logps"] = torch.equal(wide.sampler_logp, narrow.sampler_logp)
     result["generated_tokens"] = int(narrow.completion_mask.sum())
