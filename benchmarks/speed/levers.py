@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -271,16 +272,20 @@ def decode_attention(model, rows: int, length: int, repeats: int) -> dict:
     """One decode step's attention over every layer (the model's own attention function, a
     query per row against ``length`` cached positions, the prompt padding masked), on float32
     keys against bf16 ones, as the rollout runs it under autocast: the rest of the step aside."""
-    config = model.config
-    attend = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+    model, _ = decode.unwrapped(model)  # a LoRA policy's
+    config, device = model.config, model.device
+    modeling = sys.modules[type(model).__module__]
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+        config._attn_implementation, modeling.eager_attention_forward
+    )
     layers = [layer.self_attn for layer in model.model.layers]
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dim = layers[0].head_dim
-    q = torch.randn(rows, heads, 1, dim)
-    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    q = torch.randn(rows, heads, 1, dim, device=device)
+    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool, device=device)
     mask[: rows // 4, ..., : length // 4] = False  # rows with shorter prompts
-    keys = [torch.randn(rows, kv_heads, length, dim) for _ in layers]
-    values = [torch.randn(rows, kv_heads, length, dim).bfloat16() for _ in layers]
+    keys = [torch.randn(rows, kv_heads, length, dim, device=device) for _ in layers]
+    values = [torch.randn(rows, kv_heads, length, dim, device=device).bfloat16() for _ in layers]
 
     def run(keys: list[torch.Tensor]) -> Callable[[], None]:
         def go() -> None:

@@ -64,7 +64,7 @@ def test_a_class_trains_the_same_in_process_and_served_through_openenv(tiny_conf
     assert len(local) == 2 and local[0]["env/turns"] >= 1.0
 
 
-def test_grpo_serves_prompt_format_closes_the_environment_it_built(tiny_config) -> None:
+def test_the_prompt_format_of_grpo_serve_closes_the_environment_it_built(tiny_config) -> None:
     # grpo serve needs the environment's tools for its prompts, and plays no episode
     from openenv_game import serving
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -119,14 +120,15 @@ def test_the_reserved_cache_holds_bf16_keys_under_autocast_and_changes_no_logit(
     model = build(attn_implementation="eager" if attention == "eager" else "sdpa").to(device)
     if attention == "prefix":
         assert use_prefix_attention(model)
+    ids = torch.ones(2, 3, dtype=torch.long, device=device)
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         pairs = decode_both(model, caches=(transformers_cache, reserved_cache), lean=False)
-        cache = reserved_cache(model, 4)
-        model(
-            input_ids=torch.ones(2, 3, dtype=torch.long, device=device), **{decode.CACHE_ARG: cache}
-        )
+        cache, theirs = reserved_cache(model, 4), transformers_cache(model, 4)
+        for held in (cache, theirs):
+            model(input_ids=ids, **{decode.CACHE_ARG: held})
     assert all(torch.equal(theirs, ours) for theirs, ours in pairs)
     assert {cache.layers[0].keys.dtype, cache.layers[0].values.dtype} == {torch.bfloat16}
+    assert theirs.layers[0].keys.dtype == torch.float32  # what the comparison is against
     with torch.no_grad():  # no autocast: the keys as they come
         cache = reserved_cache(model, 4)
         model(
@@ -145,10 +147,14 @@ def test_an_attention_autocast_may_not_cast_keeps_the_keys_as_they_come() -> Non
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert kv_cache.attended_dtype(model) == torch.bfloat16
     assert kv_cache.attended_dtype(model) is None
-    # custom code (trust_remote_code) may use its keys otherwise, under any implementation name
-    model.config.__class__ = type(
-        "RemoteConfig", (LlamaConfig,), {"__module__": "transformers_modules.x"}
+    # another model's eager attention may turn autocast off and upcast its keys; custom code
+    # (trust_remote_code) under a transformers class name may do anything
+    gpt2 = AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10)
     )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kv_cache.attended_dtype(gpt2) is None
+    model.__class__ = type("LlamaForCausalLM", (LlamaForCausalLM,), {"__module__": "remote.x"})
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert kv_cache.attended_dtype(model) is None
 

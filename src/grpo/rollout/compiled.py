@@ -188,10 +188,14 @@ class _Compiled:
 def _use_kernel_cache() -> None:
     """Inductor's kernels go to ``KERNEL_CACHE`` unless the user named a folder. Inductor writes
     its own default (``/tmp/torchinductor_<user>``) into ``TORCHINDUCTOR_CACHE_DIR`` the first
-    time anything asks it for the folder (importing peft does), so that value counts as unnamed;
-    the variable is read again at each compilation, so setting it now still holds."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
+    time anything asks it for the folder (importing peft does), so that value counts as unnamed,
+    even where a user named that very folder; the variable is read again at each compilation,
+    so setting it now still holds."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a torch without the module: only an unset variable counts as unnamed
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(KERNEL_CACHE))
+        return
     named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if named is None or os.path.abspath(named) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(KERNEL_CACHE)

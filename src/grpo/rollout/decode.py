@@ -83,7 +83,7 @@ def _global_hooks() -> bool:
     return any(getattr(module, name, None) for name in names)
 
 
-def _unwrapped(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+def unwrapped(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
     """The transformers model whose forward ``model``'s ends in, and the wrappers around it: a
     PEFT LoRA model's forward passes its call through two of them unchanged (``PeftModel``,
     ``LoraModel``); any other PEFT method changes the call (prompt learning adds tokens,
@@ -104,7 +104,7 @@ def _unwrapped(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
 
 def leanable(model: nn.Module) -> bool:
     """Whether ``lean_step`` computes ``model``'s own decode forward."""
-    model, wrappers = _unwrapped(model)
+    model, wrappers = unwrapped(model)
     mirrored = LEAN_MODELS.get(type(model).__name__)
     base = getattr(model, "model", None)
     if mirrored is None or mirrored.base != type(base).__name__:
@@ -125,7 +125,7 @@ def leanable(model: nn.Module) -> bool:
 
 def lean_step(model: nn.Module) -> DecodeStep:
     """``model``'s decode forward (see the module docstring); ``leanable(model)`` must hold."""
-    model, _ = _unwrapped(model)
+    model, _ = unwrapped(model)
     base = model.model
     config = model.config
     modeling = sys.modules[type(model).__module__]

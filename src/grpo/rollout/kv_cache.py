@@ -9,15 +9,17 @@ import torch
 from torch import nn
 from transformers import DynamicCache, DynamicLayer
 
+from grpo.rollout.decode import LEAN_MODELS, unwrapped
 from grpo.scoring.prefix_attention import PREFIX
 
 # completion positions a rollout's KV cache holds from the start (beyond: it doubles), so a large
 # max_new_tokens that completions rarely reach reserves no memory they do not use
 RESERVED_TOKENS = 1024
 
-# attention implementations whose products autocast casts (SDPA, eager's matmuls; PREFIX is SDPA
-# outside packed scoring): under autocast they multiply keys and values in its dtype, whatever
-# dtype the cache holds them in
+# attention implementations whose products autocast casts in the models of LEAN_MODELS (SDPA,
+# their eager function's matmuls; PREFIX is SDPA outside packed scoring): under autocast they
+# multiply keys and values in its dtype, whatever dtype the cache holds them in. Another model's
+# "eager" may turn autocast off and upcast its keys (Flint's does), so only these narrow
 AUTOCAST_ATTENTION = {"sdpa", "eager", PREFIX}
 
 
@@ -32,30 +34,31 @@ class ReservedLayer(DynamicLayer):
     positions at first; a write past them doubles the buffer (at least), so growing costs a
     copy per doubling, not per token, and the buffer is never more than twice what it holds.
 
-    ``dtype``: the dtype attention multiplies in where it is narrower than the states' (bf16
-    under autocast, ``attended_dtype``). Under bf16 autocast the rotary embedding hands over
+    ``attended``: the dtype attention multiplies in (bf16 under autocast, ``attended_dtype``),
+    which the states are stored in where it is narrower than theirs. Under bf16 autocast the rotary embedding hands over
     float32 keys, and attention would cast the whole float32 cache to bf16 at every step: a
     read and a write of every key per layer and token. Stored in bf16 as written, each key is
     cast once, to the same bf16 numbers, so attention's output is unchanged bit for bit.
     """
 
-    def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, capacity: int, attended: torch.dtype | None = None) -> None:
         super().__init__()
-        self.capacity, self.narrow = capacity, dtype
+        self.capacity, self.attended = capacity, attended
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.length = 0  # after a reset too
         keys, values = (self._stored(x[:, :, :0]) for x in (key_states, value_states))
-        self.dtype = keys.dtype
         self._reserve(keys, values, self.capacity)
 
     def _stored(self, states: torch.Tensor) -> torch.Tensor:
-        narrow = self.narrow
-        if narrow is None or states.element_size() <= narrow.itemsize:
+        """``states`` in the dtype the buffers hold: only ever narrowed (a bf16 state under
+        float16 autocast is cast by attention as it would be; widening would only cost memory)."""
+        attended = self.attended
+        if attended is None or states.element_size() <= attended.itemsize:
             return states
-        return states.to(narrow)
+        return states.to(attended)
 
     def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         """Fresh buffers of ``capacity`` positions holding ``keys`` and ``values`` at the front.
@@ -106,13 +109,15 @@ class ReservedLayer(DynamicLayer):
 
 def attended_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype ``model``'s attention multiplies keys and values in now, where autocast decides
-    it (a transformers model, not custom code, whose implementation is one of
+    it (a transformers model of ``LEAN_MODELS``, also inside PEFT's LoRA wrapper, on one of
     ``AUTOCAST_ATTENTION``), else None: as they come."""
+    inner, _ = unwrapped(model)
     device = next(model.parameters()).device.type
-    config = model.config
-    implementation = getattr(config, "_attn_implementation", None)
-    own = type(config).__module__.startswith("transformers.models.")  # not trust_remote_code
-    if own and implementation in AUTOCAST_ATTENTION and torch.is_autocast_enabled(device):
+    implementation = getattr(inner.config, "_attn_implementation", None)
+    known = type(inner).__name__ in LEAN_MODELS and type(inner).__module__.startswith(
+        "transformers.models."  # not custom code under a transformers class name
+    )
+    if known and implementation in AUTOCAST_ATTENTION and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return None
 
