@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.config import ModelConfig, RolloutConfig
 from grpo.models import load_policy, load_tokenizer
-from grpo.rollout import compiled, decode
+from grpo.rollout import compiled, decode, kv_cache
 from grpo.rollout.hf import HFEngine
 
 
@@ -34,6 +34,22 @@ def test_the_traced_step_gives_the_models_own_logits(build, traced_eagerly, monk
     # the same products; attention sums over the buffer in another order than SDPA
     assert all(torch.allclose(own, got, atol=1e-5, rtol=0) for own, got in pairs)
     assert not torch.equal(pairs[0][0], pairs[1][0])  # the steps did move on
+
+
+def test_the_traced_step_on_bf16_buffers_gives_what_it_gives_on_float32_ones(
+    traced_eagerly, monkeypatch
+) -> None:
+    # under bf16 autocast the reserved cache holds bf16 keys (kv_cache.attended_dtype); the
+    # compiled step writes and reads its buffers directly, and multiplies in bf16 either way
+    monkeypatch.setattr(decode, "lean_step", lambda m: compiled.compiled_step(m, torch.bfloat16))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        # two equal models (llama() seeds), each compiled and checked at its first step, on
+        # the same prompts
+        narrow = [got for _, got in decode_both(llama())]
+        monkeypatch.setattr(kv_cache, "attended_dtype", lambda m: None)
+        wide = [got for _, got in decode_both(llama())]
+    assert all(torch.equal(a, b) for a, b in zip(narrow, wide, strict=True))
+    assert not torch.equal(narrow[0], narrow[1])
 
 
 def _rollout(model, tokenizer, compile: bool):
