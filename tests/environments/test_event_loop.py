@@ -4,11 +4,14 @@ with it, over plain TCP and over asyncio's TLS (grpo.environments.event_loop).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import shutil
 import socket
 import ssl
 import subprocess
+import threading
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 
 from grpo.environments.event_loop import EventLoop, _SocketTransport
 
-pytestmark = pytest.mark.skipif(
+needs_openai = pytest.mark.skipif(
     find_spec("openai") is None, reason="the envs extra (make test installs it)"
 )
 
@@ -81,6 +84,7 @@ async def drop_a_client_then_serve() -> tuple[int, int, bytes | None]:
     return freed, reused, line
 
 
+@needs_openai
 def test_a_client_collected_unclosed_leaves_a_new_server_on_its_descriptor_serving() -> None:
     events = EventLoop()
     for _ in range(3):  # another thread of this process may take the freed descriptor first
@@ -131,3 +135,49 @@ def test_connections_over_asyncio_tls_are_guarded_too(tmp_path: Path) -> None:
     events.close()
     assert line == b"HTTP/1.1 200 OK\r\n"
     assert client is server is _SocketTransport
+
+
+def test_closing_ends_the_loops_thread_and_cancels_its_tasks(capsys) -> None:
+    events = EventLoop()
+    sleeping = asyncio.run_coroutine_threadsafe(asyncio.sleep(3600), events.loop)
+    events.close(timeout_s=2)
+    assert sleeping.cancelled() and not events.thread.is_alive() and events.loop.is_closed()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_task_that_ignores_cancellation_is_said_when_abandoned(capsys) -> None:
+    events = EventLoop()
+    done = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not done.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    events.loop.call_soon_threadsafe(lambda: events.loop.create_task(stubborn(), name="stubborn"))
+    time.sleep(0.1)
+    events.close(timeout_s=0.3)
+    assert capsys.readouterr().err == (
+        "environment: event loop closed with tasks that ignored cancellation for 0.3 s, "
+        "abandoned: stubborn\n"
+    )
+    assert not events.thread.is_alive() and events.loop.is_closed()
+
+
+def test_a_loop_held_by_a_blocking_call_is_said_and_keeps_its_thread(capsys) -> None:
+    events = EventLoop()
+    release = threading.Event()
+
+    async def blocking() -> None:
+        release.wait(30)  # a synchronous call inside a coroutine holds the whole loop
+
+    asyncio.run_coroutine_threadsafe(blocking(), events.loop)
+    events.close(timeout_s=0.2)
+    assert capsys.readouterr().err == (
+        "environment: event loop still busy after 1.4 s (a blocking call holds it); its "
+        "thread is left running\n"
+    )
+    assert events.thread.is_alive()
+    release.set()  # the loop runs again: the stop already asked for ends its thread
+    events.thread.join(5)
+    assert not events.thread.is_alive()

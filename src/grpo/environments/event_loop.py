@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import sys
 import threading
 import warnings
 from asyncio import selector_events
@@ -73,22 +74,43 @@ class EventLoop:
         return future.result()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Cancel what still runs on the loop, then stop it and end its thread. A task that
-        will not end within ``timeout_s`` keeps the (daemon) thread, and the loop stays open."""
+        """Cancel what still runs on the loop, then stop it and end its thread. Tasks that
+        ignore their cancellation for ``timeout_s`` are abandoned with the loop, and a loop
+        that a blocking call holds keeps its (daemon) thread: each said in one line."""
         if self.loop.is_closed():
             return
         cancelled = asyncio.run_coroutine_threadsafe(_cancel_all(timeout_s), self.loop)
+        stuck: list[str] = []
         with contextlib.suppress(TimeoutError, concurrent.futures.TimeoutError):
-            cancelled.result(timeout_s + 1)
+            stuck = cancelled.result(timeout_s + 1)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout_s)
-        if not self.thread.is_alive():
-            self.loop.close()
+        if self.thread.is_alive():
+            waited = 2 * timeout_s + 1
+            _say(
+                f"event loop still busy after {waited:g} s (a blocking call holds it); its "
+                "thread is left running"
+            )
+            return
+        self.loop.close()
+        if stuck:
+            _say(
+                f"event loop closed with tasks that ignored cancellation for {timeout_s:g} s, "
+                f"abandoned: {', '.join(stuck)}"
+            )
 
 
-async def _cancel_all(timeout_s: float) -> None:
+def _say(what: str) -> None:
+    print(f"environment: {what}", file=sys.stderr, flush=True)
+
+
+async def _cancel_all(timeout_s: float) -> list[str]:
+    """Cancel every other task on this loop; the names of those still running after
+    ``timeout_s``."""
     tasks = asyncio.all_tasks() - {asyncio.current_task()}
     for task in tasks:
         task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout_s)
+    if not tasks:
+        return []
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    return sorted(task.get_name() for task in pending)
