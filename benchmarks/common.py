@@ -36,6 +36,7 @@ from torch import nn
 from benchmarks.rewards import answer_tag as answer_tag
 from benchmarks.rewards import last_integer as last_integer
 from grpo.runtime import host_memory as memory
+from grpo.runtime.precision import product_timer
 
 # ------------------------------------------------------------------------------------ set-ups
 
@@ -143,17 +144,18 @@ def rollout_flops_per_token(params: int) -> float:
 
 
 def matmul_peak_flops(
-    n: int = 1024, seconds: float = 1.0, dtype: torch.dtype = torch.float32
+    n: int = 1024,
+    seconds: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
 ) -> float:
-    """FLOP/s of an n x n x n matrix product in ``dtype``, best of repeated timings."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up: thread pool and kernels
+    """FLOP/s of an n x n x n matrix product in ``dtype`` on ``device``, best of repeated
+    timings (synchronised on a GPU: ``grpo.runtime.precision.product_timer``)."""
+    timed = product_timer(dtype, device or torch.device("cpu"), (n, n, n))
     best = float("inf")
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, timed())
     return 2.0 * n**3 / best
 
 

@@ -1,6 +1,6 @@
 """``make gpu-check``: what only a GPU can show, in one run of a few minutes, as one JSON.
 
-Three parts, each in a child process with its own time limit (a crash or a hang fails that
+Four parts, each in a child process with its own time limit (a crash or a hang fails that
 part, and the others still run):
 
 - ``tests``: the tests marked ``device`` (scoring and log-probs, the chunked LM head, packing,
@@ -8,12 +8,15 @@ part, and the others still run):
   ``--device cuda`` (tests/conftest.py);
 - ``train``: steps of the default recipe in bf16 autocast, with their times and the GPU's peak
   memory, and what ``model.precision: auto`` would choose on this device and why;
+- ``decode``: the default recipe's rollout shape in bf16, eager decoding against
+  ``rollout.compile``, alternated: tokens/s against the decode limit and the products'
+  ceiling, the rollout-speed benchmark's measures (docs/results/rollout-speed.md);
 - ``vllm``: when vLLM is importable, a colocated vLLM run whose pushed weights are checked:
   after a few optimizer steps vLLM's log-probs of its own samples must match the trained
   policy's to float32 noise and differ from the base model's.
 
 ``--device cpu`` is a dry run of the same script: a hidden GPU, the tiny random model, a few
-steps, two test files, and no vLLM part; about a minute on 2 cores.
+steps, two test files, the decode part on it, and no vLLM part; about two minutes on 2 cores.
 
     .venv/bin/python -m tools.gpu_check [--device cuda|cpu] [--out PATH]
 """
@@ -39,9 +42,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# seconds each part may take on a GPU: 8 minutes in all at most (on an H200 the tests took
-# about 130 s, 100 of them the producer-process tests)
-LIMITS = {"tests": 240, "train": 100, "vllm": 140}
+# seconds each part may take on a GPU: under 10 minutes in all (on an H200 the tests took about
+# 130 s, 100 of them the producer-process tests); decode holds a compilation of the step
+LIMITS = {"tests": 200, "train": 100, "decode": 150, "vllm": 140}
 
 # the dry run's tests: scoring on the device and the HF engine's generation, about 20 s
 DRY_RUN_TESTS = ["tests/scoring/test_logprobs.py", "tests/rollout/test_rollout.py"]
@@ -240,7 +243,62 @@ def vllm_part(device: str, work: Path) -> dict[str, Any]:
     }
 
 
-PARTS: dict[str, Part] = {"tests": tests_part, "train": train_part, "vllm": vllm_part}
+# ----------------------------------------------------------------------------------- decode
+
+DECODE_VARIANTS = ("hf_bf16", "hf_bf16_compiled")
+DECODE_ROUNDS = 3
+
+
+def decode_problem(entries: dict[str, dict[str, Any]], compiled_fell_back: bool) -> str | None:
+    """Why the decode part's rollouts do not show both ways of decoding working, or None."""
+    idle = [name for name, e in entries.items() if not e.get("tokens")]
+    if idle:
+        return f"no tokens sampled by {', '.join(idle)}"
+    if compiled_fell_back:
+        return "the compiled decode step fell back to eager decoding (its line says why)"
+    return None
+
+
+def decode_part(device: str, work: Path) -> dict[str, Any]:
+    """The default recipe's rollout shape in bf16, eager against ``rollout.compile``,
+    alternated over ``DECODE_ROUNDS`` rounds (the first holds the compilation): tokens/s against
+    the decode limit and the products' ceiling, as ``benchmarks.speed.rollout_speed`` measures
+    them, and how many completions the compiled step samples otherwise from the same seeds.
+    The dry run: the tiny random model."""
+    from benchmarks.speed import rollout_speed
+    from grpo.rollout import compiled
+
+    setup = rollout_speed.default_setup(
+        "tiny-random" if device == "cpu" else None, torch.device(device)
+    )
+    every = rollout_speed.variants(setup.model, setup.tokenizer, setup.rollout)
+    sampling = {name: every[name] for name in DECODE_VARIANTS}
+    rounds, differing = [], []
+    for r in range(DECODE_ROUNDS):
+        entry, rollouts = rollout_speed.measure_round(setup, sampling, r)
+        rounds.append(entry)
+        differing.append(
+            rollout_speed.differences(*(rollouts[n] for n in reversed(DECODE_VARIANTS)))
+        )
+    fell_back = not compiled.wanted(True, setup.model)
+    problems = (decode_problem({n: e[n] for n in sampling}, fell_back) for e in rounds)
+    problem = next((p for p in problems if p), None)
+    return {
+        "passed": problem is None,
+        "problem": problem,
+        "model": setup.model.config.name_or_path,
+        "medians": rollout_speed.medians(rounds, list(sampling)),
+        "compiled_against_eager": differing,
+        "rounds": rounds,
+    }
+
+
+PARTS: dict[str, Part] = {
+    "tests": tests_part,
+    "train": train_part,
+    "decode": decode_part,
+    "vllm": vllm_part,
+}
 
 
 # ------------------------------------------------------------------------------------ driver

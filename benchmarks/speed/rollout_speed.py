@@ -16,7 +16,10 @@ other jobs on the machine slow them alike:
 A variant's limit is measured in the same process at the same time: a decode step streams every
 weight once for the whole batch (memory bandwidth, at its precision's bytes) and does
 ``2 x params`` FLOPs per row (the matrix-product peak in its precision); tokens/s can be no more
-than ``rows / max(bytes / bandwidth, flops / peak)``. The packed float32 completions are compared
+than ``rows / max(bytes / bandwidth, flops / peak)``. Beside it, each HF variant's products
+ceiling: a decode step's products alone (every linear layer once, in model order, at the batch's
+rows, as the variant multiplies them: ``decode_products``), timed in the same round; the tokens/s
+a rollout would reach if nothing but its products took time, and its share of the limit. The packed float32 completions are compared
 with the float32 ones of the same seeds: how many differ, and the largest log-prob difference of
 those that do not. ``--profile``: one more rollout of each HF variant under torch's profiler,
 its wall time split into matrix products, attention, dtype casts, other tensor ops and the
@@ -29,11 +32,12 @@ weights, at 1 to 128 rows): ``F.linear`` against oneDNN's packed products.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,18 +51,27 @@ from grpo.build import build_engine
 from grpo.config import RolloutConfig, load_config
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import load_tokenizer, resolve_model_path
-from grpo.rollout import packed_weights, render_prompt
+from grpo.rollout import compiled, packed_weights, render_prompt
 from grpo.runtime.precision import bf16_autocast
 from grpo.step_data import Rollout
 
+CPU = torch.device("cpu")
 
-def memory_bandwidth(gib: float = 0.5, seconds: float = 1.0) -> float:
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_bandwidth(gib: float = 0.5, seconds: float = 1.0, device: torch.device = CPU) -> float:
     """Bytes/s read by a sum over a float32 buffer larger than the caches, best of repeats."""
-    buffer = torch.ones(int(gib * 2**30) // 4)
+    buffer = torch.ones(int(gib * 2**30) // 4, device=device)
     best, start = 0.0, time.perf_counter()
     while time.perf_counter() - start < seconds:
+        _synchronize(device)
         t0 = time.perf_counter()
         buffer.sum()
+        _synchronize(device)
         best = max(best, buffer.numel() * 4 / (time.perf_counter() - t0))
     return best
 
@@ -88,13 +101,14 @@ class Setup:
     system: str | None
 
 
-def default_setup() -> Setup:
-    """The default recipe's rollout, loaded."""
+def default_setup(model: str | None = None, device: torch.device = CPU) -> Setup:
+    """The default recipe's rollout, loaded: its model, or ``model`` (a name or alias), on
+    ``device``."""
     recipe = load_config()
-    path = resolve_model_path(recipe.model.name)
+    path = resolve_model_path(model or recipe.model.name)
     return Setup(
         recipe.rollout,
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval(),
         load_tokenizer(path),
         load_dataset_rows(recipe.data, recipe.train.seed),
         system_prompt_for(recipe.data),
@@ -109,10 +123,23 @@ def round_prompts(setup: Setup, r: int) -> tuple[list[dict[str, Any]], list[str]
     return batch, prompts, list(range(r * p, (r + 1) * p))
 
 
-def machine_now() -> dict[str, Any]:
+# the side of the square product whose rate stands for a device's peak: a GPU needs larger
+# products than a CPU to reach its own
+PEAK_SIDE = {"cpu": 1024, "cuda": 4096}
+
+
+def machine_now(device: torch.device = CPU) -> dict[str, Any]:
     """Memory bandwidth and the matrix-product peak of each precision, measured now."""
-    peaks = {name: common.matmul_peak_flops(dtype=dtype) for name, dtype in common.DTYPES.items()}
-    return {"bandwidth_bytes_per_s": memory_bandwidth(), "matmul_peak_flops": peaks}
+    n = PEAK_SIDE.get(device.type, 1024)
+    peaks = {
+        name: common.matmul_peak_flops(n, dtype=dtype, device=device)
+        for name, dtype in common.DTYPES.items()
+    }
+    return {"bandwidth_bytes_per_s": memory_bandwidth(device=device), "matmul_peak_flops": peaks}
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 class Variant:
@@ -123,10 +150,12 @@ class Variant:
 
     def sample(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[Rollout, float]:
         """(rollout, seconds), a weight push included (nothing to do for the HF engine)."""
-        with bf16_autocast(torch.device("cpu"), self.autocast):
+        with bf16_autocast(_device(model), self.autocast):
             start = time.perf_counter()
             self.engine.sync_weights(model)
-            return self.engine.generate(*args, **kwargs), time.perf_counter() - start
+            out = self.engine.generate(*args, **kwargs)
+            _synchronize(_device(model))
+            return out, time.perf_counter() - start
 
 
 def variants(model: torch.nn.Module, tokenizer: Any, rollout: RolloutConfig) -> dict[str, Variant]:
@@ -202,6 +231,47 @@ def profile(
     return {"wall_s": seconds, **kinds, "python": seconds - sum(kinds.values())}
 
 
+@contextlib.contextmanager
+def decode_products(
+    variant: Variant, model: torch.nn.Module, inputs: dict[int, torch.Tensor]
+) -> Iterator[Callable[[], list[torch.Tensor]]]:
+    """A pass over every linear layer of ``model`` once, in model order, the head included: a
+    decode step's products and nothing else, multiplied as ``variant``'s step multiplies them
+    (packed where its engine's session packs; on weights cast once per rollout where it decodes
+    compiled). ``inputs``: a float32 [rows, width] input for each input width. Each weight comes
+    from memory as in a decode step: the pass does not fit in the caches (270 MB for SmolLM2
+    in bf16)."""
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with bf16_autocast(_device(model), variant.autocast), variant.engine.session():
+        if compiled.wanted(variant.engine.config.compile, model):
+            cast = compiled.weights(model, compiled.sampling_dtype(model))
+            linears = [*(w for layer in cast.layers for w in layer), cast.head]
+            x = {k: t.to(cast.head.weight.dtype) for k, t in inputs.items()}
+            yield lambda: [F.linear(x[w.weight.shape[1]], w.weight, w.bias) for w in linears]
+        else:
+            yield lambda: [m(inputs[m.in_features]) for m in layers]
+
+
+@torch.no_grad()
+def products_ceiling(
+    variant: Variant, model: torch.nn.Module, rows: int, repeats: int = 5
+) -> dict[str, float]:
+    """The tokens/s ``variant`` could reach if a decode step took its products' time alone:
+    ``rows`` over the best of ``repeats`` timed passes of ``decode_products``."""
+    device = _device(model)
+    widths = {m.in_features for m in model.modules() if type(m) is torch.nn.Linear}
+    inputs = {k: torch.randn(rows, k, device=device) for k in widths}
+    best = float("inf")
+    with decode_products(variant, model, inputs) as run:
+        for _ in range(repeats):
+            _synchronize(device)
+            start = time.perf_counter()
+            run()
+            _synchronize(device)
+            best = min(best, time.perf_counter() - start)
+    return {"products_s": best, "products_ceiling_tokens_per_s": rows / best}
+
+
 def _plain_pass(layers: list, inputs: dict) -> list[torch.Tensor]:
     return [F.linear(inputs[m.in_features], m.weight) for m in layers]
 
@@ -241,6 +311,61 @@ def product_times(model: torch.nn.Module, rows: tuple[int, ...] = (1, 8, 32, 128
     return out
 
 
+MEDIAN_KEYS = (
+    "tokens_per_s",
+    "limit_tokens_per_s",
+    "share_of_limit",
+    "products_ceiling_tokens_per_s",
+    "products_ceiling_share",
+)
+
+
+def measure_round(
+    setup: Setup, sampling: dict[str, Variant], r: int
+) -> tuple[dict[str, Any], dict[str, Rollout]]:
+    """Round ``r``: the machine's bandwidth and peaks now, then each variant's rollout of the
+    round's prompts, its tokens/s against its decode limit and (HF variants) its products'
+    ceiling; and the rollouts."""
+    model, p, g = setup.model, setup.rollout.prompts_per_step, setup.rollout.group_size
+    params = sum(t.numel() for t in model.parameters())
+    batch, prompts, seeds = round_prompts(setup, r)
+    entry: dict[str, Any] = machine_now(_device(model))
+    bandwidth, peaks = entry["bandwidth_bytes_per_s"], entry["matmul_peak_flops"]
+    rollouts = {}
+    for name, variant in sampling.items():
+        out, seconds = variant.sample(model, prompts, batch, g, seeds=seeds)
+        rollouts[name] = out
+        tokens = int(out.completion_mask.sum())
+        size = 2 if variant.precision == "bfloat16" else 4
+        limit = decode_limit(params, p * g, bandwidth, peaks[variant.precision], size)
+        entry[name] = {
+            "seconds": seconds,
+            "tokens": tokens,
+            "tokens_per_s": tokens / seconds,
+            "limit_tokens_per_s": limit["tokens_per_s"],
+            "share_of_limit": tokens / seconds / limit["tokens_per_s"],
+        }
+        if name.startswith("hf"):  # vLLM multiplies in its own kernels: no pass of ours is its
+            ceiling = products_ceiling(variant, model, p * g)
+            share = ceiling["products_ceiling_tokens_per_s"] / limit["tokens_per_s"]
+            entry[name].update(ceiling, products_ceiling_share=share)
+    return entry, rollouts
+
+
+def medians(rounds: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, float]]:
+    """Each variant's medians over the rounds after the first (the first holds vLLM's warm-up,
+    the float32 packing's timing and the compilations), or over the one round there is."""
+    later = rounds[1:] or rounds
+    return {
+        name: {
+            key: common.median([e[name][key] for e in later])
+            for key in MEDIAN_KEYS
+            if key in later[0][name]
+        }
+        for name in names
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -253,7 +378,6 @@ def main() -> None:
     rows, system = setup.rows, setup.system
     p, g = rollout.prompts_per_step, rollout.group_size
     sampling = variants(model, tokenizer, rollout)
-    params = sum(t.numel() for t in model.parameters())
     result: dict[str, Any] = {
         "machine": common.machine(),
         "float32_packed": packed_weights._kernels(torch.float32),  # else the same as hf_float32
@@ -261,36 +385,13 @@ def main() -> None:
         "rounds": [],
     }
     for r in range(args.rounds):
-        batch, prompts, seeds = round_prompts(setup, r)
-        entry: dict[str, Any] = machine_now()
-        bandwidth, peaks = entry["bandwidth_bytes_per_s"], entry["matmul_peak_flops"]
-        rollouts = {}
-        for name, variant in sampling.items():
-            out, seconds = variant.sample(model, prompts, batch, g, seeds=seeds)
-            rollouts[name] = out
-            tokens = int(out.completion_mask.sum())
-            size = 2 if variant.precision == "bfloat16" else 4
-            limit = decode_limit(params, p * g, bandwidth, peaks[variant.precision], size)
-            entry[name] = {
-                "seconds": seconds,
-                "tokens": tokens,
-                "tokens_per_s": tokens / seconds,
-                "limit_tokens_per_s": limit["tokens_per_s"],
-                "share_of_limit": tokens / seconds / limit["tokens_per_s"],
-            }
+        entry, rollouts = measure_round(setup, sampling, r)
         entry["float32_packed_against_float32"] = differences(
             rollouts["hf_float32_packed"], rollouts["hf_float32"]
         )
         result["rounds"].append(entry)
         print(json.dumps(entry), flush=True)
-    later = result["rounds"][1:] or result["rounds"]  # round 1: vLLM's warm-up, the float32 timing
-    result["median_after_round_1"] = {
-        name: {
-            key: common.median([e[name][key] for e in later])
-            for key in ("tokens_per_s", "limit_tokens_per_s", "share_of_limit")
-        }
-        for name in sampling
-    }
+    result["median_after_round_1"] = medians(result["rounds"], list(sampling))
     result["float32_packed_against_float32"] = {
         "completions": sum(
             e["float32_packed_against_float32"]["completions"] for e in result["rounds"]

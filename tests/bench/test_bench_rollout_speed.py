@@ -1,12 +1,20 @@
 """The arithmetic of benchmarks.speed.rollout_speed: the decode limit, the token comparison of
-two rollouts and the product timing, on made-up rollouts and a tiny model."""
+two rollouts, the product timing and the products' ceiling, on made-up rollouts and tiny
+models."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from benchmarks.speed import rollout_speed
+from grpo.config import RolloutConfig
+from grpo.models import load_tokenizer
+from grpo.rollout import packed_weights
 from grpo.step_data import Rollout
 
 
@@ -63,3 +71,35 @@ def test_product_times_cover_every_row_count_and_both_ways() -> None:
         flops = 2 * n * (16 * 32 + 32 * 8)
         assert row["f_linear_gflops"] == pytest.approx(flops / row["f_linear_s"] / 1e9)
         assert row["packed_over_f_linear"] == pytest.approx(row["packed_s"] / row["f_linear_s"])
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("hf_float32", torch.float32),
+        ("hf_bf16", torch.bfloat16),
+        ("hf_bf16_compiled", torch.bfloat16),
+    ],
+)
+def test_the_products_pass_is_every_linear_layer_as_the_variant_multiplies(
+    tiny_model_dir: Path, name: str, dtype: torch.dtype
+) -> None:
+    if dtype == torch.bfloat16 and not packed_weights._kernels(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    variant = rollout_speed.variants(model, load_tokenizer(tiny_model_dir), RolloutConfig())[name]
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert layers[-1] is model.lm_head
+    inputs = {k: torch.randn(6, k) for k in {m.in_features for m in layers}}
+    with torch.no_grad(), rollout_speed.decode_products(variant, model, inputs) as run:
+        got = run()
+    assert len(got) == len(layers)
+    for out, m in zip(got, layers, strict=True):
+        # each layer's own product in the variant's dtype: float32 F.linear's bits, or bf16
+        # (oneDNN's packed product and F.linear agree to the bit at these widths)
+        want = F.linear(inputs[m.in_features].to(dtype), m.weight.detach().to(dtype))
+        assert out.dtype == dtype
+        assert torch.equal(out, want)
+    assert not any("forward" in vars(m) for m in layers)  # the session unpacked them
+    ceiling = rollout_speed.products_ceiling(variant, model, rows=6, repeats=2)
+    assert ceiling["products_ceiling_tokens_per_s"] == pytest.approx(6 / ceiling["products_s"])

@@ -81,6 +81,14 @@ def test_a_part_that_runs_past_its_limit_fails_and_the_check_goes_on(tmp_path) -
     assert 0.5 <= result["seconds"] < 10
 
 
+def test_decode_verdicts() -> None:
+    both = {"hf_bf16": {"tokens": 40}, "hf_bf16_compiled": {"tokens": 38}}
+    assert gpu_check.decode_problem(both, compiled_fell_back=False) is None
+    assert "fell back" in gpu_check.decode_problem(both, compiled_fell_back=True)
+    idle = {**both, "hf_bf16_compiled": {"tokens": 0}}
+    assert gpu_check.decode_problem(idle, False) == "no tokens sampled by hf_bf16_compiled"
+
+
 @pytest.mark.slow
 def test_the_dry_run_passes_and_writes_its_report(tmp_path) -> None:
     out = tmp_path / "check.json"
@@ -96,4 +104,9 @@ def test_the_dry_run_passes_and_writes_its_report(tmp_path) -> None:
     assert train["precision"] == "bf16_autocast" and len(train["step_s"]) == 3
     assert all(s > 0 for s in train["step_s"])
     assert train["auto_precision"]["chose"] in ("float32", "bf16_autocast")
+    decode = parts["decode"]
+    assert decode["passed"] is True and len(decode["rounds"]) == gpu_check.DECODE_ROUNDS
+    for name in gpu_check.DECODE_VARIANTS:
+        assert decode["medians"][name]["tokens_per_s"] > 0
+        assert decode["medians"][name]["products_ceiling_share"] > 0
     assert parts["vllm"]["passed"] is None  # the dry run leaves vLLM out
