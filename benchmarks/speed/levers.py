@@ -51,7 +51,10 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def alternate(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Any]:
-    """Run the variants in turn ``repeats`` times; medians and the ratio of the last to the first."""
+    """Run the variants in turn ``repeats`` times; medians, the ratio of the last's median to
+    the first's, and the median of the ratios within each turn (``median_pair_ratio``: the two
+    ran moments apart, so a slow spell of a shared host slows both; steadier than the ratio of
+    medians where the spells last longer than a turn)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, fn in variants.items():
@@ -60,10 +63,13 @@ def alternate(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
             times[name].append(time.perf_counter() - t0)
     medians = {name: common.median(ts) for name, ts in times.items()}
     names = list(variants)
+    first, last = names[0], names[-1]
+    pairs = zip(times[first], times[last], strict=True)
     return {
         "times_s": times,
         "median_s": medians,
-        "ratio": common.ratio(medians[names[-1]], medians[names[0]]),
+        "ratio": common.ratio(medians[last], medians[first]),
+        "median_pair_ratio": common.median([b / a for a, b in pairs]),
     }
 
 
@@ -427,6 +433,85 @@ def attention_float32_lever(model, rollout, micro_batch_size: int, repeats: int)
     }
 
 
+def selected_write_back(
+    prompts: torch.Tensor, rows: torch.Tensor, lay: prefix_attention.PrefixLayout
+) -> torch.Tensor:
+    """``prefix_attention.write_back`` as it was before: the real slots taken by boolean
+    selection (whose backward accumulates through a sort), then copied to their positions."""
+    zero_row = prompts.shape[0] * prompts.shape[1] + rows.shape[0] * rows.shape[1]
+    target = (lay.source < zero_row).nonzero().flatten()
+    slots = lay.source[target]
+    target = target[slots.argsort()]  # positions in the order of their slots
+    real = torch.zeros(zero_row, dtype=torch.bool, device=lay.source.device)
+    real[slots] = True
+    split = prompts.shape[0] * prompts.shape[1]
+    picked = torch.cat(
+        [prompts[real[:split].view(prompts.shape[:2])], rows[real[split:].view(rows.shape[:2])]]
+    )
+    out = picked.new_zeros(lay.source.shape[0], *picked.shape[1:])
+    return out.index_copy(0, target, picked)
+
+
+def write_back_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
+    """Prefix attention's write-back of its outputs to the packed positions: by index
+    (``prefix_attention.write_back``) against the boolean selection it replaced
+    (``selected_write_back``), forward and forward + backward over the step's micro-batches."""
+    batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
+    indexed = prefix_attention.write_back
+
+    def run(way: Callable[..., torch.Tensor], grad: bool) -> Callable[[], None]:
+        def scored(*args: Any) -> Any:
+            prefix_attention.write_back = way
+            try:
+                return completion_logprobs(*args)
+            finally:
+                prefix_attention.write_back = indexed
+
+        return scoring(model, batches, scored, grad)
+
+    model.train()
+    ways = {"selected": selected_write_back, "indexed": indexed}
+    return {
+        "reference_forward_write_back": alternate(
+            {name: run(way, False) for name, way in ways.items()}, repeats
+        ),
+        "update_write_back": alternate(
+            {name: run(way, True) for name, way in ways.items()}, repeats
+        ),
+        "attention_alone": prefix_attention_alone(model, batches[0], ways, 5 * repeats),
+    }
+
+
+def prefix_attention_alone(
+    model, mb: Any, ways: dict[str, Callable[..., torch.Tensor]], repeats: int
+) -> dict[str, Any]:
+    """One layer's prefix attention, forward and backward, at the packed shapes of micro-batch
+    ``mb`` on random queries, keys and values, with each of ``ways`` as its write-back."""
+    packed = pack(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask, True)
+    lay = prefix_attention.prefix_layout(packed.segment, packed.group)
+    config, (u, length) = model.config, packed.segment.shape
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = (config.num_attention_heads, config.num_key_value_heads, config.num_key_value_heads)
+    qkv = [torch.randn(u, h, length, d) for h in heads]
+    indexed = prefix_attention.write_back
+
+    def run(way: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def go() -> None:
+            q, k, v = (t.clone().requires_grad_() for t in qkv)
+            prefix_attention.write_back = way
+            try:
+                out, _ = prefix_attention.prefix_attention_forward(
+                    None, q, k, v, None, scaling=d**-0.5, prefix_layout=lay
+                )
+            finally:
+                prefix_attention.write_back = indexed
+            out.sum().backward()
+
+        return go
+
+    return alternate({name: run(way) for name, way in ways.items()}, repeats)
+
+
 def head_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """Full logits kept for backward (``model.chunked_head: false`` under plain sampling)
     against the model's own head; the LM head a chunk at a time (``model.chunked_head``)
@@ -624,6 +709,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="only prefix attention in float32 against bf16 (under bf16 autocast)",
     )
+    parser.add_argument(
+        "--write-back",
+        action="store_true",
+        help="only prefix attention's write-back by index against boolean selection",
+    )
     parser.add_argument("--head", action="store_true", help="only the chunked LM head's levers")
     parser.add_argument("--rollout", action="store_true", help="only the rollout's levers")
     parser.add_argument("--decode", action="store_true", help="only the lean decode step")
@@ -691,6 +781,7 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
     alone = {
         "attention": lambda: attention_lever(model, rollout, mb, args.repeats),
         "attention_float32": lambda: attention_float32_lever(model, rollout, mb, args.repeats),
+        "write_back": lambda: write_back_lever(model, rollout, mb, args.repeats),
         "head": lambda: head_lever(model, rollout, mb, args.repeats),
         "rollout": lambda: rollout_levers(model, tokenizer, enc, engine, g, args.repeats),
         "compile": lambda: {"compile_rollout": compile_lever(engine, prompts, rows, g)},

@@ -259,3 +259,64 @@ def test_the_decode_lever_runs_on_the_lora_policy(tmp_path) -> None:
     levers.main(["--setup", "tiny", "--decode", "--lora", "--repeats", "1", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["lora"] and result["lean_decode"]["same_tokens"]
+
+
+@pytest.mark.parametrize("end_to_end", [False, True])
+def test_the_write_back_lever_compares_two_ways_of_the_same_numbers(end_to_end: bool) -> None:
+    from benchmarks.speed.levers import selected_write_back
+    from grpo.scoring.packing import pack
+    from grpo.scoring.prefix_attention import prefix_layout, write_back
+
+    # prompts of 4, 4 and 3 tokens sharing a start; completions of 3, 1, 4, 2 and 2 tokens
+    prompt_ids = torch.tensor(
+        [[5, 6, 7, 8], [5, 6, 7, 8], [0, 5, 6, 9], [0, 5, 6, 9], [5, 6, 7, 10]]
+    )
+    completion_ids = torch.tensor(
+        [[11, 12, 13, 0], [14, 0, 0, 0], [15, 16, 17, 18], [19, 20, 0, 0], [21, 22, 0, 0]]
+    )
+    packed = pack(prompt_ids, prompt_ids != 0, completion_ids, completion_ids != 0, end_to_end)
+    lay = prefix_layout(packed.segment, packed.group)
+    prompts = torch.randn(*lay.prompt_at.shape, 3, 4, requires_grad=True)
+    rows = torch.randn(*lay.rows_query.shape, 3, 4, requires_grad=True)
+    grad = torch.randn(lay.source.shape[0], 3, 4)
+    results = []
+    for way in (write_back, selected_write_back):
+        out = way(prompts, rows, lay)
+        out.backward(grad)
+        results.append((out.detach(), prompts.grad.clone(), rows.grad.clone()))
+        prompts.grad, rows.grad = None, None
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    real = packed.segment.flatten() >= 0
+    assert (results[0][0][~real] == 0).all() and (results[0][0][real] != 0).all()
+
+
+def test_alternate_gives_the_ratio_of_medians_and_the_median_ratio_within_turns(
+    monkeypatch,
+) -> None:
+    from benchmarks.speed import levers
+
+    # turns of (a, b) seconds: (1, 2), (4, 2), (2, 1.5): medians 2 and 2 (ratio 1); within
+    # the turns b took 2x, 0.5x and 0.75x a's time (median 0.75)
+    clock = iter([0, 1, 1, 3, 3, 7, 7, 9, 9, 11, 11, 12.5])
+    monkeypatch.setattr(levers.time, "perf_counter", lambda: next(clock))
+    result = levers.alternate({"a": lambda: None, "b": lambda: None}, repeats=3)
+    assert result["times_s"] == {"a": [1, 4, 2], "b": [2, 2, 1.5]}
+    assert result["ratio"] == 1.0
+    assert result["median_pair_ratio"] == 0.75
+
+
+def test_the_write_back_lever_times_both_ways_in_scoring_and_alone(tmp_path) -> None:
+    from benchmarks.speed import levers
+
+    out = tmp_path / "write_back.json"
+    levers.main(["--setup", "tiny", "--write-back", "--repeats", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    for key, turns in [
+        ("reference_forward_write_back", 2),
+        ("update_write_back", 2),
+        ("attention_alone", 10),
+    ]:
+        times = result[key]["times_s"]
+        assert list(times) == ["selected", "indexed"]
+        assert [len(t) for t in times.values()] == [turns, turns]
+        assert result[key]["median_pair_ratio"] > 0

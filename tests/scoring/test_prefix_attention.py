@@ -78,20 +78,28 @@ def test_the_layout_reads_what_the_dense_mask_allows(batch, end_to_end: bool) ->
     dense = packed.attention_mask(torch.bool)[:, 0]  # [U, L, L]
     u_count, length = packed.segment.shape
     seen = torch.zeros(u_count * length, u_count * length, dtype=torch.bool)
-    for at, blocked, real in [
-        (layout.prompt_at, layout.prompt_blocked, layout.select[0]),
-        (layout.rows_query, layout.rows_blocked, layout.select[1]),
-    ]:
-        keys = layout.prompt_at if at is layout.prompt_at else layout.rows_key
-        for r in range(at.shape[0]):
-            for i in range(at.shape[1]):
-                if real[r, i]:
-                    seen[at[r, i], keys[r][~blocked[r, 0, i]]] = True
+    # each position reads one row of the outputs laid end to end: prompts' [U, P] slots, then
+    # the completions' [R, N], then a row of zeros
+    prompt_slots, row_slots = layout.prompt_at.numel(), layout.rows_query.numel()
+    zero_row = prompt_slots + row_slots
+    for position, slot in enumerate(layout.source.tolist()):
+        if slot == zero_row:
+            continue
+        if slot < prompt_slots:
+            at, blocked, keys = layout.prompt_at, layout.prompt_blocked, layout.prompt_at
+        else:
+            at, blocked, keys = layout.rows_query, layout.rows_blocked, layout.rows_key
+            slot -= prompt_slots
+        r, i = divmod(slot, at.shape[1])
+        assert at[r, i] == position  # the slot holds this position's query
+        seen[position, keys[r][~blocked[r, 0, i]]] = True
     want = torch.block_diag(*dense)  # sequence u's positions are u * L ... u * L + L - 1
     real_query = packed.segment.flatten() >= 0
     assert torch.equal(seen[real_query], want[real_query])
-    # every real position is written back once, padding never
-    assert sorted(layout.target.tolist()) == real_query.nonzero()[:, 0].tolist()
+    # every real position reads a slot of its own (its gradient counted once), padding zeros
+    read = layout.source[real_query]
+    assert (read < zero_row).all() and len(read.unique()) == len(read)
+    assert (layout.source[~real_query] == zero_row).all()
 
 
 @pytest.mark.device

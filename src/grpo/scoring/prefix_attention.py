@@ -44,8 +44,9 @@ class PrefixLayout:
     rows_query: Tensor  # [R, N] positions of each completion's tokens, padded
     rows_key: Tensor  # [R, P + N] its prompt's positions, then its own
     rows_blocked: Tensor  # [R, 1, N, P + N]
-    target: Tensor  # [K] the real positions, prompts' then completions'
-    select: tuple[Tensor, Tensor]  # [U, P] and [R, N] masks of real query slots, in that order
+    # [U * L] each position's row in the attention's outputs laid end to end (the prompts'
+    # [U, P] slots, then the completions' [R, N], then one row of zeros that padding reads)
+    source: Tensor
     uses: list[int] = field(default_factory=lambda: [0])  # attention calls that took this path
     # the longest sequence packed, prompt and completion, in positions: a sliding window at
     # least this long excludes no key, so its layer is plain causal attention (Gemma 3)
@@ -91,14 +92,11 @@ def prefix_layout(segment: Tensor, group: Tensor) -> PrefixLayout:
     prompt_query = prompt_real.clone()
     prompt_query[1:, : int(shared.sum())] = False
     target = torch.cat([prompt_at[prompt_query], rows_query[query_real]])
+    slots = torch.cat([prompt_query.flatten(), query_real.flatten()]).nonzero().flatten()
+    source = torch.full_like(flat, prompt_query.numel() + query_real.numel())
+    source[target] = slots
     return PrefixLayout(
-        prompt_at,
-        ~prompt_allowed[:, None],
-        rows_query,
-        rows_key,
-        ~rows_allowed[:, None],
-        target,
-        (prompt_query, query_real),
+        prompt_at, ~prompt_allowed[:, None], rows_query, rows_key, ~rows_allowed[:, None], source
     )
 
 
@@ -182,11 +180,18 @@ def prefix_attention_forward(
     rows = _attend(
         _gather(q, rows_q), _gather(k, rows_k), _gather(v, rows_k), lay.rows_blocked, scale
     )
-    real = torch.cat([prompts[lay.select[0]], rows[lay.select[1]]])
-    # real.new_zeros: under CUDA autocast attention returns bf16 for float32 queries
-    out = real.new_zeros(q.shape).index_copy(0, lay.target, real)  # padding positions read 0
     lay.uses[0] += 1
-    return out.view(u, length, hq, d), None
+    return write_back(prompts, rows, lay).view(u, length, hq, d), None
+
+
+def write_back(prompts: Tensor, rows: Tensor, lay: PrefixLayout) -> Tensor:
+    """The attention's outputs ([U, P, H, D] prompts', [R, N, H, D] completions') at the packed
+    positions ([U * L, H, D]), zeros at padding. Every position reads its row by index:
+    index_select's backward is a plain index_add, where a boolean selection's accumulates
+    through a sort (docs/results/update-profile.md). The zeros take the outputs' dtype (bf16
+    under CUDA autocast, whatever the queries')."""
+    zeros = prompts.new_zeros(1, *prompts.shape[2:])
+    return torch.cat([prompts.flatten(0, 1), rows.flatten(0, 1), zeros]).index_select(0, lay.source)
 
 
 def use_prefix_attention(model: nn.Module) -> bool:
