@@ -29,12 +29,13 @@ import torch
 from benchmarks import common
 
 
-def one_process(precision: str) -> dict[str, Any]:
-    """In this process: three compiled rollouts of the default recipe's shape."""
+def one_process(precision: str, model: str | None) -> dict[str, Any]:
+    """In this process: three compiled rollouts of the default recipe's shape (of ``model``,
+    default the recipe's)."""
     from benchmarks.speed.rollout_speed import Variant, default_setup, round_prompts
     from grpo.build import build_engine
 
-    setup = default_setup()
+    setup = default_setup(model)
     config = setup.rollout.model_copy(update={"compile": True})
     engine = build_engine("hf", model=setup.model, tokenizer=setup.tokenizer, config=config)
     variant = Variant(engine, precision, precision == "bfloat16")
@@ -55,19 +56,21 @@ def one_process(precision: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--warm", type=int, default=2, help="processes after the cold one")
+    parser.add_argument("--model", help="a model name or alias (default: the recipe's)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(one_process(args.precision)))
+        print(json.dumps(one_process(args.precision, args.model)))
         return
     result: dict[str, Any] = {
         "machine": common.machine(),
         "precision": args.precision,
+        "model": args.model,
         "processes": [],
     }
     child = [sys.executable, "-m", "benchmarks.speed.compile_start", "--child"]
@@ -75,8 +78,9 @@ def main() -> None:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder}
         for i in range(1 + args.warm):
             start = time.perf_counter()
+            model = ["--model", args.model] if args.model else []
             done = subprocess.run(
-                [*child, "--precision", args.precision],
+                [*child, "--precision", args.precision, *model],
                 env=env,
                 capture_output=True,
                 text=True,

@@ -4,6 +4,7 @@ models."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,17 @@ def test_the_products_pass_is_every_linear_layer_as_the_variant_multiplies(
     assert not any("forward" in vars(m) for m in layers)  # the session unpacked them
     ceiling = rollout_speed.products_ceiling(variant, model, rows=6, repeats=2)
     assert ceiling["products_ceiling_tokens_per_s"] == pytest.approx(6 / ceiling["products_s"])
+
+
+@pytest.mark.slow
+def test_compile_start_measures_a_cold_process_then_warm_ones(tmp_path: Path) -> None:
+    from benchmarks.speed import compile_start
+
+    out = tmp_path / "start.json"
+    compile_start.main(["--model", "tiny-random", "--warm", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny-random"
+    assert [p["kernel_cache"] for p in result["processes"]] == ["empty", "filled"]
+    for process in result["processes"]:
+        assert len(process["rollout_s"]) == 3 and all(t > 0 for t in process["tokens"])
+        assert process["process_s"] > sum(process["rollout_s"])
