@@ -16,7 +16,7 @@ part, and the others still run):
   policy's to float32 noise and differ from the base model's.
 
 ``--device cpu`` is a dry run of the same script: a hidden GPU, the tiny random model, a few
-steps, two test files, the decode part on it, and no vLLM part; about two minutes on 2 cores.
+steps, two test files, the decode part on it, and no vLLM part; about a minute on 2 cores.
 
     .venv/bin/python -m tools.gpu_check [--device cuda|cpu] [--out PATH]
 """
