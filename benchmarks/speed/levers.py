@@ -405,32 +405,35 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
     }
 
 
-def attention_float32_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
-    """Prefix attention under bf16 autocast on a CPU: SDPA in bf16 (the queries' dtype) against
-    float32 (``prefix_attention.in_float32``, what grpo does), forward and forward + backward
-    over the step's micro-batches."""
+def patched_scoring(
+    model, rollout, micro_batch_size: int, repeats: int, attribute: str, ways: dict[str, Any]
+) -> dict[str, Any]:
+    """The step's scoring over its micro-batches, forward (``reference_forward``) and forward +
+    backward (``update``), alternated with ``prefix_attention.<attribute>`` set to each of
+    ``ways`` while the forward runs."""
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
-    chooser = prefix_attention.in_float32
 
-    def run(upcast: bool, grad: bool) -> Callable[[], None]:
+    def run(value: Any, grad: bool) -> Callable[[], None]:
         def scored(*args: Any) -> Any:
-            prefix_attention.in_float32 = lambda q: upcast and chooser(q)
-            try:
+            with mock.patch.object(prefix_attention, attribute, value):
                 return completion_logprobs(*args)
-            finally:
-                prefix_attention.in_float32 = chooser
 
         return scoring(model, batches, scored, grad)
 
     model.train()
     return {
-        "reference_forward_attention_float32": alternate(
-            {"bf16": run(False, False), "float32": run(True, False)}, repeats
-        ),
-        "update_attention_float32": alternate(
-            {"bf16": run(False, True), "float32": run(True, True)}, repeats
-        ),
+        phase: alternate({name: run(value, grad) for name, value in ways.items()}, repeats)
+        for phase, grad in (("reference_forward", False), ("update", True))
     }
+
+
+def attention_float32_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
+    """Prefix attention under bf16 autocast on a CPU: SDPA in bf16 (the queries' dtype) against
+    float32 (``prefix_attention.in_float32``, what grpo does), forward and forward + backward
+    over the step's micro-batches."""
+    ways = {"bf16": lambda q: False, "float32": prefix_attention.in_float32}
+    timed = patched_scoring(model, rollout, micro_batch_size, repeats, "in_float32", ways)
+    return {f"{phase}_attention_float32": result for phase, result in timed.items()}
 
 
 def selected_write_back(
@@ -455,30 +458,14 @@ def selected_write_back(
 def write_back_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """Prefix attention's write-back of its outputs to the packed positions: by index
     (``prefix_attention.write_back``) against the boolean selection it replaced
-    (``selected_write_back``), forward and forward + backward over the step's micro-batches."""
-    batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
-    indexed = prefix_attention.write_back
-
-    def run(way: Callable[..., torch.Tensor], grad: bool) -> Callable[[], None]:
-        def scored(*args: Any) -> Any:
-            prefix_attention.write_back = way
-            try:
-                return completion_logprobs(*args)
-            finally:
-                prefix_attention.write_back = indexed
-
-        return scoring(model, batches, scored, grad)
-
-    model.train()
-    ways = {"selected": selected_write_back, "indexed": indexed}
+    (``selected_write_back``), forward and forward + backward over the step's micro-batches,
+    and one layer's attention alone."""
+    ways = {"selected": selected_write_back, "indexed": prefix_attention.write_back}
+    timed = patched_scoring(model, rollout, micro_batch_size, repeats, "write_back", ways)
+    batch = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)[0]
     return {
-        "reference_forward_write_back": alternate(
-            {name: run(way, False) for name, way in ways.items()}, repeats
-        ),
-        "update_write_back": alternate(
-            {name: run(way, True) for name, way in ways.items()}, repeats
-        ),
-        "attention_alone": prefix_attention_alone(model, batches[0], ways, 5 * repeats),
+        **{f"{phase}_write_back": result for phase, result in timed.items()},
+        "attention_alone": prefix_attention_alone(model, batch, ways, 5 * repeats),
     }
 
 
@@ -493,18 +480,14 @@ def prefix_attention_alone(
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = (config.num_attention_heads, config.num_key_value_heads, config.num_key_value_heads)
     qkv = [torch.randn(u, h, length, d) for h in heads]
-    indexed = prefix_attention.write_back
 
     def run(way: Callable[..., torch.Tensor]) -> Callable[[], None]:
         def go() -> None:
             q, k, v = (t.clone().requires_grad_() for t in qkv)
-            prefix_attention.write_back = way
-            try:
+            with mock.patch.object(prefix_attention, "write_back", way):
                 out, _ = prefix_attention.prefix_attention_forward(
                     None, q, k, v, None, scaling=d**-0.5, prefix_layout=lay
                 )
-            finally:
-                prefix_attention.write_back = indexed
             out.sum().backward()
 
         return go

@@ -320,3 +320,15 @@ def test_the_write_back_lever_times_both_ways_in_scoring_and_alone(tmp_path) -> 
         assert list(times) == ["selected", "indexed"]
         assert [len(t) for t in times.values()] == [turns, turns]
         assert result[key]["median_pair_ratio"] > 0
+
+
+def test_the_attention_float32_lever_times_both_precisions_of_prefix_attention(tmp_path) -> None:
+    from benchmarks.speed import levers
+
+    out = tmp_path / "float32.json"
+    argv = ["--setup", "tiny", "--attention-float32", "--precision", "bfloat16"]
+    levers.main([*argv, "--repeats", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    for phase in ("reference_forward", "update"):
+        times = result[f"{phase}_attention_float32"]["times_s"]
+        assert list(times) == ["bf16", "float32"] and [len(t) for t in times.values()] == [2, 2]
