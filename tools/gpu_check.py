@@ -271,8 +271,7 @@ def decode_part(device: str, work: Path) -> dict[str, Any]:
     setup = rollout_speed.default_setup(
         "tiny-random" if device == "cpu" else None, torch.device(device)
     )
-    every = rollout_speed.variants(setup.model, setup.tokenizer, setup.rollout)
-    sampling = {name: every[name] for name in DECODE_VARIANTS}
+    sampling = rollout_speed.variants(setup.model, setup.tokenizer, setup.rollout, DECODE_VARIANTS)
     rounds, differing = [], []
     for r in range(DECODE_ROUNDS):
         entry, rollouts = rollout_speed.measure_round(setup, sampling, r)

@@ -158,7 +158,15 @@ class Variant:
             return out, time.perf_counter() - start
 
 
-def variants(model: torch.nn.Module, tokenizer: Any, rollout: RolloutConfig) -> dict[str, Variant]:
+def variants(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    rollout: RolloutConfig,
+    names: tuple[str, ...] | None = None,
+) -> dict[str, Variant]:
+    """The variants named (default: every one; vLLM's where it is installed), built: a vLLM
+    engine is started only when asked for."""
+
     def hf(**update: Any) -> Any:
         return build_engine(
             "hf", model=model, tokenizer=tokenizer, config=rollout.model_copy(update=update)
@@ -184,7 +192,7 @@ def variants(model: torch.nn.Module, tokenizer: Any, rollout: RolloutConfig) -> 
             "float32",
             False,
         )
-    return {name: make() for name, make in built.items()}
+    return {name: make() for name, make in built.items() if names is None or name in names}
 
 
 def differences(got: Rollout, want: Rollout) -> dict[str, Any]:
