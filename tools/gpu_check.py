@@ -249,11 +249,15 @@ DECODE_VARIANTS = ("hf_bf16", "hf_bf16_compiled")
 DECODE_ROUNDS = 3
 
 
-def decode_problem(entries: dict[str, dict[str, Any]], compiled_fell_back: bool) -> str | None:
+def decode_problem(
+    entries: dict[str, dict[str, Any]], compilable: bool, compiled_fell_back: bool
+) -> str | None:
     """Why the decode part's rollouts do not show both ways of decoding working, or None."""
     idle = [name for name, e in entries.items() if not e.get("tokens")]
     if idle:
         return f"no tokens sampled by {', '.join(idle)}"
+    if not compilable:
+        return "the model is not one the compiled decode step takes (rollout.compile)"
     if compiled_fell_back:
         return "the compiled decode step fell back to eager decoding (its line says why)"
     return None
@@ -279,8 +283,9 @@ def decode_part(device: str, work: Path) -> dict[str, Any]:
         differing.append(
             rollout_speed.differences(*(rollouts[n] for n in reversed(DECODE_VARIANTS)))
         )
+    takes = compiled.compilable(setup.model)
     fell_back = not compiled.wanted(True, setup.model)
-    problems = (decode_problem({n: e[n] for n in sampling}, fell_back) for e in rounds)
+    problems = (decode_problem({n: e[n] for n in sampling}, takes, fell_back) for e in rounds)
     problem = next((p for p in problems if p), None)
     return {
         "passed": problem is None,

@@ -51,18 +51,19 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def alternate(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Any]:
-    """Run the variants in turn ``repeats`` times; medians, the ratio of the last's median to
-    the first's, and the median of the ratios within each turn (``median_pair_ratio``: the two
-    ran moments apart, so a slow spell of a shared host slows both; steadier than the ratio of
-    medians where the spells last longer than a turn)."""
+    """Run the variants in turn ``repeats`` times, in reverse order every other turn (ABBA, so
+    that running first or second in a turn favours neither); medians, the ratio of the last's
+    median to the first's, and the median of the ratios within each turn
+    (``median_pair_ratio``: the two ran moments apart, so a slow spell of a shared host slows
+    both; steadier than the ratio of medians where the spells last longer than a turn)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
+    names = list(variants)
+    for turn in range(repeats):
+        for name in names if turn % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
-            fn()
+            variants[name]()
             times[name].append(time.perf_counter() - t0)
     medians = {name: common.median(ts) for name, ts in times.items()}
-    names = list(variants)
     first, last = names[0], names[-1]
     pairs = zip(times[first], times[last], strict=True)
     return {
@@ -408,23 +409,38 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
 def patched_scoring(
     model, rollout, micro_batch_size: int, repeats: int, attribute: str, ways: dict[str, Any]
 ) -> dict[str, Any]:
-    """The step's scoring over its micro-batches, forward (``reference_forward``) and forward +
+    """The step's scoring over its micro-batches under prefix attention (the model switched to
+    it, as training's ``load_policy`` does), forward (``reference_forward``) and forward +
     backward (``update``), alternated with ``prefix_attention.<attribute>`` set to each of
-    ``ways`` while the forward runs."""
+    ``ways`` while the forward runs. Each way's calls are counted (``calls``): a way the
+    scoring never called would time the same code twice, and stops the lever."""
+    if not prefix_attention.use_prefix_attention(model):
+        raise SystemExit(f"levers: {type(model).__name__} cannot run prefix attention")
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
+    calls = dict.fromkeys(ways, 0)
 
-    def run(value: Any, grad: bool) -> Callable[[], None]:
+    def counted(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return ways[name](*args, **kwargs)
+
+        return call
+
+    def run(name: str, grad: bool) -> Callable[[], None]:
         def scored(*args: Any) -> Any:
-            with mock.patch.object(prefix_attention, attribute, value):
+            with mock.patch.object(prefix_attention, attribute, counted(name)):
                 return completion_logprobs(*args)
 
         return scoring(model, batches, scored, grad)
 
     model.train()
-    return {
-        phase: alternate({name: run(value, grad) for name, value in ways.items()}, repeats)
+    timed = {
+        phase: alternate({name: run(name, grad) for name in ways}, repeats)
         for phase, grad in (("reference_forward", False), ("update", True))
     }
+    if not all(calls.values()):
+        raise RuntimeError(f"levers: the scoring never called prefix_attention.{attribute}")
+    return {**timed, "calls": calls}
 
 
 def attention_float32_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
@@ -433,26 +449,38 @@ def attention_float32_lever(model, rollout, micro_batch_size: int, repeats: int)
     over the step's micro-batches."""
     ways = {"bf16": lambda q: False, "float32": prefix_attention.in_float32}
     timed = patched_scoring(model, rollout, micro_batch_size, repeats, "in_float32", ways)
-    return {f"{phase}_attention_float32": result for phase, result in timed.items()}
+    calls = timed.pop("calls")
+    return {**{f"{phase}_attention_float32": r for phase, r in timed.items()}, "calls": calls}
 
 
-def selected_write_back(
-    prompts: torch.Tensor, rows: torch.Tensor, lay: prefix_attention.PrefixLayout
-) -> torch.Tensor:
+def selected_write_back() -> Callable[..., torch.Tensor]:
     """``prefix_attention.write_back`` as it was before: the real slots taken by boolean
-    selection (whose backward accumulates through a sort), then copied to their positions."""
-    zero_row = prompts.shape[0] * prompts.shape[1] + rows.shape[0] * rows.shape[1]
-    target = (lay.source < zero_row).nonzero().flatten()
-    slots = lay.source[target]
-    target = target[slots.argsort()]  # positions in the order of their slots
-    real = torch.zeros(zero_row, dtype=torch.bool, device=lay.source.device)
-    real[slots] = True
-    split = prompts.shape[0] * prompts.shape[1]
-    picked = torch.cat(
-        [prompts[real[:split].view(prompts.shape[:2])], rows[real[split:].view(rows.shape[:2])]]
-    )
-    out = picked.new_zeros(lay.source.shape[0], *picked.shape[1:])
-    return out.index_copy(0, target, picked)
+    selection (whose backward accumulates through a sort), then copied to their positions.
+    The selection's masks and the positions' order are built once per layout, as
+    ``prefix_layout`` built them then; the function returned holds them."""
+    built: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def masks(lay: prefix_attention.PrefixLayout, prompts: torch.Tensor, rows: torch.Tensor):
+        if id(lay) not in built:  # the layout itself is kept, so its id stays its own
+            split = prompts.shape[0] * prompts.shape[1]
+            zero_row = split + rows.shape[0] * rows.shape[1]
+            target = (lay.source < zero_row).nonzero().flatten()
+            slots = lay.source[target]
+            real = torch.zeros(zero_row, dtype=torch.bool, device=lay.source.device)
+            real[slots] = True
+            select = (real[:split].view(prompts.shape[:2]), real[split:].view(rows.shape[:2]))
+            built[id(lay)] = (lay, target[slots.argsort()], *select)  # positions in slot order
+        return built[id(lay)][1:]
+
+    def write_back(
+        prompts: torch.Tensor, rows: torch.Tensor, lay: prefix_attention.PrefixLayout
+    ) -> torch.Tensor:
+        target, prompt_slots, row_slots = masks(lay, prompts, rows)
+        picked = torch.cat([prompts[prompt_slots], rows[row_slots]])
+        out = picked.new_zeros(lay.source.shape[0], *picked.shape[1:])
+        return out.index_copy(0, target, picked)
+
+    return write_back
 
 
 def write_back_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
@@ -460,11 +488,13 @@ def write_back_lever(model, rollout, micro_batch_size: int, repeats: int) -> dic
     (``prefix_attention.write_back``) against the boolean selection it replaced
     (``selected_write_back``), forward and forward + backward over the step's micro-batches,
     and one layer's attention alone."""
-    ways = {"selected": selected_write_back, "indexed": prefix_attention.write_back}
+    ways = {"selected": selected_write_back(), "indexed": prefix_attention.write_back}
     timed = patched_scoring(model, rollout, micro_batch_size, repeats, "write_back", ways)
+    calls = timed.pop("calls")
     batch = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)[0]
     return {
         **{f"{phase}_write_back": result for phase, result in timed.items()},
+        "calls": calls,
         "attention_alone": prefix_attention_alone(model, batch, ways, 5 * repeats),
     }
 
@@ -479,6 +509,8 @@ def prefix_attention_alone(
     config, (u, length) = model.config, packed.segment.shape
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = (config.num_attention_heads, config.num_key_value_heads, config.num_key_value_heads)
+    # float32, as the model hands them over under bf16 autocast too (the rotary embedding's
+    # float32 cos and sin promote the bf16 projections), and as attention returns them
     qkv = [torch.randn(u, h, length, d) for h in heads]
 
     def run(way: Callable[..., torch.Tensor]) -> Callable[[], None]:

@@ -19,9 +19,9 @@ weight once for the whole batch (memory bandwidth, at its precision's bytes) and
 than ``rows / max(bytes / bandwidth, flops / peak)``. Beside it, each HF variant's products
 ceiling: a decode step's products alone (every linear layer once, in model order, at the batch's
 rows, as the variant multiplies them: ``decode_products``), timed in the same round; the tokens/s
-a rollout would reach if nothing but its products took time, and its share of the limit. The packed float32 completions are compared
-with the float32 ones of the same seeds: how many differ, and the largest log-prob difference of
-those that do not. ``--profile``: one more rollout of each HF variant under torch's profiler,
+a rollout would reach if nothing but its products took time, and its share of the limit. The
+packed float32 completions are compared with the float32 ones of the same seeds: how many
+differ, and the largest log-prob difference of those that do not. ``--profile``: one more rollout of each HF variant under torch's profiler,
 its wall time split into matrix products, attention, dtype casts, other tensor ops and the
 Python around them, and the model's matrix products alone (all of a decode step's, on its own
 weights, at 1 to 128 rows): ``F.linear`` against oneDNN's packed products.
@@ -52,27 +52,30 @@ from grpo.config import RolloutConfig, load_config
 from grpo.data import load_dataset_rows, system_prompt_for
 from grpo.models import load_tokenizer, resolve_model_path
 from grpo.rollout import compiled, packed_weights, render_prompt
-from grpo.runtime.precision import bf16_autocast
+from grpo.runtime.precision import bf16_autocast, synchronize
 from grpo.step_data import Rollout
 
 CPU = torch.device("cpu")
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# sums timed between two synchronisations: on a GPU one sum of 0.5 GiB takes a fraction of a
+# millisecond, which the synchronisation and the launch would otherwise inflate
+SUMS = {"cpu": 1, "cuda": 10}
 
 
 def memory_bandwidth(gib: float = 0.5, seconds: float = 1.0, device: torch.device = CPU) -> float:
     """Bytes/s read by a sum over a float32 buffer larger than the caches, best of repeats."""
     buffer = torch.ones(int(gib * 2**30) // 4, device=device)
+    sums = SUMS.get(device.type, 1)
+    buffer.sum()  # warm-up: the kernel's first launch
     best, start = 0.0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        _synchronize(device)
+        synchronize(device)
         t0 = time.perf_counter()
-        buffer.sum()
-        _synchronize(device)
-        best = max(best, buffer.numel() * 4 / (time.perf_counter() - t0))
+        for _ in range(sums):
+            buffer.sum()
+        synchronize(device)
+        best = max(best, sums * buffer.numel() * 4 / (time.perf_counter() - t0))
     return best
 
 
@@ -154,7 +157,7 @@ class Variant:
             start = time.perf_counter()
             self.engine.sync_weights(model)
             out = self.engine.generate(*args, **kwargs)
-            _synchronize(_device(model))
+            synchronize(_device(model))
             return out, time.perf_counter() - start
 
 
@@ -192,6 +195,9 @@ def variants(
             "float32",
             False,
         )
+    unknown = set(names or ()) - set(built)
+    if unknown:
+        raise ValueError(f"no variant {', '.join(sorted(unknown))} here (have {', '.join(built)})")
     return {name: make() for name, make in built.items() if names is None or name in names}
 
 
@@ -246,9 +252,9 @@ def decode_products(
     """A pass over every linear layer of ``model`` once, in model order, the head included: a
     decode step's products and nothing else, multiplied as ``variant``'s step multiplies them
     (packed where its engine's session packs; on weights cast once per rollout where it decodes
-    compiled). ``inputs``: a float32 [rows, width] input for each input width. Each weight comes
-    from memory as in a decode step: the pass does not fit in the caches (270 MB for SmolLM2
-    in bf16)."""
+    compiled). ``inputs``: a float32 [rows, width] input for each input width. Passes follow one
+    another as decode steps do, so a weight stays in cache from one to the next as much as it
+    would between steps (SmolLM2's 269 MB in bf16 against a Xeon's 300 MiB L3, shared)."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     with bf16_autocast(_device(model), variant.autocast), variant.engine.session():
         if compiled.wanted(variant.engine.config.compile, model):
@@ -272,10 +278,10 @@ def products_ceiling(
     best = float("inf")
     with decode_products(variant, model, inputs) as run:
         for _ in range(repeats):
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             run()
-            _synchronize(device)
+            synchronize(device)
             best = min(best, time.perf_counter() - start)
     return {"products_s": best, "products_ceiling_tokens_per_s": rows / best}
 

@@ -261,8 +261,12 @@ def test_the_decode_lever_runs_on_the_lora_policy(tmp_path) -> None:
     assert result["lora"] and result["lean_decode"]["same_tokens"]
 
 
+@pytest.mark.device
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("end_to_end", [False, True])
-def test_the_write_back_lever_compares_two_ways_of_the_same_numbers(end_to_end: bool) -> None:
+def test_the_write_back_lever_compares_two_ways_of_the_same_numbers(
+    end_to_end: bool, dtype: torch.dtype, device: torch.device
+) -> None:
     from benchmarks.speed.levers import selected_write_back
     from grpo.scoring.packing import pack
     from grpo.scoring.prefix_attention import prefix_layout, write_back
@@ -274,13 +278,16 @@ def test_the_write_back_lever_compares_two_ways_of_the_same_numbers(end_to_end: 
     completion_ids = torch.tensor(
         [[11, 12, 13, 0], [14, 0, 0, 0], [15, 16, 17, 18], [19, 20, 0, 0], [21, 22, 0, 0]]
     )
-    packed = pack(prompt_ids, prompt_ids != 0, completion_ids, completion_ids != 0, end_to_end)
+    ids = [t.to(device) for t in (prompt_ids, prompt_ids != 0, completion_ids, completion_ids != 0)]
+    packed = pack(*ids, end_to_end)
     lay = prefix_layout(packed.segment, packed.group)
-    prompts = torch.randn(*lay.prompt_at.shape, 3, 4, requires_grad=True)
-    rows = torch.randn(*lay.rows_query.shape, 3, 4, requires_grad=True)
-    grad = torch.randn(lay.source.shape[0], 3, 4)
+    # the attention's outputs in their dtype (bf16 under CUDA autocast) on the device
+    make = {"dtype": dtype, "device": device}
+    prompts = torch.randn(*lay.prompt_at.shape, 3, 4, **make, requires_grad=True)
+    rows = torch.randn(*lay.rows_query.shape, 3, 4, **make, requires_grad=True)
+    grad = torch.randn(lay.source.shape[0], 3, 4, **make)
     results = []
-    for way in (write_back, selected_write_back):
+    for way in (write_back, selected_write_back()):
         out = way(prompts, rows, lay)
         out.backward(grad)
         results.append((out.detach(), prompts.grad.clone(), rows.grad.clone()))
@@ -296,10 +303,13 @@ def test_alternate_gives_the_ratio_of_medians_and_the_median_ratio_within_turns(
     from benchmarks.speed import levers
 
     # turns of (a, b) seconds: (1, 2), (4, 2), (2, 1.5): medians 2 and 2 (ratio 1); within
-    # the turns b took 2x, 0.5x and 0.75x a's time (median 0.75)
-    clock = iter([0, 1, 1, 3, 3, 7, 7, 9, 9, 11, 11, 12.5])
+    # the turns b took 2x, 0.5x and 0.75x a's time (median 0.75). The second turn runs b first
+    order = []
+    clock = iter([0, 1, 1, 3, 3, 5, 5, 9, 9, 11, 11, 12.5])
     monkeypatch.setattr(levers.time, "perf_counter", lambda: next(clock))
-    result = levers.alternate({"a": lambda: None, "b": lambda: None}, repeats=3)
+    variants = {name: lambda name=name: order.append(name) for name in ("a", "b")}
+    result = levers.alternate(variants, repeats=3)
+    assert order == ["a", "b", "b", "a", "a", "b"]
     assert result["times_s"] == {"a": [1, 4, 2], "b": [2, 2, 1.5]}
     assert result["ratio"] == 1.0
     assert result["median_pair_ratio"] == 0.75
@@ -320,6 +330,8 @@ def test_the_write_back_lever_times_both_ways_in_scoring_and_alone(tmp_path) -> 
         assert list(times) == ["selected", "indexed"]
         assert [len(t) for t in times.values()] == [turns, turns]
         assert result[key]["median_pair_ratio"] > 0
+    # both ways ran inside the scoring (a model left on SDPA would time neither)
+    assert result["calls"]["selected"] > 0 and result["calls"]["indexed"] > 0
 
 
 def test_the_attention_float32_lever_times_both_precisions_of_prefix_attention(tmp_path) -> None:
@@ -332,3 +344,4 @@ def test_the_attention_float32_lever_times_both_precisions_of_prefix_attention(t
     for phase in ("reference_forward", "update"):
         times = result[f"{phase}_attention_float32"]["times_s"]
         assert list(times) == ["bf16", "float32"] and [len(t) for t in times.values()] == [2, 2]
+    assert result["calls"]["bf16"] > 0 and result["calls"]["float32"] > 0

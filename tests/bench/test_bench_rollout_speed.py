@@ -85,17 +85,21 @@ def test_product_times_cover_every_row_count_and_both_ways() -> None:
 def test_the_products_pass_is_every_linear_layer_as_the_variant_multiplies(
     tiny_model_dir: Path, name: str, dtype: torch.dtype
 ) -> None:
-    if dtype == torch.bfloat16 and not packed_weights._kernels(torch.bfloat16):
-        pytest.skip("no oneDNN bf16 kernels on this CPU")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     built = rollout_speed.variants(model, load_tokenizer(tiny_model_dir), RolloutConfig(), (name,))
     assert list(built) == [name]  # only what is named is built (a vLLM engine would start)
+    with pytest.raises(ValueError, match="no variant hf_fp8"):
+        rollout_speed.variants(model, load_tokenizer(tiny_model_dir), RolloutConfig(), ("hf_fp8",))
     variant = built[name]
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     assert layers[-1] is model.lm_head
     inputs = {k: torch.randn(6, k) for k in {m.in_features for m in layers}}
     with torch.no_grad(), rollout_speed.decode_products(variant, model, inputs) as run:
         got = run()
+        # the eager bf16 step multiplies on packed weights where oneDNN has the kernels (the
+        # same bits as F.linear's, so only the layers' replaced forward tells), the rest as is
+        packed = name == "hf_bf16" and packed_weights._kernels(torch.bfloat16)
+        assert all(("forward" in vars(m)) == packed for m in layers)
     assert len(got) == len(layers)
     for out, m in zip(got, layers, strict=True):
         # each layer's own product in the variant's dtype: float32 F.linear's bits, or bf16
@@ -104,8 +108,22 @@ def test_the_products_pass_is_every_linear_layer_as_the_variant_multiplies(
         assert out.dtype == dtype
         assert torch.equal(out, want)
     assert not any("forward" in vars(m) for m in layers)  # the session unpacked them
-    ceiling = rollout_speed.products_ceiling(variant, model, rows=6, repeats=2)
-    assert ceiling["products_ceiling_tokens_per_s"] == pytest.approx(6 / ceiling["products_s"])
+
+
+def test_the_products_ceiling_is_the_rows_over_the_fastest_pass(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(tiny_model_dir)
+    variant = rollout_speed.variants(model, tokenizer, RolloutConfig(), ("hf_float32",))
+    # three passes of 0.5, 0.2 and 0.4 s: the fastest sets the ceiling, 8 rows / 0.2 s
+    clock = iter([0, 0.5, 1, 1.2, 2, 2.4])
+    monkeypatch.setattr(rollout_speed.time, "perf_counter", lambda: next(clock))
+    ceiling = rollout_speed.products_ceiling(variant["hf_float32"], model, rows=8, repeats=3)
+    assert ceiling == {
+        "products_s": pytest.approx(0.2),
+        "products_ceiling_tokens_per_s": pytest.approx(40),
+    }
 
 
 @pytest.mark.slow

@@ -83,10 +83,11 @@ def test_a_part_that_runs_past_its_limit_fails_and_the_check_goes_on(tmp_path) -
 
 def test_decode_verdicts() -> None:
     both = {"hf_bf16": {"tokens": 40}, "hf_bf16_compiled": {"tokens": 38}}
-    assert gpu_check.decode_problem(both, compiled_fell_back=False) is None
-    assert "fell back" in gpu_check.decode_problem(both, compiled_fell_back=True)
+    assert gpu_check.decode_problem(both, compilable=True, compiled_fell_back=False) is None
+    assert "fell back" in gpu_check.decode_problem(both, True, compiled_fell_back=True)
+    assert "not one the compiled" in gpu_check.decode_problem(both, False, True)
     idle = {**both, "hf_bf16_compiled": {"tokens": 0}}
-    assert gpu_check.decode_problem(idle, False) == "no tokens sampled by hf_bf16_compiled"
+    assert gpu_check.decode_problem(idle, True, False) == "no tokens sampled by hf_bf16_compiled"
 
 
 @pytest.mark.slow

@@ -55,7 +55,8 @@ def choose_precision(rates: MatmulRates, min_gain: float = BF16_MIN_GAIN) -> str
     return "bf16_autocast" if rates.gain >= min_gain else "float32"
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a GPU's), so that a clock read after it counts it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -73,11 +74,11 @@ def product_timer(
     a[:WARM_UP_ROWS] @ b
 
     def timed() -> float:
-        _synchronize(device)
+        synchronize(device)
         t0 = time.perf_counter()
         for _ in range(products):
             a @ b
-        _synchronize(device)
+        synchronize(device)
         return (time.perf_counter() - t0) / products
 
     return timed

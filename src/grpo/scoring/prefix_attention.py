@@ -188,8 +188,10 @@ def write_back(prompts: Tensor, rows: Tensor, lay: PrefixLayout) -> Tensor:
     """The attention's outputs ([U, P, H, D] prompts', [R, N, H, D] completions') at the packed
     positions ([U * L, H, D]), zeros at padding. Every position reads its row by index:
     index_select's backward is a plain index_add, where a boolean selection's accumulates
-    through a sort (docs/results/levers.md). The zeros take the outputs' dtype (bf16
-    under CUDA autocast, whatever the queries')."""
+    through a sort (docs/results/levers.md; under ``torch.use_deterministic_algorithms`` CUDA
+    sorts for both). Each row is read by one position at most, so the gradients are the
+    selection's bit for bit. The zeros take the outputs' dtype (bf16 under CUDA autocast,
+    whatever the queries')."""
     zeros = prompts.new_zeros(1, *prompts.shape[2:])
     return torch.cat([prompts.flatten(0, 1), rows.flatten(0, 1), zeros]).index_select(0, lay.source)
 
