@@ -409,13 +409,13 @@ def attention_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict
 def patched_scoring(
     model, rollout, micro_batch_size: int, repeats: int, attribute: str, ways: dict[str, Any]
 ) -> dict[str, Any]:
-    """The step's scoring over its micro-batches under prefix attention (the model switched to
-    it, as training's ``load_policy`` does), forward (``reference_forward``) and forward +
+    """The step's scoring over its micro-batches under prefix attention (``run_levers`` switches
+    the model to it, as training's ``load_policy`` does), forward (``reference_forward``) and forward +
     backward (``update``), alternated with ``prefix_attention.<attribute>`` set to each of
     ``ways`` while the forward runs. Each way's calls are counted (``calls``): a way the
     scoring never called would time the same code twice, and stops the lever."""
-    if not prefix_attention.use_prefix_attention(model):
-        raise SystemExit(f"levers: {type(model).__name__} cannot run prefix attention")
+    if model.config._attn_implementation != PREFIX:
+        raise SystemExit(f"levers: {type(model).__name__} does not score under prefix attention")
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
     calls = dict.fromkeys(ways, 0)
 
@@ -656,9 +656,9 @@ def compile_lever(engine: HFEngine, prompts: list[str], rows: list[dict], g: int
 def compile_update_lever(model, rollout, micro_batch_size: int, repeats: int) -> dict:
     """Forward + backward of the step's scoring with every decoder layer compiled
     (``nn.Module.compile(dynamic=True)``: one graph serves all layers and every packed length)
-    against eager. The first compiled pass, which pays the compilation, is timed apart.
-    ``capture_dynamic_output_shape_ops`` lets prefix attention's boolean selects into the graph
-    (otherwise each layer breaks in two there)."""
+    against eager, under prefix attention as training scores. The first compiled pass, which
+    pays the compilation, is timed apart. ``capture_dynamic_output_shape_ops`` lets any
+    data-dependent shape into the graph (a layer would otherwise break in two there)."""
     import torch._dynamo
 
     batches = micro_batches(rollout, torch.zeros(rollout.num_completions), micro_batch_size)
@@ -768,6 +768,9 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
         model = load_policy(ModelConfig(lora={"enabled": True}), path)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        # scoring as training scores (load_policy switches too): packed groups under prefix
+        # attention; generation and unpacked rows stay SDPA's
+        prefix_attention.use_prefix_attention(model)
     config = RolloutConfig(
         prompts_per_step=setup["prompts_per_step"],
         group_size=setup["group_size"],

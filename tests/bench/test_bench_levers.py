@@ -345,3 +345,12 @@ def test_the_attention_float32_lever_times_both_precisions_of_prefix_attention(t
         times = result[f"{phase}_attention_float32"]["times_s"]
         assert list(times) == ["bf16", "float32"] and [len(t) for t in times.values()] == [2, 2]
     assert result["calls"]["bf16"] > 0 and result["calls"]["float32"] > 0
+
+
+def test_a_scoring_lever_refuses_a_model_left_on_sdpa(tiny_model_dir) -> None:
+    from benchmarks.speed import levers
+
+    # its patched setting would never be read: the lever would time one path twice
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(SystemExit, match="does not score under prefix attention"):
+        levers.patched_scoring(model, None, 8, 1, "write_back", {"a": None, "b": None})
