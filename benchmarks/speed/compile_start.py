@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-kernels-") as folder:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder}
         for i in range(1 + args.warm):
+            kernel_files = sum(1 for f in Path(folder).rglob("*") if f.is_file())
             start = time.perf_counter()
             model = ["--model", args.model] if args.model else []
             done = subprocess.run(
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             entry = {
                 "kernel_cache": "empty" if i == 0 else "filled",
+                # the files the process found: a later one must find what the first wrote
+                "kernel_files_before": kernel_files,
                 "process_s": time.perf_counter() - start,
                 **json.loads(done.stdout.strip().splitlines()[-1]),
             }

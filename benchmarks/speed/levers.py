@@ -22,7 +22,6 @@ from unittest import mock
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     DynamicCache,
     GenerationConfig,
     LogitsProcessor,
@@ -457,11 +456,12 @@ def selected_write_back() -> Callable[..., torch.Tensor]:
     """``prefix_attention.write_back`` as it was before: the real slots taken by boolean
     selection (whose backward accumulates through a sort), then copied to their positions.
     The selection's masks and the positions' order are built once per layout, as
-    ``prefix_layout`` built them then; the function returned holds them."""
-    built: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    ``prefix_layout`` built them then (every layer of a forward shares its layout); the function
+    returned holds those of the last layout it saw."""
+    last: dict[str, Any] = {}
 
     def masks(lay: prefix_attention.PrefixLayout, prompts: torch.Tensor, rows: torch.Tensor):
-        if id(lay) not in built:  # the layout itself is kept, so its id stays its own
+        if last.get("layout") is not lay:
             split = prompts.shape[0] * prompts.shape[1]
             zero_row = split + rows.shape[0] * rows.shape[1]
             target = (lay.source < zero_row).nonzero().flatten()
@@ -469,8 +469,8 @@ def selected_write_back() -> Callable[..., torch.Tensor]:
             real = torch.zeros(zero_row, dtype=torch.bool, device=lay.source.device)
             real[slots] = True
             select = (real[:split].view(prompts.shape[:2]), real[split:].view(rows.shape[:2]))
-            built[id(lay)] = (lay, target[slots.argsort()], *select)  # positions in slot order
-        return built[id(lay)][1:]
+            last.update(layout=lay, masks=(target[slots.argsort()], *select))  # slot order
+        return last["masks"]
 
     def write_back(
         prompts: torch.Tensor, rows: torch.Tensor, lay: prefix_attention.PrefixLayout
@@ -764,13 +764,9 @@ def run_levers(args: argparse.Namespace, setup: dict[str, Any]) -> None:
     set_malloc_policy(TrainConfig().malloc)  # freed memory handled as the trainer's default
     path = resolve_model_path(setup["model"])
     tokenizer = load_tokenizer(path)
-    if args.lora:
-        model = load_policy(ModelConfig(lora={"enabled": True}), path)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        # scoring as training scores (load_policy switches too): packed groups under prefix
-        # attention; generation and unpacked rows stay SDPA's
-        prefix_attention.use_prefix_attention(model)
+    # the policy as training loads it: packed scoring under prefix attention (generation and
+    # unpacked rows stay SDPA's), dropout off, LoRA's wrapper where asked
+    model = load_policy(ModelConfig(lora={"enabled": args.lora}), path)
     config = RolloutConfig(
         prompts_per_step=setup["prompts_per_step"],
         group_size=setup["group_size"],

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib.util
 import json
 import time
@@ -286,40 +285,23 @@ def products_ceiling(
     return {"products_s": best, "products_ceiling_tokens_per_s": rows / best}
 
 
-def _plain_pass(layers: list, inputs: dict) -> list[torch.Tensor]:
-    return [F.linear(inputs[m.in_features], m.weight) for m in layers]
-
-
-def _packed_pass(layers: list, packed: list, inputs: dict) -> list[torch.Tensor]:
-    return [
-        torch.ops.mkldnn._linear_pointwise(inputs[m.in_features], w, None, "none", [], "")
-        for m, w in zip(layers, packed, strict=True)
-    ]
-
-
 @torch.no_grad()
-def product_times(model: torch.nn.Module, rows: tuple[int, ...] = (1, 8, 32, 128)) -> dict:
-    """Seconds of one pass over every linear layer of ``model`` at each row count, float32
-    through ``F.linear`` and on oneDNN's packed weights (best of 3, alternated), with GFLOP/s."""
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()) for m in layers]
+def product_times(
+    sampling: dict[str, Variant], model: torch.nn.Module, rows: tuple[int, ...] = (1, 8, 32, 128)
+) -> dict:
+    """Seconds of one pass over every linear layer of ``model`` (``decode_products``) at each
+    row count, float32 through ``F.linear`` (``hf_float32``) and on oneDNN's packed weights
+    (``hf_float32_packed``), best of 3 each, with GFLOP/s."""
+    ways = {"f_linear": sampling["hf_float32"], "packed": sampling["hf_float32_packed"]}
+    weights = sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)
     out = {}
     for n in rows:
-        inputs = {k: torch.randn(n, k) for k in {m.in_features for m in layers}}
-        ways: dict[str, Callable[[], list[torch.Tensor]]] = {
-            "f_linear": functools.partial(_plain_pass, layers, inputs),
-            "packed": functools.partial(_packed_pass, layers, packed, inputs),
+        best = {
+            name: products_ceiling(v, model, n, repeats=3)["products_s"] for name, v in ways.items()
         }
-        best = dict.fromkeys(ways, float("inf"))
-        for _ in range(3):
-            for name, run in ways.items():
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - start)
-        flops = 2 * n * sum(m.weight.numel() for m in layers)
         out[n] = {
             **{f"{name}_s": s for name, s in best.items()},
-            **{f"{name}_gflops": flops / s / 1e9 for name, s in best.items()},
+            **{f"{name}_gflops": 2 * n * weights / s / 1e9 for name, s in best.items()},
             "packed_over_f_linear": best["packed"] / best["f_linear"],
         }
     return out
@@ -423,7 +405,7 @@ def main() -> None:
             for name, variant in sampling.items()
             if name.startswith("hf")
         }
-        result["float32_products"] = product_times(model)
+        result["float32_products"] = product_times(sampling, model)
         print(json.dumps(result["profile"]), json.dumps(result["float32_products"]))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

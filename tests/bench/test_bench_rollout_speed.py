@@ -64,13 +64,15 @@ def test_differences_count_completions_and_compare_log_probs_where_tokens_agree(
     }
 
 
-def test_product_times_cover_every_row_count_and_both_ways() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
-    out = rollout_speed.product_times(model, rows=(1, 4))
+def test_product_times_cover_every_row_count_and_both_ways(tiny_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    names = ("hf_float32", "hf_float32_packed")
+    sampling = rollout_speed.variants(model, load_tokenizer(tiny_model_dir), RolloutConfig(), names)
+    out = rollout_speed.product_times(sampling, model, rows=(1, 4))
     assert set(out) == {1, 4}
+    weights = sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)
     for n, row in out.items():
-        flops = 2 * n * (16 * 32 + 32 * 8)
-        assert row["f_linear_gflops"] == pytest.approx(flops / row["f_linear_s"] / 1e9)
+        assert row["f_linear_gflops"] == pytest.approx(2 * n * weights / row["f_linear_s"] / 1e9)
         assert row["packed_over_f_linear"] == pytest.approx(row["packed_s"] / row["f_linear_s"])
 
 
@@ -135,6 +137,9 @@ def test_compile_start_measures_a_cold_process_then_warm_ones(tmp_path: Path) ->
     result = json.loads(out.read_text())
     assert result["model"] == "tiny-random"
     assert [p["kernel_cache"] for p in result["processes"]] == ["empty", "filled"]
+    # the warm process found the kernels the cold one wrote into the folder the benchmark named
+    # (not grpo's own, which the children would use if they dropped the variable)
+    cold, warm = (p["kernel_files_before"] for p in result["processes"])
+    assert cold == 0 and warm > 0
     for process in result["processes"]:
         assert len(process["rollout_s"]) == 3 and all(t > 0 for t in process["tokens"])
-        assert process["process_s"] > sum(process["rollout_s"])

@@ -35,9 +35,9 @@ class ReservedLayer(DynamicLayer):
     copy per doubling, not per token, and the buffer is never more than twice what it holds.
 
     ``attended``: the dtype attention multiplies in (bf16 under autocast, ``attended_dtype``),
-    which the states are stored in where it is narrower than theirs. Under bf16 autocast the rotary embedding hands over
-    float32 keys, and attention would cast the whole float32 cache to bf16 at every step: a
-    read and a write of every key per layer and token. Stored in bf16 as written, each key is
+    which the states are stored in where it is narrower than theirs. Under bf16 autocast the
+    rotary embedding hands over float32 keys, and attention would cast the whole float32 cache
+    to bf16 at every step: a read and a write of every key per layer and token. Stored in bf16 as written, each key is
     cast once, to the same bf16 numbers, so attention's output is unchanged bit for bit.
     """
 
