@@ -52,10 +52,13 @@ def test_the_traced_step_on_bf16_buffers_gives_what_it_gives_on_float32_ones(
     assert not torch.equal(narrow[0], narrow[1])
 
 
-def _rollout(model, tokenizer, compile: bool):
+def _rollout(model, tokenizer, compile: bool, ending: bool = False):
+    """``ending``: half the vocabulary ends a completion, so rows finish at different tokens."""
     engine = HFEngine(
         model, tokenizer, RolloutConfig(max_new_tokens=10, group_size=3, compile=compile)
     )
+    if ending:
+        engine.eos = list(range(0, model.config.vocab_size, 2))
     return engine.generate(["1 + 1 =", "a much longer prompt, 2 + 2 ="], [{}, {}], 3, seeds=[5, 6])
 
 
@@ -183,7 +186,7 @@ def test_kernels_are_cached_in_grpos_folder_unless_inductors_is_named(tiny, monk
     model, _ = tiny
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    compiled._Compiled(model)
+    compiled._Compiled(model, graphs=False)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compiled.KERNEL_CACHE)
     assert compiled.KERNEL_CACHE.parts[-3:] == (".cache", "grpo", "inductor")
     # importing peft (as loading a policy does) has inductor write its own default folder
@@ -191,8 +194,100 @@ def test_kernels_are_cached_in_grpos_folder_unless_inductors_is_named(tiny, monk
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     inductors_default = cache_dir()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == inductors_default
-    compiled._Compiled(model)
+    compiled._Compiled(model, graphs=False)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compiled.KERNEL_CACHE)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # the user's choice stands
-    compiled._Compiled(model)
+    compiled._Compiled(model, graphs=False)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+
+
+@pytest.fixture
+def graphed_on_cpu(monkeypatch):
+    """The CUDA-graph path's static shapes on the CPU (inductor skips the capture there)."""
+    monkeypatch.setattr(compiled, "GRAPHED_DEVICES", {"cpu"})
+
+
+def _recording_compile(calls: list, options: list):
+    def compile(fn, **kwargs):
+        options.append(kwargs)
+
+        def step(tokens, positions, allowed, at, w, keys, values):
+            calls.append((tokens.shape[0], allowed.shape[-1], [k.data_ptr() for k in keys]))
+            return fn(tokens, positions, allowed, at, w, keys, values)
+
+        return step
+
+    return compile
+
+
+def test_a_graphed_rollout_decodes_static_shapes_and_samples_as_the_eager_one(
+    tiny, graphed_on_cpu, monkeypatch
+) -> None:
+    model, tokenizer = tiny
+    eager = _rollout(model, tokenizer, compile=False, ending=True)
+    calls, options = [], []
+    monkeypatch.setattr(torch, "compile", _recording_compile(calls, options))
+    got = _rollout(model, tokenizer, compile=True, ending=True)
+    assert options == [{"fullgraph": True, "mode": "reduce-overhead", "dynamic": None}]
+    # every row stays in the batch and attention reads the whole bucketed buffer, whose
+    # unwritten positions are masked: the same tokens
+    assert {(rows, span) for rows, span, _ in calls} == {(6, compiled.GRAPHED_POSITIONS)}
+    assert len(calls) > 2 and int(got.completion_mask.sum(1).min()) < len(calls)  # rows ended
+    assert torch.equal(got.completion_ids, eager.completion_ids)
+    assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-5, rtol=0)
+    first = calls[0][2]
+    calls.clear()
+    _rollout(model, tokenizer, compile=True, ending=True)  # the next rollout: the same buffers
+    assert all(ptrs == first for _, _, ptrs in calls)
+
+
+def test_without_graphs_finished_rows_leave_the_batch(tiny, monkeypatch) -> None:
+    model, tokenizer = tiny
+    calls, options = [], []
+    monkeypatch.setattr(torch, "compile", _recording_compile(calls, options))
+    got = _rollout(model, tokenizer, compile=True, ending=True)
+    assert options == [{"fullgraph": True, "dynamic": True}]
+    assert int(got.completion_mask.sum(1).min()) < len(calls)
+    assert min(rows for rows, _, _ in calls) < 6
+    assert all(span < compiled.GRAPHED_POSITIONS for _, span, _ in calls)
+
+
+def test_a_graphed_step_reads_each_rollouts_weights_at_the_same_addresses(
+    tiny, graphed_on_cpu, traced_eagerly
+) -> None:
+    model, _ = tiny
+    entry = compiled._entry(model)
+    assert entry.graphs
+    own = compiled._held_weights(entry, model, torch.float32)
+    assert own.head.weight.data_ptr() == model.lm_head.weight.data_ptr()  # no copy
+    held = compiled._held_weights(entry, model, torch.bfloat16)
+    assert held.head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2)
+    again = compiled._held_weights(entry, model, torch.bfloat16)
+    assert all(
+        a is b for a, b in zip(compiled._tensors(held), compiled._tensors(again), strict=True)
+    )
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(again.layers[0].q.weight, q.to(torch.bfloat16))
+    assert compiled._tensors(again)[0]._dynamo_static_input_type is not None
+
+
+@pytest.mark.slow
+def test_inductor_compiles_a_graphed_step_once_for_rollouts_of_one_bucket(
+    tiny, graphed_on_cpu, capsys
+) -> None:
+    from torch._dynamo.utils import counters
+
+    model, tokenizer = tiny
+    eager = _rollout(model, tokenizer, compile=False, ending=True)
+    before = counters["stats"]["unique_graphs"]
+    got = _rollout(model, tokenizer, compile=True, ending=True)
+    assert "decode step compiled in" in capsys.readouterr().err
+    assert torch.equal(got.completion_ids, eager.completion_ids)
+    assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-4, rtol=0)
+    engine = HFEngine(model, tokenizer, RolloutConfig(max_new_tokens=10, group_size=3, compile=True))
+    engine.generate(["another prompt", "and one more, of other length"], [{}, {}], 3, seeds=[1, 2])
+    # every step of both rollouts (other prompts, the same bucket) replays one graph
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -47,7 +47,7 @@ from torch import nn
 from transformers import Cache
 
 from grpo.rollout.decode import LEAN_MODELS, DecodeStep, decode_step, leanable, own_step
-from grpo.rollout.kv_cache import ReservedLayer
+from grpo.rollout.kv_cache import BufferPool, ReservedLayer
 from grpo.runtime.user_code import error_line
 
 # log-probs of the first step, compiled against the model's own forward: bf16 rounding moves
@@ -133,13 +133,18 @@ def _traced(model: nn.Module) -> Callable[..., torch.Tensor]:
     def step(
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        bias: torch.Tensor,
+        allowed: torch.Tensor,
         at: torch.Tensor,
         w: Weights,
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
     ) -> torch.Tensor:
-        filled = bias.shape[-1]  # the positions written, this token's included
+        # the positions attention reads: those written, this token's included (at + 1), or
+        # with static shapes the whole buffer, where the ones past this token are masked
+        span = allowed.shape[-1]
+        visible = allowed & (torch.arange(span, device=allowed.device) <= at)
+        bias = torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, -torch.inf)
+        bias = bias[:, None, None, :]  # [b, 1, 1, span]
         hidden = base.embed_tokens(tokens[:, None])
         cos, sin = base.rotary_emb(hidden, position_ids=positions)
         for i, layer in enumerate(base.layers):
@@ -155,7 +160,7 @@ def _traced(model: nn.Module) -> Callable[..., torch.Tensor]:
             keys[i].index_copy_(2, at, k.to(keys[i].dtype))
             values[i].index_copy_(2, at, v.to(values[i].dtype))
             # one query per row: each key head's group of query heads against the filled part
-            held_k, held_v = keys[i][:, :, :filled], values[i][:, :, :filled]
+            held_k, held_v = keys[i][:, :, :span], values[i][:, :, :span]
             rows, heads = q.shape[0], q.shape[1]
             grouped = q.reshape(rows, kv_heads, heads // kv_heads, attn.head_dim)
             scores = grouped @ held_k.to(q.dtype).transpose(-1, -2) * attn.scaling + bias
@@ -173,16 +178,36 @@ def _traced(model: nn.Module) -> Callable[..., torch.Tensor]:
 KERNEL_CACHE = Path.home() / ".cache" / "grpo" / "inductor"
 
 
+# devices where the compiled step is replayed as a captured CUDA graph (torch.compile's
+# "reduce-overhead"): a decode step of a small model there is hundreds of kernel launches of a
+# few microseconds' work each, which a graph replays in one launch. A graph replays fixed
+# shapes at fixed addresses, so there the step's shapes are made static (``graphed``)
+GRAPHED_DEVICES = {"cuda"}
+
+# with static shapes the KV cache reserves a multiple of this many positions, so that prompts of
+# nearby lengths share one captured graph
+GRAPHED_POSITIONS = 64
+
+
 class _Compiled:
     """A model's compiled step, or None once it decodes eagerly (said once), and the dtypes
-    whose first step was checked against the model's own forward."""
+    whose first step was checked against the model's own forward; replayed as CUDA graphs
+    (``graphs``), with the weights and KV-cache buffers it reads kept at fixed addresses."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, graphs: bool) -> None:
         _use_kernel_cache()
-        self.step: Callable[..., torch.Tensor] | None = torch.compile(
-            _traced(model), dynamic=True, fullgraph=True
+        # graphs: static shapes first (one graph per rollout shape); a later shape recompiles
+        # once with dynamic sizes, and each size then gets its own captured graph
+        options: dict[str, Any] = (
+            {"mode": "reduce-overhead", "dynamic": None} if graphs else {"dynamic": True}
         )
+        self.step: Callable[..., torch.Tensor] | None = torch.compile(
+            _traced(model), fullgraph=True, **options
+        )
+        self.graphs = graphs
         self.checked: set[torch.dtype] = set()
+        self.weights: dict[torch.dtype, Weights] = {}  # graphs: the cast copies, refreshed
+        self.buffers = BufferPool(torch._dynamo.mark_static_address)
 
 
 def _use_kernel_cache() -> None:
@@ -205,15 +230,63 @@ def _use_kernel_cache() -> None:
 _COMPILED: weakref.WeakKeyDictionary[nn.Module, _Compiled] = weakref.WeakKeyDictionary()
 
 
+def _entry(model: nn.Module) -> _Compiled:
+    if model not in _COMPILED:
+        device = next(model.parameters()).device.type
+        _COMPILED[model] = _Compiled(model, graphs=device in GRAPHED_DEVICES)
+    return _COMPILED[model]
+
+
+def _tensors(w: Weights) -> list[torch.Tensor]:
+    linears = [*(linear for layer in w.layers for linear in layer), w.head]
+    return [t for linear in linears for t in linear if t is not None]
+
+
+def _held_weights(entry: _Compiled, model: nn.Module, dtype: torch.dtype) -> Weights:
+    """``weights(model, dtype)``; for a graphed step at the same addresses every rollout: the
+    model's own tensors where they are in ``dtype`` (the optimizer updates them in place), else
+    a cast copy kept per dtype and refreshed in place, so that the graph reads this rollout's
+    weights where it recorded them."""
+    if not entry.graphs:
+        return weights(model, dtype)
+    own = weights(model, next(model.parameters()).dtype)
+    held = own if own.head.weight.dtype == dtype else entry.weights.get(dtype)
+    if held is None:
+        held = entry.weights[dtype] = weights(model, dtype)
+    elif held is not own:
+        for mine, now in zip(_tensors(held), _tensors(own), strict=True):
+            mine.copy_(now)
+    for t in _tensors(held):
+        torch._dynamo.mark_static_address(t)
+    return held
+
+
+def graphed(setting: bool, model: nn.Module) -> bool:
+    """Whether a rollout of ``model`` decodes through captured CUDA graphs (``wanted``, on a
+    device of ``GRAPHED_DEVICES``): its shapes are then static, so no row leaves the batch
+    and the KV cache comes from the step's ``BufferPool``, sized by ``graphed_capacity``."""
+    return wanted(setting, model) and _entry(model).graphs
+
+
+def graphed_capacity(positions: int) -> int:
+    """The KV-cache positions a graphed rollout reserves for ``positions``."""
+    return -(-positions // GRAPHED_POSITIONS) * GRAPHED_POSITIONS
+
+
+def buffer_pool(model: nn.Module) -> BufferPool:
+    """The KV-cache buffers of ``model``'s graphed step."""
+    return _entry(model).buffers
+
+
 def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
     """``model``'s decode step compiled (``compilable(model)`` must hold), over its weights cast
     to ``dtype`` now (call it once per rollout: the weights change between rollouts)."""
-    entry = _COMPILED.get(model) or _COMPILED.setdefault(model, _Compiled(model))
+    entry = _entry(model)
     if entry.step is None:  # compiling failed: the step it decodes through without compile
         return decode_step(model)
     eager = functools.cache(lambda: decode_step(model))  # for a failure in this rollout
     own = own_step(model)
-    w = weights(model, dtype)
+    w = _held_weights(entry, model, dtype)
 
     def step(
         tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Cache
@@ -225,12 +298,15 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
         for layer in layers:
             if at + 1 > layer.key_buffer.shape[2]:  # as ReservedLayer.update grows
                 layer._reserve(layer.keys, layer.values, 2 * layer.key_buffer.shape[2])
-        allowed = mask.bool()[:, None, None, :]  # [b, 1, 1, at + 1]: the prompt's padding is not
-        bias = torch.zeros(allowed.shape, device=mask.device).masked_fill(~allowed, -torch.inf)
+        # [b, span]: the prompt's padding is not attended; a graph reads the whole buffer
+        span = layers[0].key_buffer.shape[2] if entry.graphs else at + 1
+        allowed = torch.cat(
+            [mask.bool(), mask.new_ones(len(mask), span - at - 1, dtype=torch.bool)], 1
+        )
         args = (
             tokens,
             positions,
-            bias,
+            allowed,
             torch.tensor([at], device=mask.device),
             w,
             [layer.key_buffer for layer in layers],
@@ -238,7 +314,11 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
         )
         start = time.perf_counter()
         try:
+            if entry.graphs:  # each step is a new replay, whose output is the graph's memory
+                torch.compiler.cudagraph_mark_step_begin()
             got: torch.Tensor | None = entry.step(*args)
+            if entry.graphs:
+                got = got.clone()
             why = ""
         except Exception as error:  # no C++ compiler, an op inductor cannot lower (a recompile)
             got, why = None, error_line(error)

@@ -14,7 +14,14 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig
 from grpo.rollout import decoding_of, grouped_rollout, prompt_seeds
-from grpo.rollout.compiled import compilable, decode_for, wanted
+from grpo.rollout.compiled import (
+    buffer_pool,
+    compilable,
+    decode_for,
+    graphed,
+    graphed_capacity,
+    wanted,
+)
 from grpo.rollout.decode import CACHE_ARG, decode_step
 from grpo.rollout.kv_cache import RESERVED_TOKENS, reserved_cache
 from grpo.rollout.packed_weights import packed_linears, why_float32_unpacked
@@ -56,7 +63,13 @@ def sample_groups(
     rows that emitted EOS (or a stop string) get ``pad_id`` and leave the batch; the loop stops
     when every row has finished. ``compile``: ``rollout.compile`` (``grpo.rollout.compiled``).
     """
-    cache = reserved_cache(model, input_ids.shape[1] + min(max_new_tokens, RESERVED_TOKENS))
+    capacity = input_ids.shape[1] + min(max_new_tokens, RESERVED_TOKENS)
+    # a step replayed as a CUDA graph takes fixed shapes: its cache at fixed addresses, every row
+    static = graphed(compile, model)
+    if static:
+        cache = reserved_cache(model, graphed_capacity(capacity), buffer_pool(model))
+    else:
+        cache = reserved_cache(model, capacity)
     decode = decode_for(model, compile, lambda: decode_step(model))
     positions = position_ids_from_mask(attention_mask)  # [P, S]
     out = model(
@@ -89,7 +102,7 @@ def sample_groups(
         done |= ended
         if step == max_new_tokens - 1 or bool(done.all()):
             break
-        if 4 * int(done.sum()) >= len(rows):
+        if not static and 4 * int(done.sum()) >= len(rows):
             # finished rows leave the batch once they are a quarter of it (each drop copies the cache)
             keep = (~done).nonzero()[:, 0]
             cache.batch_select_indices(keep)

@@ -3,6 +3,7 @@ whole rollout instead of concatenating at every token, in the dtype attention mu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,30 @@ RESERVED_TOKENS = 1024
 AUTOCAST_ATTENTION = {"sdpa", "eager", PREFIX}
 
 
+class BufferPool:
+    """Buffers kept from one rollout to the next, one per layer, role (keys or values), shape and
+    dtype, so that a cache of the same shape is at the same addresses every rollout: what a
+    captured CUDA graph needs, which replays its reads and writes at the addresses it recorded
+    (``grpo.rollout.compiled``). A buffer is zeroed once, when first made: the positions a
+    rollout has not written hold an earlier rollout's numbers, never uninitialised memory (a NaN
+    there would reach attention's output through its zero weight). ``prepare`` runs on each new
+    buffer. One rollout at a time may use a pool."""
+
+    def __init__(self, prepare: Callable[[torch.Tensor], None]) -> None:
+        self.prepare = prepare
+        self.held: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def take(self, layer: int, role: str, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        """The pool's [rows, heads, capacity, dim] buffer for ``layer``'s ``role``, shaped and
+        typed as ``like`` but for its positions."""
+        shape = (*like.shape[:2], capacity, like.shape[-1])
+        key = (layer, role, shape, like.dtype, like.device)
+        if key not in self.held:
+            self.held[key] = like.new_zeros(shape)
+            self.prepare(self.held[key])
+        return self.held[key]
+
+
 class ReservedLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values live in a buffer reserved for the whole rollout.
 
@@ -39,11 +64,20 @@ class ReservedLayer(DynamicLayer):
     rotary embedding hands over float32 keys, and attention would cast the whole float32 cache
     to bf16 at every step: a read and a write of every key per layer and token. Stored in bf16 as written, each key is
     cast once, to the same bf16 numbers, so attention's output is unchanged bit for bit.
+
+    ``pool``: where the buffers come from (``BufferPool``, layer ``index``), else fresh ones.
     """
 
-    def __init__(self, capacity: int, attended: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        attended: torch.dtype | None = None,
+        pool: BufferPool | None = None,
+        index: int = 0,
+    ) -> None:
         super().__init__()
         self.capacity, self.attended = capacity, attended
+        self.pool, self.index = pool, index
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -64,12 +98,17 @@ class ReservedLayer(DynamicLayer):
         """Fresh buffers of ``capacity`` positions holding ``keys`` and ``values`` at the front.
         Only the filled part is ever copied: the rest is memory the rollout may never write (a
         reservation of 1024 tokens for completions of 20), whose pages stay untouched."""
-        self.key_buffer = keys.new_empty(*keys.shape[:2], capacity, keys.shape[-1])
-        self.value_buffer = values.new_empty(*values.shape[:2], capacity, values.shape[-1])
+        self.key_buffer = self._buffer("keys", keys, capacity)
+        self.value_buffer = self._buffer("values", values, capacity)
         self.key_buffer[:, :, : keys.shape[2]] = keys
         self.value_buffer[:, :, : values.shape[2]] = values
         self.length = keys.shape[2]
         self._view()
+
+    def _buffer(self, role: str, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        if self.pool is None:
+            return like.new_empty(*like.shape[:2], capacity, like.shape[-1])
+        return self.pool.take(self.index, role, like, capacity)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -122,15 +161,15 @@ def attended_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
-def reserved_cache(model: nn.Module, capacity: int) -> DynamicCache:
+def reserved_cache(model: nn.Module, capacity: int, pool: BufferPool | None = None) -> DynamicCache:
     """The model's ``DynamicCache`` with each full-attention layer reserving ``capacity``
     positions in the dtype its attention multiplies in (``attended_dtype``, decided now: a
-    rollout keeps one autocast state throughout); sliding-window and other special layers keep
-    their own behaviour."""
+    rollout keeps one autocast state throughout), from ``pool`` where given; sliding-window and
+    other special layers keep their own behaviour."""
     cache = DynamicCache(config=model.config)
     dtype = attended_dtype(model)
     cache.layers = [
-        ReservedLayer(capacity, dtype) if type(layer) is DynamicLayer else layer
-        for layer in cache.layers
+        ReservedLayer(capacity, dtype, pool, i) if type(layer) is DynamicLayer else layer
+        for i, layer in enumerate(cache.layers)
     ]
     return cache
