@@ -9,7 +9,7 @@ part, and the others still run):
 - ``train``: steps of the default recipe in bf16 autocast, with their times and the GPU's peak
   memory, and what ``model.precision: auto`` would choose on this device and why;
 - ``decode``: the default recipe's rollout shape in bf16, eager decoding against
-  ``rollout.compile``, alternated: tokens/s against the decode limit and the products'
+  ``rollout.compile`` (replayed as CUDA graphs), alternated: tokens/s against the decode limit and the products'
   ceiling, the rollout-speed benchmark's measures (docs/results/rollout-speed.md);
 - ``vllm``: when vLLM is importable, a colocated vLLM run whose pushed weights are checked:
   after a few optimizer steps vLLM's log-probs of its own samples must match the trained
@@ -250,9 +250,14 @@ DECODE_ROUNDS = 3
 
 
 def decode_problem(
-    entries: dict[str, dict[str, Any]], compilable: bool, compiled_fell_back: bool
+    entries: dict[str, dict[str, Any]],
+    compilable: bool,
+    compiled_fell_back: bool,
+    graph_skips: int | None = None,
 ) -> str | None:
-    """Why the decode part's rollouts do not show both ways of decoding working, or None."""
+    """Why the decode part's rollouts do not show both ways of decoding working, or None.
+    ``graph_skips``: where the compiled step should replay CUDA graphs, how many times inductor
+    ran it without them."""
     idle = [name for name, e in entries.items() if not e.get("tokens")]
     if idle:
         return f"no tokens sampled by {', '.join(idle)}"
@@ -260,15 +265,22 @@ def decode_problem(
         return "the model is not one the compiled decode step takes (rollout.compile)"
     if compiled_fell_back:
         return "the compiled decode step fell back to eager decoding (its line says why)"
+    if graph_skips:
+        return (
+            f"the compiled decode step ran without CUDA graphs ({graph_skips} skips; "
+            "TORCH_LOGS=perf_hints says why)"
+        )
     return None
 
 
 def decode_part(device: str, work: Path) -> dict[str, Any]:
-    """The default recipe's rollout shape in bf16, eager against ``rollout.compile``,
-    alternated over ``DECODE_ROUNDS`` rounds (the first holds the compilation): tokens/s against
-    the decode limit and the products' ceiling, as ``benchmarks.speed.rollout_speed`` measures
-    them, and how many completions the compiled step samples otherwise from the same seeds.
-    The dry run: the tiny random model."""
+    """The default recipe's rollout shape in bf16, eager against ``rollout.compile`` (replayed
+    as CUDA graphs on a GPU), alternated over ``DECODE_ROUNDS`` rounds (the first holds the
+    compilation): tokens/s against the decode limit and the products' ceiling, as
+    ``benchmarks.speed.rollout_speed`` measures them, and how many completions the compiled
+    step samples otherwise from the same seeds. The dry run: the tiny random model."""
+    from torch._dynamo.utils import counters
+
     from benchmarks.speed import rollout_speed
     from grpo.rollout import compiled
 
@@ -276,6 +288,7 @@ def decode_part(device: str, work: Path) -> dict[str, Any]:
         "tiny-random" if device == "cpu" else None, torch.device(device)
     )
     sampling = rollout_speed.variants(setup.model, setup.tokenizer, setup.rollout, DECODE_VARIANTS)
+    skipped_before = counters["inductor"]["cudagraph_skips"]
     rounds, differing = [], []
     for r in range(DECODE_ROUNDS):
         entry, rollouts = rollout_speed.measure_round(setup, sampling, r)
@@ -285,12 +298,18 @@ def decode_part(device: str, work: Path) -> dict[str, Any]:
         )
     takes = compiled.compilable(setup.model)
     fell_back = not compiled.wanted(True, setup.model)
-    problems = (decode_problem({n: e[n] for n in sampling}, takes, fell_back) for e in rounds)
+    graphs = torch.device(device).type in compiled.GRAPHED_DEVICES
+    skips = counters["inductor"]["cudagraph_skips"] - skipped_before if graphs else None
+    problems = (
+        decode_problem({n: e[n] for n in sampling}, takes, fell_back, skips) for e in rounds
+    )
     problem = next((p for p in problems if p), None)
     return {
         "passed": problem is None,
         "problem": problem,
         "model": setup.model.config.name_or_path,
+        "cuda_graphs": graphs,
+        "cudagraph_skips": skips,
         "medians": rollout_speed.medians(rounds, list(sampling)),
         "compiled_against_eager": differing,
         "rounds": rounds,

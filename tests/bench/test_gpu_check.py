@@ -88,6 +88,8 @@ def test_decode_verdicts() -> None:
     assert "not one the compiled" in gpu_check.decode_problem(both, False, True)
     idle = {**both, "hf_bf16_compiled": {"tokens": 0}}
     assert gpu_check.decode_problem(idle, True, False) == "no tokens sampled by hf_bf16_compiled"
+    assert gpu_check.decode_problem(both, True, False, graph_skips=0) is None
+    assert "without CUDA graphs (3 skips" in gpu_check.decode_problem(both, True, False, 3)
 
 
 @pytest.mark.slow

@@ -283,11 +283,16 @@ def test_inductor_compiles_a_graphed_step_once_for_rollouts_of_one_bucket(
     model, tokenizer = tiny
     eager = _rollout(model, tokenizer, compile=False, ending=True)
     before = counters["stats"]["unique_graphs"]
+    skipped = counters["inductor"]["cudagraph_skips"]
     got = _rollout(model, tokenizer, compile=True, ending=True)
+    # on a CPU inductor skips the capture, through the counter gpu-check reads on a GPU
+    assert counters["inductor"]["cudagraph_skips"] > skipped
     assert "decode step compiled in" in capsys.readouterr().err
     assert torch.equal(got.completion_ids, eager.completion_ids)
     assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-4, rtol=0)
-    engine = HFEngine(model, tokenizer, RolloutConfig(max_new_tokens=10, group_size=3, compile=True))
+    engine = HFEngine(
+        model, tokenizer, RolloutConfig(max_new_tokens=10, group_size=3, compile=True)
+    )
     engine.generate(["another prompt", "and one more, of other length"], [{}, {}], 3, seeds=[1, 2])
     # every step of both rollouts (other prompts, the same bucket) replays one graph
     assert counters["stats"]["unique_graphs"] - before == 1

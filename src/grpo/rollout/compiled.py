@@ -16,7 +16,11 @@ What changes against the eager step, so that one compilation serves every rollou
 - shapes are dynamic (rows leave the batch, prompts differ in length), so one graph is traced
   per model and its kernels are cached on disk by inductor across runs: in ``KERNEL_CACHE``
   (``~/.cache/grpo/inductor``) unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder, so
-  that they outlive a ``/tmp`` cleared at boot (inductor's default).
+  that they outlive a ``/tmp`` cleared at boot (inductor's default);
+- on a GPU (``GRAPHED_DEVICES``) the step is replayed as a captured CUDA graph, whose shapes
+  and addresses are fixed: there every row stays in the batch, attention reads the whole
+  reserved cache (``GRAPHED_POSITIONS`` at a time, masked past the token), and the cache's
+  buffers and the weights' cast copy are kept from one rollout to the next (``graphed``).
 
 Compiled kernels sum in other orders than the eager ones, so the logits differ by rounding (a
 float32 rollout's tokens are then no longer bit for bit the model's own forward's); and the first
