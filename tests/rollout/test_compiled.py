@@ -225,10 +225,12 @@ def test_a_graphed_rollout_decodes_static_shapes_and_samples_as_the_eager_one(
 ) -> None:
     model, tokenizer = tiny
     eager = _rollout(model, tokenizer, compile=False, ending=True)
-    calls, options = [], []
+    calls, options, replays = [], [], []
     monkeypatch.setattr(torch, "compile", _recording_compile(calls, options))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: replays.append(1))
     got = _rollout(model, tokenizer, compile=True, ending=True)
     assert options == [{"fullgraph": True, "mode": "reduce-overhead", "dynamic": None}]
+    assert len(replays) == len(calls)  # each step begins a new replay
     # every row stays in the batch and attention reads the whole bucketed buffer, whose
     # unwritten positions are masked: the same tokens
     assert {(rows, span) for rows, span, _ in calls} == {(6, compiled.GRAPHED_POSITIONS)}
