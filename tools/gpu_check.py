@@ -254,10 +254,13 @@ def decode_problem(
     compilable: bool,
     compiled_fell_back: bool,
     graph_skips: int | None = None,
+    recorded_later: int | None = None,
 ) -> str | None:
     """Why the decode part's rollouts do not show both ways of decoding working, or None.
-    ``graph_skips``: where the compiled step should replay CUDA graphs, how many times inductor
-    ran it without them."""
+    Where the compiled step should replay CUDA graphs: ``graph_skips``, how many times inductor
+    ran it without them; ``recorded_later``, inductor's count of the non-static inputs of the
+    graphs it recorded after the first round (every round has the same shapes, so any is a graph
+    recorded anew: an input whose address moved)."""
     idle = [name for name, e in entries.items() if not e.get("tokens")]
     if idle:
         return f"no tokens sampled by {', '.join(idle)}"
@@ -270,6 +273,8 @@ def decode_problem(
             f"the compiled decode step ran without CUDA graphs ({graph_skips} skips; "
             "TORCH_LOGS=perf_hints says why)"
         )
+    if recorded_later:
+        return "the compiled decode step's CUDA graphs were recorded again after the first round"
     return None
 
 
@@ -289,8 +294,11 @@ def decode_part(device: str, work: Path) -> dict[str, Any]:
     )
     sampling = rollout_speed.variants(setup.model, setup.tokenizer, setup.rollout, DECODE_VARIANTS)
     skipped_before = counters["inductor"]["cudagraph_skips"]
+    recorded = "cudagraph_recorded_non_static_inputs"
     rounds, differing = [], []
     for r in range(DECODE_ROUNDS):
+        if r == 1:
+            recorded_after_first = counters["inductor"][recorded]
         entry, rollouts = rollout_speed.measure_round(setup, sampling, r)
         rounds.append(entry)
         differing.append(
@@ -300,8 +308,9 @@ def decode_part(device: str, work: Path) -> dict[str, Any]:
     fell_back = not compiled.wanted(True, setup.model)
     graphs = torch.device(device).type in compiled.GRAPHED_DEVICES
     skips = counters["inductor"]["cudagraph_skips"] - skipped_before if graphs else None
+    later = counters["inductor"][recorded] - recorded_after_first if graphs else None
     problems = (
-        decode_problem({n: e[n] for n in sampling}, takes, fell_back, skips) for e in rounds
+        decode_problem({n: e[n] for n in sampling}, takes, fell_back, skips, later) for e in rounds
     )
     problem = next((p for p in problems if p), None)
     return {
@@ -310,6 +319,7 @@ def decode_part(device: str, work: Path) -> dict[str, Any]:
         "model": setup.model.config.name_or_path,
         "cuda_graphs": graphs,
         "cudagraph_skips": skips,
+        "cudagraph_inputs_recorded_after_round_1": later,
         "medians": rollout_speed.medians(rounds, list(sampling)),
         "compiled_against_eager": differing,
         "rounds": rounds,

@@ -90,6 +90,8 @@ def test_decode_verdicts() -> None:
     assert gpu_check.decode_problem(idle, True, False) == "no tokens sampled by hf_bf16_compiled"
     assert gpu_check.decode_problem(both, True, False, graph_skips=0) is None
     assert "without CUDA graphs (3 skips" in gpu_check.decode_problem(both, True, False, 3)
+    assert gpu_check.decode_problem(both, True, False, 0, recorded_later=0) is None
+    assert "recorded again" in gpu_check.decode_problem(both, True, False, 0, recorded_later=4)
 
 
 @pytest.mark.slow

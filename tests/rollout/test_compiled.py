@@ -241,6 +241,30 @@ def test_a_graphed_rollout_decodes_static_shapes_and_samples_as_the_eager_one(
     calls.clear()
     _rollout(model, tokenizer, compile=True, ending=True)  # the next rollout: the same buffers
     assert all(ptrs == first for _, _, ptrs in calls)
+    # the pool keeps the group's decode buffers only, not the prompts' prefill ones
+    held = compiled.buffer_pool(model).held
+    assert {rows for _, _, rows, *_ in held} == {6} and len(held) == 2 * len(first)
+
+
+def test_the_buffer_pool_keeps_the_longest_cache_and_lends_its_front() -> None:
+    made = []
+    pool = kv_cache.BufferPool(made.append)
+    like = torch.ones(2, 3, 5, 4)
+    small = pool.take(0, "keys", like, 64)
+    assert small.shape == (2, 3, 64, 4) and not small.any() and made == [small]
+    small[0, 0, 0, 0] = 7.0  # an earlier rollout's number
+    assert pool.take(0, "keys", like, 32) is small  # a shorter rollout: the same buffer
+    assert pool.take(0, "values", like, 32) is not small
+    assert pool.take(1, "keys", like, 32) is not small
+    larger = pool.take(0, "keys", like, 128)
+    assert larger.shape[2] == 128 and pool.take(0, "keys", like, 64) is larger
+    assert pool.take(0, "keys", like.bfloat16(), 64).dtype == torch.bfloat16
+    assert len(made) == 5
+
+
+def test_graphed_capacities_are_powers_of_two() -> None:
+    got = [compiled.graphed_capacity(n) for n in (1, 64, 65, 93, 128, 129, 1100)]
+    assert got == [64, 64, 128, 128, 128, 256, 2048]
 
 
 def test_without_graphs_finished_rows_leave_the_batch(tiny, monkeypatch) -> None:

@@ -19,7 +19,7 @@ What changes against the eager step, so that one compilation serves every rollou
   that they outlive a ``/tmp`` cleared at boot (inductor's default);
 - on a GPU (``GRAPHED_DEVICES``) the step is replayed as a captured CUDA graph, whose shapes
   and addresses are fixed: there every row stays in the batch, attention reads the whole
-  reserved cache (``GRAPHED_POSITIONS`` at a time, masked past the token), and the cache's
+  reserved cache (a power of two of positions, masked past the token), and the decode cache's
   buffers and the weights' cast copy are kept from one rollout to the next (``graphed``).
 
 Compiled kernels sum in other orders than the eager ones, so the logits differ by rounding (a
@@ -37,6 +37,7 @@ compiler, an unsupported op).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import time
@@ -147,8 +148,7 @@ def _traced(model: nn.Module) -> Callable[..., torch.Tensor]:
         # with static shapes the whole buffer, where the ones past this token are masked
         span = allowed.shape[-1]
         visible = allowed & (torch.arange(span, device=allowed.device) <= at)
-        bias = torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, -torch.inf)
-        bias = bias[:, None, None, :]  # [b, 1, 1, span]
+        masked = ~visible[:, None, None, :]  # [b, 1, 1, span]
         hidden = base.embed_tokens(tokens[:, None])
         cos, sin = base.rotary_emb(hidden, position_ids=positions)
         for i, layer in enumerate(base.layers):
@@ -167,7 +167,9 @@ def _traced(model: nn.Module) -> Callable[..., torch.Tensor]:
             held_k, held_v = keys[i][:, :, :span], values[i][:, :, :span]
             rows, heads = q.shape[0], q.shape[1]
             grouped = q.reshape(rows, kv_heads, heads // kv_heads, attn.head_dim)
-            scores = grouped @ held_k.to(q.dtype).transpose(-1, -2) * attn.scaling + bias
+            scores = grouped @ held_k.to(q.dtype).transpose(-1, -2) * attn.scaling
+            # masked, not added: a stale key past the token may overflow its score to inf
+            scores = scores.masked_fill(masked, -torch.inf)
             p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
             out = (p @ held_v.to(q.dtype)).reshape(rows, 1, heads * attn.head_dim)
             hidden = hidden + project(out, lw.o)
@@ -188,8 +190,8 @@ KERNEL_CACHE = Path.home() / ".cache" / "grpo" / "inductor"
 # shapes at fixed addresses, so there the step's shapes are made static (``graphed``)
 GRAPHED_DEVICES = {"cuda"}
 
-# with static shapes the KV cache reserves a multiple of this many positions, so that prompts of
-# nearby lengths share one captured graph
+# with static shapes the KV cache reserves a power of two of positions, at least this many, so
+# that rollouts of nearby lengths share one captured graph
 GRAPHED_POSITIONS = 64
 
 
@@ -200,11 +202,15 @@ class _Compiled:
 
     def __init__(self, model: nn.Module, graphs: bool) -> None:
         _use_kernel_cache()
-        # graphs: static shapes first (one graph per rollout shape); a later shape recompiles
-        # once with dynamic sizes, and each size then gets its own captured graph
+        # graphs: static shapes first; a later size recompiles with that dimension dynamic, and
+        # each size then gets its own captured graph
         options: dict[str, Any] = (
             {"mode": "reduce-overhead", "dynamic": None} if graphs else {"dynamic": True}
         )
+        if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+            # every model's step is the same code object, whose recompilations dynamo would
+            # otherwise count together (8 at most, then a fullgraph step fails)
+            options["isolate_recompiles"] = True
         self.step: Callable[..., torch.Tensor] | None = torch.compile(
             _traced(model), fullgraph=True, **options
         )
@@ -274,7 +280,7 @@ def graphed(setting: bool, model: nn.Module) -> bool:
 
 def graphed_capacity(positions: int) -> int:
     """The KV-cache positions a graphed rollout reserves for ``positions``."""
-    return -(-positions // GRAPHED_POSITIONS) * GRAPHED_POSITIONS
+    return max(GRAPHED_POSITIONS, 1 << (positions - 1).bit_length())
 
 
 def buffer_pool(model: nn.Module) -> BufferPool:
@@ -320,7 +326,8 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
         try:
             if entry.graphs:  # each step is a new replay, whose output is the graph's memory
                 torch.compiler.cudagraph_mark_step_begin()
-            got: torch.Tensor | None = entry.step(*args)
+            with torch.no_grad():  # a graph holding outputs for a backward would not replay
+                got: torch.Tensor | None = entry.step(*args)
             if entry.graphs:
                 got = got.clone()
             why = ""

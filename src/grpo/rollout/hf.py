@@ -23,7 +23,7 @@ from grpo.rollout.compiled import (
     wanted,
 )
 from grpo.rollout.decode import CACHE_ARG, decode_step
-from grpo.rollout.kv_cache import RESERVED_TOKENS, reserved_cache
+from grpo.rollout.kv_cache import RESERVED_TOKENS, reserved_cache, use_pool
 from grpo.rollout.packed_weights import packed_linears, why_float32_unpacked
 from grpo.rollout.padding import left_pad
 from grpo.rollout.sampler import Choice, Chooser, SeededGroupSampler, extra_processors
@@ -66,10 +66,7 @@ def sample_groups(
     capacity = input_ids.shape[1] + min(max_new_tokens, RESERVED_TOKENS)
     # a step replayed as a CUDA graph takes fixed shapes: its cache at fixed addresses, every row
     static = graphed(compile, model)
-    if static:
-        cache = reserved_cache(model, graphed_capacity(capacity), buffer_pool(model))
-    else:
-        cache = reserved_cache(model, capacity)
+    cache = reserved_cache(model, graphed_capacity(capacity) if static else capacity)
     decode = decode_for(model, compile, lambda: decode_step(model))
     positions = position_ids_from_mask(attention_mask)  # [P, S]
     out = model(
@@ -80,6 +77,8 @@ def sample_groups(
         use_cache=True,
         logits_to_keep=1,
     )
+    if static:  # the group's rows decode in the pool's buffers
+        use_pool(cache, buffer_pool(model))
     cache.batch_repeat_interleave(group_size)
     logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)  # [N, V]
     mask = attention_mask.repeat_interleave(group_size, dim=0)  # [N, S + t]

@@ -25,27 +25,37 @@ AUTOCAST_ATTENTION = {"sdpa", "eager", PREFIX}
 
 
 class BufferPool:
-    """Buffers kept from one rollout to the next, one per layer, role (keys or values), shape and
-    dtype, so that a cache of the same shape is at the same addresses every rollout: what a
-    captured CUDA graph needs, which replays its reads and writes at the addresses it recorded
-    (``grpo.rollout.compiled``). A buffer is zeroed once, when first made: the positions a
-    rollout has not written hold an earlier rollout's numbers, never uninitialised memory (a NaN
-    there would reach attention's output through its zero weight). ``prepare`` runs on each new
-    buffer. One rollout at a time may use a pool."""
+    """Decode buffers kept from one rollout to the next, one per layer, role (keys or values),
+    batch shape and dtype, so that the next rollout's cache is at the same addresses: what a
+    captured CUDA graph needs, which replays its reads and writes where it recorded them
+    (``grpo.rollout.compiled``). A buffer is only replaced by a larger one, when a rollout needs
+    more positions than it holds: the pool holds one cache of the longest rollout so far, and a
+    shorter one uses the front of it. A buffer is zeroed once, when made: the positions a rollout
+    has not written hold an earlier rollout's numbers, never uninitialised memory. ``prepare``
+    runs on each new buffer. One rollout at a time may use a pool."""
 
     def __init__(self, prepare: Callable[[torch.Tensor], None]) -> None:
         self.prepare = prepare
         self.held: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def take(self, layer: int, role: str, like: torch.Tensor, capacity: int) -> torch.Tensor:
-        """The pool's [rows, heads, capacity, dim] buffer for ``layer``'s ``role``, shaped and
-        typed as ``like`` but for its positions."""
-        shape = (*like.shape[:2], capacity, like.shape[-1])
-        key = (layer, role, shape, like.dtype, like.device)
-        if key not in self.held:
-            self.held[key] = like.new_zeros(shape)
-            self.prepare(self.held[key])
-        return self.held[key]
+        """A [rows, heads, positions, dim] buffer of at least ``capacity`` positions for
+        ``layer``'s ``role``, shaped and typed as ``like`` but for its positions."""
+        rows, heads, _, dim = like.shape
+        key = (layer, role, rows, heads, dim, like.dtype, like.device)
+        buffer = self.held.get(key)
+        if buffer is None or buffer.shape[2] < capacity:
+            buffer = self.held[key] = like.new_zeros(rows, heads, capacity, dim)
+            self.prepare(buffer)
+        return buffer
+
+
+def use_pool(cache: DynamicCache, pool: BufferPool) -> None:
+    """The reserved layers of ``cache`` take their next buffers from ``pool`` (after a prefill:
+    the prompts' own buffers are not kept)."""
+    for layer in cache.layers:
+        if isinstance(layer, ReservedLayer):
+            layer.pool = pool
 
 
 class ReservedLayer(DynamicLayer):
@@ -65,19 +75,13 @@ class ReservedLayer(DynamicLayer):
     to bf16 at every step: a read and a write of every key per layer and token. Stored in bf16 as written, each key is
     cast once, to the same bf16 numbers, so attention's output is unchanged bit for bit.
 
-    ``pool``: where the buffers come from (``BufferPool``, layer ``index``), else fresh ones.
+    ``pool`` (``use_pool``): where its buffers come from, as layer ``index``, else fresh ones.
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        attended: torch.dtype | None = None,
-        pool: BufferPool | None = None,
-        index: int = 0,
-    ) -> None:
+    def __init__(self, capacity: int, attended: torch.dtype | None = None, index: int = 0) -> None:
         super().__init__()
-        self.capacity, self.attended = capacity, attended
-        self.pool, self.index = pool, index
+        self.capacity, self.attended, self.index = capacity, attended, index
+        self.pool: BufferPool | None = None
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -169,7 +173,7 @@ def reserved_cache(model: nn.Module, capacity: int, pool: BufferPool | None = No
     cache = DynamicCache(config=model.config)
     dtype = attended_dtype(model)
     cache.layers = [
-        ReservedLayer(capacity, dtype, pool, i) if type(layer) is DynamicLayer else layer
+        ReservedLayer(capacity, dtype, i) if type(layer) is DynamicLayer else layer
         for i, layer in enumerate(cache.layers)
     ]
     return cache
