@@ -311,7 +311,7 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
         # [b, span]: the prompt's padding is not attended; a graph reads the whole buffer
         span = layers[0].key_buffer.shape[2] if entry.graphs else at + 1
         allowed = torch.cat(
-            [mask.bool(), mask.new_ones(len(mask), span - at - 1, dtype=torch.bool)], 1
+            [mask.bool(), mask.new_ones(len(mask), span - mask.shape[1], dtype=torch.bool)], 1
         )
         args = (
             tokens,

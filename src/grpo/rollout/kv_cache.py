@@ -165,11 +165,11 @@ def attended_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
-def reserved_cache(model: nn.Module, capacity: int, pool: BufferPool | None = None) -> DynamicCache:
+def reserved_cache(model: nn.Module, capacity: int) -> DynamicCache:
     """The model's ``DynamicCache`` with each full-attention layer reserving ``capacity``
     positions in the dtype its attention multiplies in (``attended_dtype``, decided now: a
-    rollout keeps one autocast state throughout), from ``pool`` where given; sliding-window and
-    other special layers keep their own behaviour."""
+    rollout keeps one autocast state throughout); sliding-window and other special layers keep
+    their own behaviour."""
     cache = DynamicCache(config=model.config)
     dtype = attended_dtype(model)
     cache.layers = [
