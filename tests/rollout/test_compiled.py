@@ -300,9 +300,34 @@ def test_a_graphed_step_reads_each_rollouts_weights_at_the_same_addresses(
     assert compiled._tensors(again)[0]._dynamo_static_input_type is not None
 
 
+@pytest.fixture
+def static_inputs():
+    """The sources of the traced step's inputs that inductor takes as static (a CUDA graph
+    reads them where it recorded them) and as not: what torch logs as it decides."""
+    import logging
+
+    seen = {True: set(), False: set()}
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if " input pos " in message:
+                seen[message.startswith("Adding static")].add(message.split(" for source ")[1])
+
+    log = logging.getLogger(
+        "torch._functorch._aot_autograd.frontend_utils.__cudagraph_static_inputs"
+    )
+    handler = Record()
+    log.addHandler(handler)
+    torch._logging.set_logs(cudagraph_static_inputs=True)
+    yield seen
+    torch._logging.set_logs()
+    log.removeHandler(handler)
+
+
 @pytest.mark.slow
 def test_inductor_compiles_a_graphed_step_once_for_rollouts_of_one_bucket(
-    tiny, graphed_on_cpu, capsys
+    tiny, graphed_on_cpu, static_inputs, capsys
 ) -> None:
     from torch._dynamo.utils import counters
 
@@ -311,6 +336,16 @@ def test_inductor_compiles_a_graphed_step_once_for_rollouts_of_one_bucket(
     before = counters["stats"]["unique_graphs"]
     skipped = counters["inductor"]["cudagraph_skips"]
     got = _rollout(model, tokenizer, compile=True, ending=True)
+    # a graph may write the KV cache and read the weights in place, and takes each step's own
+    # tokens, positions and mask as inputs copied in
+    assert static_inputs[False] == {"L['tokens']", "L['positions']", "L['allowed']", "L['at']"}
+    layers = model.config.num_hidden_layers
+    cache = {f"L['{role}'][{i}]" for role in ("keys", "values") for i in range(layers)}
+    assert cache <= static_inputs[True]
+    assert {s for s in static_inputs[True] if s.startswith("L['w']")} == {
+        *(f"L['w'].layers[{i}].{n}.weight" for i in range(layers) for n in compiled.PROJECTIONS),
+        "L['w'].head.weight",
+    }
     # on a CPU inductor skips the capture, through the counter gpu-check reads on a GPU
     assert counters["inductor"]["cudagraph_skips"] > skipped
     assert "decode step compiled in" in capsys.readouterr().err
