@@ -202,9 +202,16 @@ def test_kernels_are_cached_in_grpos_folder_unless_inductors_is_named(tiny, monk
 
 
 @pytest.fixture
-def graphed_on_cpu(monkeypatch):
-    """The CUDA-graph path's static shapes on the CPU (inductor skips the capture there)."""
-    monkeypatch.setattr(compiled, "GRAPHED_DEVICES", {"cpu"})
+def graphed(monkeypatch, device):
+    """The CUDA-graph path on the test's device: its static shapes on the CPU too, where inductor
+    skips the capture."""
+    monkeypatch.setattr(compiled, "GRAPHED_DEVICES", {device.type})
+
+
+@pytest.fixture
+def tiny_on_device(tiny_model_dir, device):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(device).eval()
+    return model, load_tokenizer(tiny_model_dir)
 
 
 def _recording_compile(calls: list, options: list):
@@ -220,10 +227,11 @@ def _recording_compile(calls: list, options: list):
     return compile
 
 
+@pytest.mark.device
 def test_a_graphed_rollout_decodes_static_shapes_and_samples_as_the_eager_one(
-    tiny, graphed_on_cpu, monkeypatch
+    tiny_on_device, graphed, monkeypatch
 ) -> None:
-    model, tokenizer = tiny
+    model, tokenizer = tiny_on_device
     eager = _rollout(model, tokenizer, compile=False, ending=True)
     calls, options, replays = [], [], []
     monkeypatch.setattr(torch, "compile", _recording_compile(calls, options))
@@ -279,7 +287,7 @@ def test_without_graphs_finished_rows_leave_the_batch(tiny, monkeypatch) -> None
 
 
 def test_a_graphed_step_reads_each_rollouts_weights_at_the_same_addresses(
-    tiny, graphed_on_cpu, traced_eagerly
+    tiny, graphed, traced_eagerly
 ) -> None:
     model, _ = tiny
     entry = compiled._entry(model)
@@ -311,8 +319,10 @@ def static_inputs():
     class Record(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             message = record.getMessage()
-            if " input pos " in message:
-                seen[message.startswith("Adding static")].add(message.split(" for source ")[1])
+            source = message.split(" for source ")[-1]
+            # a size dynamo made dynamic (dynamo's memory of earlier shapes) is an int input
+            if " input pos " in message and ".size()" not in source:
+                seen[message.startswith("Adding static")].add(source)
 
     log = logging.getLogger(
         "torch._functorch._aot_autograd.frontend_utils.__cudagraph_static_inputs"
@@ -326,12 +336,13 @@ def static_inputs():
 
 
 @pytest.mark.slow
+@pytest.mark.device  # gpu-check runs it on CUDA, where inductor captures the step
 def test_inductor_compiles_a_graphed_step_once_for_rollouts_of_one_bucket(
-    tiny, graphed_on_cpu, static_inputs, capsys
+    tiny_on_device, graphed, static_inputs, device, capsys
 ) -> None:
     from torch._dynamo.utils import counters
 
-    model, tokenizer = tiny
+    model, tokenizer = tiny_on_device
     eager = _rollout(model, tokenizer, compile=False, ending=True)
     before = counters["stats"]["unique_graphs"]
     skipped = counters["inductor"]["cudagraph_skips"]
@@ -346,14 +357,17 @@ def test_inductor_compiles_a_graphed_step_once_for_rollouts_of_one_bucket(
         *(f"L['w'].layers[{i}].{n}.weight" for i in range(layers) for n in compiled.PROJECTIONS),
         "L['w'].head.weight",
     }
-    # on a CPU inductor skips the capture, through the counter gpu-check reads on a GPU
-    assert counters["inductor"]["cudagraph_skips"] > skipped
+    # captured on a GPU; on a CPU inductor skips the capture (the counter gpu-check reads)
+    assert (counters["inductor"]["cudagraph_skips"] > skipped) == (device.type == "cpu")
     assert "decode step compiled in" in capsys.readouterr().err
     assert torch.equal(got.completion_ids, eager.completion_ids)
     assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-4, rtol=0)
+    recorded = counters["inductor"]["cudagraph_recorded_non_static_inputs"]
     engine = HFEngine(
         model, tokenizer, RolloutConfig(max_new_tokens=10, group_size=3, compile=True)
     )
     engine.generate(["another prompt", "and one more, of other length"], [{}, {}], 3, seeds=[1, 2])
-    # every step of both rollouts (other prompts, the same bucket) replays one graph
+    # every step of both rollouts (other prompts, the same bucket) replays one graph, recorded
+    # once: the second rollout finds its inputs where the first left them
     assert counters["stats"]["unique_graphs"] - before == 1
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] == recorded
