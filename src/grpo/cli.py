@@ -163,7 +163,7 @@ def eval_config(args: argparse.Namespace) -> Config:
     model, run_recipe = run_config_of(args.model)
     recipe = args.recipe or run_recipe
     overrides = [f"model.name={model}", "model.lora.enabled=false", *args.overrides]
-    config = load_config(recipe, overrides)
+    config = load_config(recipe, overrides, recorded=args.recipe is None and run_recipe is not None)
     if args.task is not None and args.task != config.data.task:
         # another task: its own defaults, not the recipe's task settings
         data = DataConfig(task=args.task, split=config.data.split)

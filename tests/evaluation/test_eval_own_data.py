@@ -80,3 +80,25 @@ def test_a_single_training_file_without_eval_path_says_how_to_evaluate(
     code = main(["eval", str(tiny_config().model.name), "--recipe", str(recipe)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "set data.eval_path" in err and "\n" not in err
+
+
+def test_grpo_eval_of_a_run_finds_the_files_its_training_found(
+    tiny_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # paths relative to the working directory training ran in, as a command line gives them:
+    # the run's config.yaml records them so, and they are no recipe's to take from its folder
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(
+        tmp_path / "train.jsonl", [{"prompt": f"{a} + 1?", "answer": str(a + 1)} for a in range(8)]
+    )
+    write_jsonl(
+        tmp_path / "heldout.jsonl",
+        [{"prompt": f"{a} + 2?", "answer": str(a + 2)} for a in range(3)],
+    )
+    data = {"path": "train.jsonl", "eval_path": "heldout.jsonl"}
+    run_dir = train(tiny_config(data=data, train={"steps": 1}))
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "rollout.max_new_tokens=4"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["data"] == {"path": str((tmp_path / "heldout.jsonl").resolve())}
+    assert printed["metrics"]["examples"] == 3

@@ -158,8 +158,14 @@ def build_config(tree: dict[str, Any]) -> Config:
         raise ConfigError(_format_validation_error(err)) from None
 
 
-def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    recipe: str | Path | None = None, overrides: list[str] | None = None, recorded: bool = False
+) -> Config:
     """Recipe (or the default recipe) + dotted overrides -> validated Config.
+
+    A recipe's relative paths are taken from its folder (``resolve_recipe_paths``), but for a
+    ``recorded`` one: a run's own config.yaml, whose paths are as the run used them (from the
+    working directory it ran in), already resolved.
 
     Overrides merge into the recipe key by key (``data.task_args.size=10`` keeps the recipe's
     other task_args), with two exceptions:
@@ -171,7 +177,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
       recipe); task_args given with it apply alone. The recipe's other keys stay.
     """
     path = Path(recipe) if recipe is not None else default_recipe_path()
-    tree = resolve_recipe_paths(read_recipe(path), path.parent)
+    tree = read_recipe(path) if recorded else resolve_recipe_paths(read_recipe(path), path.parent)
     if "run_name" not in tree.get("train", {}):
         # a recipe's runs land in runs/<recipe name> unless it says otherwise
         tree = merge_trees(tree, {"train": {"run_name": path.stem}})
