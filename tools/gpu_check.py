@@ -9,8 +9,9 @@ part, and the others still run):
 - ``train``: steps of the default recipe in bf16 autocast, with their times and the GPU's peak
   memory, and what ``model.precision: auto`` would choose on this device and why;
 - ``decode``: the default recipe's rollout shape in bf16, eager decoding against
-  ``rollout.compile`` (replayed as CUDA graphs), alternated: tokens/s against the decode limit and the products'
-  ceiling, the rollout-speed benchmark's measures (docs/results/rollout-speed.md);
+  ``rollout.compile`` (replayed as CUDA graphs), alternated: tokens/s against the decode limit
+  and the products' ceiling, the rollout-speed benchmark's measures
+  (docs/results/rollout-speed.md);
 - ``vllm``: when vLLM is importable, a colocated vLLM run whose pushed weights are checked:
   after a few optimizer steps vLLM's log-probs of its own samples must match the trained
   policy's to float32 noise and differ from the base model's.
@@ -298,13 +299,13 @@ def decode_part(device: str, work: Path) -> dict[str, Any]:
     recorded = "cudagraph_recorded_non_static_inputs"
     rounds, differing = [], []
     for r in range(DECODE_ROUNDS):
-        if r == 1:
-            recorded_after_first = counters["inductor"][recorded]
         entry, rollouts = rollout_speed.measure_round(setup, sampling, r)
         rounds.append(entry)
         differing.append(
             rollout_speed.differences(*(rollouts[n] for n in reversed(DECODE_VARIANTS)))
         )
+        if r == 0:  # the compilation and the graphs' first recordings are this round's
+            recorded_after_first = counters["inductor"][recorded]
     takes = compiled.compilable(setup.model)
     fell_back = not compiled.wanted(True, setup.model)
     graphs = torch.device(device).type in compiled.GRAPHED_DEVICES
