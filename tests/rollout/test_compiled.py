@@ -275,6 +275,31 @@ def test_graphed_capacities_are_powers_of_two() -> None:
     assert got == [64, 64, 128, 128, 128, 256, 2048]
 
 
+def test_a_second_rollout_that_takes_the_graphs_cache_mid_rollout_stops_the_first(
+    tiny, graphed, monkeypatch
+) -> None:
+    # a captured graph reads and writes the pool's buffers wherever it recorded them: a rollout
+    # of the same model started in the middle of another (another thread) rewrites the first
+    # one's keys, which must stop it rather than let it sample from them
+    model, tokenizer = tiny
+    calls = []
+
+    def compile(fn, **kwargs):
+        def step(*args):
+            calls.append(1)
+            if len(calls) == 2:  # the first rollout's second step: another rollout runs now
+                _rollout(model, tokenizer, compile=True)
+            return fn(*args)
+
+        return step
+
+    monkeypatch.setattr(torch, "compile", compile)
+    with pytest.raises(RuntimeError, match="another rollout of LlamaForCausalLM took its CUDA"):
+        _rollout(model, tokenizer, compile=True)
+    assert len(calls) > 3  # the second rollout decoded on, and the first stopped after it
+    _rollout(model, tokenizer, compile=True)  # one at a time, as before
+
+
 def test_without_graphs_finished_rows_leave_the_batch(tiny, monkeypatch) -> None:
     model, tokenizer = tiny
     calls, options = [], []
@@ -357,9 +382,12 @@ def test_inductor_compiles_a_graphed_step_once_for_rollouts_of_one_bucket(
         *(f"L['w'].layers[{i}].{n}.weight" for i in range(layers) for n in compiled.PROJECTIONS),
         "L['w'].head.weight",
     }
-    # captured on a GPU; on a CPU inductor skips the capture (the counter gpu-check reads)
+    # captured on a GPU; on a CPU inductor skips the capture (the counter gpu-check reads),
+    # and the run says so
     assert (counters["inductor"]["cudagraph_skips"] > skipped) == (device.type == "cpu")
-    assert "decode step compiled in" in capsys.readouterr().err
+    said = [line for line in capsys.readouterr().err.splitlines() if "rollout.compile" in line]
+    assert len(said) == 1 and "decode step compiled in" in said[0]
+    assert ("without CUDA graphs" in said[0]) == (device.type == "cpu")
     assert torch.equal(got.completion_ids, eager.completion_ids)
     assert torch.allclose(got.sampler_logp, eager.sampler_logp, atol=1e-4, rtol=0)
     recorded = counters["inductor"]["cudagraph_recorded_non_static_inputs"]

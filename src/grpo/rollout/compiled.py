@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 from transformers import Cache
 
 from grpo.rollout.decode import LEAN_MODELS, DecodeStep, decode_step, leanable, own_step
@@ -304,6 +305,11 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
         if entry.step is None:
             return eager()(tokens, mask, positions, cache)
         layers: list[ReservedLayer] = cache.layers  # type: ignore[assignment]
+        if entry.graphs and not entry.buffers.lent_to(cache):  # its buffers hold another's keys
+            raise RuntimeError(
+                f"rollout.compile: another rollout of {type(model).__name__} took its CUDA "
+                "graphs' KV cache while this one decoded (one rollout at a time per model)"
+            )
         at = layers[0].length
         for layer in layers:
             if at + 1 > layer.key_buffer.shape[2]:  # as ReservedLayer.update grows
@@ -322,7 +328,7 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
             [layer.key_buffer for layer in layers],
             [layer.value_buffer for layer in layers],
         )
-        start = time.perf_counter()
+        start, skips = time.perf_counter(), counters["inductor"]["cudagraph_skips"]
         try:
             if entry.graphs:  # each step is a new replay, whose output is the graph's memory
                 torch.compiler.cudagraph_mark_step_begin()
@@ -351,7 +357,12 @@ def compiled_step(model: nn.Module, dtype: torch.dtype) -> DecodeStep:
             _say(f"{name} decodes eagerly ({why})")
         else:
             entry.checked.add(dtype)
-            _say(f"{name}'s decode step compiled in {seconds:.0f} s")
+            # inductor says why only in its perf_hints log, which is off by default
+            ungraphed = entry.graphs and counters["inductor"]["cudagraph_skips"] > skips
+            _say(
+                f"{name}'s decode step compiled in {seconds:.0f} s"
+                + (", without CUDA graphs (TORCH_LOGS=perf_hints says why)" if ungraphed else "")
+            )
         return expected
 
     return step

@@ -3,6 +3,7 @@ whole rollout instead of concatenating at every token, in the dtype attention mu
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,11 +33,16 @@ class BufferPool:
     more positions than it holds: the pool holds one cache of the longest rollout so far, and a
     shorter one uses the front of it. A buffer is zeroed once, when made: the positions a rollout
     has not written hold an earlier rollout's numbers, never uninitialised memory. ``prepare``
-    runs on each new buffer. One rollout at a time may use a pool."""
+    runs on each new buffer. One rollout at a time may use a pool: the cache it is lent to
+    (``use_pool``) is the one whose decode steps may read it (``lent_to``)."""
 
     def __init__(self, prepare: Callable[[torch.Tensor], None]) -> None:
         self.prepare = prepare
         self.held: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.lent: weakref.ref[DynamicCache] | None = None
+
+    def lent_to(self, cache: DynamicCache) -> bool:
+        return self.lent is not None and self.lent() is cache
 
     def take(self, layer: int, role: str, like: torch.Tensor, capacity: int) -> torch.Tensor:
         """A [rows, heads, positions, dim] buffer of at least ``capacity`` positions for
@@ -52,7 +58,8 @@ class BufferPool:
 
 def use_pool(cache: DynamicCache, pool: BufferPool) -> None:
     """The reserved layers of ``cache`` take their next buffers from ``pool`` (after a prefill:
-    the prompts' own buffers are not kept)."""
+    the prompts' own buffers are not kept), and the pool is lent to ``cache`` alone."""
+    pool.lent = weakref.ref(cache)
     for layer in cache.layers:
         if isinstance(layer, ReservedLayer):
             layer.pool = pool
