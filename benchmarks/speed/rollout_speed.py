@@ -258,7 +258,7 @@ def decode_products(
     with bf16_autocast(_device(model), variant.autocast), variant.engine.session():
         if compiled.wanted(variant.engine.config.compile, model):
             cast = compiled.weights(model, compiled.sampling_dtype(model))
-            linears = [*(w for layer in cast.layers for w in layer), cast.head]
+            linears = compiled.linears(cast)
             x = {k: t.to(cast.head.weight.dtype) for k, t in inputs.items()}
             yield lambda: [F.linear(x[w.weight.shape[1]], w.weight, w.bias) for w in linears]
         else:

@@ -248,9 +248,13 @@ def _entry(model: nn.Module) -> _Compiled:
     return _COMPILED[model]
 
 
+def linears(w: Weights) -> list[Linear]:
+    """Every projection of ``w`` in model order, the head last."""
+    return [*(linear for layer in w.layers for linear in layer), w.head]
+
+
 def _tensors(w: Weights) -> list[torch.Tensor]:
-    linears = [*(linear for layer in w.layers for linear in layer), w.head]
-    return [t for linear in linears for t in linear if t is not None]
+    return [t for linear in linears(w) for t in linear if t is not None]
 
 
 def _held_weights(entry: _Compiled, model: nn.Module, dtype: torch.dtype) -> Weights:
